@@ -1,0 +1,5 @@
+import sys
+
+from scirl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,45 @@
+"""The ``scirl`` console command: dispatches ``scirl <command> ...`` to ``scirl.commands.<command>``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "data": ("data", "inspect and export the SciKnowEval MCQ splits"),
+    "eval": ("eval", "evaluate a served or local model on the held-out questions"),
+    "serve": ("serve", "serve a local HF model over an OpenAI-compatible API (CPU)"),
+    "train": ("train", "cold-start GRPO training"),
+    "demo": ("demo", "offline end-to-end demo: evaluate, train, evaluate again"),
+    "report": ("report", "plots and a one-page HTML summary of a run"),
+    "export": ("export", "export the task for other frameworks (prime-rl)"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: scirl <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `scirl <command> --help` for the options of one command."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from scirl import __version__
+
+        print(f"scirl {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"scirl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(f"scirl.commands.{COMMANDS[name][0]}")
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

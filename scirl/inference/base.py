@@ -1,0 +1,56 @@
+"""The generation contract shared by the transformers and vLLM backends.
+
+The orchestrator hands token-id prompts in and gets, per prompt, ``n`` completions
+with their token ids and sampling logprobs out; the trainer hands updated weights
+back by HF parameter name. Anything that fits these two calls can drive training,
+whether it runs in-process (transformers, ``vllm.LLM``) or behind a server.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # completions per prompt (the GRPO group size)
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    # log-probability of each sampled token under the sampling distribution
+    # (logits / temperature, after top-p), as vLLM's processed_logprobs mode gives
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS) or "length" (hit max_tokens)
+
+
+class Generator(ABC):
+    """A policy that samples completions and can take new weights."""
+
+    tokenizer: object
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Return, for each prompt (token ids), ``params.n`` completions, in order."""
+
+    @abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
+        """Load new policy weights, given as (HF parameter name, tensor) pairs."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (GPU memory, worker processes)."""
+
+
+def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the chat-templated prompt, ending with the assistant turn's opening."""
+    from scirl.prompt import render_prompt
+
+    return tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False)
