@@ -1,0 +1,333 @@
+"""transformers generation backend for CPUs and small GPUs.
+
+One call generates ``n`` completions for each of several token-id prompts:
+
+1. a batch of prompts is left-padded and prefilled ONCE into a ``DynamicCache``;
+2. the cache rows (and the last-position logits) are then repeated ``n`` times,
+   so the whole group decodes from the same prefill and no prompt is ever
+   recomputed per completion;
+3. the decode loop feeds one token per live row; a row that samples an EOS id
+   is dropped from the batch (cache, mask and positions), so finished rows cost
+   nothing, and the loop ends when every row is done or ``max_tokens`` is hit.
+
+Logprobs are those of the sampling distribution (``log_softmax(logits / T)``
+after top-p, renormalised), the quantity vLLM returns with
+``logprobs_mode="processed_logprobs"``; this is what makes the trainer's
+importance ratio start at 1. Greedy (temperature 0) reports ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Iterable
+
+from scirl.inference.base import Completion, Generator, SamplingParams
+
+
+def top_p_filter(logits, top_p: float):
+    """Set to -inf every token outside the smallest set whose probability reaches ``top_p``.
+
+    The same rule as vLLM's sampler: sort ascending, drop the tokens whose
+    cumulative probability stays <= 1 - top_p, always keep the most likely one.
+    """
+    import torch
+
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sampling_logprobs(logits, temperature: float, top_p: float):
+    """Log-probabilities of the distribution we sample from, for float32 ``logits`` [rows, vocab]."""
+    import torch
+
+    if temperature == 0:
+        return torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if top_p < 1.0:
+        scaled = top_p_filter(scaled, top_p)
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def sample_next(logits, params: SamplingParams, generator=None):
+    """Pick one token per row; return (token ids [rows], their logprobs [rows])."""
+    import torch
+
+    logprobs = sampling_logprobs(logits, params.temperature, params.top_p)
+    if params.temperature == 0:
+        tokens = logprobs.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def resolve_dtype(dtype, device):
+    """``None`` means float32 on CPU (bf16 matmuls are slow there) and bfloat16 on accelerators."""
+    import torch
+
+    if dtype is None:
+        return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r} (expected e.g. 'float32', 'bfloat16')")
+        return getattr(torch, dtype)
+    return dtype
+
+
+class HFGenerator(Generator):
+    """Sample completions from a transformers causal LM with a shared-prefill KV cache.
+
+    ``model_dir_or_module`` is either a model directory (loaded with
+    ``AutoModelForCausalLM``; this generator owns that copy) or an ``nn.Module``
+    that is *shared*: the single-process trainer trains the very module it
+    samples from, so ``update_weights`` is then a no-op.
+
+    ``max_batch_size`` bounds the number of sequences decoded together and
+    ``max_batch_tokens`` the KV-cache size of a batch (rows x (padded prompt +
+    max_tokens)); a group is only split across batches when it alone exceeds
+    these bounds.
+    """
+
+    def __init__(
+        self,
+        model_dir_or_module,
+        tokenizer=None,
+        device=None,
+        dtype=None,
+        *,
+        max_batch_size: int = 128,
+        max_batch_tokens: int | None = 131072,
+        strict_update: bool = False,
+    ):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self.max_batch_tokens = max_batch_tokens
+        self.strict_update = strict_update
+
+        if isinstance(model_dir_or_module, torch.nn.Module):
+            self.model = model_dir_or_module
+            self.owns_model = False
+            first_param = next(self.model.parameters())
+            if device is not None and torch.device(device) != first_param.device:
+                raise ValueError(
+                    f"a shared module lives on {first_param.device}; it cannot be generated from on {device} "
+                    "(move the module itself, or pass a model directory to get a separate copy)"
+                )
+            self.device = first_param.device
+            if tokenizer is None:
+                source = getattr(self.model.config, "_name_or_path", "")
+                if not source or not Path(source).is_dir():
+                    raise ValueError("pass tokenizer= when sharing a module that was not loaded from a directory")
+                tokenizer = AutoTokenizer.from_pretrained(source)
+        else:
+            path = Path(model_dir_or_module)
+            if not path.is_dir():
+                raise FileNotFoundError(f"model directory not found: {path}")
+            self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, self.device))
+            self.model.to(self.device)
+            self.model.eval()
+            self.owns_model = True
+            if tokenizer is None:
+                tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = tokenizer
+        self.eos_ids = self._eos_ids()
+        if not self.eos_ids:
+            raise ValueError("neither the tokenizer nor the generation config names an EOS token")
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else self.eos_ids[0]
+        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); accept both.
+        params = inspect.signature(self.model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    def _eos_ids(self) -> list[int]:
+        ids = []
+        candidates = [self.tokenizer.eos_token_id]
+        generation_config = getattr(self.model, "generation_config", None)
+        if generation_config is not None:
+            candidates.append(generation_config.eos_token_id)
+        for c in candidates:
+            for i in c if isinstance(c, (list, tuple)) else [c]:
+                if i is not None and int(i) not in ids:
+                    ids.append(int(i))
+        return ids
+
+    # ---- the contract ----
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        import torch
+
+        check_params(prompts, params)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        results: list[list[Completion]] = [[] for _ in prompts]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                for batch in self.plan_batches(prompts, params):
+                    completions = self._generate_batch([prompts[i] for i, _ in batch], [k for _, k in batch], params, generator)
+                    for (i, k), group in zip(batch, completions):
+                        assert len(group) == k
+                        results[i].extend(group)
+        finally:
+            self.model.train(was_training)
+        return results
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
+        if not self.owns_model:
+            return  # the trainer updates the shared module in place
+        state = dict(named_tensors)
+        result = self.model.load_state_dict(state, strict=self.strict_update)
+        if result.unexpected_keys:
+            raise ValueError(f"update_weights: names not in the model: {result.unexpected_keys[:5]} (expected HF names)")
+
+    def close(self) -> None:
+        if self.owns_model:
+            del self.model
+
+    # ---- batching ----
+
+    def plan_batches(self, prompts: list[list[int]], params: SamplingParams) -> list[list[tuple[int, int]]]:
+        """Split the work into batches of (prompt index, completions) under the size bounds, in prompt order."""
+        pieces = []  # (prompt index, completions of it in this piece)
+        max_rows = self.max_rows_for(max(len(p) for p in prompts), params.max_tokens)
+        for i in range(len(prompts)):
+            left = params.n
+            while left > 0:
+                k = min(left, max_rows)
+                pieces.append((i, k))
+                left -= k
+        batches, current, rows, longest = [], [], 0, 0
+        for i, k in pieces:
+            new_longest = max(longest, len(prompts[i]))
+            if current and (rows + k > self.max_rows_for(new_longest, params.max_tokens)):
+                batches.append(current)
+                current, rows, new_longest = [], 0, len(prompts[i])
+            current.append((i, k))
+            rows += k
+            longest = new_longest
+        if current:
+            batches.append(current)
+        return batches
+
+    def max_rows_for(self, prompt_len: int, max_tokens: int) -> int:
+        rows = self.max_batch_size
+        if self.max_batch_tokens is not None:
+            rows = min(rows, self.max_batch_tokens // (prompt_len + max_tokens))
+        return max(rows, 1)
+
+    # ---- the decode loop ----
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position's logits: never a [rows, seq, vocab] tensor
+            **{self.cache_kwarg: cache},
+        )
+        return out.logits[:, -1, :].float()
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def _generate_batch(self, prompts, counts, params, generator) -> list[list[Completion]]:
+        import torch
+
+        device = self.device
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+        for b, p in enumerate(prompts):
+            input_ids[b, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention_mask[b, longest - len(p) :] = 1
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # positions count real tokens only, so a left-padded prompt sees the same positions as unpadded
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        cache = self._new_cache()
+        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+
+        # Share the prefill: row r of the decode batch continues prompt expand[r].
+        expand = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
+        cache.batch_select_indices(expand)
+        logits, attention_mask = logits[expand], attention_mask[expand]
+        next_position = position_ids[expand, -1] + 1
+
+        total_rows, max_tokens = len(expand), params.max_tokens
+        eos = torch.tensor(self.eos_ids, device=device)
+        tokens = torch.full((total_rows, max_tokens), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((total_rows, max_tokens), dtype=torch.float32, device=device)
+        lengths = torch.full((total_rows,), max_tokens, dtype=torch.long, device=device)
+        stopped = torch.zeros(total_rows, dtype=torch.bool, device=device)
+        live = torch.arange(total_rows, device=device)  # original row index of each row still decoding
+
+        for t in range(max_tokens):
+            token, token_logprob = sample_next(logits, params, generator)
+            tokens[live, t] = token
+            logprobs[live, t] = token_logprob
+            hit_eos = torch.isin(token, eos)
+            if hit_eos.any():
+                lengths[live[hit_eos]] = t + 1
+                stopped[live[hit_eos]] = True
+                keep = (~hit_eos).nonzero().squeeze(1)
+                if keep.numel() == 0:
+                    break
+                # drop finished rows everywhere so they cost nothing from here on
+                live, token, attention_mask, next_position = live[keep], token[keep], attention_mask[keep], next_position[keep]
+                cache.batch_select_indices(keep)
+            if t == max_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=1)
+            logits = self._forward(token[:, None], attention_mask, next_position[:, None], cache)
+            next_position = next_position + 1
+
+        tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
+        out, row = [], 0
+        for k in counts:
+            group = []
+            for _ in range(k):
+                ids = tokens[row][: lengths[row]]
+                group.append(
+                    Completion(
+                        text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                        token_ids=ids,
+                        logprobs=logprobs[row][: lengths[row]],
+                        finish_reason="stop" if stopped[row] else "length",
+                    )
+                )
+                row += 1
+            out.append(group)
+        return out
+
+
+def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
+    if not prompts:
+        raise ValueError("generate: no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+    if params.n < 1:
+        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
+    if params.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {params.max_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
