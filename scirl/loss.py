@@ -1,0 +1,95 @@
+"""prime-rl's default RL loss (``trainer/rl/loss.py:default_loss_fn``), written out plainly.
+
+For every completion token t with advantage A:
+
+    log_ratio = logp_trainer(t) - logp_inference(t)          ratio = exp(log_ratio)
+    masked    = (A > 0 and p_trainer - p_inference >  mask_high)
+             or (A < 0 and p_trainer - p_inference < -mask_low)      (probabilities, not ratios)
+    loss_t    = -(not masked) * A * ratio  +  kl_tau * log_ratio**2   (the KL term over all loss tokens)
+
+The loss is the sum of ``loss_t`` over every completion token of the batch divided by
+the batch's total loss-token count (``loss_scale``: summed over all micro-batches and
+ranks before the first backward), so micro-batching and data parallelism do not change
+the gradient. There is no reference model: the "KL" is trainer vs sampler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossSums:
+    """Sums over loss tokens, so micro-batches and ranks can be added before dividing."""
+
+    tokens: float = 0.0
+    masked: float = 0.0
+    mismatch_kl: float = 0.0  # k3 estimator: ratio - 1 - log_ratio, per token
+    entropy: float = 0.0
+
+    def add(self, other: "LossSums") -> "LossSums":
+        return LossSums(*(a + b for a, b in zip(self.as_list(), other.as_list())))
+
+    def as_list(self) -> list[float]:
+        return [self.tokens, self.masked, self.mismatch_kl, self.entropy]
+
+
+def rl_loss(
+    trainer_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    mask_low: float,
+    mask_high: float,
+    kl_tau: float,
+    loss_scale: float,
+) -> tuple[torch.Tensor, LossSums]:
+    """``*_logprobs`` and ``loss_mask`` are [B, T]; ``advantages`` is [B] (one per completion) or [B, T].
+
+    Returns this micro-batch's share of the batch loss (already divided by ``loss_scale``)
+    and detached sums for the step's statistics.
+    """
+    if loss_scale <= 0:
+        raise ValueError(f"loss_scale must be the positive loss-token count of the batch, got {loss_scale}")
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(trainer_logprobs)
+    mask = loss_mask.to(torch.bool)
+    inference_logprobs = inference_logprobs.to(trainer_logprobs.dtype)
+    advantages = advantages.to(trainer_logprobs.dtype)
+
+    log_ratio = trainer_logprobs - inference_logprobs
+    ratio = torch.exp(log_ratio)
+    with torch.no_grad():
+        prob_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
+        is_masked = ((advantages > 0) & (prob_diff > mask_high)) | ((advantages < 0) & (prob_diff < -mask_low))
+    keep = (mask & ~is_masked).to(trainer_logprobs.dtype)
+    per_token = -keep * advantages * ratio + kl_tau * mask.to(trainer_logprobs.dtype) * log_ratio.pow(2)
+    loss = per_token.sum() / loss_scale
+
+    with torch.no_grad():
+        k3 = ratio - 1 - log_ratio
+        sums = LossSums(
+            tokens=float(mask.sum()),
+            masked=float((is_masked & mask).sum()),
+            mismatch_kl=float(k3[mask].sum()),
+        )
+    return loss, sums
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``targets`` under ``logits / temperature`` (the sampling distribution's
+    temperature, so the ratio compares like with like), and the per-token entropy (no grad).
+
+    ``logits`` is [B, T, V] in any dtype; the log-softmax runs in float32.
+    """
+    logits = logits.float() / temperature
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    chosen = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = chosen - logsumexp
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logsumexp - (probs * logits).sum(-1)
+    return logprobs, entropy
