@@ -1,15 +1,41 @@
 """SciKnowEval MCQ data: load from the hub, a raw_data directory or one file; validate; dedupe; split.
 
-(First cut: row validation only. Loading, dedup and split follow.)
+The pipeline, in the order ``load_splits`` runs it:
+
+1. read raw rows from the source (hub id, ``raw_data/<Domain>/<Level>/<task>.jsonl``
+   directory, or one .jsonl/.json/.parquet file); a bad JSON line is counted, never fatal;
+2. keep the MCQ rows (``type`` in ``types``); other rows are counted as read, not MCQ;
+3. validate each MCQ row with ``question_from_row``; invalid rows are skipped by reason;
+4. drop every row of a group with conflicting answers (same question, same option set,
+   different correct option text), keep exact duplicates once;
+5. split: ``eval`` = N rows per domain, the rest ``train``.
+
+Accounting: ``len(train) + len(eval) + sum(skipped.values()) == mcq_read``.
+Nothing is cached on disk by this module (``datasets`` keeps its own hub cache).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+import logging
+import os
+import threading
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
 
 from scirl.schema import MCQ_TYPES, Question
+
+log = logging.getLogger(__name__)
+
+HUB_ID = "hicai-zju/SciKnowEval"
+HUB_CONFIG = "v2"  # the run guide: load_dataset("hicai-zju/SciKnowEval", "v2", split="test")
+HUB_SPLIT = "test"
+HUB_PROBE_TIMEOUT_S = 5.0
+SPLIT_METHODS = ("content", "guide")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
 class RowError(ValueError):
@@ -18,6 +44,10 @@ class RowError(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
+
+
+class DataSourceError(RuntimeError):
+    """The source cannot be read at all (missing path, no hub access, unreadable file)."""
 
 
 def content_id(question: str, options: tuple[str, ...] | list[str], domain: str = "") -> str:
@@ -72,3 +102,383 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
         source=source,
         raw=row,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading raw rows. Every reader returns (rows, bad_json) where rows are (where, row) pairs.
+
+
+def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[str, Any]], int]:
+    """Rows of a JSON-lines file; blank lines are ignored, undecodable lines are counted."""
+    prefix = where_prefix if where_prefix is not None else path.name
+    rows, bad_json = [], 0
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{prefix}:{lineno}", json.loads(line)))
+            except json.JSONDecodeError:
+                bad_json += 1
+                log.warning("%s:%d: bad JSON line skipped", prefix, lineno)
+    return rows, bad_json
+
+
+def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
+    """A .json file: one array of rows (or an object with a "data" array). Many ".json" dumps
+    are really JSON lines, so a file that is not one JSON document is read as JSON lines."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError:
+        return read_jsonl(path)
+    if isinstance(doc, dict) and isinstance(doc.get("data"), list):
+        doc = doc["data"]
+    if not isinstance(doc, list):
+        raise DataSourceError(f"{path}: expected a JSON array of rows (or JSON lines), got a {type(doc).__name__}")
+    return [(f"{path.name}:{i}", row) for i, row in enumerate(doc)], 0
+
+
+def read_parquet(path: Path) -> tuple[list[tuple[str, Any]], int]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise DataSourceError(f"{path}: cannot read parquet file: {e}") from e
+    return [(f"{path.name}:{i}", row) for i, row in enumerate(table.to_pylist())], 0
+
+
+def read_file(path: Path) -> tuple[list[tuple[str, Any]], int]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return read_jsonl(path)
+    if suffix == ".json":
+        return read_json(path)
+    if suffix == ".parquet":
+        return read_parquet(path)
+    raise DataSourceError(f"{path}: unsupported file type {suffix!r}; use one of {', '.join(FILE_SUFFIXES)}")
+
+
+def read_directory(root: Path) -> tuple[list[tuple[str, Any]], int]:
+    """The official layout ``raw_data/<Domain>/<Level>/<task>.jsonl`` (or any tree of .jsonl files),
+    read recursively in sorted path order. ``root`` may be the repository or its raw_data folder."""
+    base = root / "raw_data" if (root / "raw_data").is_dir() else root
+    paths = sorted(p for p in base.rglob("*.jsonl") if p.is_file())
+    if not paths:
+        raise DataSourceError(f"{root}: no .jsonl files found (expected raw_data/<Domain>/<Level>/<task>.jsonl)")
+    rows, bad_json = [], 0
+    for path in paths:
+        file_rows, file_bad = read_jsonl(path, where_prefix=path.relative_to(base).as_posix())
+        rows += file_rows
+        bad_json += file_bad
+    return rows, bad_json
+
+
+def hub_unreachable_message(repo_id: str, reason: str) -> str:
+    return (
+        f"cannot reach the Hugging Face Hub to load {repo_id!r} ({reason}).\n"
+        "Point --data at a local copy instead, for example:\n"
+        "  --data path/to/SciKnowEval           (a clone of the official repository, with raw_data/)\n"
+        "  --data path/to/sciknoweval.jsonl     (one .jsonl, .json or .parquet file)\n"
+        "If the dataset is already in the local datasets cache, set HF_HUB_OFFLINE=1 to use it."
+    )
+
+
+def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None if the hub answers for ``repo_id`` within ``timeout`` seconds, else the reason it did not.
+
+    The request runs in a daemon thread so that even a DNS lookup that hangs (which no
+    socket timeout covers) cannot make the caller wait longer than ``timeout``."""
+    import httpx
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/api/datasets/{repo_id}"
+    outcome: dict[str, str | None] = {}
+
+    def request() -> None:
+        try:
+            response = httpx.get(url, timeout=timeout, follow_redirects=True)
+            # 401/403/404 still prove the hub is reachable: datasets then reports the precise problem.
+            outcome["error"] = None if response.status_code < 500 else f"HTTP {response.status_code}"
+        except Exception as e:  # any network failure means "no hub access"
+            outcome["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+    thread = threading.Thread(target=request, daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    if thread.is_alive() or "error" not in outcome:
+        return f"no answer from {endpoint} within {timeout:.0f} s"
+    return outcome["error"]
+
+
+def hub_offline() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str = HUB_SPLIT,
+             probe_timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[list[tuple[str, Any]], int]:
+    """Rows of a ``datasets`` dataset, in its own order: a hub id, or a local dataset directory
+    (``datasets.load_dataset`` reads both the same way, which is how the tests exercise this code).
+
+    A hub id is probed first, so that without network access this fails in seconds instead of
+    hanging in retries. With HF_HUB_OFFLINE=1 the probe is skipped and the local cache is used."""
+    is_local = Path(repo_id).exists()
+    if not is_local and not hub_offline():
+        problem = probe_hub(repo_id, timeout=probe_timeout)
+        if problem is not None:
+            raise DataSourceError(hub_unreachable_message(repo_id, problem))
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(repo_id, config, split=split)
+    except Exception as e:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError, ...)
+        if is_local:
+            raise DataSourceError(f"{repo_id}: datasets.load_dataset({config!r}, split={split!r}) failed: {e}") from e
+        raise DataSourceError(hub_unreachable_message(repo_id, f"{type(e).__name__}: {e}")) from e
+    return [(f"hub:{split}:{i}", row) for i, row in enumerate(ds.to_list())], 0
+
+
+def is_hub_source(source: str) -> bool:
+    return source == HUB_ID or source.startswith("hf:")
+
+
+def read_source(source: str) -> tuple[list[tuple[str, Any]], int]:
+    """Dispatch on the source kind: ``HUB_ID`` or ``hf:<hub id or local dataset dir>`` go through
+    ``datasets``; a directory is read as raw_data; a file by its suffix."""
+    if source == HUB_ID:
+        return read_hub(HUB_ID)
+    if source.startswith("hf:"):
+        return read_hub(source[3:])
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return read_directory(path)
+    if path.is_file():
+        return read_file(path)
+    raise DataSourceError(
+        f"data source {source!r} is neither the hub id {HUB_ID!r}, an existing directory, nor an existing "
+        f"{'/'.join(FILE_SUFFIXES)} file"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Dedup and split.
+
+
+def answer_text(q: Question) -> str:
+    return q.options[q.labels.index(q.answer_key)]
+
+
+def canonical_json(row: Any) -> str:
+    return json.dumps(row, ensure_ascii=False, sort_keys=True, default=str)
+
+
+def twin_key(q: Question) -> str:
+    """Questions that must land in the same split: same question text (whitespace and case
+    normalised) and the same option *set*, whatever their order, answer or domain."""
+    question = " ".join(q.question.split()).casefold()
+    options = sorted(" ".join(o.split()).casefold() for o in q.options)
+    return json.dumps([question, options], ensure_ascii=False)
+
+
+def stable_hash(seed: int, text: str) -> str:
+    """Hash-based ordering that is the same on every machine and Python version (unlike hash())."""
+    return hashlib.sha256(f"{seed}\x00{text}".encode("utf-8")).hexdigest()
+
+
+def dedupe(questions: list[Question], skipped: Counter, prefer: set[int] | None = None) -> list[Question]:
+    """Drop every row of a conflict group (same question + same option set, different correct
+    option text), then keep exact duplicates (same question, ordered options and answer) once.
+
+    Which copy of an exact duplicate survives must not depend on file order: the one in
+    ``prefer`` (indices, e.g. the guide's eval rows) wins, then the smallest raw row as JSON.
+    Returns the survivors in input order."""
+    answers_by_set: dict[tuple, set[str]] = defaultdict(set)
+    for q in questions:
+        answers_by_set[(q.question, tuple(sorted(q.options)))].add(answer_text(q))
+    prefer = prefer or set()
+    best: dict[tuple, int] = {}
+    for i, q in enumerate(questions):
+        if len(answers_by_set[(q.question, tuple(sorted(q.options)))]) > 1:
+            skipped["conflicting_answers"] += 1
+            continue
+        key = (q.question, q.options, answer_text(q))
+        if key not in best:
+            best[key] = i
+            continue
+        skipped["duplicate"] += 1
+        j = best[key]
+        rank_i = (i not in prefer, canonical_json(q.raw))
+        rank_j = (j not in prefer, canonical_json(questions[j].raw))
+        if rank_i < rank_j:
+            best[key] = i
+    keep = set(best.values())
+    return [q for i, q in enumerate(questions) if i in keep]
+
+
+def eval_quota(domain_sizes: dict[str, int], eval_per_domain: int, notes: list[str]) -> dict[str, int]:
+    """Eval rows per domain: N, but never more than half a domain, so a small domain keeps
+    training rows too. Each reduction is noted."""
+    quota = {}
+    for domain, size in sorted(domain_sizes.items()):
+        quota[domain] = min(eval_per_domain, size // 2)
+        if quota[domain] < eval_per_domain:
+            notes.append(f"{domain}: only {size} rows, so eval takes {quota[domain]} (half) instead of {eval_per_domain}")
+    return quota
+
+
+def split_by_content(questions: list[Question], eval_per_domain: int, seed: int, notes: list[str]) -> tuple[list[Question], list[Question]]:
+    """Groups of twins in an order fixed by a hash of their content; a group goes to eval while
+    every domain it touches has room for it. Both splits come out in that hash order."""
+    groups: dict[str, list[Question]] = defaultdict(list)
+    for q in questions:
+        groups[twin_key(q)].append(q)
+    quota = eval_quota(Counter(q.domain for q in questions), eval_per_domain, notes)
+    taken: Counter = Counter()
+    train, eval_ = [], []
+    for key in sorted(groups, key=lambda k: stable_hash(seed, k)):
+        group = sorted(groups[key], key=lambda q: q.id)
+        need = Counter(q.domain for q in group)
+        if all(taken[d] + n <= quota[d] for d, n in need.items()):
+            taken.update(need)
+            eval_ += group
+        else:
+            train += group
+    for domain, n in sorted(quota.items()):
+        if taken[domain] < n:
+            notes.append(f"{domain}: eval has {taken[domain]} rows, not {n}: the remaining twin groups were too big to fit")
+    return train, eval_
+
+
+def guide_eval_positions(raw_domains: list[Any], eval_per_domain: int, seed: int, notes: list[str]) -> tuple[list[int], set[int]]:
+    """The guide's holdout over the filtered MCQ rows in source order:
+    ``numpy.random.default_rng(seed).permutation(n)`` (what ``Dataset.shuffle(seed)`` does),
+    then the first N rows of each domain in that order are eval. Returns (order, eval set)."""
+    import numpy as np
+
+    order = [int(i) for i in np.random.default_rng(seed).permutation(len(raw_domains))]
+    quota = eval_quota(Counter(str(d) for d in raw_domains), eval_per_domain, notes)
+    taken: Counter = Counter()
+    eval_positions = set()
+    for i in order:
+        domain = str(raw_domains[i])
+        if taken[domain] < quota[domain]:
+            taken[domain] += 1
+            eval_positions.add(i)
+    return order, eval_positions
+
+
+# ---------------------------------------------------------------------------------------------
+# The public entry point.
+
+
+@dataclass
+class DataSplits:
+    """The loaded splits and the accounting of every row read."""
+
+    source: str
+    train: list[Question]
+    eval: list[Question]
+    skipped: dict[str, int]  # reason -> MCQ rows skipped (validation failures, duplicates, conflicts, bad JSON)
+    rows_read: int  # every row (and bad JSON line) in the source
+    mcq_read: int  # rows_read minus rows of a non-MCQ type
+    non_mcq: dict[str, int] = field(default_factory=dict)  # type -> rows
+    eval_per_domain: int = 200
+    split_method: str = "content"
+    seed: int = 42
+    types: tuple[str, ...] = MCQ_TYPES
+    notes: list[str] = field(default_factory=list)  # anything the caller should know (small domains, ...)
+
+    def split(self, name: str) -> list[Question]:
+        if name == "train":
+            return self.train
+        if name == "eval":
+            return self.eval
+        raise ValueError(f"unknown split {name!r}; expected 'train' or 'eval'")
+
+    @property
+    def accounted(self) -> int:
+        return len(self.train) + len(self.eval) + sum(self.skipped.values())
+
+
+def is_mcq_candidate(row: Any, types: tuple[str, ...]) -> bool:
+    """A row is left out as non-MCQ only when it clearly declares another type; anything else
+    (no type, not an object) is an MCQ row that validation will count under a reason."""
+    return not (isinstance(row, dict) and row.get("type") is not None and row["type"] not in types)
+
+
+def load_splits(
+    source: str = HUB_ID,
+    *,
+    types: tuple[str, ...] | list[str] = MCQ_TYPES,
+    eval_per_domain: int = 200,
+    split_method: str = "content",
+    seed: int = 42,
+) -> DataSplits:
+    """Load, validate, dedupe and split SciKnowEval MCQ rows.
+
+    ``split_method="content"`` (default): deterministic from row content; twins (same question,
+    same option set) share a split. ``"guide"``: the run guide's holdout, reproduced exactly when
+    rows come in the hub's order; it is drawn on the filtered MCQ rows *before* validation and
+    dedup (as the guide does), so a domain's eval may end up a few rows short of N where the
+    guide's pick held an invalid row, and an exact duplicate keeps its eval copy."""
+    types = tuple(types)
+    if split_method not in SPLIT_METHODS:
+        raise ValueError(f"unknown split method {split_method!r}; expected one of {SPLIT_METHODS}")
+    if eval_per_domain < 0:
+        raise ValueError(f"eval_per_domain must be >= 0, got {eval_per_domain}")
+    rows, bad_json = read_source(source)
+    skipped: Counter = Counter()
+    if bad_json:
+        skipped["bad_json"] = bad_json
+    non_mcq: Counter = Counter()
+    candidates: list[tuple[str, Any]] = []
+    for where, row in rows:
+        if is_mcq_candidate(row, types):
+            candidates.append((where, row))
+        else:
+            non_mcq[str(row["type"])] += 1
+
+    notes: list[str] = []
+    eval_positions: set[int] = set()
+    if split_method == "guide":
+        raw_domains = [row.get("domain") if isinstance(row, dict) else None for _, row in candidates]
+        order, eval_positions = guide_eval_positions(raw_domains, eval_per_domain, seed, notes)
+        candidates = [candidates[i] for i in order]  # the splits come out in the guide's shuffled order
+        eval_positions = {pos for pos, i in enumerate(order) if i in eval_positions}
+
+    questions: list[Question] = []
+    positions: list[int] = []
+    for pos, (where, row) in enumerate(candidates):
+        try:
+            questions.append(question_from_row(row, source=where, types=types))
+            positions.append(pos)
+        except RowError as e:
+            skipped[e.reason] += 1
+    prefer = {k for k, pos in enumerate(positions) if pos in eval_positions}
+    kept = dedupe(questions, skipped, prefer=prefer)
+
+    if split_method == "content":
+        train, eval_ = split_by_content(kept, eval_per_domain, seed, notes)
+    else:
+        # dedupe() keeps input order, so the identity of each kept question tells its split
+        eval_ids = {questions[k].id for k in prefer}
+        eval_ = [q for q in kept if q.id in eval_ids]
+        train = [q for q in kept if q.id not in eval_ids]
+        picked = Counter(str(candidates[pos][1].get("domain")) for pos in eval_positions if isinstance(candidates[pos][1], dict))
+        valid = Counter(q.domain for q in eval_)
+        for domain, n in sorted(picked.items()):
+            if valid[domain] < n:
+                notes.append(f"{domain}: the guide's holdout picked {n} rows, {n - valid[domain]} of them invalid, duplicate or "
+                             f"conflicting, so eval keeps {valid[domain]}")
+
+    splits = DataSplits(
+        source=source, train=train, eval=eval_, skipped=dict(sorted(skipped.items())),
+        rows_read=len(rows) + bad_json, mcq_read=len(candidates) + bad_json, non_mcq=dict(sorted(non_mcq.items())),
+        eval_per_domain=eval_per_domain, split_method=split_method, seed=seed, types=types, notes=notes,
+    )
+    assert splits.accounted == splits.mcq_read, "internal error: rows lost between read and split"
+    for note in notes:
+        log.warning(note)
+    return splits
+
