@@ -166,3 +166,74 @@ def write_raw_data_dir(rows: Iterable[dict[str, Any]], root: str | Path) -> Path
     for rel, group in groups.items():
         write_jsonl(group, root / rel)
     return root
+
+
+# Lines a JSON-lines reader must count as bad JSON and skip.
+BAD_JSON_LINES = (
+    '{"question": "Which organelle is cut off mid-row',
+    "this line is not JSON at all",
+    '{"question": "trailing comma", "type": "mcq-4-choices",}',
+)
+
+
+def make_dirty_rows(clean_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rows that exercise every path of an MCQ loader, derived from ``clean_rows`` (MCQ rows of
+    ``generate_rows``); the clean rows themselves are not modified.
+
+    Returns a dict:
+      ``invalid``: list of (reason, row), one or more per validation reason of ``scirl.data``;
+      ``exact_duplicates``: extra copies of clean rows (same question, ordered options, answer);
+      ``conflicting``: new rows in groups with the same question and option set but different
+        correct options (every one of them must be dropped);
+      ``twins``: new rows in pairs with the same question and option set in another order and
+        the same answer (valid, not exact duplicates, must share a split).
+    """
+    import copy
+
+    mcq = [r for r in clean_rows if r["type"] == "mcq-4-choices"]
+    if len(mcq) < 12:
+        raise ValueError("make_dirty_rows needs at least 12 four-option MCQ rows")
+
+    def variant(i: int, **changes: Any) -> dict[str, Any]:
+        row = copy.deepcopy(mcq[i])
+        row["question"] = f"{row['question']} (variant {i})"
+        row.update(changes)
+        return row
+
+    missing_choices = variant(1)
+    del missing_choices["choices"]
+    invalid: list[tuple[str, Any]] = [
+        ("not_an_object", ["a", "list", "is", "not", "a", "row"]),
+        ("not_an_object", 42),
+        ("missing_field", missing_choices),
+        ("missing_field", variant(2, answerKey=None)),
+        ("missing_field", {k: v for k, v in variant(3).items() if k != "type"}),
+        ("label_text_mismatch", variant(4, choices={"text": ["one", "two"], "label": ["A", "B", "C", "D"]})),
+        ("too_few_options", variant(5, choices={"text": ["only"], "label": ["A"]}, answerKey="A")),
+        ("empty_option", variant(6, choices={"text": ["one", " ", "three", "four"], "label": ["A", "B", "C", "D"]})),
+        ("duplicate_labels", variant(7, choices={"text": ["one", "two", "three", "four"], "label": ["A", "A", "C", "D"]})),
+        ("empty_question", variant(8, question="   ")),
+        ("answer_not_in_labels", variant(9, answerKey="E")),
+    ]
+    exact_duplicates = [copy.deepcopy(mcq[0]), copy.deepcopy(mcq[0]), copy.deepcopy(mcq[10])]
+
+    conflicting = []
+    base = variant(11, question="Which of these was measured first in the conflicting record?")
+    texts, labels = base["choices"]["text"], base["choices"]["label"]
+    for answer in ("A", "B"):  # same ordered options, two different answers
+        conflicting.append(dict(copy.deepcopy(base), answerKey=answer))
+    reordered = copy.deepcopy(base)  # same option set in another order, answering a third text
+    reordered["choices"] = {"text": list(reversed(texts)), "label": labels}
+    reordered["answerKey"] = labels[list(reversed(texts)).index(texts[2])]
+    conflicting.append(reordered)
+
+    twins = []
+    for i in range(4):
+        row = variant(i, question=f"Twin question number {i}: which value fits best?")
+        twin = copy.deepcopy(row)
+        texts, labels = row["choices"]["text"], row["choices"]["label"]
+        answer = texts[labels.index(row["answerKey"])]
+        twin["choices"] = {"text": list(reversed(texts)), "label": labels}
+        twin["answerKey"] = labels[list(reversed(texts)).index(answer)]
+        twins += [row, twin]
+    return {"invalid": invalid, "exact_duplicates": exact_duplicates, "conflicting": conflicting, "twins": twins}
