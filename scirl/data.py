@@ -400,6 +400,36 @@ class DataSplits:
     def accounted(self) -> int:
         return len(self.train) + len(self.eval) + sum(self.skipped.values())
 
+    def summary(self) -> dict[str, Any]:
+        """Counts as one JSON-ready dict (what ``scirl data stats --json`` prints)."""
+
+        def by(attr: str) -> dict[str, dict[str, int]]:
+            table: dict[str, dict[str, int]] = {}
+            for name in ("train", "eval"):
+                for q in self.split(name):
+                    row = table.setdefault(getattr(q, attr) or "(none)", {"train": 0, "eval": 0})
+                    row[name] += 1
+            return dict(sorted(table.items()))
+
+        return {
+            "source": self.source,
+            "rows": self.rows_read,
+            "mcq": self.mcq_read,
+            "non_mcq": self.non_mcq,
+            "train": len(self.train),
+            "eval": len(self.eval),
+            "skipped": self.skipped,
+            "skipped_total": sum(self.skipped.values()),
+            "eval_per_domain": self.eval_per_domain,
+            "split_method": self.split_method,
+            "seed": self.seed,
+            "types": list(self.types),
+            "per_domain": by("domain"),
+            "per_type": by("type"),
+            "per_level": by("level"),
+            "notes": self.notes,
+        }
+
 
 def is_mcq_candidate(row: Any, types: tuple[str, ...]) -> bool:
     """A row is left out as non-MCQ only when it clearly declares another type; anything else

@@ -1,0 +1,106 @@
+"""``scirl data stats|export``: inspect the SciKnowEval MCQ splits and write one out as JSON lines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_source_args(parser: argparse.ArgumentParser) -> None:
+    from scirl.data import HUB_ID, SPLIT_METHODS
+    from scirl.schema import MCQ_TYPES
+
+    parser.add_argument("--data", default=HUB_ID,
+                        help=f"hub id (default {HUB_ID}), hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
+                             "or one .jsonl/.json/.parquet file")
+    parser.add_argument("--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)")
+    parser.add_argument("--eval-per-domain", type=int, default=200, help="held-out rows per domain (default %(default)s)")
+    parser.add_argument("--split-method", choices=SPLIT_METHODS, default="content",
+                        help="content: deterministic from row content, twins share a split (default); "
+                             "guide: the run guide's seeded permutation over rows in hub order")
+    parser.add_argument("--seed", type=int, default=42, help="split seed (default %(default)s)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="scirl data", description="Inspect and export the SciKnowEval MCQ splits.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    stats = sub.add_parser("stats", help="counts per domain, type, level and split, and skipped rows by reason")
+    add_source_args(stats)
+    stats.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    export = sub.add_parser("export", help="write one split's rows, with their original fields, as JSON lines")
+    add_source_args(export)
+    export.add_argument("--split", choices=("train", "eval"), required=True)
+    export.add_argument("--out", required=True, help="output .jsonl path")
+    return parser
+
+
+def load(args: argparse.Namespace):
+    from scirl.data import load_splits
+
+    types = tuple(t.strip() for t in args.types.split(",") if t.strip())
+    if not types:
+        raise ValueError("--types must name at least one row type")
+    return load_splits(args.data, types=types, eval_per_domain=args.eval_per_domain,
+                       split_method=args.split_method, seed=args.seed)
+
+
+def print_tables(summary: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"[bold]{summary['source']}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
+                  f"({', '.join(summary['types'])}); split {summary['split_method']!r}, "
+                  f"{summary['eval_per_domain']} eval per domain, seed {summary['seed']}")
+    for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
+        table = Table(title=f"by {title}")
+        for col in (title, "train", "eval", "total"):
+            table.add_column(col, justify="left" if col == title else "right")
+        for name, counts in summary[key].items():
+            table.add_row(name, str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
+        table.add_row("[bold]all[/]", str(summary["train"]), str(summary["eval"]), str(summary["train"] + summary["eval"]))
+        console.print(table)
+    table = Table(title="MCQ rows skipped, by reason")
+    table.add_column("reason")
+    table.add_column("rows", justify="right")
+    for reason, n in summary["skipped"].items():
+        table.add_row(reason, str(n))
+    table.add_row("[bold]all[/]", str(summary["skipped_total"]))
+    console.print(table)
+    if summary["non_mcq"]:
+        console.print("not MCQ (read, not used): " + ", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items()))
+    for note in summary["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+
+
+def export(splits, split: str, out: str) -> int:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = splits.split(split)
+    with path.open("w", encoding="utf-8") as f:
+        for q in rows:
+            f.write(json.dumps(q.raw, ensure_ascii=False) + "\n")
+    print(f"wrote {len(rows)} {split} rows to {path}", file=sys.stderr)
+    return len(rows)
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    from scirl.data import DataSourceError
+
+    try:
+        splits = load(args)
+    except (DataSourceError, ValueError) as e:
+        print(f"scirl data: error: {e}", file=sys.stderr)
+        return 1
+    if args.action == "stats":
+        summary = splits.summary()
+        if args.json:
+            print(json.dumps(summary, ensure_ascii=False))
+        else:
+            print_tables(summary)
+        return 0
+    export(splits, args.split, args.out)
+    return 0
