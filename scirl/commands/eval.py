@@ -1,0 +1,183 @@
+"""``scirl eval``: evaluate a served (vLLM, ``scirl serve``) or local model on the held-out MCQ questions.
+
+    scirl eval --base-url http://localhost:18000/v1 --model grpo-step30 --n-samples 1 --concurrency 32 --out eval.json
+    scirl eval --model path/to/hf_model_dir --out eval.json          # in-process, no server
+    scirl eval compare base.json trained.json [--json]              # paired difference + McNemar test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from scirl.data import HUB_ID
+
+    p = argparse.ArgumentParser(
+        prog="scirl eval",
+        description="Evaluate a model on SciKnowEval MCQ questions through an OpenAI-compatible server "
+        "(--base-url), or in-process from a local HF model directory (no --base-url). "
+        "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
+    )
+    p.add_argument("--base-url", default=None, help="server URL ending in /v1, e.g. http://localhost:8000/v1")
+    p.add_argument("--model", required=True, help="served model name (with --base-url), else a local HF model directory")
+    p.add_argument("--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive")
+    p.add_argument("--data", default=HUB_ID, help="hub id, raw_data directory or one .jsonl/.json/.parquet file (default: %(default)s)")
+    p.add_argument("--split", default="eval", choices=("eval", "train"), help="default: %(default)s")
+    p.add_argument("--eval-per-domain", type=int, default=200, help="held-out questions per domain (default: %(default)s)")
+    p.add_argument("--split-method", default="content", choices=("content", "guide"), help="default: %(default)s")
+    p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
+    p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")
+    p.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=1024, help="completion tokens per sample (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
+    p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds (default: %(default)s)")
+    p.add_argument("--retries", type=int, default=6, help="retries per request after the first try (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
+    p.add_argument("--device", default=None, help="torch device for a local model (default: cuda if available, else cpu)")
+    p.add_argument("--batch-size", type=int, default=32, help="questions per generate call for a local model")
+    p.add_argument("--overwrite", action="store_true", help="discard answers recorded with other settings")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _check(args) -> str | None:
+    if args.n_samples < 1:
+        return "--n-samples must be >= 1"
+    if args.concurrency < 1:
+        return "--concurrency must be >= 1"
+    if args.max_tokens < 1:
+        return "--max-tokens must be >= 1"
+    if args.temperature < 0:
+        return "--temperature must be >= 0"
+    if args.timeout <= 0:
+        return "--timeout must be > 0"
+    if args.retries < 0:
+        return "--retries must be >= 0"
+    if args.limit is not None and args.limit < 1:
+        return "--limit must be >= 1"
+    if args.base_url is None and not (Path(args.model) / "config.json").is_file():
+        return f"without --base-url, --model must be a local HF model directory; {args.model} has no config.json"
+    return None
+
+
+def _data_id(source: str) -> str:
+    """The data setting as recorded: local paths made absolute, so a rerun from elsewhere still matches."""
+    from scirl.data import is_hub_source
+
+    return source if is_hub_source(source) else str(Path(source).resolve())
+
+
+def run_eval(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check(args)
+    if problem:
+        print(f"scirl eval: {problem}", file=sys.stderr)
+        return 2
+
+    from scirl.data import DataSourceError, load_splits
+    from scirl.eval.display import print_summary
+    from scirl.eval.results import SettingsMismatch
+
+    try:
+        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method)
+    except (DataSourceError, FileNotFoundError, ValueError) as e:
+        print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
+        return 2
+    questions = splits.split(args.split)
+    if args.limit:
+        questions = questions[: args.limit]
+    if not questions:
+        print(f"scirl eval: the {args.split} split of {args.data} is empty", file=sys.stderr)
+        return 2
+    data_settings = {
+        "data": _data_id(args.data),
+        "split": args.split,
+        "eval_per_domain": args.eval_per_domain,
+        "split_method": args.split_method,
+        "limit": args.limit,
+    }
+
+    try:
+        if args.base_url:
+            from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server, server_settings
+
+            cfg = ClientConfig(
+                base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+                n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+            )
+            try:
+                results = evaluate_server(questions, cfg, out=args.out, settings=server_settings(cfg, **data_settings),
+                                          overwrite=args.overwrite, progress=not args.no_progress)
+            except FatalServerError as e:
+                print(f"scirl eval: {e}", file=sys.stderr)
+                return 1
+        else:
+            from scirl.eval.local import evaluate_generator
+            from scirl.inference.hf import HFGenerator
+
+            generator = HFGenerator(args.model, device=args.device)
+            try:
+                results = evaluate_generator(
+                    generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
+                    max_tokens=args.max_tokens, seed=args.seed, out=args.out, overwrite=args.overwrite,
+                    batch_size=args.batch_size, progress=not args.no_progress,
+                    settings={"model": str(Path(args.model).resolve()), **data_settings},
+                )
+            finally:
+                generator.close()
+    except SettingsMismatch as e:
+        print(f"scirl eval: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nscirl eval: interrupted; the answers so far are saved. Rerun the same command to resume.", file=sys.stderr)
+        return 130
+
+    print_summary(results)
+    print(f"wrote {args.out}")
+    return 1 if results["counts"]["failed"] else 0
+
+
+def run_compare(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="scirl eval compare",
+        description="Paired comparison of two results files on their common questions (first sample), with McNemar's test.",
+    )
+    p.add_argument("a", help="results JSON of the baseline (A)")
+    p.add_argument("b", help="results JSON of the candidate (B)")
+    p.add_argument("--json", action="store_true", help="print the comparison as one JSON object")
+    args = p.parse_args(argv)
+
+    from scirl.eval.display import print_compare
+    from scirl.eval.metrics import compare
+
+    loaded = []
+    for path in (args.a, args.b):
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as e:
+            print(f"scirl eval compare: cannot read {path}: {e}", file=sys.stderr)
+            return 2
+        if not isinstance(data, dict) or not isinstance(data.get("records"), list):
+            print(f"scirl eval compare: {path} is not a scirl eval results file (no records)", file=sys.stderr)
+            return 2
+        loaded.append(data)
+    result = compare(*loaded)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print_compare(result, args.a, args.b)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "compare":
+        return run_compare(argv[1:])
+    return run_eval(argv)

@@ -1,0 +1,284 @@
+"""Evaluate a model behind an OpenAI-compatible server (vLLM, ``scirl serve``): an async chat-completions client.
+
+Bounded concurrency (a semaphore over in-flight requests), retries with
+exponential backoff and jitter on 5xx / 429 / timeouts / connection errors /
+malformed replies, and every answered question appended to the records file the
+moment it arrives, so a killed run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from scirl.prompt import build_messages
+from scirl.schema import Question
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+FATAL_STATUS = {401, 403, 404}  # the whole run is misconfigured: stop at once
+
+
+class RetryableError(Exception):
+    pass
+
+
+class QuestionError(Exception):
+    """This question cannot be answered by retrying (e.g. its prompt is longer than the server's context)."""
+
+
+class FatalServerError(Exception):
+    """Every request would fail the same way (bad URL, key or model name)."""
+
+
+@dataclass
+class ClientConfig:
+    base_url: str
+    model: str
+    api_key: str | None = None
+    n_samples: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 1024
+    seed: int | None = None
+    timeout: float = 120.0  # per request, seconds
+    retries: int = 6  # attempts after the first
+    concurrency: int = 32
+    backoff_base: float = 0.5  # seconds; doubles per attempt
+    backoff_max: float = 30.0
+
+
+def _chat_url(base_url: str) -> str:
+    return base_url.rstrip("/") + "/chat/completions"
+
+
+def parse_choices(body: bytes) -> list[tuple[str, str | None]]:
+    """(content, finish_reason) per choice of a chat-completions reply; RetryableError if it is malformed."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RetryableError(f"malformed reply: not JSON ({e})") from None
+    choices = data.get("choices") if isinstance(data, dict) else None
+    if not isinstance(choices, list) or not choices:
+        raise RetryableError("malformed reply: no choices")
+    out = []
+    for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            raise RetryableError("malformed reply: a choice without a message")
+        content = message.get("content")
+        if content is not None and not isinstance(content, str):
+            raise RetryableError("malformed reply: message content is not text")
+        # None content is a real answer (e.g. a reasoning model cut off while thinking): it scores as unparsed
+        out.append((content or "", choice.get("finish_reason")))
+    return out
+
+
+class ChatClient:
+    def __init__(self, http: httpx.AsyncClient, cfg: ClientConfig):
+        self.http = http
+        self.cfg = cfg
+        self.slots = asyncio.Semaphore(cfg.concurrency)
+        self.server_ignores_n = False  # learned from the first short reply; then we ask one sample per call
+        self.requests = 0
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+    async def _request_once(self, messages: list[dict[str, str]], n: int, seed: int | None) -> list[tuple[str, str | None]]:
+        cfg = self.cfg
+        payload: dict[str, Any] = {
+            "model": cfg.model,
+            "messages": messages,
+            "n": n,
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "max_tokens": cfg.max_tokens,
+        }
+        if seed is not None:
+            payload["seed"] = seed
+        try:
+            async with self.slots:
+                self.requests += 1
+                response = await self.http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout)
+        except httpx.TimeoutException:
+            raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
+        except httpx.TransportError as e:
+            raise RetryableError(f"{type(e).__name__}: {e}") from None
+        status = response.status_code
+        if status == 200:
+            return parse_choices(response.content)
+        detail = response.text[:300]
+        if status in RETRY_STATUS or status >= 500:
+            error = RetryableError(f"HTTP {status}: {detail}")
+            error.retry_after = response.headers.get("retry-after")  # type: ignore[attr-defined]
+            raise error
+        if status in FATAL_STATUS:
+            hint = " (does --base-url end with /v1, and is --model the served model name?)" if status == 404 else ""
+            raise FatalServerError(f"{_chat_url(cfg.base_url)} answered HTTP {status}{hint}: {detail}")
+        raise QuestionError(f"HTTP {status}: {detail}")
+
+    async def _request(self, messages: list[dict[str, str]], n: int, seed: int | None) -> list[tuple[str, str | None]]:
+        """One request, retried with exponential backoff and full jitter."""
+        cfg = self.cfg
+        for attempt in range(cfg.retries + 1):
+            try:
+                return await self._request_once(messages, n, seed)
+            except RetryableError as e:
+                if attempt == cfg.retries:
+                    raise QuestionError(f"gave up after {cfg.retries + 1} attempts; last error: {e}") from None
+                delay = random.uniform(0, min(cfg.backoff_max, cfg.backoff_base * 2**attempt))
+                retry_after = getattr(e, "retry_after", None)
+                if retry_after and retry_after.replace(".", "", 1).isdigit():
+                    delay = max(delay, min(cfg.backoff_max, float(retry_after)))
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def sample(self, messages: list[dict[str, str]]) -> list[tuple[str, str | None]]:
+        """``n_samples`` (reply, finish_reason) pairs: one call with n=k, topped up one call per missing sample."""
+        k, seed = self.cfg.n_samples, self.cfg.seed
+        got: list[tuple[str, str | None]] = []
+        if k == 1 or not self.server_ignores_n:
+            got = (await self._request(messages, k, seed))[:k]
+            if len(got) < k:
+                self.server_ignores_n = True
+        if len(got) < k:
+            # seed + i, so seeded top-up calls do not all repeat the same sample
+            more = await asyncio.gather(
+                *(self._request(messages, 1, None if seed is None else seed + i) for i in range(len(got), k))
+            )
+            got += [m[0] for m in more]
+        return got
+
+
+async def check_server(http: httpx.AsyncClient, cfg: ClientConfig, attempts: int = 3) -> str | None:
+    """Fail fast when nothing listens at --base-url; return a warning when the model is not listed there."""
+    url = cfg.base_url.rstrip("/") + "/models"
+    for attempt in range(attempts):
+        try:
+            response = await http.get(url, headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}, timeout=cfg.timeout)
+            break
+        except httpx.TransportError as e:  # includes timeouts
+            if attempt == attempts - 1:
+                raise FatalServerError(f"cannot reach {url}: {type(e).__name__}: {e}. Is the server running?") from None
+            await asyncio.sleep(1.0)
+    try:
+        served = [m.get("id") for m in response.json().get("data", [])]
+    except Exception:  # a server without a usable /models: nothing to check
+        return None
+    if served and cfg.model not in served:
+        return f"model {cfg.model!r} is not among the served models {served}"
+    return None
+
+
+async def evaluate_questions(
+    questions: list[Question],
+    cfg: ClientConfig,
+    on_answer=None,
+    on_failure=None,
+    check: bool = True,
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
+    """Ask every question; return ({id: {"replies", "finish_reasons"}}, [{"id", "error"}]).
+
+    ``on_answer(question, replies, finish_reasons)`` runs as each answer arrives
+    (the caller appends it to the records file); ``on_failure(question, error)``
+    when a question failed after all retries. FatalServerError stops the run.
+    """
+    limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
+    answered: dict[str, dict[str, Any]] = {}
+    failed: list[dict[str, str]] = []
+    async with httpx.AsyncClient(limits=limits, timeout=cfg.timeout) as http:
+        if check:
+            warning = await check_server(http, cfg)
+            if warning:
+                print(f"warning: {warning}")
+        client = ChatClient(http, cfg)
+
+        async def ask(q: Question):
+            try:
+                return q, await client.sample(build_messages(q)), None
+            except QuestionError as e:
+                return q, None, str(e)
+
+        tasks = [asyncio.ensure_future(ask(q)) for q in questions]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                q, samples, error = await next_done
+                if samples is None:
+                    failed.append({"id": q.id, "error": error})
+                    if on_failure:
+                        on_failure(q, error)
+                    continue
+                replies = [s[0] for s in samples]
+                finish = [s[1] for s in samples]
+                answered[q.id] = {"id": q.id, "replies": replies, "finish_reasons": finish}
+                if on_answer:
+                    on_answer(q, replies, finish)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return answered, failed
+
+
+def server_settings(cfg: ClientConfig, **extra: Any) -> dict[str, Any]:
+    """The resolved settings written into the results; never the API key."""
+    return {
+        "backend": "server",
+        "base_url": cfg.base_url,
+        "model": cfg.model,
+        "n_samples": cfg.n_samples,
+        "temperature": cfg.temperature,
+        "top_p": cfg.top_p,
+        "max_tokens": cfg.max_tokens,
+        "seed": cfg.seed,
+        "timeout": cfg.timeout,
+        "retries": cfg.retries,
+        "concurrency": cfg.concurrency,
+        **extra,
+    }
+
+
+def evaluate_server(
+    questions: list[Question],
+    cfg: ClientConfig,
+    *,
+    out=None,
+    settings: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate ``questions`` against the server; resume from and append to ``out``'s records file."""
+    from scirl.eval.display import progress_bar
+    from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
+
+    check_unique_ids(questions)
+    settings = settings if settings is not None else server_settings(cfg)
+    records = RecordsFile(records_path(out), settings, overwrite=overwrite) if out else None
+    try:
+        done = records.answered if records else {}
+        todo = [q for q in questions if q.id not in done]
+        if records and len(todo) < len(questions):
+            print(f"resuming: {len(questions) - len(todo)} of {len(questions)} questions already answered in {records.path}")
+        with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
+
+            def on_answer(q, replies, finish):
+                if records:
+                    records.append(q.id, replies, finish)
+                bar.advance()
+
+            answered, failed = asyncio.run(
+                evaluate_questions(todo, cfg, on_answer=on_answer, on_failure=lambda q, e: bar.advance(failed=True), check=bool(todo))
+            )
+    finally:
+        if records:
+            records.close()
+    all_answered = {**done, **answered}
+    results = build_results(questions, all_answered, failed, settings)
+    if out:
+        write_json(results, out)
+    return results

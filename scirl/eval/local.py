@@ -1,0 +1,74 @@
+"""Evaluate an in-process generator (a local HF model, or the policy inside a training run) with no server.
+
+Same prompts, extraction, records file and results format as the server path
+(``scirl.eval.client``); the demo calls ``evaluate_generator`` directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from scirl.schema import Question
+
+
+def evaluate_generator(
+    generator,
+    questions: list[Question],
+    *,
+    n_samples: int = 1,
+    temperature: float = 0.0,
+    max_tokens: int = 16,
+    out: str | Path | None = None,
+    settings: dict[str, Any] | None = None,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    batch_size: int = 32,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Ask every question through ``generator`` (a ``scirl.inference.base.Generator``); return the results.
+
+    With ``out`` the answers are appended to ``out``'s records file as each batch
+    finishes and the results are written to ``out``; a rerun resumes. ``settings``
+    adds to the recorded settings (e.g. ``{"model": path, "data": source}``); the
+    sampling values recorded are always the ones used here.
+    """
+    from scirl.eval.display import progress_bar
+    from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
+    from scirl.inference.base import SamplingParams, encode_messages
+    from scirl.prompt import build_messages
+
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    check_unique_ids(questions)
+    resolved = {"backend": "local", "model": str(getattr(generator, "model_dir", type(generator).__name__)), "data": None}
+    resolved.update(settings or {})
+    resolved.update(n_samples=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    params = SamplingParams(n=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+
+    records = RecordsFile(records_path(out), resolved, overwrite=overwrite) if out else None
+    answered: dict[str, dict[str, Any]] = dict(records.answered) if records else {}
+    todo = [q for q in questions if q.id not in answered]
+    try:
+        with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
+            for start in range(0, len(todo), batch_size):
+                batch = todo[start : start + batch_size]
+                prompts = [encode_messages(generator.tokenizer, build_messages(q)) for q in batch]
+                outputs = generator.generate(prompts, params)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(f"generator returned {len(outputs)} results for {len(batch)} prompts")
+                for q, completions in zip(batch, outputs):
+                    replies = [c.text for c in completions]
+                    finish = [c.finish_reason for c in completions]
+                    answered[q.id] = {"id": q.id, "replies": replies, "finish_reasons": finish}
+                    if records:
+                        records.append(q.id, replies, finish)
+                    bar.advance()
+    finally:
+        if records:
+            records.close()
+    results = build_results(questions, answered, [], resolved)
+    if out:
+        write_json(results, out)
+    return results
