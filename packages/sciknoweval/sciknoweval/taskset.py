@@ -1,0 +1,175 @@
+"""The SciKnowEval taskset: scirl's data, split, prompt and reward behind verifiers v1's Taskset API.
+
+Nothing here re-implements scirl: `load()` calls `scirl.data.load_splits` and
+`scirl.prompt.build_messages`, and the reward calls `scirl.reward`, so a run in
+prime-rl trains and scores on exactly the questions, prompts and rewards that
+`scirl train` / `scirl eval` use, question for question.
+
+Two traps of the verifiers/prime-rl pair shape `load()`:
+- prime-rl's sampler raises on duplicate task keys, so the key is the
+  question's durable content id (scirl keeps exact duplicates once);
+- the sampler cycles tasks in load order, with no per-epoch shuffle, so
+  `load()` shuffles with a fixed seed itself.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+import verifiers.v1 as vf
+from pydantic import field_validator
+
+from scirl import reward as scirl_reward
+from scirl.data import HUB_ID, SPLIT_METHODS, load_splits
+from scirl.prompt import build_messages
+from scirl.schema import MCQ_TYPES, Question
+
+
+class SciKnowEvalData(vf.TaskData):
+    """One question as it rides the wire to the env server, which scores it without loading any data.
+
+    It carries every field the reward needs to rebuild scirl's Question. The
+    key is our own `qid` (not `TaskData.id`, which older verifiers lack).
+    """
+
+    qid: str
+    question: str
+    labels: list[str]
+    options: list[str]
+    answer_key: str
+    domain: str
+    level: str = ""
+    subtask: str = ""
+    mcq_type: str = "mcq-4-choices"
+    reward_mode: Literal["strict", "lenient"] = "strict"
+
+
+def question_of(data: SciKnowEvalData) -> Question:
+    """scirl's Question back from the wire data, for scirl's reward."""
+    return Question(
+        id=data.qid,
+        question=data.question,
+        labels=tuple(data.labels),
+        options=tuple(data.options),
+        answer_key=data.answer_key,
+        domain=data.domain,
+        level=data.level,
+        subtask=data.subtask,
+        type=data.mcq_type,
+    )
+
+
+def task_data(q: Question, idx: int, reward_mode: str) -> SciKnowEvalData:
+    """The wire data of one question: system prompt and prompt exactly as `build_messages` makes them."""
+    system, user = build_messages(q)
+    if system["role"] != "system" or user["role"] != "user":
+        raise ValueError(f"build_messages returned roles {system['role']!r}, {user['role']!r}; expected system, user")
+    return SciKnowEvalData(
+        idx=idx,
+        prompt=user["content"],
+        system_prompt=system["content"],
+        qid=q.id,
+        question=q.question,
+        labels=list(q.labels),
+        options=list(q.options),
+        answer_key=q.answer_key,
+        domain=q.domain,
+        level=q.level,
+        subtask=q.subtask,
+        mcq_type=q.type,
+        reward_mode=reward_mode,
+    )
+
+
+class SciKnowEvalTask(vf.Task[SciKnowEvalData]):
+    @property
+    def key(self) -> str:
+        # Durable across runs and machines; the default content hash would
+        # change with `idx` and the reward mode.
+        return self.data.qid
+
+    @vf.stop
+    async def answered(self, trace: vf.Trace) -> bool:
+        # One question, one reply: the null harness stops there anyway, this
+        # keeps any other harness from looping.
+        return trace.num_turns >= 1
+
+    @vf.reward(weight=1.0)
+    async def correct(self, trace: vf.Trace) -> float:
+        """1.0 when scirl's reward (in the task's mode) reads the gold letter in the last reply, else 0.0."""
+        return score_reply(trace.last_reply, self.data).reward
+
+    @vf.metric
+    async def parsed(self, trace: vf.Trace) -> float:
+        """Whether the reward mode found an answer letter at all (format signal, logged, not rewarded)."""
+        return float(score_reply(trace.last_reply, self.data).parsed)
+
+    @vf.metric
+    async def correct_lenient(self, trace: vf.Trace) -> float:
+        """Lenient accuracy beside the (usually strict) training reward."""
+        return score_reply(trace.last_reply, self.data, mode="lenient").reward
+
+
+def score_reply(reply: str, data: SciKnowEvalData, mode: str | None = None) -> scirl_reward.Scored:
+    """scirl's reward for one reply, in the task's mode unless ``mode`` is given.
+
+    scirl drops `<think>...</think>` text (and an unfinished `<think>`) before
+    reading the letter, so reasoning that names other letters does not count.
+    """
+    return scirl_reward.score(reply, question_of(data), mode or data.reward_mode)
+
+
+class SciKnowEvalConfig(vf.TasksetConfig):
+    """Load-time knobs, under `[orchestrator.*.source.env.taskset]`. Unknown keys are rejected."""
+
+    data: str = HUB_ID
+    """Where scirl reads the rows: the hub id, a `raw_data/` directory, or one .jsonl/.json/.parquet file."""
+    split: Literal["train", "eval"] = "train"
+    """scirl's train split, or its held-out eval split."""
+    split_method: str = "content"
+    """scirl's split method, one of `scirl.data.SPLIT_METHODS` ("content" or the guide's "guide")."""
+    eval_per_domain: int = 200
+    """Held-out questions per domain."""
+    split_seed: int = 42
+    """Seed of the split methods that draw at random."""
+    reward_mode: Literal["strict", "lenient"] = "strict"
+    """strict: the reply is the letter alone or ends with an "Answer: X" line (the training reward)."""
+    shuffle_seed: int = 0
+    """Seed of the task order (prime-rl cycles tasks in load order)."""
+
+    @field_validator("split_method")
+    @classmethod
+    def _known_split_method(cls, value: str) -> str:
+        if value not in SPLIT_METHODS:
+            raise ValueError(f"unknown split method {value!r}; expected one of {SPLIT_METHODS}")
+        return value
+
+    @field_validator("eval_per_domain")
+    @classmethod
+    def _non_negative(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"eval_per_domain must be >= 0, got {value}")
+        return value
+
+
+class SciKnowEvalTaskset(vf.Taskset[SciKnowEvalTask, SciKnowEvalConfig]):
+    def load(self) -> list[SciKnowEvalTask]:
+        cfg = self.config
+        splits = load_splits(
+            cfg.data,
+            types=MCQ_TYPES,
+            eval_per_domain=cfg.eval_per_domain,
+            split_method=cfg.split_method,
+            seed=cfg.split_seed,
+        )
+        # Sort by id first so the order depends only on the questions and the
+        # seed, not on the order the files were read in.
+        questions = sorted(splits.split(cfg.split), key=lambda q: q.id)
+        random.Random(cfg.shuffle_seed).shuffle(questions)
+        seen: set[str] = set()
+        for q in questions:
+            if q.id in seen:
+                raise ValueError(f"duplicate question id {q.id} ({q.source}) in split {cfg.split!r}")
+            seen.add(q.id)
+        return [SciKnowEvalTask(task_data(q, i, cfg.reward_mode), cfg.task) for i, q in enumerate(questions)]
