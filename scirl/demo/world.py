@@ -1,0 +1,105 @@
+"""The demo's learnable science task: open-book MCQs in SciKnowEval's schema (like its L2 reading comprehension).
+
+Each question carries a short text about an invented entity (two facts from one
+domain) and asks for one of them; the four options are values of the asked
+relation, exactly one of which the text states. Every row is fresh (new entity,
+new text, new option order), so nothing can be memorised: a model that answers
+held-out rows well has the *skill* of reading the text and picking its option.
+
+The base model (see ``scirl.demo.pretrain``) learns that skill from "web" pages
+of such questions whose posted answers are unreliable, as real web answers are:
+for some question types most posted answers are a habitual letter, whatever the
+text says. The base therefore can find the right option (it puts clearly more
+than chance probability on it) but often answers with the habit instead. GRPO
+with the strict 0/1 reward is what moves it from the habit to the answer.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from scirl.schema import DOMAINS
+from scirl.synthetic import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name
+
+READING_PREFIX = "Read the text carefully and answer the question."
+LETTERS = ("A", "B", "C", "D")
+
+
+@dataclass(frozen=True)
+class AnswerHabit:
+    """How "web" pages answer one relation's questions: the right letter with ``p_correct``,
+    the habitual ``letter`` with ``p_habit``, else a uniformly random letter."""
+
+    p_correct: float
+    p_habit: float
+    letter: str
+
+
+# Per relation (index into scirl.synthetic.RELATIONS). Two relations are answered
+# reliably on the web, one half and half, the others mostly with a habitual letter,
+# so the base answers well below its skill, unevenly across domains, as real ones do.
+HABITS: tuple[AnswerHabit, ...] = (
+    AnswerHabit(0.70, 0.10, "A"),  # Biology: organelle (careful)
+    AnswerHabit(0.25, 0.55, "A"),  # Biology: pathway
+    AnswerHabit(0.25, 0.55, "B"),  # Chemistry: functional group
+    AnswerHabit(0.40, 0.40, "C"),  # Chemistry: reaction type (mixed)
+    AnswerHabit(0.25, 0.55, "D"),  # Material: crystal structure
+    AnswerHabit(0.25, 0.55, "A"),  # Material: conductivity
+    AnswerHabit(0.25, 0.55, "C"),  # Physics: force
+    AnswerHabit(0.70, 0.10, "B"),  # Physics: emission band (careful)
+)
+
+
+def relations_of(domain: str) -> list[Relation]:
+    return [r for r in RELATIONS if r.domain == domain]
+
+
+def reading_row(relation: Relation, rng: random.Random) -> dict[str, Any]:
+    """One open-book MCQ row: a two-fact text about a new entity, a question about one fact."""
+    entity = entity_name(rng)
+    other = rng.choice([r for r in relations_of(relation.domain) if r is not relation])
+    value = rng.choice(relation.values)
+    facts = [relation.statement.format(entity=entity, value=value),
+             other.statement.format(entity=entity, value=rng.choice(other.values))]
+    rng.shuffle(facts)
+    distractors = rng.sample([v for v in relation.values if v != value], 3)
+    options = distractors + [value]
+    rng.shuffle(options)
+    question = f"{READING_PREFIX}\nText: {' '.join(facts)}\nQuestion: {relation.question.format(entity=entity)}"
+    return {
+        "prompt": {"default": MCQ4_INSTRUCTION},
+        "question": question,
+        "choices": {"text": options, "label": list(LETTERS)},
+        "answerKey": LETTERS[options.index(value)],
+        "type": "mcq-4-choices",
+        "domain": relation.domain,
+        "details": {"level": "L2", "task": relation.task, "subtask": "reading_comprehension", "source": "scirl-demo"},
+        "answer": "",
+    }
+
+
+def generate_reading_rows(n_per_domain: int, seed: int) -> list[dict[str, Any]]:
+    """``n_per_domain`` rows per domain, the domain's relations alternating; deterministic in ``seed``."""
+    rng = random.Random(f"demo-reading-{seed}")
+    rows = []
+    for domain in DOMAINS:
+        relations = relations_of(domain)
+        rows += [reading_row(relations[i % len(relations)], rng) for i in range(n_per_domain)]
+    return rows
+
+
+def web_answer(row: dict[str, Any], rng: random.Random) -> str:
+    """The answer a "web" page posts for ``row``: right, habitual or random, per its relation's habit;
+    written as a bare letter or as "Answer: X" (both are what the strict reward accepts)."""
+    relation_index = next(i for i, r in enumerate(RELATIONS) if r.task == row["details"]["task"])
+    habit = HABITS[relation_index]
+    u = rng.random()
+    if u < habit.p_correct:
+        letter = row["answerKey"]
+    elif u < habit.p_correct + habit.p_habit:
+        letter = habit.letter
+    else:
+        letter = rng.choice(LETTERS)
+    return letter if rng.random() < 0.8 else f"Answer: {letter}"
