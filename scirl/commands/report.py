@@ -1,0 +1,48 @@
+"""``scirl report RUN_DIR [--out DIR]`` and ``scirl report --compare A.json B.json [--out DIR]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="scirl report",
+        description="Plots and a one-page, self-contained HTML summary of a run (or a comparison of two evaluations).",
+        epilog="Before/after accuracy: eval_base.json and eval_final.json by name, "
+        "else the oldest and newest eval_*.json by modification time.",
+    )
+    parser.add_argument("run_dir", nargs="?", help="run directory (metrics.jsonl, config.toml, rollouts/, eval_*.json)")
+    parser.add_argument("--out", help="output directory (default: RUN_DIR/report, or B's directory with --compare)")
+    parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="compare two scirl eval results files")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.compare) == bool(args.run_dir):
+        parser.error("give either RUN_DIR or --compare A.json B.json")
+
+    from scirl.report import write_compare, write_report  # matplotlib is imported only when needed
+
+    try:
+        if args.compare:
+            page, comparison = write_compare(*args.compare, out_dir=args.out)
+            if comparison and comparison.get("common_questions"):
+                m = comparison["mcnemar"]
+                print(
+                    f"paired on {comparison['common_questions']} questions: "
+                    f"A {100 * comparison['accuracy_a']:.1f}% -> B {100 * comparison['accuracy_b']:.1f}% "
+                    f"({100 * comparison['difference']:+.1f} pts), McNemar {m['method']} p = {m['p_value']:.3g}"
+                )
+            else:
+                print("no paired comparison: the two files share no question ids (or lack records)")
+        else:
+            page = write_report(args.run_dir, out_dir=args.out)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"scirl report: {e}", file=sys.stderr)
+        return 2
+    print(page)
+    return 0

@@ -1,0 +1,104 @@
+"""``scirl report``: PNG plots and a one-page, self-contained HTML summary of a run.
+
+    from scirl.report import write_report
+    page = write_report("runs/demo")          # -> runs/demo/report/report.html
+
+The report only reads: ``metrics.jsonl`` (complete lines only, so a run in
+progress can be reported at any moment), ``config.toml``, ``rollouts/`` and
+``eval_*.json``. Whatever is missing or partial is listed on the page.
+
+Which evaluation is "before" and which "after": ``eval_base.json`` and
+``eval_final.json`` by name; otherwise the oldest and newest ``eval_*.json``
+by modification time (see ``inputs.choose_before_after``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from scirl.report import plots
+from scirl.report.inputs import accuracy_table, gather, paired_comparison, read_eval
+from scirl.report.page import render_compare_page, render_run_page
+
+__all__ = ["write_report", "write_compare"]
+
+
+def _role_label(role: str, evaluation) -> str:
+    return f"{role}: {evaluation.name}"
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write the plots and ``report.html`` for ``run_dir`` into ``out_dir`` (default ``run_dir/report``).
+
+    Returns the page's path. Raises FileNotFoundError only when ``run_dir`` is
+    not a directory; any missing or unreadable file inside it is named on the page.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    run = gather(run_dir)
+
+    figures = [
+        ("reward.png", plots.plot_reward, "Reward mean ± std per step, per-domain reward, parse rates"),
+        ("filters.png", plots.plot_filters, "Trainable fraction and filter detections per step"),
+        ("training.png", plots.plot_training, "Loss, mismatch KL, entropy and gradient norm"),
+        ("timing.png", plots.plot_timing, "Step time by phase, and tokens/s"),
+    ]
+    drawn = []
+    for name, draw, caption in figures:
+        path = out_dir / name
+        path.unlink(missing_ok=True)  # a stale plot from an earlier report must not be shown as current
+        if draw(run.metrics, path):
+            drawn.append((path, caption))
+        elif run.metrics:
+            run.notes.append(f"{name}: none of its metrics are logged")
+
+    comparison = None
+    accuracy_path = out_dir / "accuracy.png"
+    accuracy_path.unlink(missing_ok=True)
+    sides = [(role, ev) for role, ev in (("before", run.before), ("after", run.after)) if ev is not None]
+    if sides:
+        tables = [(_role_label(role, ev), accuracy_table(ev)) for role, ev in sides]
+        if plots.plot_accuracy(tables, accuracy_path, "Accuracy per domain, before vs after training (95% CI)"):
+            drawn.append((accuracy_path, "Per-domain accuracy before vs after training, 95% confidence intervals"))
+        else:
+            run.notes.append("accuracy.png: the evaluation files hold no overall_accuracy or per_domain_accuracy")
+    if run.before is not None and run.after is not None:
+        comparison = paired_comparison(run.before, run.after, run.notes)
+
+    page = out_dir / "report.html"
+    page.write_text(render_run_page(run, drawn, comparison), encoding="utf-8")
+    return page
+
+
+def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | None = None) -> tuple[Path, dict | None]:
+    """Per-domain comparison plot and page of two ``scirl eval`` results files, with the McNemar test.
+
+    Writes ``compare_<A>_vs_<B>.png`` and ``.html`` into ``out_dir`` (default: B's
+    directory). Returns (page path, the comparison dict or None when unavailable).
+    """
+    notes: list[str] = []
+    a_path, b_path = Path(a_path), Path(b_path)
+    for path in (a_path, b_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"evaluation file not found: {path}")
+    a, b = read_eval(a_path, notes), read_eval(b_path, notes)
+    if a is None or b is None:
+        raise ValueError("; ".join(notes))
+    out_dir = Path(out_dir) if out_dir is not None else b_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"compare_{a_path.stem}_vs_{b_path.stem}"
+    plot_path = out_dir / f"{stem}.png"
+    tables = [(f"A: {a.name}", accuracy_table(a)), (f"B: {b.name}", accuracy_table(b))]
+    comparison = paired_comparison(a, b, notes)
+    title = "Accuracy per domain (95% CI)"
+    if comparison and comparison.get("common_questions"):
+        title += f"; B - A = {100 * comparison['difference']:+.1f} pts, McNemar p = {comparison['mcnemar']['p_value']:.3g}"
+    if not plots.plot_accuracy(tables, plot_path, title):
+        notes.append("neither file holds overall_accuracy or per_domain_accuracy: no plot")
+        plot_path = None
+    page = out_dir / f"{stem}.html"
+    page.write_text(render_compare_page(a, b, plot_path, comparison, notes), encoding="utf-8")
+    return page, comparison

@@ -1,0 +1,221 @@
+"""The report's PNG plots. Each function draws one figure and returns the series it drew.
+
+Returning the plotted data lets tests (and curious users) check a plot against
+``metrics.jsonl`` without reading pixels. A function that finds nothing to draw
+writes no file and returns an empty dict.
+
+We draw on ``matplotlib.figure.Figure`` directly instead of pyplot: it renders
+with the Agg canvas, needs no display and keeps no global figure state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from scirl.report.inputs import domain_reward_keys, series
+
+Series = dict[str, tuple[list[float], list[float]]]
+FILTER_KEYS = ("filters/gibberish", "filters/repetition", "filters/zero_advantage")
+TIME_KEYS = ("time/generate", "time/train", "time/weight_sync", "time/checkpoint")
+TIME_LABELS = {"time/generate": "generation", "time/train": "training", "time/weight_sync": "weight sync", "time/checkpoint": "checkpoint"}
+TRAINING_KEYS = ("loss", "mismatch_kl", "entropy", "grad_norm")
+DPI = 100
+
+
+def _marker(steps: list[float]) -> str:
+    # a handful of steps is easier to read as dots; a long run as a plain line
+    return "o" if len(steps) <= 40 else ""
+
+
+def _save(fig: Figure, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI)
+
+
+def _present(metrics: list[dict[str, Any]], keys) -> Series:
+    out = {}
+    for key in keys:
+        steps, values = series(metrics, key)
+        if steps:
+            out[key] = (steps, values)
+    return out
+
+
+def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
+    """Reward mean ± std per step, per-domain reward, and (below) the parse rates."""
+    drawn = _present(metrics, ["reward/mean", "reward/std", *domain_reward_keys(metrics)])
+    parse = _present(metrics, ["parse_rate/strict", "parse_rate/lenient"])
+    if not drawn:
+        return {}
+    fig = Figure(figsize=(9, 5.5 if parse else 4.5), layout="constrained")
+    if parse:
+        ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    else:
+        ax, ax_parse = fig.subplots(), None
+    if "reward/mean" in drawn:
+        steps, mean = drawn["reward/mean"]
+        ax.plot(steps, mean, marker=_marker(steps), color="black", linewidth=2, label="mean")
+        std_by_step = dict(zip(*drawn.get("reward/std", ([], []))))
+        band = [(s, m, std_by_step[s]) for s, m in zip(steps, mean) if s in std_by_step]
+        if band:
+            xs = [s for s, _, _ in band]
+            ax.fill_between(xs, [m - d for _, m, d in band], [m + d for _, m, d in band], color="gray", alpha=0.25, label="± std")
+    for key in domain_reward_keys(metrics):
+        if key in drawn:
+            steps, values = drawn[key]
+            ax.plot(steps, values, marker=_marker(steps), markersize=3, linewidth=1, label=key.split("/", 1)[1])
+    ax.set_ylabel("reward")
+    ax.set_title("Reward per step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=3)
+    if ax_parse is not None:
+        for key, (steps, values) in parse.items():
+            ax_parse.plot(steps, values, marker=_marker(steps), markersize=3, label=key.split("/", 1)[1])
+        ax_parse.set_ylabel("parse rate")
+        ax_parse.set_ylim(-0.05, 1.05)
+        ax_parse.grid(alpha=0.3)
+        ax_parse.legend(fontsize=8)
+        drawn.update(parse)
+    (ax_parse or ax).set_xlabel("step")
+    _save(fig, path)
+    return drawn
+
+
+def plot_filters(metrics: list[dict[str, Any]], path: Path) -> Series:
+    """Fraction of completions that still train, and the fraction each filter flagged."""
+    trainable = _present(metrics, ["trainable/fraction"])
+    filters = _present(metrics, FILTER_KEYS)
+    if not trainable and not filters:
+        return {}
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    ax_top, ax_bottom = fig.subplots(2, 1, sharex=True)
+    for key, (steps, values) in trainable.items():
+        ax_top.plot(steps, values, marker=_marker(steps), color="black")
+    if not trainable:
+        ax_top.text(0.5, 0.5, "trainable/fraction not logged", ha="center", va="center", transform=ax_top.transAxes)
+    ax_top.set_ylabel("trainable fraction")
+    ax_top.set_ylim(-0.05, 1.05)
+    ax_top.set_title("Trainable completions and filter detections per step")
+    ax_top.grid(alpha=0.3)
+    for key, (steps, values) in filters.items():
+        ax_bottom.plot(steps, values, marker=_marker(steps), markersize=4, label=key.split("/", 1)[1])
+    if filters:
+        ax_bottom.legend(fontsize=8)
+    else:
+        ax_bottom.text(0.5, 0.5, "filters/* not logged", ha="center", va="center", transform=ax_bottom.transAxes)
+    ax_bottom.set_ylabel("fraction flagged")
+    ax_bottom.set_ylim(-0.05, 1.05)
+    ax_bottom.set_xlabel("step")
+    ax_bottom.grid(alpha=0.3)
+    _save(fig, path)
+    return {**trainable, **filters}
+
+
+def plot_training(metrics: list[dict[str, Any]], path: Path) -> Series:
+    """Loss, mismatch KL, entropy and gradient norm as small multiples."""
+    drawn = _present(metrics, TRAINING_KEYS)
+    if not drawn:
+        return {}
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    axes = fig.subplots(2, 2, sharex=True).flatten()
+    for ax, key in zip(axes, TRAINING_KEYS):
+        ax.set_title(key.replace("_", " "), fontsize=10)
+        ax.grid(alpha=0.3)
+        if key in drawn:
+            steps, values = drawn[key]
+            ax.plot(steps, values, marker=_marker(steps), markersize=3)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+    for ax in axes[2:]:
+        ax.set_xlabel("step")
+    _save(fig, path)
+    return drawn
+
+
+def plot_timing(metrics: list[dict[str, Any]], path: Path) -> Series:
+    """Step time split into its phases (stacked bars) and generation throughput."""
+    phases = _present(metrics, TIME_KEYS)
+    total = _present(metrics, ["time/step"])
+    throughput = _present(metrics, ["tokens_per_s"])
+    if not phases and not total and not throughput:
+        return {}
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    ax_time, ax_tps = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.6])
+    # one bar per step; a phase a step did not log counts as zero in the stack
+    steps = sorted({s for xs, _ in [*phases.values(), *total.values()] for s in xs})
+    bottom = {s: 0.0 for s in steps}
+    width = 0.8 * (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1.0)
+    drawn: Series = {}
+    for key in TIME_KEYS:
+        if key not in phases:
+            continue
+        value_at = dict(zip(*phases[key]))
+        heights = [value_at.get(s, 0.0) for s in steps]
+        ax_time.bar(steps, heights, width=width, bottom=[bottom[s] for s in steps], label=TIME_LABELS[key])
+        for s, h in zip(steps, heights):
+            bottom[s] += h
+        drawn[key] = phases[key]
+    if total:
+        # whatever the phases do not cover (data loading, advantages, logging) is "other"
+        total_at = dict(zip(*total["time/step"]))
+        other = [max(0.0, total_at[s] - bottom[s]) if s in total_at else 0.0 for s in steps]
+        if any(other):
+            ax_time.bar(steps, other, width=width, bottom=[bottom[s] for s in steps], color="lightgray", label="other")
+        drawn["time/step"] = total["time/step"]
+    # headroom above the tallest bar keeps the legend off the bars
+    ax_time.set_ylim(0, 1.25 * max([*bottom.values(), *total.get("time/step", ([], []))[1], 1e-9]))
+    ax_time.set_ylabel("seconds")
+    ax_time.set_title("Step time by phase")
+    ax_time.grid(alpha=0.3, axis="y")
+    if steps:
+        ax_time.legend(fontsize=8, ncols=5, loc="upper left")
+    else:
+        ax_time.text(0.5, 0.5, "time/* not logged", ha="center", va="center", transform=ax_time.transAxes)
+    if throughput:
+        xs, ys = throughput["tokens_per_s"]
+        ax_tps.plot(xs, ys, marker=_marker(xs), markersize=3, color="tab:purple")
+        drawn.update(throughput)
+    else:
+        ax_tps.text(0.5, 0.5, "tokens_per_s not logged", ha="center", va="center", transform=ax_tps.transAxes)
+    ax_tps.set_ylabel("tokens/s")
+    ax_tps.set_xlabel("step")
+    ax_tps.grid(alpha=0.3)
+    _save(fig, path)
+    return drawn
+
+
+def plot_accuracy(tables: list[tuple[str, dict[str, tuple[float, float | None, float | None]]]], path: Path, title: str) -> dict:
+    """Grouped bars, one group per domain (and Overall), one bar per evaluation, 95% CIs as error bars.
+
+    ``tables`` is [(label, {domain: (accuracy, ci_low, ci_high)})]; a missing CI
+    draws the bar without an error bar.
+    """
+    tables = [(label, table) for label, table in tables if table]
+    if not tables:
+        return {}
+    groups = []
+    for _, table in tables:
+        groups += [g for g in table if g not in groups]
+    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(tables)
+    for i, (label, table) in enumerate(tables):
+        xs = [j + (i - (len(tables) - 1) / 2) * width for j, g in enumerate(groups) if g in table]
+        present = [g for g in groups if g in table]
+        acc = [100 * table[g][0] for g in present]
+        err_low = [100 * (table[g][0] - table[g][1]) if table[g][1] is not None else 0.0 for g in present]
+        err_high = [100 * (table[g][2] - table[g][0]) if table[g][2] is not None else 0.0 for g in present]
+        bars = ax.bar(xs, acc, width=width, yerr=[err_low, err_high], capsize=4, label=label)
+        ax.bar_label(bars, labels=[f"{a:.1f}" for a in acc], fontsize=8, padding=2, label_type="center", color="white")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel("accuracy (%)")
+    ax.set_ylim(0, 120)  # headroom for the legend above 100%
+    ax.set_yticks(range(0, 101, 20))
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper left", ncols=len(tables))
+    _save(fig, path)
+    return dict(tables)
