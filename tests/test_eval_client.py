@@ -1,0 +1,256 @@
+"""The eval client against a deterministic fake OpenAI server: faults, n-fallback, fatal errors, kill and resume."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from fastapi import Request  # at module level: FastAPI resolves the string annotations here
+
+from scirl.data import load_splits
+from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server
+from scirl.eval.results import records_path
+from scirl.prompt import user_text
+from scirl.synthetic import generate_rows, write_jsonl
+
+FAULTS = ("500", "429", "hang", "bad_json", "no_choices", "short")
+
+
+def rule_reply(q) -> str:
+    """A fixed answer per question: right for about two thirds of them, in varied formats."""
+    h = int(q.id, 16)
+    label = q.answer_key if h % 3 else next(x for x in q.labels if x != q.answer_key)
+    return (f"Answer: {label}", label, f"The answer is {label}.")[h % 5 % 3]
+
+
+class FakeServer:
+    """An OpenAI chat-completions server that answers by ``rule_reply`` and counts requests per question id.
+
+    ``faults`` is the chance that a request gets one of FAULTS instead (drawn from a seeded RNG);
+    ``max_n`` caps the choices per reply, like servers that ignore ``n``.
+    """
+
+    def __init__(self, questions, *, faults=0.0, seed=0, latency=0.0, hang_s=1.5, max_n=None):
+        self.by_text = {user_text(q): q for q in questions}
+        self.faults, self.latency, self.hang_s, self.max_n = faults, latency, hang_s, max_n
+        self.rng = random.Random(seed)
+        self.requests: Counter = Counter()
+        self.injected: Counter = Counter()
+
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse, Response
+
+        app = FastAPI()
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            body = await request.json()
+            q = self.by_text[body["messages"][-1]["content"]]
+            self.requests[q.id] += 1
+            if self.latency:
+                await asyncio.sleep(self.latency)
+            n = body.get("n", 1)
+            fault = self.rng.choice(FAULTS) if self.rng.random() < self.faults else None
+            if fault == "short" and n == 1:  # a one-choice reply cannot be short
+                fault = self.rng.choice(FAULTS[:-1])
+            if fault:
+                self.injected[fault] += 1
+            if fault == "500":
+                return JSONResponse({"error": "boom"}, status_code=500)
+            if fault == "429":
+                return JSONResponse({"error": "slow down"}, status_code=429, headers={"retry-after": "0"})
+            if fault == "hang":
+                await asyncio.sleep(self.hang_s)
+            if fault == "bad_json":
+                return Response('{"choices": [{"message": {"content": "A"', media_type="application/json")
+            if fault == "no_choices":
+                return {"id": "x", "object": "chat.completion"}
+            count = 1 if fault == "short" else min(n, self.max_n or n)
+            choices = [{"index": i, "message": {"role": "assistant", "content": rule_reply(q)}, "finish_reason": "stop"}
+                       for i in range(count)]
+            return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices,
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+        return app
+
+
+class running:
+    """Serve an ASGI app from a uvicorn thread on a free port; ``.url`` ends in /v1."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from scirl.serve import bind_socket
+
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline, "fake server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(generate_rows(n_per_domain=20, seed=3), tmp_path_factory.mktemp("data") / "rows.jsonl")
+
+
+@pytest.fixture(scope="module")
+def splits(data_file):
+    return load_splits(str(data_file), eval_per_domain=10)
+
+
+def expected_accuracy(questions) -> float:
+    from scirl.reward import extract_answer
+
+    return sum(extract_answer(rule_reply(q), q.labels, options=q.options) == q.answer_key for q in questions) / len(questions)
+
+
+def config(url, **kw) -> ClientConfig:
+    base = dict(base_url=url, model="fake", timeout=0.4, retries=12, concurrency=8, backoff_base=0.01, backoff_max=0.05)
+    return ClientConfig(**{**base, **kw})
+
+
+def test_faulty_server_gives_every_answer_and_the_clean_accuracy(splits):
+    questions = splits.split("eval")
+    assert len(questions) == 40
+    clean = FakeServer(questions)
+    with running(clean.app()) as srv:
+        clean_results = evaluate_server(questions, config(srv.url), progress=False)
+    faulty = FakeServer(questions, faults=0.4, seed=7)
+    with running(faulty.app()) as srv:
+        faulty_results = evaluate_server(questions, config(srv.url), progress=False)
+    # the faults really happened, each kind of them
+    assert {"500", "429", "hang", "bad_json", "no_choices"} <= set(faulty.injected)
+    assert sum(faulty.requests.values()) > len(questions)
+    for results in (clean_results, faulty_results):
+        assert results["counts"]["answered"] == 40 and results["failed"] == []
+        assert results["overall_accuracy"] == pytest.approx(expected_accuracy(questions))
+    assert faulty_results["per_domain_accuracy"] == clean_results["per_domain_accuracy"]
+    assert [r["answers"] for r in faulty_results["records"]] == [r["answers"] for r in clean_results["records"]]
+    assert [r["id"] for r in faulty_results["records"]] == [q.id for q in questions]  # question order, not arrival order
+
+
+def test_question_failing_after_all_retries_is_reported_and_filled_in_by_a_rerun(splits, tmp_path):
+    questions = splits.split("eval")[:12]
+    out = tmp_path / "eval.json"
+    broken = FakeServer(questions, faults=1.0, seed=1)  # every request fails
+    with running(broken.app()) as srv:
+        results = evaluate_server(questions, config(srv.url, retries=2), out=out, progress=False)
+    assert results["counts"] == {**results["counts"], "answered": 0, "failed": 12}
+    assert {f["id"] for f in results["failed"]} == {q.id for q in questions}
+    assert all("attempts" in f["error"] for f in results["failed"])
+    assert json.loads(out.read_text())["counts"]["failed"] == 12
+    healthy = FakeServer(questions)
+    with running(healthy.app()) as srv:
+        results = evaluate_server(questions, config(srv.url, retries=2), out=out, progress=False)
+    assert results["counts"]["answered"] == 12 and results["failed"] == []
+
+
+def test_n_samples_fall_back_to_one_call_per_sample(splits):
+    questions = splits.split("eval")[:10]
+    server = FakeServer(questions, max_n=1)
+    with running(server.app()) as srv:
+        results = evaluate_server(questions, config(srv.url, n_samples=3, concurrency=2), progress=False)
+    assert all(len(r["replies"]) == 3 for r in results["records"])
+    assert all(server.requests[q.id] == 3 for q in questions)
+    assert results["n_samples"] == 3 and set(results["pass_at"]) == {"1", "2", "3"}
+    assert results["mean_at_k"] == pytest.approx(expected_accuracy(questions))
+    # one call with n=3 when the server honours n
+    server = FakeServer(questions)
+    with running(server.app()) as srv:
+        evaluate_server(questions, config(srv.url, n_samples=3), progress=False)
+    assert all(server.requests[q.id] == 1 for q in questions)
+
+
+def test_wrong_url_or_model_stops_at_once_with_a_clear_error(splits):
+    questions = splits.split("eval")[:4]
+    server = FakeServer(questions)
+    with running(server.app()) as srv:
+        with pytest.raises(FatalServerError, match="/v1"):
+            evaluate_server(questions, config(srv.url.removesuffix("/v1")), progress=False)
+    with pytest.raises(FatalServerError, match="cannot reach"):
+        evaluate_server(questions, config(srv.url), progress=False)  # server gone
+
+
+def _eval_cmd(url, data_file, out):
+    return [sys.executable, "-m", "scirl", "eval", "--base-url", url, "--model", "fake", "--data", str(data_file),
+            "--eval-per-domain", "10", "--concurrency", "2", "--timeout", "5", "--out", str(out), "--no-progress"]
+
+
+@pytest.mark.slow
+def test_killed_eval_resumes_without_asking_answered_questions_again(splits, data_file, tmp_path):
+    questions = splits.split("eval")
+    out = tmp_path / "eval.json"
+    records = records_path(out)
+    server = FakeServer(questions, latency=0.05)
+    env = {**os.environ, "OPENAI_API_KEY": "sk-test-secret-key"}
+    with running(server.app()) as srv:
+        proc = subprocess.Popen(_eval_cmd(srv.url, data_file, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while not (records.exists() and len(records.read_text().splitlines()) >= 11):
+            assert proc.poll() is None, proc.stdout.read().decode()
+            assert time.time() < deadline, "no records written"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        recorded = {json.loads(line)["id"] for line in records.read_text().splitlines()[1:] if line.endswith("}")}
+        assert 10 <= len(recorded) < len(questions)
+        first_run = Counter(server.requests)
+        server.requests.clear()
+        done = subprocess.run(_eval_cmd(srv.url, data_file, out), env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resuming" in done.stdout
+    asked_again = [i for i in recorded if server.requests[i]]
+    assert asked_again == []
+    # only questions in flight at the kill are asked twice; nothing asked more than twice
+    assert all(first_run[i] + server.requests[i] <= 2 for i in first_run)
+    results = json.loads(out.read_text())
+    assert results["counts"]["answered"] == len(questions) and results["failed"] == []
+    assert sorted(r["id"] for r in results["records"]) == sorted(q.id for q in questions)
+    assert results["overall_accuracy"] == pytest.approx(expected_accuracy(questions))
+    lines = records.read_text().splitlines()[1:]
+    assert len(lines) == len({json.loads(line)["id"] for line in lines}) == len(questions)
+    # the API key is never written or printed
+    for text in (out.read_text(), records.read_text(), done.stdout, done.stderr):
+        assert "sk-test-secret-key" not in text
+
+
+def test_rerun_with_other_settings_is_refused(splits, data_file, tmp_path):
+    questions = splits.split("eval")
+    out = tmp_path / "eval.json"
+    server = FakeServer(questions)
+    with running(server.app()) as srv:
+        first = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4"], capture_output=True, text=True, timeout=120)
+        assert first.returncode == 0, first.stdout + first.stderr
+        other = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4", "--temperature", "0.7"],
+                               capture_output=True, text=True, timeout=120)
+    assert other.returncode == 2
+    assert "temperature" in other.stderr and "--overwrite" in other.stderr
+    assert sum(server.requests.values()) == 4
