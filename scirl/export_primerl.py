@@ -198,6 +198,7 @@ def readme(port: int, data: str | None, scirl_source: str | None) -> str:
         "The taskset reads its questions from the hub (set `data` under "
         "`[orchestrator.train.source.env.taskset]` to use local files)."
     )
+    data_arg = f", data={data!r}" if data else ""
     source_note = (
         f"The package's `pyproject.toml` tells uv to take scirl from `{scirl_source}`; "
         "that path must exist on the training node (re-export with `--scirl-source` otherwise)."
@@ -220,7 +221,7 @@ question with `scirl train` and `scirl eval`.
 ## Install (in the prime-rl checkout)
 
 ```bash
-cp -r sciknoweval ~/prime-rl/{DROP_PATH}
+mkdir -p ~/prime-rl/{DROP_PATH} && cp -r sciknoweval/. ~/prime-rl/{DROP_PATH}/
 mkdir -p ~/prime-rl/{Path(CONFIG_PATH).parent} && cp grpo.toml ~/prime-rl/{CONFIG_PATH}
 cd ~/prime-rl
 {UV_SYNC}
@@ -234,7 +235,7 @@ Check it:
 uv run --no-sync python3 -c "
 import verifiers.v1 as vf
 from sciknoweval import SciKnowEvalConfig, SciKnowEvalTaskset
-print(len(SciKnowEvalTaskset(SciKnowEvalConfig(task=vf.TaskConfig())).load()), 'train tasks')"
+print(len(SciKnowEvalTaskset(SciKnowEvalConfig(task=vf.TaskConfig(){data_arg})).load()), 'train tasks')"
 ```
 
 ## Launch
