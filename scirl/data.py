@@ -185,6 +185,21 @@ def hub_unreachable_message(repo_id: str, reason: str) -> str:
     )
 
 
+def hub_answer_problem(response) -> str | None:
+    """None when ``response`` comes from the hub itself: 200 with the dataset's JSON, or a JSON
+    error (401/403/404: a wrong id or a gated set, which ``datasets`` then reports precisely).
+    Anything else (an empty 404 from a proxy, a 5xx, an HTML page) means no usable hub."""
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if response.status_code == 200 and isinstance(body, dict) and "id" in body:
+        return None
+    if response.status_code in (401, 403, 404) and isinstance(body, dict) and "error" in body:
+        return None
+    return f"HTTP {response.status_code} from {response.url} is not an answer from the hub"
+
+
 def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     """None if the hub answers for ``repo_id`` within ``timeout`` seconds, else the reason it did not.
 
@@ -199,8 +214,7 @@ def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     def request() -> None:
         try:
             response = httpx.get(url, timeout=timeout, follow_redirects=True)
-            # 401/403/404 still prove the hub is reachable: datasets then reports the precise problem.
-            outcome["error"] = None if response.status_code < 500 else f"HTTP {response.status_code}"
+            outcome["error"] = hub_answer_problem(response)
         except Exception as e:  # any network failure means "no hub access"
             outcome["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
