@@ -1,0 +1,195 @@
+"""scirl serve: the OpenAI-compatible API over the tiny model, batching, port errors, and eval end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from scirl.data import load_splits
+from scirl.inference.base import Completion, Generator
+from scirl.synthetic import generate_rows, write_jsonl
+
+MESSAGES = [{"role": "system", "content": "Answer with a letter."}, {"role": "user", "content": "Which? A. x B. y"}]
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_model_dir):
+    from scirl.inference.hf import HFGenerator
+
+    gen = HFGenerator(str(tiny_model_dir), device="cpu")
+    yield gen
+    gen.close()
+
+
+@pytest.fixture(scope="module")
+def client(generator):
+    from fastapi.testclient import TestClient
+
+    from scirl.serve import create_app
+
+    with TestClient(create_app(generator, "tiny")) as c:
+        yield c
+
+
+def test_models_lists_the_served_name(client):
+    data = client.get("/v1/models").json()
+    assert [m["id"] for m in data["data"]] == ["tiny"]
+
+
+def test_chat_completion_shape_n_usage_and_token_limit(client):
+    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 3, "temperature": 1.0,
+                                                  "max_completion_tokens": 5, "seed": 1})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["model"] == "tiny"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert all(c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str) for c in body["choices"])
+    assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
+    usage = body["usage"]
+    assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 15
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_seed_makes_sampling_reproducible(client):
+    request = {"messages": MESSAGES, "n": 2, "temperature": 1.0, "max_tokens": 12, "seed": 123}
+    first = [c["message"]["content"] for c in client.post("/v1/chat/completions", json=request).json()["choices"]]
+    again = [c["message"]["content"] for c in client.post("/v1/chat/completions", json=request).json()["choices"]]
+    assert first == again
+
+
+def test_bad_requests_get_openai_style_errors(client):
+    r = client.post("/v1/chat/completions", json={"model": "other", "messages": MESSAGES})
+    assert r.status_code == 404 and "other" in r.json()["error"]["message"]
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "stream": True})
+    assert r.status_code == 400
+    r = client.post("/v1/chat/completions", json={"messages": MESSAGES, "n": 0})
+    assert r.status_code == 422
+
+
+class SlowGenerator(Generator):
+    """Answers "A" after a delay and records the size of every generate call."""
+
+    tokenizer = None
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.calls: list[int] = []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        time.sleep(0.3)
+        return [[Completion("A", [1], [0.0], "stop") for _ in range(params.n)] for _ in prompts]
+
+    def update_weights(self, named_tensors):
+        pass
+
+
+def test_requests_arriving_together_are_batched_without_blocking(generator):
+    from fastapi.testclient import TestClient
+
+    from scirl.serve import create_app
+
+    slow = SlowGenerator(generator.tokenizer)
+    with TestClient(create_app(slow, "slow")) as c:
+        results = []
+
+        def ask():
+            results.append(c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}).status_code)
+
+        threads = [threading.Thread(target=ask) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        assert c.get("/v1/models").status_code == 200  # the loop answers while the model works
+        for t in threads:
+            t.join()
+    assert results == [200] * 6
+    assert sum(slow.calls) == 6 and len(slow.calls) < 6  # several requests shared a generate call
+
+
+def test_port_in_use_fails_at_once_with_a_clear_message(tiny_model_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "already in use" in done.stderr and str(port) in done.stderr
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    return write_jsonl(generate_rows(n_per_domain=12, seed=5), tmp_path_factory.mktemp("serve_data") / "rows.jsonl")
+
+
+@pytest.mark.slow
+def test_eval_against_scirl_serve_end_to_end(tiny_model_dir, data_file, tmp_path):
+    server = subprocess.Popen([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0",
+                               "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        deadline = time.time() + 120
+        while url is None:  # port 0: the server prints the port it got, then a ready line
+            line = server.stdout.readline()
+            assert line or server.poll() is None, "scirl serve exited before it was ready"
+            assert time.time() < deadline
+            if "ready at " in line:
+                url = line.split("ready at ")[1].split()[0]
+        out = tmp_path / "eval.json"
+        env = {**os.environ, "OPENAI_API_KEY": "sk-never-written"}
+        done = subprocess.run(
+            [sys.executable, "-m", "scirl", "eval", "--base-url", url, "--model", "tiny", "--data", str(data_file),
+             "--eval-per-domain", "4", "--max-tokens", "6", "--n-samples", "2", "--temperature", "1.0", "--seed", "0",
+             "--concurrency", "4", "--out", str(out), "--no-progress"],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "overall" in done.stdout  # the summary table
+    results = json.loads(out.read_text())
+    questions = load_splits(str(data_file), eval_per_domain=4).split("eval")
+    assert results["counts"]["answered"] == len(questions) == 16 and results["failed"] == []
+    assert [r["id"] for r in results["records"]] == [q.id for q in questions]
+    assert all(len(r["replies"]) == 2 and len(r["answers"]) == 2 for r in results["records"])
+    assert 0.0 <= results["overall_accuracy"] <= 1.0
+    assert set(results["per_domain_accuracy"]) == {"Biology", "Chemistry", "Material", "Physics"}
+    assert results["settings"]["model"] == "tiny" and results["settings"]["n_samples"] == 2
+    assert "sk-never-written" not in out.read_text() + done.stdout + done.stderr
+
+
+def test_local_evaluation_in_process_and_resume(generator, data_file, tmp_path):
+    from scirl.eval.local import evaluate_generator
+
+    questions = load_splits(str(data_file), eval_per_domain=3).split("eval")
+    calls = []
+    original = generator.generate
+
+    def counting(prompts, params):
+        calls.append(len(prompts))
+        return original(prompts, params)
+
+    generator.generate = counting
+    try:
+        out = tmp_path / "local.json"
+        first = evaluate_generator(generator, questions[:5], max_tokens=4, out=out, settings={"model": "tiny"})
+        assert first["counts"]["answered"] == 5 and sum(calls) == 5
+        full = evaluate_generator(generator, questions, max_tokens=4, out=out, settings={"model": "tiny"}, batch_size=4)
+    finally:
+        del generator.generate
+    assert sum(calls) == len(questions)  # the first five were not asked again
+    assert full["counts"]["answered"] == len(questions)
+    assert json.loads(out.read_text())["records"] == full["records"]
+    assert full["settings"]["backend"] == "local" and full["settings"]["max_tokens"] == 4
+    # greedy decoding: the same replies as the first run for the first five
+    assert [r["replies"] for r in full["records"][:5]] == [r["replies"] for r in first["records"]]
