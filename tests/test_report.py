@@ -65,10 +65,10 @@ def rollout(i: int, parsed: str | None, answer: str = "A") -> dict:
             "answer": answer, "parsed": parsed, "reward": reward, "advantage": reward - 0.4}
 
 
-@pytest.fixture
-def run_dir(tmp_path):
-    """A finished-looking run whose metrics.jsonl ends in a line still being written."""
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A finished-looking run whose metrics.jsonl ends in a line still being written. Tests only read it."""
+    run = tmp_path_factory.mktemp("report") / "run"
     (run / "rollouts").mkdir(parents=True)
     lines = [json.dumps(metrics_row(s)) for s in range(1, STEPS + 1)]
     (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 13, "reward/me')
@@ -81,6 +81,12 @@ def run_dir(tmp_path):
     return run
 
 
+@pytest.fixture(scope="module")
+def report_page(run_dir):
+    """The run's report, written once into its default place (RUN_DIR/report/report.html)."""
+    return write_report(run_dir)
+
+
 def assert_nonblank_png(path):
     from matplotlib.image import imread
 
@@ -90,12 +96,11 @@ def assert_nonblank_png(path):
     assert pixels.size > 0 and pixels[..., :3].var() > 1e-3, f"{path.name} is blank"
 
 
-def test_every_plot_is_a_nonblank_png_embedded_in_a_self_contained_page(run_dir, tmp_path):
-    page = write_report(run_dir, tmp_path / "out")
-    assert page == tmp_path / "out" / "report.html"
+def test_every_plot_is_a_nonblank_png_embedded_in_a_self_contained_page(run_dir, report_page):
+    assert report_page == run_dir / "report" / "report.html"
     for name in PLOTS:
-        assert_nonblank_png(tmp_path / "out" / name)
-    text = page.read_text()
+        assert_nonblank_png(run_dir / "report" / name)
+    text = report_page.read_text()
     assert text.count('src="data:image/png;base64,') == len(PLOTS)
     # self-contained: nothing is fetched from anywhere
     for external in ('src="http', "href=\"http", "<link", "<script"):
@@ -162,8 +167,8 @@ def test_partial_inputs_say_which_plots_have_no_data(tmp_path):
     assert "eval_final.json: unreadable" in text
 
 
-def test_rollout_samples_are_best_worst_unparsed_of_the_latest_step_and_escaped(run_dir):
-    text = write_report(run_dir).read_text()
+def test_rollout_samples_are_best_worst_unparsed_of_the_latest_step_and_escaped(report_page):
+    text = report_page.read_text()
     assert "from step 12 (20 completions)" in text
     assert "<script>alert(" not in text
     assert "&lt;script&gt;alert(" in text
@@ -222,8 +227,8 @@ CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "goog
 
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no headless Chromium on this machine")
-def test_page_renders_in_headless_chromium(run_dir, tmp_path):
-    page = write_report(run_dir)
+def test_page_renders_in_headless_chromium(report_page, tmp_path):
+    page = report_page
     shot = tmp_path / "screenshot.png"
     subprocess.run(
         [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
