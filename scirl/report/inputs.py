@@ -268,7 +268,10 @@ def paired_comparison(a: Evaluation, b: Evaluation, notes: list[str]) -> dict[st
         notes.append(f"McNemar comparison unavailable ({e})")
         return None
     try:
-        return compare(a.data, b.data)
+        result = compare(a.data, b.data)
     except (KeyError, TypeError, ValueError) as e:
         notes.append(f"McNemar comparison of {a.name} and {b.name} impossible: records lack {e}")
         return None
+    if not result.get("common_questions"):
+        notes.append(f"McNemar comparison impossible: {a.name} and {b.name} share no question ids in their records")
+    return result
