@@ -10,9 +10,10 @@ Two modes (see the notes on SciKnowEval's scorer for why):
   3. explicit statements ("Answer: B", "the correct option is B", "I would choose B",
      "B is correct"); the LAST one wins, so self-corrections count; one naming several letters is a hedge;
   4. the reply opens with a letter and a delimiter ("B.", "B)", "(B)", "B:", "B - ", "B" on its own line),
-     or with "B <text of option B>";
+     or with "B <text of option B>", unless it walks through the options line by line ("A) ...\nB) ...");
   5. "X or Y" anywhere -> no answer; else exactly one distinct letter in reference form
-     ("(B)", "B.", "B)", "B:", or "B" at the very end); several -> no answer;
+     ("(B)", "B.", "B)", "B:", "B?", or "B" at the very end), not after "not" or a naming noun
+     ("vitamin D.", "chain B)"); several -> no answer ("B? Or maybe C.");
   6. exactly one option text appears in the reply (options inside a longer option are not counted twice).
 
 Both modes first normalise the reply: drop ``<think>...</think>``, fold full-width characters (NFKC),
@@ -87,7 +88,7 @@ _TOKEN = _BEFORE + _OPEN + r"?[A-Za-z]" + _CLOSE + r"?(?![A-Za-z0-9_'\u2019-])"
 _SEP = r"(?:\s*[,/&;]\s*(?:(?:and|or)\s+)?|\s+(?:and/or|and|or|&)\s+)"
 _SPAN = r"(?P<span>(?i:(?:either|both)\s+)?" + _TOKEN + "(?:" + _SEP + _TOKEN + ")*)"
 _CONNECTOR = (
-    r"(?:\s*(?:[:=\-\u2013\u2014]|是|为|(?i:is|was|would\s+be|should\s+be|must\s+be|will\s+be|be|therefore|thus"
+    r"(?:\s*(?:[:=\-\u2013\u2014]|是|为|(?i:is|are|was|would\s+be|should\s+be|must\s+be|will\s+be|be|therefore|thus"
     r"|clearly|likely|probably|definitely|then)\b))*\s*(?:(?i:option|choice|letter)\s*)?"
 )
 _EXPLICIT_LEADS = (
@@ -104,7 +105,9 @@ _LETTER_FIRST = re.compile(
 _EXPLICIT = [re.compile(lead + _CONNECTOR + _SPAN) for lead in _EXPLICIT_LEADS]
 _TOKEN_IN_SPAN = re.compile("(?<![A-Za-z])(" + _OPEN + r")?([A-Za-z])(" + _CLOSE + r")?(?![A-Za-z])")
 _NEGATED = re.compile(r"(?i:\b(?:not|never)\s+|n't\s+)$")
-_NEW_CLAUSE = re.compile(r"\s+(?i:is|are|was|were|isn't|aren't|can't|cannot|would|does|doesn't|has|have)\b")
+# After a list of letters, a singular verb starts a new clause ("B, and A is wrong": B is the answer);
+# a plural one makes the whole list a subject ("A and C are wrong": no answer here).
+_NEW_CLAUSE = re.compile(r"\s+(?i:(?P<singular>is|was|isn't|wasn't|can't|cannot|would|does|doesn't|has)|are|were|aren't|weren't|do|don't|have)\b")
 _DELIMITED = re.compile(r"[.):]|[ \t]*(?:\n|$)")
 _WHOLE_LETTER = re.compile(r"^(?i:(?:option|choice|letter)\s*)?" + _OPEN + r"?([A-Za-z])" + _CLOSE + r"?[.:!]?$")
 _WHOLE_HEDGE = re.compile(
@@ -117,12 +120,14 @@ _OPENING = re.compile(
 _NAMING_WORDS = frozenset(
     "vitamin vitamins chain chains type class group site fig figure table panel point hepatitis complex phase region"
     " ring domain loop helix strand subunit grade stage schedule form series block zone part section appendix exon"
-    " band peak isomer compound molecule mode level state case model version plan coenzyme protein antigen factor"
+    " band peak isomer compound molecule mode level state model version coenzyme protein antigen factor"
     " kinase receptor cell cells protease polymerase ion channel atom atoms sample samples species strain".split()
 )
 # A letter opening a line or a sentence: "A) nucleus\nB) mitochondrion" lists the options, it does not answer.
 _ENUMERATED = re.compile(r"(?:^|(?<=[.!?;])[ \t]+)" + _OPEN + r"?([A-Z])(?:" + _CLOSE + r"|[.:)](?!\d))", re.MULTILINE)
-_PREVIOUS_WORD = re.compile(r"([A-Za-z]+)\W*$")
+_NEGATED_BEFORE = re.compile(r"(?i:\b(?:not|never)|n't)(?:\s+[A-Za-z]+){0,2}\s*$")  # "not A.", "wouldn't pick A."
+_LIST_CONTINUES = re.compile(_SEP + _TOKEN)
+_PREVIOUS_WORD = re.compile(r"([A-Za-z]+)[ \t]+$")
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,7 @@ def _patterns(labels: tuple[str, ...]) -> _Patterns:
         strict_whole=re.compile(r"^[(\[]?(" + letters + r")[)\]]?[.:]?$"),
         strict_last_line=re.compile(r"^(?i:answer)\s*:\s*[(\[]?(" + letters + r")[)\]]?\.?$"),
         reference=re.compile(
-            _BEFORE + r"(?:[(\[](" + letters + r")[)\]]|(" + letters + r")(?:[.:)](?![\w.])|\s*$))"
+            _BEFORE + r"(?:[(\[](" + letters + r")[)\]]|(" + letters + r")(?:[.:)!?](?![\w.])|\s*$))"
         ),
         hedge_anywhere=re.compile(
             _BEFORE + r"[(\[]?(" + letters + r")[)\]]?\s*(?:\s(?i:or|and/or)\s|/)\s*[(\[]?(" + letters + r")[)\]]?(?![\w'-])"
@@ -249,7 +254,10 @@ def _span_result(text: str, span_start: int, span: str, pats: _Patterns) -> str 
             if i == 0:
                 return None
             break
-        if i > 0 and _NEW_CLAUSE.match(text, end):  # "B, and A is wrong": A starts a new clause, not a second answer
+        clause = _NEW_CLAUSE.match(text, end) if i > 0 else None
+        if clause:
+            if not clause.group("singular"):
+                return None
             break
         letters.append(letter.upper())
     if not letters:
@@ -263,7 +271,7 @@ def _explicit(text: str, pats: _Patterns) -> str | None:
     last_pos, last = -1, None
     for pattern in (*_EXPLICIT, _LETTER_FIRST):
         for m in pattern.finditer(text):
-            if pattern is not _LETTER_FIRST and _NEGATED.search(text, 0, m.start()):
+            if pattern is not _LETTER_FIRST and _NEGATED.search(text[max(0, m.start() - 16):m.start()]):
                 continue  # "I would not choose A"
             result = _span_result(text, m.start("span"), m.group("span"), pats)
             if result is not None and m.start("span") > last_pos:
@@ -277,6 +285,8 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
     m = _OPENING.match(text)
     if m:
         letter = m.group(1)
+        if _LIST_CONTINUES.match(text, m.end(1) + len(m.group("closed") or "")):
+            return _NO_ANSWER  # "(A) and (C) are both right"
         if letter.upper() in pats.upper and (letter.isupper() or not m.group("dash")):
             return pats.upper[letter.upper()]
         if letter.isupper() and letter not in pats.upper and "A" <= letter <= "F":
@@ -294,9 +304,12 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
 def _references(text: str, pats: _Patterns) -> str | None:
     letters = set()
     for m in pats.reference.finditer(text):
-        previous = _PREVIOUS_WORD.search(text, 0, m.start())
+        before = text[max(0, m.start() - 40):m.start()]
+        previous = _PREVIOUS_WORD.search(before)
         if previous and previous.group(1).lower() in _NAMING_WORDS:
             continue  # "vitamin D.", "chain B)"
+        if _NEGATED_BEFORE.search(before):
+            continue  # "not A.", "I would not choose A."
         letters.add(m.group(1) or m.group(2))
     if len(letters) == 1:
         return pats.upper[letters.pop()]
