@@ -13,7 +13,8 @@ import pytest
 from scirl.commands.report import main as report_main
 from scirl.eval.metrics import compare, wilson_interval
 from scirl.report import plots, write_compare, write_report
-from scirl.report.inputs import Evaluation, accuracy_table, gather, read_jsonl_complete
+from scirl.report.inputs import Evaluation, accuracy_table, domain_reward_keys, gather, read_jsonl_complete
+from scirl.report.page import rollout_samples
 
 DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
 STEPS = 12
@@ -176,6 +177,25 @@ def test_rollout_samples_are_best_worst_unparsed_of_the_latest_step_and_escaped(
     assert "q000" in unparsed and "q005" in unparsed and "q001" not in unparsed
     best = text.split("<h3>best</h3>")[1].split("</table>")[0]
     assert "q001" in best and "q099" not in best  # q099 lives in an older step file
+
+
+def test_trainer_rollouts_unparsed_means_lenient_failed_first_then_strict():
+    rows = [
+        {"question_id": "ok", "reward": 1.0, "advantage": 0.5, "parsed_strict": True, "parsed_lenient": True},
+        {"question_id": "strict_only", "reward": 0.0, "advantage": -0.5, "parsed_strict": False, "parsed_lenient": True},
+        {"question_id": "nothing", "reward": 0.0, "advantage": -0.5, "parsed_strict": False, "parsed_lenient": False},
+    ]
+    samples, notes = rollout_samples(rows)
+    assert [r["question_id"] for r in samples["unparsed"]] == ["nothing", "strict_only"]
+    assert samples["best"][0]["question_id"] == "ok" and notes == []
+    _, notes = rollout_samples([{"reward": 1.0}, {"reward": "high"}])
+    assert any("1 rollout(s) have no numeric reward" in n for n in notes)
+    assert any("cannot be picked" in n for n in notes)
+
+
+def test_batch_reward_statistics_are_not_mistaken_for_domains():
+    rows = [{"step": 1, "reward/mean": 0.5, "reward/std": 0.1, "reward/mean_all": 0.4, "reward/Physics": 0.6}]
+    assert domain_reward_keys(rows) == ["reward/Physics"]
 
 
 def test_before_and_after_are_chosen_by_name_else_by_modification_time(tmp_path):

@@ -98,10 +98,14 @@ def series(metrics: list[dict[str, Any]], key: str) -> tuple[list[float], list[f
     return steps, values
 
 
+# reward/* keys that are statistics of the whole batch, not a domain's mean
+REWARD_STAT_KEYS = {"reward/mean", "reward/std", "reward/mean_all"}
+
+
 def domain_reward_keys(metrics: list[dict[str, Any]]) -> list[str]:
     """The ``reward/<Domain>`` keys present in any row, sorted."""
     keys = {k for row in metrics for k in row if k.startswith("reward/")}
-    return sorted(keys - {"reward/mean", "reward/std"})
+    return sorted(keys - REWARD_STAT_KEYS)
 
 
 def read_config(path: Path, notes: list[str]) -> dict[str, Any]:

@@ -112,12 +112,20 @@ def key_numbers(run: RunInputs, comparison: dict[str, Any] | None) -> list[tuple
     return cards
 
 
-def is_unparsed(row: dict[str, Any]) -> bool | None:
-    """True / False when the rollout says whether an answer was parsed, None when it does not say."""
+def unparsed_level(row: dict[str, Any]) -> int | None:
+    """2: no answer read at all; 1: only the strict reading failed; 0: parsed; None: the row does not say.
+
+    Evaluation-style rows carry ``parsed`` (None when unparsed); the trainer's rows
+    carry ``parsed_strict`` and ``parsed_lenient`` booleans.
+    """
     if "parsed" in row:
-        return row["parsed"] in (None, "")
-    if "unparsed" in row:
-        return bool(row["unparsed"])
+        return 2 if row["parsed"] in (None, "") else 0
+    if "parsed_lenient" in row and not row["parsed_lenient"]:
+        return 2
+    if "parsed_strict" in row:
+        return 0 if row["parsed_strict"] else 1
+    if "parsed_lenient" in row:
+        return 0
     return None
 
 
@@ -134,11 +142,19 @@ def rollout_samples(rows: list[dict[str, Any]]) -> tuple[dict[str, list[dict[str
     ranked = sorted(scored, key=rank, reverse=True)
     best = ranked[:SAMPLES_PER_TABLE]
     worst = [r for r in reversed(ranked) if not any(r is b for b in best)][:SAMPLES_PER_TABLE]
-    flags = [is_unparsed(r) for r in rows]
-    if all(f is None for f in flags):
-        notes.append("rollouts do not record the parsed answer ('parsed'), so unparsed ones cannot be picked")
-    unparsed = [r for r, f in zip(rows, flags) if f][:SAMPLES_PER_TABLE]
-    return {"best": best, "worst": worst, "unparsed": unparsed}, notes
+    levels = [unparsed_level(r) for r in rows]
+    if all(level is None for level in levels):
+        notes.append("rollouts do not record whether an answer was parsed, so unparsed ones cannot be picked")
+    # nothing readable at all first, then replies only the strict reading rejected
+    unparsed = [r for level, r in sorted(((lv, r) for lv, r in zip(levels, rows) if lv), key=lambda x: -x[0])]
+    return {"best": best, "worst": worst, "unparsed": unparsed[:SAMPLES_PER_TABLE]}, notes
+
+
+def parse_cell(row: dict[str, Any]) -> str:
+    if "parsed" in row:
+        return '<span class="muted">none</span>' if row["parsed"] in (None, "") else esc(row["parsed"])
+    marks = [f"{mode} {'✓' if row[f'parsed_{mode}'] else '✗'}" for mode in ("strict", "lenient") if f"parsed_{mode}" in row]
+    return esc(", ".join(marks))
 
 
 def rollout_table(rows: list[dict[str, Any]]) -> str:
@@ -148,12 +164,12 @@ def rollout_table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
         reward, advantage = number(r.get("reward")), number(r.get("advantage"))
-        parsed = '<span class="muted">none</span>' if is_unparsed(r) else esc(r.get("parsed", ""))
+        about = " ".join(str(r[k]) for k in ("domain", "filter") if r.get(k))
         prompt = f"<details><summary>prompt</summary><pre>{clip(r.get('prompt'))}</pre></details>" if r.get("prompt") else ""
         body.append(
-            f"<tr><td>{esc(r.get('question_id', ''))}</td>"
+            f"<tr><td>{esc(r.get('question_id', ''))}<div class=\"muted\">{esc(about)}</div></td>"
             f"<td>{'' if reward is None else f'{reward:.3g}'}</td><td>{'' if advantage is None else f'{advantage:+.3f}'}</td>"
-            f"<td>{esc(r.get('answer', ''))}</td><td>{parsed}</td>"
+            f"<td>{esc(r.get('answer') if r.get('answer') is not None else '')}</td><td>{parse_cell(r)}</td>"
             f"<td>{prompt}<pre>{clip(r.get('completion'))}</pre></td></tr>"
         )
     return f'<table class="rollouts">{head}{"".join(body)}</table>'

@@ -46,7 +46,7 @@ def _present(metrics: list[dict[str, Any]], keys) -> Series:
 
 def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
     """Reward mean ± std per step, per-domain reward, and (below) the parse rates."""
-    drawn = _present(metrics, ["reward/mean", "reward/std", *domain_reward_keys(metrics)])
+    drawn = _present(metrics, ["reward/mean", "reward/std", "reward/mean_all", *domain_reward_keys(metrics)])
     parse = _present(metrics, ["parse_rate/strict", "parse_rate/lenient"])
     if not drawn:
         return {}
@@ -63,6 +63,10 @@ def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
         if band:
             xs = [s for s, _, _ in band]
             ax.fill_between(xs, [m - d for _, m, d in band], [m + d for _, m, d in band], color="gray", alpha=0.25, label="± std")
+    if "reward/mean_all" in drawn:
+        # the trainer's mean over every rollout, those the filters dropped included
+        steps, values = drawn["reward/mean_all"]
+        ax.plot(steps, values, color="black", linestyle="--", linewidth=1, label="mean, incl. filtered")
     for key in domain_reward_keys(metrics):
         if key in drawn:
             steps, values = drawn[key]
