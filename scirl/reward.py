@@ -1,9 +1,11 @@
 """Answer-letter extraction for multiple-choice replies, and the 0/1 reward.
 
-Two modes (see the notes on SciKnowEval's scorer for why):
+Two modes. (SciKnowEval's own scorer, kept as ``official_score`` for comparison, effectively demands a bare
+letter: it scores "Answer: B" as A.)
 
 - ``strict`` (the training reward): the reply is the letter alone ("B", "(B)", "B.") or its last line
-  is "Answer: B". Anything looser is unparsed, so the reward also teaches the answer format.
+  is "Answer: B" (a final ``\\boxed{B}`` counts as that line). Anything looser is unparsed, so the reward
+  also teaches the answer format.
 - ``lenient`` (evaluation): reads the forms real models write, in this order, first hit wins:
   1. the whole reply is one letter (lowercase too);
   2. the whole reply is a hedge ("A or C", "A, C", "A/C") -> no answer;
@@ -180,16 +182,19 @@ _NO_ANSWER = ""  # an explicit non-answer (a hedge, a letter outside the labels)
 
 
 def extract_answer(
-    reply: str,
+    reply: str | None,
     labels: Sequence[str] = DEFAULT_LABELS,
     mode: str = "lenient",
     options: Sequence[str] | None = None,
 ) -> str | None:
     """The label the reply chooses, or None (unparsed, a hedge, or a letter that is not a label).
 
-    ``options`` (the option texts, in label order) enables the lenient option-text rules.
+    ``options`` (the option texts, in label order) enables the lenient option-text rules. A reply of None
+    (an API message whose content is null, e.g. all of it went to reasoning) is unparsed.
     """
     pats = _check(labels, mode, options)
+    if reply is None:
+        return None
     if not isinstance(reply, str):
         raise TypeError(f"reply must be a str, got {type(reply).__name__}")
     text = normalise(reply)
@@ -344,7 +349,7 @@ def _option_text(text: str, pats: _Patterns, options: Sequence[str]) -> str | No
 
 
 def reward(
-    reply: str,
+    reply: str | None,
     answer_key: str,
     labels: Sequence[str] = DEFAULT_LABELS,
     mode: str = "strict",
@@ -362,7 +367,7 @@ class Scored:
     reward: float
 
 
-def score(reply: str, question: "Question", mode: str = "lenient") -> Scored:
+def score(reply: str | None, question: "Question", mode: str) -> Scored:
     """Extract, compare with the question's answer key, and say whether anything was parsed at all."""
     answer = extract_answer(reply, question.labels, mode, question.options)
     correct = answer is not None and answer == question.answer_key

@@ -415,8 +415,15 @@ def test_bad_arguments_are_rejected_with_a_clear_message():
         extract_answer("B", ("A", "a"))
     with pytest.raises(ValueError, match="options"):
         extract_answer("B", FOUR, "lenient", ("x", "y"))
-    with pytest.raises(TypeError):
-        extract_answer(None, FOUR)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="str"):
+        extract_answer(b"B", FOUR)  # type: ignore[arg-type]
+
+
+def test_a_null_reply_is_unparsed():
+    q = _questions()[0]
+    assert extract_answer(None, FOUR) is None
+    assert reward(None, "B") == 0.0
+    assert score(None, q, "lenient") == Scored(answer=None, correct=False, parsed=False, reward=0.0)
 
 
 def test_official_scorer_quirks_are_reproduced():
