@@ -1,0 +1,56 @@
+"""``scirl train @ configs/X.toml [--field value ...] [--resume RUN_DIR] [--clean] [--dry-run]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EPILOG = """\
+config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
+kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
+--filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors.
+Multi-GPU: torchrun --nproc-per-node N -m scirl.train @ configs/X.toml
+"""
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="scirl train", description="Cold-start GRPO training.", epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "
+                        "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)")
+    parser.add_argument("--clean", action="store_true", help="delete the artifacts of a previous run in the output dir first")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    args, rest = parser.parse_known_args(argv)
+
+    from scirl.config import ConfigError, load_config, read_toml, to_toml_dict
+
+    try:
+        base = None
+        if args.resume:
+            from pathlib import Path
+
+            saved = Path(args.resume) / "config.toml"
+            if not saved.is_file():
+                raise ConfigError(f"--resume {args.resume}: no config.toml there (is it a run directory?)")
+            base = read_toml(saved)
+            rest = rest + ["--output-dir", args.resume]
+        cfg = load_config(rest, base=base)
+    except ConfigError as exc:
+        print(f"scirl train: {exc}", file=sys.stderr)
+        return 2
+    if args.resume and args.clean:
+        print("scirl train: --resume and --clean contradict each other", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        import tomli_w
+
+        print(tomli_w.dumps(to_toml_dict(cfg)), end="")
+        return 0
+
+    from scirl.train import RunDirError, train
+
+    try:
+        return train(cfg, resume=bool(args.resume), clean=args.clean)
+    except RunDirError as exc:
+        print(f"scirl train: {exc}", file=sys.stderr)
+        return 2

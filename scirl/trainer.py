@@ -1,0 +1,245 @@
+"""The trainer: model loading, FSDP2 sharding, micro-batched forward/backward, one AdamW step per RL step.
+
+Single process (CPU or one GPU): a plain module, trained in place; the generator
+samples from the very same module. Under torchrun (``WORLD_SIZE > 1``): a process
+group (nccl on GPU, gloo on CPU), FSDP2 ``fully_shard`` per decoder layer and the
+root, fp32 master weights with a bf16 compute policy on GPU; each rank trains on its
+share of the batch and ``full_state_dict`` gathers the full tensors (for the
+generation copy and checkpoints). The loss-token count is all-reduced first, so
+every rank divides by the batch's global count, as prime-rl does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+from scirl.loss import LossSums, rl_loss, token_logprobs
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
+    """Pick the device and, under torchrun, join the process group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_name == "cuda" and world_size > 1:
+        device_name = f"cuda:{local_rank}"
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank), device
+
+
+def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
+    """The matmul dtype. Master weights and optimizer state stay float32 in every case."""
+    if dtype_name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded sequences (prompt + completion). Position t of the ``*_mask``/``logprobs``
+    tensors describes the token ``input_ids[:, t]`` as a prediction target."""
+
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    loss_mask: torch.Tensor  # [B, L] bool: completion tokens
+    inference_logprobs: torch.Tensor  # [B, L] float32: sampler logprobs at completion tokens
+    advantages: torch.Tensor  # [B] float32
+
+
+def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+    """``samples``: dicts with ``prompt_ids``, ``completion_ids``, ``logprobs``, ``advantage``."""
+    batches = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        length = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in chunk)
+        input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(chunk), length), dtype=torch.long)
+        loss_mask = torch.zeros((len(chunk), length), dtype=torch.bool)
+        inference_logprobs = torch.zeros((len(chunk), length), dtype=torch.float32)
+        for b, s in enumerate(chunk):
+            p, c = len(s["prompt_ids"]), len(s["completion_ids"])
+            input_ids[b, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"], dtype=torch.long)
+            attention_mask[b, : p + c] = 1
+            loss_mask[b, p : p + c] = True
+            inference_logprobs[b, p : p + c] = torch.tensor(s["logprobs"], dtype=torch.float32)
+        advantages = torch.tensor([float(s["advantage"]) for s in chunk], dtype=torch.float32)
+        batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages))
+    return batches
+
+
+def dummy_micro_batch() -> MicroBatch:
+    """Two tokens, no loss token: lets a rank with fewer micro-batches join FSDP's collectives."""
+    return MicroBatch(
+        torch.zeros((1, 2), dtype=torch.long),
+        torch.ones((1, 2), dtype=torch.long),
+        torch.zeros((1, 2), dtype=torch.bool),
+        torch.zeros((1, 2), dtype=torch.float32),
+        torch.zeros(1, dtype=torch.float32),
+    )
+
+
+def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype):
+    """Load an HF causal LM in float32 (the master weights); shard it with FSDP2 under torchrun."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
+    model.config.use_cache = False
+    if dist.world_size > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        model.to(device)
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if layers is None:
+            raise ValueError(f"{path_or_name}: expected a decoder-only model with model.layers to shard per layer")
+        for layer in layers:
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+    else:
+        model.to(device)
+    model.train()
+    return model
+
+
+class Trainer:
+    def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype):
+        self.model = model
+        self.loss_cfg = loss_cfg
+        self.temperature = temperature
+        self.device = device
+        self.dist = dist
+        self.dtype = dtype
+        self.max_norm = optim_cfg.max_norm
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=optim_cfg.lr,
+            betas=tuple(optim_cfg.betas),
+            weight_decay=optim_cfg.weight_decay,
+        )
+
+    def _autocast(self):
+        # FSDP2's MixedPrecisionPolicy already casts; a single GPU process autocasts instead.
+        if self.dist.world_size == 1 and self.device.type == "cuda" and self.dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.dtype)
+        return contextlib.nullcontext()
+
+    def _all_reduce(self, values: list[float], op=None) -> list[float]:
+        if self.dist.world_size == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+        return t.tolist()
+
+    def forward_backward(self, mb: MicroBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
+        """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
+        mb_dev = MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.loss_mask, mb.inference_logprobs, mb.advantages)))
+        with self._autocast():
+            logits = self.model(input_ids=mb_dev.input_ids, attention_mask=mb_dev.attention_mask, use_cache=False).logits
+        # logits[:, t] predicts token t+1
+        logprobs, entropy = token_logprobs(logits[:, :-1], mb_dev.input_ids[:, 1:], self.temperature)
+        loss_mask = mb_dev.loss_mask[:, 1:]
+        loss, sums = rl_loss(
+            logprobs,
+            mb_dev.inference_logprobs[:, 1:],
+            mb_dev.advantages,
+            loss_mask,
+            mask_low=self.loss_cfg.mask_low,
+            mask_high=self.loss_cfg.mask_high,
+            kl_tau=self.loss_cfg.kl_tau,
+            loss_scale=loss_scale,
+        )
+        if dummy:
+            # a rank with fewer micro-batches still joins FSDP's collectives, contributing nothing
+            loss = loss * 0.0
+            sums = LossSums()
+        else:
+            sums.entropy = float(entropy[loss_mask].sum())
+        loss.backward()
+        return float(loss.detach()), sums
+
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+        """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
+
+        Returns the batch's loss, grad norm and token statistics; ``stepped`` is False when
+        no rank had a single loss token (nothing to learn from: the step is skipped).
+        """
+        local_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
+        global_tokens = self._all_reduce([local_tokens])[0]
+        max_micro_batches = len(micro_batches)
+        if self.dist.world_size > 1:
+            max_micro_batches = int(self._all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
+        if global_tokens == 0:
+            return {"stepped": False, "loss_tokens": 0}
+
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, sums = 0.0, LossSums()
+        for i in range(max_micro_batches):
+            dummy = i >= len(micro_batches)
+            mb = micro_batches[i] if not dummy else dummy_micro_batch()
+            loss, mb_sums = self.forward_backward(mb, global_tokens, dummy=dummy)
+            loss_total += loss
+            sums = sums.add(mb_sums)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
+        tokens, masked, mismatch_kl, entropy = totals
+        return {
+            "stepped": True,
+            "loss": loss_total,
+            "grad_norm": float(grad_norm),
+            "loss_tokens": int(tokens),
+            "masked_fraction": masked / max(tokens, 1),
+            "mismatch_kl": mismatch_kl / max(tokens, 1),
+            "entropy": entropy / max(tokens, 1),
+        }
+
+    # ---- state for the generation copy and checkpoints ----
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) HF-named tensors on CPU. Under FSDP every rank must call this."""
+        state = {}
+        for name, value in self.model.state_dict().items():
+            if hasattr(value, "full_tensor"):
+                value = value.full_tensor()
+            state[name] = value.detach().to("cpu")
+        return state
+
+    def optimizer_state_dict(self) -> dict:
+        """The optimizer state, keyed by parameter name so it survives a change of sharding.
+        Under FSDP every rank must call this; the full state comes back on every rank (on CPU)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+
+    def load_optimizer_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
