@@ -301,7 +301,8 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
         m = re.match(r"^" + _OPEN + r"?([A-Za-z])" + _CLOSE + r"?\s+", text)
         if m and m.group(1).upper() in pats.upper:
             option = _fold(options[pats.labels.index(pats.upper[m.group(1).upper()])])
-            if option and _fold(text[m.end():]).startswith(option):
+            rest = _fold(text[m.end():])
+            if option and rest.startswith(option) and not rest[len(option):len(option) + 1].isalnum():
                 return pats.upper[m.group(1).upper()]
     return None
 

@@ -368,6 +368,10 @@ def test_every_label_in_every_form_extracts_to_that_label(seed):
                 (f"the answer is {label.lower()}.", False),
                 (f"The correct option is {label}, because the others ({', '.join(others)}) do not fit.", False),
                 (f"\\boxed{{{label}}}", True),
+                (f"A careful look at {rng.choice(q.options)} settles it, so the answer is {label}.", False),
+                (f"{label}. {text}\n\nThe other options ({', '.join(others)}) do not fit.", False),
+                (f"{label}\n\n" + " ".join(f"{o} is wrong." for o in others), False),
+                (f"A {text}.", False),
             ]:
                 assert extract_answer(reply, q.labels, "lenient", q.options) == label, reply
                 assert extract_answer(reply, q.labels, "strict", q.options) == (label if strict_too else None), reply
