@@ -228,8 +228,7 @@ def _lenient(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
     if found is not None:
         return found
     # 5. a hedge anywhere, else exactly one letter in reference form
-    m = pats.hedge_anywhere.search(text)
-    if m and m.group(1) != m.group(2):
+    if any(m.group(1) != m.group(2) for m in pats.hedge_anywhere.finditer(text)):
         return _NO_ANSWER
     found = _references(text, pats)
     if found is not None:

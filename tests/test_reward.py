@@ -214,6 +214,7 @@ FOUR_CASES = [
     ("The answer is either B or D.", None, None),
     ("It could be B or D.", None, None),
     ("I think B/D.", None, None),
+    ("Not B or B; it is A or C.", None, None),
     ("A, B, C and D are all plausible.", None, None),
     ("Your answer should be \"A\", \"B\", \"C\" or \"D\".", None, None),
     ("A or C. Final answer: C", "C", None),
