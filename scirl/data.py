@@ -10,8 +10,25 @@ The pipeline, in the order ``load_splits`` runs it:
    different correct option text), keep exact duplicates once;
 5. split: ``eval`` = N rows per domain, the rest ``train``.
 
-Accounting: ``len(train) + len(eval) + sum(skipped.values()) == mcq_read``.
-Nothing is cached on disk by this module (``datasets`` keeps its own hub cache).
+Accounting: ``len(train) + len(eval) + sum(skipped.values()) == mcq_read``. A row is "MCQ" unless
+it declares another type, so bad JSON lines and rows without a type are MCQ rows skipped by reason.
+
+Split methods:
+
+- ``content`` (default): rows are grouped by twin key (normalised question text + option *set*),
+  groups are ordered by sha256(seed, key), and a group goes to eval while its domains have room.
+  The result depends only on row content: not on file order, layout, machine or Python version,
+  and no eval question has a twin in train.
+- ``guide``: the run guide's holdout. Its taskset filters MCQ rows, calls ``Dataset.shuffle(seed=42)``
+  (= ``numpy.random.default_rng(42).permutation(n)``) and takes the first 200 rows per domain.
+  We draw that permutation over the MCQ rows *before* our validation and dedup, so membership
+  matches the guide's whenever the rows come in the hub's order; rows we then drop leave the eval
+  of their domain short (noted), and of exact duplicates the eval copy is kept. Twins are not
+  grouped here (the guide does not group them either).
+
+A domain with fewer than 2N rows gives half of them to eval, so it keeps training rows; this is
+noted in ``DataSplits.notes``. Nothing is cached on disk by this module (``datasets`` keeps its
+own hub cache when the hub is used).
 """
 
 from __future__ import annotations
@@ -287,12 +304,11 @@ def canonical_json(row: Any) -> str:
     return json.dumps(row, ensure_ascii=False, sort_keys=True, default=str)
 
 
-def twin_key(q: Question) -> str:
+def twin_key(q: Question) -> tuple[str, ...]:
     """Questions that must land in the same split: same question text (whitespace and case
     normalised) and the same option *set*, whatever their order, answer or domain."""
     question = " ".join(q.question.split()).casefold()
-    options = sorted(" ".join(o.split()).casefold() for o in q.options)
-    return json.dumps([question, options], ensure_ascii=False)
+    return (question, *sorted(" ".join(o.split()).casefold() for o in q.options))
 
 
 def stable_hash(seed: int, text: str) -> str:
@@ -344,13 +360,14 @@ def eval_quota(domain_sizes: dict[str, int], eval_per_domain: int, notes: list[s
 def split_by_content(questions: list[Question], eval_per_domain: int, seed: int, notes: list[str]) -> tuple[list[Question], list[Question]]:
     """Groups of twins in an order fixed by a hash of their content; a group goes to eval while
     every domain it touches has room for it. Both splits come out in that hash order."""
-    groups: dict[str, list[Question]] = defaultdict(list)
+    groups: dict[tuple[str, ...], list[Question]] = defaultdict(list)
     for q in questions:
         groups[twin_key(q)].append(q)
     quota = eval_quota(Counter(q.domain for q in questions), eval_per_domain, notes)
     taken: Counter = Counter()
     train, eval_ = [], []
-    for key in sorted(groups, key=lambda k: stable_hash(seed, k)):
+    # NUL-joined key text: cheap, and fixed across versions (it only orders groups; grouping uses the tuple)
+    for key in sorted(groups, key=lambda k: stable_hash(seed, "\x00".join(k))):
         group = sorted(groups[key], key=lambda q: q.id)
         need = Counter(q.domain for q in group)
         if all(taken[d] + n <= quota[d] for d, n in need.items()):

@@ -256,7 +256,7 @@ def test_split_keys_are_pinned():
     assert data.content_id("Q?", ["a", "b"], "Biology") == "bc1361837b45e095"
     row = {"question": " Which  IS it? ", "choices": {"text": ["b", "A"], "label": ["A", "B"]}, "answerKey": "A",
            "type": "mcq-2-choices", "domain": "Biology"}
-    assert data.twin_key(data.question_from_row(row)) == json.dumps(["which is it?", ["a", "b"]])
+    assert data.twin_key(data.question_from_row(row)) == ("which is it?", "a", "b")
 
 
 def test_no_eval_question_has_a_twin_in_train(tmp_path, clean_rows, dirty):
@@ -292,27 +292,34 @@ def test_guide_split_matches_a_hand_computed_permutation(tmp_path, clean_rows):
     assert [q.question for q in splits.train] == expected_train
 
 
+def guide_eval_indices(rows, n_per_domain, seed=42):
+    """The guide's holdout by hand: rows[i] for the returned i are eval."""
+    taken: Counter = Counter()
+    chosen = set()
+    for i in np.random.default_rng(seed).permutation(len(rows)):
+        if taken[rows[i]["domain"]] < n_per_domain:
+            taken[rows[i]["domain"]] += 1
+            chosen.add(int(i))
+    return chosen
+
+
 def test_guide_split_keeps_the_eval_copy_of_a_duplicate(tmp_path, clean_rows):
     mcq = [r for r in clean_rows if r["type"].startswith("mcq")]
-    order = np.random.default_rng(42).permutation(len(mcq) + 1)
-    # append a copy of row 0: with the guide's permutation, find which copy lands first in its domain
-    rows = mcq + [dict(mcq[0])]
+    # find a row whose appended copy splits the pair: one copy drawn into eval, the other not
+    for k in range(len(mcq)):
+        rows = mcq + [dict(mcq[k])]
+        chosen = guide_eval_indices(rows, EVAL_N)
+        if (k in chosen) != (len(mcq) in chosen):
+            break
+    else:
+        pytest.fail("no row of the synthetic set splits its copy between eval and train")
     synthetic.write_jsonl(rows, tmp_path / "rows.jsonl")
     splits = data.load_splits(str(tmp_path / "rows.jsonl"), eval_per_domain=EVAL_N, split_method="guide")
     assert splits.skipped == {"duplicate": 1}
-    in_eval = [q for q in splits.eval if q.question == mcq[0]["question"]]
-    in_train = [q for q in splits.train if q.question == mcq[0]["question"]]
-    assert len(in_eval) + len(in_train) == 1
-    # if either copy was drawn into eval, the survivor is in eval
-    domain = mcq[0]["domain"]
-    picked, drawn = 0, False
-    for i in order:
-        if rows[i]["domain"] != domain:
-            continue
-        if picked < EVAL_N and rows[i]["question"] == mcq[0]["question"]:
-            drawn = True
-        picked += 1
-    assert bool(in_eval) == drawn
+    assert [q.question for q in splits.eval].count(mcq[k]["question"]) == 1
+    assert mcq[k]["question"] not in {q.question for q in splits.train}
+    # the copy drawn into train is gone; the eval keeps its N rows in that domain
+    assert Counter(q.domain for q in splits.eval)[mcq[k]["domain"]] == EVAL_N
 
 
 # --- the CLI -------------------------------------------------------------------------------------
