@@ -111,9 +111,9 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
         options=tuple(texts),
         answer_key=answer_key,
         domain=domain,
-        level=str(details.get("level", "")),
-        task=str(details.get("task", "")),
-        subtask=str(details.get("subtask", "")),
+        level=str(details.get("level") or ""),
+        task=str(details.get("task") or ""),
+        subtask=str(details.get("subtask") or ""),
         type=str(row["type"]),
         instruction=prompt.get("default") if isinstance(prompt.get("default"), str) else None,
         source=source,
@@ -129,13 +129,13 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
     """Rows of a JSON-lines file; blank lines are ignored, undecodable lines are counted."""
     prefix = where_prefix if where_prefix is not None else path.name
     rows, bad_json = [], 0
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # bytes, so a line that is not UTF-8 is counted, not silently altered
+        for lineno, raw_line in enumerate(f, start=1):
+            if not raw_line.strip():
                 continue
             try:
-                rows.append((f"{prefix}:{lineno}", json.loads(line)))
-            except json.JSONDecodeError:
+                rows.append((f"{prefix}:{lineno}", json.loads(raw_line.decode("utf-8-sig"))))
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
                 bad_json += 1
                 log.warning("%s:%d: bad JSON line skipped", prefix, lineno)
     return rows, bad_json
@@ -144,10 +144,9 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
 def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
     """A .json file: one array of rows (or an object with a "data" array). Many ".json" dumps
     are really JSON lines, so a file that is not one JSON document is read as JSON lines."""
-    text = path.read_text(encoding="utf-8", errors="replace")
     try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
+        doc = json.loads(path.read_text(encoding="utf-8-sig"))
+    except ValueError:  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
         return read_jsonl(path)
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]

@@ -119,6 +119,16 @@ def test_hub_loader_reads_a_datasets_directory(tmp_path, monkeypatch, clean_rows
     assert via_hub.eval[0].raw["choices"]["label"] == ["A", "B", "C", "D"] or via_hub.eval[0].type == "mcq-2-choices"
 
 
+def test_undecodable_lines_are_counted_not_altered(tmp_path, clean_rows):
+    good = [json.dumps(r, ensure_ascii=False).encode("utf-8") for r in clean_rows[:5]]
+    bad = json.dumps(clean_rows[5], ensure_ascii=False).encode("utf-8").replace(b"Which", b"Wh\xffich")
+    (tmp_path / "rows.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(good + [bad, b"", b"  "]) + b"\n")
+    splits = data.load_splits(str(tmp_path / "rows.jsonl"), eval_per_domain=0)
+    assert splits.rows_read == 6 and splits.skipped == {"bad_json": 1}
+    assert len(splits.train) == 5
+    assert_accounted(splits)
+
+
 def test_missing_source_is_a_clear_error(tmp_path):
     with pytest.raises(data.DataSourceError, match="neither the hub id"):
         data.load_splits(str(tmp_path / "nope.jsonl"))
