@@ -88,7 +88,13 @@ def export(splits, split: str, out: str) -> int:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    import logging
+
     from scirl.data import DataSourceError
+
+    if args.action == "stats":
+        # stats reports the counts and notes itself; the loader's per-row warnings would repeat them
+        logging.getLogger("scirl.data").setLevel(logging.ERROR)
 
     try:
         splits = load(args)
