@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import datetime
 import html
+import json
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom:
 .card .value { font-size: 1.5em; font-weight: 600; } .card .label { color: #666; font-size: 0.85em; }
 table { border-collapse: collapse; width: 100%; font-size: 0.9em; margin: 0.5em 0; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.5em; text-align: left; vertical-align: top; }
-th { background: #f4f4f4; }
+th { background: #f4f4f4; } table.rollouts td:nth-child(5) { white-space: nowrap; }
 pre { white-space: pre-wrap; word-break: break-word; margin: 0; font-size: 0.85em; max-height: 24em; overflow: auto; }
 table.rollouts td:last-child { width: 60%; }
 img { max-width: 100%; border: 1px solid #eee; }
@@ -140,21 +141,37 @@ def rollout_samples(rows: list[dict[str, Any]]) -> tuple[dict[str, list[dict[str
         return (number(r.get("reward")), number(r.get("advantage")) or 0.0)
 
     ranked = sorted(scored, key=rank, reverse=True)
-    best = ranked[:SAMPLES_PER_TABLE]
-    worst = [r for r in reversed(ranked) if not any(r is b for b in best)][:SAMPLES_PER_TABLE]
+    best = distinct_questions(ranked)
+    worst = distinct_questions([r for r in reversed(ranked) if not any(r is b for b in best)])
+    if scored and rank(ranked[0])[0] == rank(ranked[-1])[0]:
+        notes.append(f"every ranked rollout has reward {rank(ranked[0])[0]:g}: best and worst differ only by advantage")
     levels = [unparsed_level(r) for r in rows]
     if all(level is None for level in levels):
         notes.append("rollouts do not record whether an answer was parsed, so unparsed ones cannot be picked")
     # nothing readable at all first, then replies only the strict reading rejected
     unparsed = [r for level, r in sorted(((lv, r) for lv, r in zip(levels, rows) if lv), key=lambda x: -x[0])]
-    return {"best": best, "worst": worst, "unparsed": unparsed[:SAMPLES_PER_TABLE]}, notes
+    return {"best": best, "worst": worst, "unparsed": distinct_questions(unparsed)}, notes
+
+
+def distinct_questions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first SAMPLES_PER_TABLE rows, preferring one completion per question (a group's
+    samples are alike; different questions say more), topped up in order if there are too few."""
+    picked, seen = [], set()
+    for r in rows:
+        if len(picked) < SAMPLES_PER_TABLE and r.get("question_id") not in seen:
+            picked.append(r)
+            seen.add(r.get("question_id"))
+    for r in rows:
+        if len(picked) < SAMPLES_PER_TABLE and not any(r is p for p in picked):
+            picked.append(r)
+    return picked
 
 
 def parse_cell(row: dict[str, Any]) -> str:
     if "parsed" in row:
         return '<span class="muted">none</span>' if row["parsed"] in (None, "") else esc(row["parsed"])
     marks = [f"{mode} {'✓' if row[f'parsed_{mode}'] else '✗'}" for mode in ("strict", "lenient") if f"parsed_{mode}" in row]
-    return esc(", ".join(marks))
+    return "<br>".join(esc(m) for m in marks)
 
 
 def rollout_table(rows: list[dict[str, Any]]) -> str:
@@ -255,7 +272,8 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
     parts.append("<h2>Settings</h2>")
     settings = flatten(run.config)
     if settings:
-        rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in settings)
+        # JSON spelling (true, [0.9, 0.999]) is closer to the TOML file than Python's
+        rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>" for k, v in settings)
         parts.append(f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>")
     else:
         parts.append('<p class="muted">no settings (config.toml missing or empty)</p>')

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from scirl.report.inputs import domain_reward_keys, series
 
@@ -30,7 +31,10 @@ def _marker(steps: list[float]) -> str:
     return "o" if len(steps) <= 40 else ""
 
 
-def _save(fig: Figure, path: Path) -> None:
+def _save(fig: Figure, path: Path, steps_on_x: bool = True) -> None:
+    if steps_on_x:
+        for ax in fig.axes:  # steps are whole numbers: no "2.5" ticks on a short run
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
 
@@ -221,5 +225,5 @@ def plot_accuracy(tables: list[tuple[str, dict[str, tuple[float, float | None, f
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=8, loc="upper left", ncols=len(tables))
-    _save(fig, path)
+    _save(fig, path, steps_on_x=False)
     return dict(tables)
