@@ -1,0 +1,101 @@
+"""Training config: TOML files plus dotted overrides, errors that name the field, the shipped configs."""
+
+from pathlib import Path
+
+import pytest
+
+from scirl.config import ConfigError, TrainConfig, load_config, read_config, write_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_overrides_kebab_snake_equals_and_bools():
+    cfg = load_config([
+        "--max-steps", "7", "--output_dir=out/x", "--optim.lr", "1e-5", "--optim.betas", "[0.9, 0.95]",
+        "--filters.zero-advantage.no-enforce", "--wandb.enabled", "--advantage.std-normalize", "true",
+        "--ckpt.interval", "3", "--reward.mode", "lenient",
+    ])
+    assert cfg.max_steps == 7 and cfg.output_dir == "out/x"
+    assert cfg.optim.lr == 1e-5 and cfg.optim.betas == (0.9, 0.95)
+    assert cfg.filters.zero_advantage.enforce is False and cfg.filters.gibberish.enforce is True
+    assert cfg.wandb.enabled is True and cfg.advantage.std_normalize is True
+    assert cfg.ckpt.interval == 3 and cfg.reward.mode == "lenient"
+
+
+def test_files_merge_left_to_right_and_flags_win(tmp_path):
+    a = tmp_path / "a.toml"
+    a.write_text('max_steps = 5\nbatch_size = 32\n[optim]\nlr = 1e-4\nweight_decay = 0.0\n')
+    b = tmp_path / "b.toml"
+    b.write_text('[optim]\nlr = 2e-4\n')
+    cfg = load_config(["@", str(a), f"@{b}", "--batch-size", "64"])
+    assert cfg.max_steps == 5 and cfg.batch_size == 64
+    assert cfg.optim.lr == 2e-4 and cfg.optim.weight_decay == 0.0  # deep merge keeps a's other keys
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--optim.lrr", "1"], "optim.lr"),  # unknown key: named, with a suggestion
+    (["--not-a-field", "1"], "not_a_field"),
+    (["--max-steps", "many"], "max_steps"),
+    (["--optim.lr", "-1"], "optim.lr"),
+    (["--batch-size", "10", "--group-size", "4"], "divisible by group_size"),
+    (["--reward.mode", "fuzzy"], "reward.mode"),
+    (["--optim", "3"], "section"),
+    (["--no-max-steps"], "true/false"),
+    (["--max-steps"], "needs a value"),
+    (["loose-word"], "unexpected argument"),
+])
+def test_bad_values_and_unknown_keys_name_the_field(argv, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.") if "." in fragment else fragment):
+        load_config(argv)
+
+
+def test_unknown_key_in_a_file_names_file_and_field(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[optim]\nlearning_rate = 1e-5\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(["@", str(path)])
+    assert "optim.learning_rate" in str(exc.value) and "bad.toml" in str(exc.value)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(["@", str(tmp_path / "missing.toml")])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(["--max-steps", "3", "--wandb.name", "run-1", "--ckpt.keep", "2"])
+    path = write_config(cfg, tmp_path / "config.toml")
+    assert read_config(path) == cfg
+    # None fields are left out of the TOML and come back as their None default
+    assert "interval" not in path.read_text()
+
+
+@pytest.mark.parametrize("name", ["sciknoweval-qwen3-8b.toml", "demo.toml"])
+def test_shipped_configs_validate(name):
+    cfg = load_config(["@", str(ROOT / "configs" / name)])
+    assert cfg.batch_size % cfg.group_size == 0
+
+
+def test_guide_config_has_the_guides_values():
+    cfg = load_config(["@", str(ROOT / "configs" / "sciknoweval-qwen3-8b.toml")])
+    assert (cfg.model, cfg.batch_size, cfg.group_size, cfg.max_completion_tokens, cfg.seq_len) == (
+        "PrimeIntellect/Qwen3-8B", 128, 16, 256, 4096)
+    assert cfg.optim.lr == 5e-6 and cfg.max_steps == 30
+    assert cfg.filters.zero_advantage.enforce is False
+    assert cfg.filters.gibberish.enforce and cfg.filters.repetition.enforce
+    assert (cfg.loss.mask_low, cfg.loss.mask_high, cfg.loss.kl_tau) == (0.2, 0.2, 1e-3)
+    assert cfg.reward.mode == "strict" and cfg.wandb.enabled is False
+
+
+def test_defaults_follow_prime_rl():
+    cfg = TrainConfig()
+    assert cfg.optim.weight_decay == 0.01 and cfg.optim.max_norm == 1.0
+    assert cfg.filters.gibberish.token_id_threshold == 100_000 and cfg.filters.gibberish.logprob_offset == 2.0
+    assert cfg.filters.repetition.window == 3000 and cfg.filters.repetition.prob_threshold == 0.99
+    assert cfg.advantage.std_normalize is False
+
+
+def test_cli_dry_run_prints_the_resolved_config(capsys):
+    from scirl.commands.train import main
+
+    assert main(["@", str(ROOT / "configs" / "demo.toml"), "--max-steps", "2", "--dry-run"]) == 0
+    assert "max_steps = 2" in capsys.readouterr().out
+    assert main(["--optim.lrr", "1", "--dry-run"]) == 2
+    assert "optim.lr" in capsys.readouterr().err

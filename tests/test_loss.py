@@ -1,0 +1,122 @@
+"""prime-rl's default loss against a plain per-token reference formula, and token normalisation across micro-batches."""
+
+import math
+
+import pytest
+import torch
+
+from scirl.loss import LossSums, rl_loss, token_logprobs
+
+
+def reference_loss(trainer_lp, inference_lp, adv, mask, mask_low, mask_high, kl_tau, scale):
+    """The loss written token by token, in float64 Python arithmetic."""
+    total, masked = 0.0, 0
+    for b in range(len(trainer_lp)):
+        for t in range(len(trainer_lp[b])):
+            if not mask[b][t]:
+                continue
+            lt, li, a = trainer_lp[b][t], inference_lp[b][t], adv[b]
+            diff = math.exp(lt) - math.exp(li)
+            drop = (a > 0 and diff > mask_high) or (a < 0 and diff < -mask_low)
+            masked += drop
+            total += (0.0 if drop else -a * math.exp(lt - li)) + kl_tau * (lt - li) ** 2
+    return total / scale, masked
+
+
+def random_batch(seed, B=6, T=9, spread=1.0):
+    g = torch.Generator().manual_seed(seed)
+    inference = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
+    trainer = inference + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
+    trainer = trainer.clamp(max=0.0)  # logprobs
+    adv = torch.randn(B, generator=g, dtype=torch.float64)
+    adv[0] = 0.0
+    mask = torch.rand(B, T, generator=g) > 0.3
+    return trainer, inference, adv, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_loss_matches_reference_formula(seed):
+    trainer, inference, adv, mask = random_batch(seed)
+    scale = float(mask.sum()) + 3  # any global count; here larger than this micro-batch's
+    loss, sums = rl_loss(trainer, inference, adv, mask, mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale)
+    expected, masked = reference_loss(trainer.tolist(), inference.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 1e-3, scale)
+    assert abs(loss.item() - expected) <= 1e-6
+    assert sums.masked == masked
+    assert sums.tokens == mask.sum().item()
+    assert masked > 0, "the random batch should exercise the masking"
+
+
+def test_masking_cases_use_probability_difference_in_the_advantage_direction():
+    # p_inf = 0.5 for every token; p_tr as below
+    p_tr = torch.tensor([[0.8, 0.6, 0.2, 0.4, 0.9]], dtype=torch.float64)
+    inference = torch.full_like(p_tr, math.log(0.5))
+    trainer = p_tr.log()
+    mask = torch.ones_like(p_tr, dtype=torch.bool)
+    for adv, expect_masked in [(1.0, [True, False, False, False, True]), (-1.0, [False, False, True, False, False]), (0.0, [False] * 5)]:
+        a = torch.tensor([adv], dtype=torch.float64)
+        _, sums = rl_loss(trainer, inference, a, mask, mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=5)
+        assert sums.masked == sum(expect_masked), adv
+        # a masked token has no policy-gradient term: only the kept ones contribute -A*ratio
+        loss, _ = rl_loss(trainer, inference, a, mask, mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=1)
+        kept_ratio = sum(r for r, m in zip((p_tr / 0.5)[0].tolist(), expect_masked) if not m)
+        assert loss.item() == pytest.approx(-adv * kept_ratio, abs=1e-9)
+    # p 0.5 -> 0.6 is a ratio of 1.2 but a probability move of only 0.1, so it was kept above:
+    # the rule is on probabilities, not ratios
+    assert math.exp(trainer[0, 1] - inference[0, 1]) == pytest.approx(1.2)
+
+
+def test_kl_term_covers_all_loss_tokens_including_masked_and_zero_advantage():
+    trainer = torch.tensor([[math.log(0.9), math.log(0.5)]], dtype=torch.float64)
+    inference = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64)
+    mask = torch.ones_like(trainer, dtype=torch.bool)
+    for adv in (1.0, 0.0):
+        loss, _ = rl_loss(trainer, inference, torch.tensor([adv], dtype=torch.float64), mask,
+                          mask_low=0.2, mask_high=0.2, kl_tau=1.0, loss_scale=2)
+        # token 0 is masked for A=1 (0.9-0.5 > 0.2) but still pays (log 1.8)^2; token 1 has ratio 1
+        pg = -adv * 1.0
+        assert loss.item() == pytest.approx((pg + math.log(1.8) ** 2) / 2, abs=1e-9)
+
+
+def test_token_normalisation_is_global_across_micro_batches():
+    trainer, inference, adv, mask = random_batch(5, B=8)
+    trainer = trainer.clone().requires_grad_(True)
+    scale = float(mask.sum())
+    whole, _ = rl_loss(trainer, inference, adv, mask, mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale)
+    whole.backward()
+    grad_whole = trainer.grad.clone()
+    trainer.grad = None
+    parts, sums = 0.0, LossSums()
+    for sl in (slice(0, 3), slice(3, 8)):
+        part, s = rl_loss(trainer[sl], inference[sl], adv[sl], mask[sl], mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale)
+        part.backward()
+        parts += part.item()
+        sums = sums.add(s)
+    assert abs(parts - whole.item()) <= 1e-9
+    assert torch.allclose(trainer.grad, grad_whole, atol=1e-12)
+    assert sums.tokens == scale
+
+
+def test_gradient_of_the_policy_term_is_advantage_times_ratio():
+    trainer = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
+    inference = torch.tensor([[math.log(0.4)]], dtype=torch.float64)
+    loss, _ = rl_loss(trainer, inference, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
+                      mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=1)
+    loss.backward()
+    assert trainer.grad.item() == pytest.approx(-2.0 * 0.5 / 0.4)  # d(-A r)/d logp = -A r
+
+
+def test_rejects_empty_token_count():
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="loss_scale"):
+        rl_loss(t, t, torch.zeros(1), torch.zeros(1, 2, dtype=torch.bool), mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=0)
+
+
+def test_token_logprobs_use_the_sampling_temperature():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 11, generator=g)
+    targets = torch.randint(0, 11, (2, 3), generator=g)
+    lp, entropy = token_logprobs(logits, targets, temperature=0.7)
+    ref = torch.log_softmax(logits / 0.7, -1).gather(-1, targets[..., None])[..., 0]
+    assert torch.allclose(lp, ref, atol=1e-6)
+    p = torch.softmax(logits / 0.7, -1)
+    assert torch.allclose(entropy, -(p * p.log()).sum(-1), atol=1e-5)
