@@ -34,6 +34,10 @@ def _marker(steps: list[float]) -> str:
 def _save(fig: Figure, path: Path, steps_on_x: bool = True) -> None:
     if steps_on_x:
         for ax in fig.axes:  # steps are whole numbers: no "2.5" ticks on a short run
+            low, high = ax.get_xlim()
+            if high - low < 2:  # one step: widen so the integer ticks have room
+                middle = (low + high) / 2
+                ax.set_xlim(middle - 1, middle + 1)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI)
@@ -154,31 +158,37 @@ def plot_timing(metrics: list[dict[str, Any]], path: Path) -> Series:
     ax_time, ax_tps = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.6])
     # one bar per step; a phase a step did not log counts as zero in the stack
     steps = sorted({s for xs, _ in [*phases.values(), *total.values()] for s in xs})
-    bottom = {s: 0.0 for s in steps}
-    width = 0.8 * (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1.0)
+    layers: list[tuple[str, list[float], str | None]] = []  # (label, height per step, color)
     drawn: Series = {}
     for key in TIME_KEYS:
-        if key not in phases:
-            continue
-        value_at = dict(zip(*phases[key]))
-        heights = [value_at.get(s, 0.0) for s in steps]
-        ax_time.bar(steps, heights, width=width, bottom=[bottom[s] for s in steps], label=TIME_LABELS[key])
-        for s, h in zip(steps, heights):
-            bottom[s] += h
-        drawn[key] = phases[key]
+        if key in phases:
+            value_at = dict(zip(*phases[key]))
+            layers.append((TIME_LABELS[key], [value_at.get(s, 0.0) for s in steps], None))
+            drawn[key] = phases[key]
+    stacked = [sum(heights) for heights in zip(*(h for _, h, _ in layers))] or [0.0] * len(steps)
     if total:
         # whatever the phases do not cover (data loading, advantages, logging) is "other"
         total_at = dict(zip(*total["time/step"]))
-        other = [max(0.0, total_at[s] - bottom[s]) if s in total_at else 0.0 for s in steps]
+        other = [max(0.0, total_at[s] - below) if s in total_at else 0.0 for s, below in zip(steps, stacked)]
         if any(other):
-            ax_time.bar(steps, other, width=width, bottom=[bottom[s] for s in steps], color="lightgray", label="other")
+            layers.append(("other", other, "lightgray"))
         drawn["time/step"] = total["time/step"]
+    if len(steps) <= 100:
+        width = 0.8 * (min(b - a for a, b in zip(steps, steps[1:])) if len(steps) > 1 else 1.0)
+        bottom = [0.0] * len(steps)
+        for label, heights, color in layers:
+            ax_time.bar(steps, heights, width=width, bottom=bottom, label=label, color=color)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    else:  # hundreds of thin bars alias into stripes; stacked areas read better
+        colors = [color or f"C{i}" for i, (_, _, color) in enumerate(layers)]
+        ax_time.stackplot(steps, *[h for _, h, _ in layers], labels=[label for label, _, _ in layers], colors=colors)
+    tallest = max([sum(col) for col in zip(*(h for _, h, _ in layers))] + [*total.get("time/step", ([], []))[1], 1e-9])
     # headroom above the tallest bar keeps the legend off the bars
-    ax_time.set_ylim(0, 1.25 * max([*bottom.values(), *total.get("time/step", ([], []))[1], 1e-9]))
+    ax_time.set_ylim(0, 1.25 * tallest)
     ax_time.set_ylabel("seconds")
     ax_time.set_title("Step time by phase")
     ax_time.grid(alpha=0.3, axis="y")
-    if steps:
+    if layers:
         ax_time.legend(fontsize=8, ncols=5, loc="upper left")
     else:
         ax_time.text(0.5, 0.5, "time/* not logged", ha="center", va="center", transform=ax_time.transAxes)
