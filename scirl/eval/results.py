@@ -44,6 +44,8 @@ from __future__ import annotations
 
 import json
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -71,21 +73,32 @@ class RecordsFile:
 
     Opening an existing file checks its settings against ``settings`` (the keys in
     ``ANSWER_SETTINGS``) and loads the answered ids; ``overwrite`` starts afresh.
+
+    With ``background=True`` a writer thread does the writing: an fsync costs
+    milliseconds, and an event loop that waited for one per answer would stall
+    every request in flight. The thread writes whatever has queued up, then
+    fsyncs once (group commit), so each answer still reaches the disk moments
+    after it arrives.
     """
 
-    def __init__(self, path: str | Path, settings: dict[str, Any], overwrite: bool = False):
+    def __init__(self, path: str | Path, settings: dict[str, Any], overwrite: bool = False, background: bool = False):
         self.path = Path(path)
         self.answered: dict[str, dict[str, Any]] = {}
+        self._queue: queue.SimpleQueue | None = None
+        self._writer_error: BaseException | None = None
         if overwrite and self.path.exists():
             self.path.unlink()
         if self.path.exists() and self.path.stat().st_size > 0:
             self._load(settings)
+            self._file = self.path.open("a", encoding="utf-8")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("w", encoding="utf-8")
             self._write_line({"scirl_eval_records": FORMAT_VERSION, "settings": settings})
-            return
-        self._file = self.path.open("a", encoding="utf-8")
+        if background:
+            self._queue = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._writer, name="records-writer", daemon=True)
+            self._thread.start()
 
     def _load(self, settings: dict[str, Any]) -> None:
         data = self.path.read_bytes()
@@ -123,13 +136,41 @@ class RecordsFile:
         self._file.flush()
         os.fsync(self._file.fileno())
 
+    def _writer(self) -> None:
+        assert self._queue is not None
+        done = False
+        while not done:
+            lines = [self._queue.get()]
+            while not self._queue.empty():
+                lines.append(self._queue.get())
+            done = lines[-1] is None
+            try:
+                self._file.write("".join(line for line in lines if line is not None))
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except BaseException as e:  # e.g. disk full: raised to the caller on its next append or close
+                self._writer_error = e
+                return
+
     def append(self, question_id: str, replies: list[str], finish_reasons: list[str | None] | None = None) -> None:
         entry = {"id": question_id, "replies": replies, "finish_reasons": finish_reasons or [None] * len(replies)}
-        self._write_line(entry)
+        if self._queue is None:
+            self._write_line(entry)
+        else:
+            if self._writer_error is not None:
+                raise OSError(f"writing {self.path} failed: {self._writer_error}") from self._writer_error
+            self._queue.put(json.dumps(entry, ensure_ascii=False) + "\n")
         self.answered[question_id] = entry
 
     def close(self) -> None:
+        """Write out everything appended, then close. Safe to call twice."""
+        if self._queue is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
         self._file.close()
+        if self._writer_error is not None:
+            raise OSError(f"writing {self.path} failed: {self._writer_error}") from self._writer_error
 
     def __enter__(self) -> "RecordsFile":
         return self
