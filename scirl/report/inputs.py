@@ -55,16 +55,16 @@ def read_jsonl_complete(path: Path, notes: list[str]) -> list[dict[str, Any]]:
     if tail.strip():
         notes.append(f"{path.name}: the last line is incomplete (run still writing?) and was ignored")
     rows, bad = [], []
-    for number, raw in enumerate(lines, start=1):
+    for line_number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:
             row = json.loads(raw.decode("utf-8", errors="replace"))
         except json.JSONDecodeError:
-            bad.append(number)
+            bad.append(line_number)
             continue
         if not isinstance(row, dict):
-            bad.append(number)
+            bad.append(line_number)
             continue
         rows.append(row)
     if bad:
@@ -112,7 +112,7 @@ def read_config(path: Path, notes: list[str]) -> dict[str, Any]:
     try:
         with path.open("rb") as f:
             return tomllib.load(f)
-    except tomllib.TOMLDecodeError as e:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         notes.append(f"{path.name}: not valid TOML ({e}); settings are not shown")
         return {}
 
