@@ -156,3 +156,32 @@ def test_records_file_refuses_other_settings_unless_overwrite(tmp_path, question
         assert questions[0].id in rf.answered
     with RecordsFile(path, {**SETTINGS, "temperature": 1.0}, overwrite=True) as rf:
         assert rf.answered == {}
+
+
+def test_background_writer_keeps_every_line_in_order(tmp_path, questions):
+    path = tmp_path / "bg.records.jsonl"
+    rf = RecordsFile(path, SETTINGS, background=True)
+    for i, q in enumerate(questions):
+        rf.append(q.id, [f"reply {i}"])
+    rf.close()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["id"] for e in lines[1:]] == [q.id for q in questions]
+    with RecordsFile(path, SETTINGS) as again:
+        assert again.answered[questions[3].id]["replies"] == ["reply 3"]
+
+
+def test_compare_command_prints_json(tmp_path, capsys):
+    from scirl.commands.eval import main
+
+    a = {"records": [{"id": str(i), "correct": i < 30} for i in range(40)]}
+    b = {"records": [{"id": str(i), "correct": i >= 4} for i in range(40)]}
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["table"]["a_right_only"] == 4 and result["table"]["b_right_only"] == 10
+    assert result["mcnemar"]["method"] == "exact_binomial"
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "McNemar" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("[]")
+    assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2

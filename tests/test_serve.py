@@ -193,3 +193,17 @@ def test_local_evaluation_in_process_and_resume(generator, data_file, tmp_path):
     assert full["settings"]["backend"] == "local" and full["settings"]["max_tokens"] == 4
     # greedy decoding: the same replies as the first run for the first five
     assert [r["replies"] for r in full["records"][:5]] == [r["replies"] for r in first["records"]]
+
+
+def test_eval_command_on_a_local_model_dir(tiny_model_dir, data_file, tmp_path, capsys):
+    from scirl.commands.eval import main
+
+    out = tmp_path / "local.json"
+    args = ["--model", str(tiny_model_dir), "--data", str(data_file), "--eval-per-domain", "2", "--max-tokens", "3",
+            "--device", "cpu", "--out", str(out)]
+    assert main(args) == 0
+    results = json.loads(out.read_text())
+    assert results["counts"]["answered"] == 8 and results["settings"]["backend"] == "local"
+    assert "overall" in capsys.readouterr().out
+    assert main(args + ["--max-tokens", "4"]) == 2  # another setting, same --out
+    assert "max_tokens" in capsys.readouterr().err
