@@ -52,14 +52,15 @@ def tokenizer_corpus(seed: int) -> list[str]:
     return texts
 
 
-def make_batch(tokenizer, rows, rng, end_id):
+def make_batch(tokenizer, rows, rng, end_id, clean: bool = False):
     """Right-padded input ids, attention mask and labels (-100 everywhere but the answer and its end token)."""
     import torch
 
     seqs, labels = [], []
     for row in rows:
         prompt = encode_prompt(tokenizer, row)
-        answer = tokenizer.encode(web_answer(row, rng), add_special_tokens=False) + [end_id]
+        text = row["answerKey"] if clean else web_answer(row, rng)
+        answer = tokenizer.encode(text, add_special_tokens=False) + [end_id]
         seqs.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
     width = max(len(s) for s in seqs)
@@ -117,7 +118,10 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scirl.demo.pretrain", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for the finished HF model")
+    parser.add_argument("--init", help="continue from this HF model directory (its tokenizer too) instead of a new model")
     parser.add_argument("--steps", type=int, default=6000)
+    parser.add_argument("--clean-steps", type=int, default=0,
+                        help="the first N steps read textbook pages (answers always right) before the web pages")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
@@ -132,17 +136,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from scirl.tiny_model import build_tiny_model, build_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
-    tokenizer = build_tokenizer(tokenizer_corpus(args.seed), args.vocab_size)
-    build_tiny_model(out, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                     num_kv_heads=args.heads, vocab_size=args.vocab_size, tokenizer=tokenizer, seed=args.seed)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    if args.init:
+        tokenizer = AutoTokenizer.from_pretrained(args.init)
+        model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        tokenizer = build_tokenizer(tokenizer_corpus(args.seed), args.vocab_size)
+        build_tiny_model(out, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                         num_kv_heads=args.heads, vocab_size=args.vocab_size, tokenizer=tokenizer, seed=args.seed)
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
 
@@ -166,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         # fresh pages every step: a new seed per batch, drawn from the run's own stream
         rows = generate_reading_rows(math.ceil(args.batch_size / 4), seed=data_rng.randrange(2**31))
         rows = data_rng.sample(rows, args.batch_size) if len(rows) > args.batch_size else rows
-        ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id)
+        ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id, clean=step <= args.clean_steps)
         # logits only where there is a label: the prompt positions need no vocabulary projection
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         targets = labels[:, 1:]
@@ -176,12 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if step % 50 == 0:
+            print(f"step {step} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             scores = letter_scores(model, tokenizer, val_rows)
-            record = {"step": step, "time": round(time.time() - t0, 1), "loss": round(loss.item(), 4), "lr": lr, **scores}
+            record = {"step": step, "pages": "textbook" if step <= args.clean_steps else "web", "time": round(time.time() - t0, 1), "loss": round(loss.item(), 4), "lr": lr, **scores}
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
+            model.save_pretrained(out / "latest")  # so a long run can be inspected or continued
+            tokenizer.save_pretrained(out / "latest")
     log.close()
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)

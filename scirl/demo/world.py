@@ -1,8 +1,8 @@
 """The demo's learnable science task: open-book MCQs in SciKnowEval's schema (like its L2 reading comprehension).
 
-Each question carries a short text about an invented entity (two facts from one
-domain) and asks for one of them; the four options are values of the asked
-relation, exactly one of which the text states. Every row is fresh (new entity,
+Each question carries a one-sentence text about an invented entity and asks for
+the fact it states; the four options are values of the asked relation, exactly
+one of which the text states. Every row is fresh (new entity,
 new text, new option order), so nothing can be memorised: a model that answers
 held-out rows well has the *skill* of reading the text and picking its option.
 
@@ -23,7 +23,7 @@ from typing import Any
 from scirl.schema import DOMAINS
 from scirl.synthetic import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name
 
-READING_PREFIX = "Read the text carefully and answer the question."
+READING_PREFIX = "Read the text and answer the question."
 LETTERS = ("A", "B", "C", "D")
 
 
@@ -57,17 +57,13 @@ def relations_of(domain: str) -> list[Relation]:
 
 
 def reading_row(relation: Relation, rng: random.Random) -> dict[str, Any]:
-    """One open-book MCQ row: a two-fact text about a new entity, a question about one fact."""
+    """One open-book MCQ row: a one-fact text about a new entity, a question about that fact."""
     entity = entity_name(rng)
-    other = rng.choice([r for r in relations_of(relation.domain) if r is not relation])
     value = rng.choice(relation.values)
-    facts = [relation.statement.format(entity=entity, value=value),
-             other.statement.format(entity=entity, value=rng.choice(other.values))]
-    rng.shuffle(facts)
     distractors = rng.sample([v for v in relation.values if v != value], 3)
     options = distractors + [value]
     rng.shuffle(options)
-    question = f"{READING_PREFIX}\nText: {' '.join(facts)}\nQuestion: {relation.question.format(entity=entity)}"
+    question = f"{READING_PREFIX}\nText: {relation.statement.format(entity=entity, value=value)}\nQuestion: {relation.question.format(entity=entity)}"
     return {
         "prompt": {"default": MCQ4_INSTRUCTION},
         "question": question,

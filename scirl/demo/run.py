@@ -1,0 +1,185 @@
+"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO, evaluate again.
+
+Everything is offline. The questions come from ``scirl.demo.world`` (open-book
+science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that
+``scirl.data.load_splits`` reads and splits exactly as ``scirl train`` does, so
+the held-out questions are ones the RL phase never sees. The base model is the
+one shipped in ``scirl/assets/demo-base`` (built by ``scirl.demo.pretrain``).
+Training is scirl's own trainer (``scirl.train.train``) with ``configs/demo.toml``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+BASE_MODEL_DIR = PACKAGE_DIR / "assets" / "demo-base"
+DEMO_CONFIG = PACKAGE_DIR.parent / "configs" / "demo.toml"
+
+
+@dataclass
+class DemoOptions:
+    output_dir: Path
+    seed: int = 0
+    base_model: Path = BASE_MODEL_DIR
+    config: Path = DEMO_CONFIG
+    train_per_domain: int = 250  # questions per domain generated for the RL phase
+    eval_per_domain: int = 50  # held-out questions per domain
+    eval_max_tokens: int = 8
+    overrides: list[str] = field(default_factory=list)  # extra dotted config flags, e.g. ["--max-steps", "5"]
+    report: bool = True
+    progress: bool = True
+
+
+def fresh_output_dir(root: str | Path = "outputs") -> Path:
+    """``outputs/demo-YYYYmmdd-HHMMSS`` (with a suffix if that already exists)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(root) / f"demo-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path(root) / f"demo-{stamp}-{n}"
+    return path
+
+
+def write_questions(path: Path, train_per_domain: int, eval_per_domain: int, seed: int) -> Path:
+    from scirl.demo.world import generate_reading_rows
+    from scirl.synthetic import write_jsonl
+
+    return write_jsonl(generate_reading_rows(train_per_domain + eval_per_domain, seed=seed), path)
+
+
+def evaluate(model_dir: Path, questions, out: Path, max_tokens: int, progress: bool) -> dict:
+    """Greedy evaluation of ``model_dir`` on ``questions``, written to ``out`` in scirl eval's format."""
+    from scirl.eval.local import evaluate_generator
+    from scirl.inference.hf import HFGenerator
+
+    generator = HFGenerator(model_dir, device="cpu", dtype="float32")
+    try:
+        return evaluate_generator(generator, questions, temperature=0.0, max_tokens=max_tokens, out=out,
+                                  settings={"model": str(model_dir), "data": "scirl demo held-out"},
+                                  overwrite=True, progress=progress)
+    finally:
+        generator.close()
+
+
+def answer_letters(results: dict) -> dict[str, int]:
+    """How often each letter was answered (None: no answer parsed): a collapse to one letter shows here."""
+    counts: dict[str, int] = {}
+    for record in results["records"]:
+        for answer in record["answers"]:
+            key = answer if answer is not None else "none"
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def print_before_after(console, before: dict, after: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title="Held-out accuracy (greedy, questions the RL phase never saw)")
+    for column in ("", "questions", "base", "after GRPO", "change"):
+        table.add_column(column, justify="left" if not column else "right")
+
+    def row(name, n, a, b):
+        change = f"{100 * (b - a):+.1f} pts" if a is not None and b is not None else "-"
+        table.add_row(name, str(n), f"{100 * a:.1f}%" if a is not None else "-", f"{100 * b:.1f}%" if b is not None else "-", change)
+
+    row("overall", after["counts"]["answered"], before["overall_accuracy"], after["overall_accuracy"])
+    for domain in sorted(set(before["per_domain_accuracy"]) | set(after["per_domain_accuracy"])):
+        row(domain, after["counts"]["per_domain"].get(domain, 0), before["per_domain_accuracy"].get(domain),
+            after["per_domain_accuracy"].get(domain))
+    console.print(table)
+    console.print(f"strict-format accuracy: {100 * before['strict_accuracy']:.1f}% -> {100 * after['strict_accuracy']:.1f}%; "
+                  f"answer letters before {answer_letters(before)}, after {answer_letters(after)}")
+
+
+def run_demo(opts: DemoOptions) -> dict:
+    """Run the whole demo; return a summary dict (also written to ``OUTPUT_DIR/demo_summary.json``)."""
+    import torch
+    from rich.console import Console
+
+    from scirl.config import load_config
+    from scirl.data import load_splits
+    from scirl.train import train
+
+    console = Console()
+    started = time.perf_counter()
+    out = Path(opts.output_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} is not empty; pass a new --output-dir")
+    if not (opts.base_model / "config.json").is_file():
+        raise FileNotFoundError(f"base model not found in {opts.base_model}; rebuild it with "
+                                f"`python -m scirl.demo.pretrain --out {opts.base_model}`")
+    if not Path(opts.config).is_file():
+        raise FileNotFoundError(f"demo config not found: {opts.config}")
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(opts.seed)
+
+    # 1. questions: one file; the trainer and the evaluation split it the same way
+    console.rule("[bold]1/4 questions")
+    data_path = write_questions(out / "data" / "demo_questions.jsonl", opts.train_per_domain, opts.eval_per_domain, opts.seed)
+    cfg = load_config(["@", str(opts.config), "--model", str(opts.base_model), "--output-dir", str(out),
+                       "--data.source", str(data_path), "--data.eval-per-domain", str(opts.eval_per_domain),
+                       "--data.split", "train", "--seed", str(opts.seed), *opts.overrides])
+    splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
+                         seed=cfg.data.seed)
+    held_out = splits.eval
+    overlap = {q.id for q in held_out} & {q.id for q in splits.train}
+    if overlap:  # load_splits guarantees this; the demo's claim rests on it, so check it
+        raise RuntimeError(f"{len(overlap)} held-out questions are also in the training split")
+    console.print(f"{len(splits.train)} training questions, {len(held_out)} held-out questions "
+                  f"({opts.eval_per_domain} per domain), written to {data_path}")
+
+    # 2. the base model on the held-out questions
+    console.rule("[bold]2/4 evaluating the base model")
+    console.print(f"base model: {opts.base_model}")
+    before = evaluate(opts.base_model, held_out, out / "eval_base.json", opts.eval_max_tokens, opts.progress)
+    console.print(f"base held-out accuracy: {100 * before['overall_accuracy']:.1f}%")
+
+    # 3. cold-start GRPO with scirl's trainer
+    console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps")
+    status = train(cfg, show_progress=opts.progress)
+    if status != 0:
+        raise RuntimeError(f"training stopped with status {status}; see {out / 'logs'}")
+    final_weights = out / "weights" / f"step_{cfg.max_steps}"
+
+    # 4. the trained model on the same held-out questions
+    console.rule("[bold]4/4 evaluating the trained model")
+    after = evaluate(final_weights, held_out, out / "eval_final.json", opts.eval_max_tokens, opts.progress)
+
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rewards = [m.get("reward/mean") for m in metrics]
+    summary = {
+        "base_accuracy": before["overall_accuracy"],
+        "final_accuracy": after["overall_accuracy"],
+        "gain_points": 100 * (after["overall_accuracy"] - before["overall_accuracy"]),
+        "base_per_domain": before["per_domain_accuracy"],
+        "final_per_domain": after["per_domain_accuracy"],
+        "base_strict_accuracy": before["strict_accuracy"],
+        "final_strict_accuracy": after["strict_accuracy"],
+        "answer_letters_base": answer_letters(before),
+        "answer_letters_final": answer_letters(after),
+        "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
+        "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
+        "steps": cfg.max_steps,
+        "held_out_questions": len(held_out),
+        "train_questions": len(splits.train),
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+    console.rule("[bold]result")
+    print_before_after(console, before, after)
+    try:
+        from scirl.report import write_report
+    except ImportError:
+        console.print("(scirl.report is not available: no HTML report written)")
+    else:
+        if opts.report:
+            page = write_report(out)
+            console.print(f"report: {page}")
+    console.print(f"run directory: [bold]{out}[/]  ({summary['seconds']:.0f}s in all)")
+    return summary
