@@ -443,7 +443,8 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                 due = cfg.ckpt.interval is not None and step % cfg.ckpt.interval == 0
                 if due or step == cfg.max_steps or stop_now:
                     checkpoint_seconds = save(step)
-                if stop_now:
+                    stop_now = stop_agreed(stop, dist)  # a signal during the write: it finished, now stop
+                if stop_now and step < cfg.max_steps:
                     say(f"Stopped by {signal.Signals(stop.signum).name if stop.signum else 'a signal'} after step {step}; "
                         f"resume with: scirl train --resume {run_dir}")
                     status = 128 + (stop.signum or signal.SIGTERM)

@@ -1,0 +1,254 @@
+"""`scirl train` end to end on a tiny model: outputs, checkpoints, exact resume after kill -9 and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from scirl.config import load_config, read_config
+
+METRIC_KEYS = {
+    "step", "time", "reward/mean", "reward/std", "parse_rate/strict", "parse_rate/lenient", "filters/gibberish",
+    "filters/repetition", "filters/zero_advantage", "trainable/count", "trainable/total", "trainable/fraction",
+    "tokens/completion", "tokens_per_s", "time/step", "time/generate", "time/train", "time/weight_sync",
+    "time/checkpoint", "memory/peak_mb",
+}
+# what must be identical between an uninterrupted run and a killed-then-resumed one
+EXACT_KEYS = ("reward/mean", "reward/std", "reward/mean_all", "trainable/count", "loss", "grad_norm", "entropy",
+              "mismatch_kl", "tokens/completion", "epoch")
+
+
+@pytest.fixture(scope="module")
+def letter_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model, nudged to answer a letter and stop, so rewards vary within groups and training moves weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    suffix = tok.encode("<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    rows = [suffix + tok.encode(letter, add_special_tokens=False) + [tok.eos_token_id] for letter in "ABCD" * 2]
+    ids = torch.tensor(rows)
+    labels = ids.clone()
+    labels[:, : len(suffix)] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    for _ in range(30):
+        model(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = tmp_path_factory.mktemp("letter_model")
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from scirl.synthetic import generate_rows, write_jsonl
+
+    return write_jsonl(generate_rows(n_per_domain=12, seed=1), tmp_path_factory.mktemp("data") / "rows.jsonl")
+
+
+def train_args(model, data, out, max_steps=3, extra=()):
+    return [
+        "--model", str(model), "--data.source", str(data), "--data.eval-per-domain", "2", "--output-dir", str(out),
+        "--max-steps", str(max_steps), "--batch-size", "16", "--group-size", "8", "--micro-batch-size", "8",
+        "--max-completion-tokens", "4", "--seq-len", "512", "--optim.lr", "1e-2", "--seed", "3", "--device", "cpu",
+        "--dtype", "float32", "--filters.zero-advantage.no-enforce", "--ckpt.interval", "2", *extra,
+    ]
+
+
+@pytest.fixture
+def one_thread():
+    # identical float results in this process and in the subprocesses (OMP_NUM_THREADS=1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_in_process(argv, **kwargs) -> int:
+    from scirl.train import train
+
+    return train(load_config(argv), show_progress=False, **kwargs)
+
+
+def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(run_dir / "weights" / f"step_{step}" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, one_thread):
+    run_dir = tmp_path / "run"
+    argv = train_args(letter_model_dir, data_file, run_dir)
+    assert run_in_process(argv) == 0
+
+    metrics = rows(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert METRIC_KEYS <= set(m), METRIC_KEYS - set(m)
+        assert m["trainable/total"] == 16
+    assert any(m["trainable/count"] > 0 for m in metrics), "the letter model should give some groups mixed rewards"
+    assert all("loss" in m and "grad_norm" in m for m in metrics if m["trainable/count"] > 0)
+
+    for step in (1, 2, 3):
+        lines = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(lines) == 16
+        assert {"question_id", "prompt", "completion", "reward", "advantage", "filter", "dropped"} <= set(lines[0])
+        assert "<|im_start|>assistant" in lines[0]["prompt"]
+        for group in (0, 1):
+            rewards = [x["reward"] for x in lines if x["group"] == group]
+            advantages = [x["advantage"] for x in lines if x["group"] == group]
+            assert advantages == pytest.approx([r - sum(rewards) / 8 for r in rewards])
+    assert "Step 3 | " in (run_dir / "logs" / "train.log").read_text()
+    assert read_config(run_dir / "config.toml") == load_config(argv)
+
+    # checkpoints at the interval and at the end, each a loadable HF model with trainer state
+    from transformers import AutoModelForCausalLM
+
+    from scirl.checkpoint import latest_checkpoint, load_trainer_state
+
+    assert latest_checkpoint(run_dir) == (3, run_dir / "weights" / "step_3")
+    assert (run_dir / "weights" / "step_2").is_dir()
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "weights" / "step_3")
+    base = AutoModelForCausalLM.from_pretrained(letter_model_dir)
+    assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
+    state = load_trainer_state(run_dir / "weights" / "step_3")
+    assert state["step"] == 3 and state["data_position"]["cursor"] == 6 and state["optimizer"]["state"]
+
+    # the same directory again without --resume is refused; --clean starts over
+    from scirl.train import RunDirError
+
+    with pytest.raises(RunDirError, match="--resume"):
+        run_in_process(argv)
+
+
+def test_micro_batches_do_not_change_the_update(tiny_model_dir):
+    """Gradient accumulation with the global token count == one big batch (up to float error)."""
+    from scirl.config import TrainConfig
+    from scirl.trainer import Dist, Trainer, load_model, make_micro_batches
+
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(6):
+        n_prompt, n_completion = 5 + i, 1 + (i * 3) % 5
+        samples.append({
+            "prompt_ids": torch.randint(10, 500, (n_prompt,), generator=g).tolist(),
+            "completion_ids": torch.randint(10, 500, (n_completion,), generator=g).tolist(),
+            "logprobs": (-torch.rand(n_completion, generator=g) * 5).tolist(),
+            "advantage": float(torch.randn(1, generator=g)),
+        })
+    cfg = TrainConfig(optim={"lr": 1e-2})
+    results = []
+    for micro_batch_size in (6, 4, 1):
+        torch.manual_seed(0)
+        model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
+        # would turn float noise on near-zero gradients into lr-sized differences
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        stats = trainer.train_step(make_micro_batches(samples, micro_batch_size, pad_id=0))
+        results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}))
+    (ref_stats, ref_weights), *others = results
+    for stats, weights in others:
+        assert stats["loss"] == pytest.approx(ref_stats["loss"], abs=1e-6)
+        assert stats["grad_norm"] == pytest.approx(ref_stats["grad_norm"], rel=1e-5)
+        assert stats["loss_tokens"] == ref_stats["loss_tokens"] == sum(len(s["completion_ids"]) for s in samples)
+        for name, value in weights.items():
+            assert torch.allclose(value, ref_weights[name], atol=1e-6), name
+
+
+def test_truncate_run_drops_rows_and_rollouts_past_the_checkpoint(tmp_path):
+    from scirl.train import truncate_run
+
+    (tmp_path / "rollouts").mkdir()
+    lines = [json.dumps({"step": s}) for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + '{"step": 5, "lo')  # a row cut by a kill
+    for s in (1, 2, 3, 4):
+        (tmp_path / "rollouts" / f"step_{s}.jsonl").write_text("{}\n")
+    (tmp_path / "rollouts" / "step_5.jsonl.tmp").write_text("{")
+    assert truncate_run(tmp_path, 2) == 3
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert sorted(p.name for p in (tmp_path / "rollouts").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
+
+
+def wait_for(predicate, proc, timeout=240.0, what=""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"training exited ({proc.returncode}) before {what}:\n{proc.stdout.read()}")
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def start(argv, env_extra=None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
+    return subprocess.Popen([sys.executable, "-m", "scirl", "train", *argv], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tmp_path, one_thread):
+    """Uninterrupted 4 steps vs: kill -9 inside checkpoint 4's write, resume (from 2), SIGTERM inside
+    checkpoint 3's write, resume (from 3). Same metrics rows, same weights, no step missing or doubled."""
+    reference = tmp_path / "reference"
+    assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=4)) == 0
+    expected = rows(reference)
+
+    run_dir = tmp_path / "interrupted"
+    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=4)
+    # 1) kill -9 while checkpoint 4 is being written (the writer sleeps after each file it seals)
+    proc = start(argv, {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    wait_for(lambda: (run_dir / "weights" / ".step_4.tmp" / "trainer_state").exists(), proc, what="checkpoint 4's write")
+    proc.kill()
+    proc.wait()
+    assert not (run_dir / "weights" / "step_4").exists() and len(rows(run_dir)) == 4
+
+    # 2) resume (from step 2) with a checkpoint every step; SIGTERM while checkpoint 3 is being written:
+    #    the write completes, then the run stops cleanly
+    proc = start(["--resume", str(run_dir), "--ckpt.interval", "1"], {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    wait_for(lambda: (run_dir / "weights" / ".step_3.tmp").exists(), proc, what="checkpoint 3's write")
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert "resume with" in out
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
+    assert (run_dir / "weights" / "step_3" / "manifest.json").exists()
+
+    # 3) resume again, to the end
+    assert run_in_process(["--output-dir", str(run_dir)] + read_back_overrides(run_dir), resume=True) == 0
+    got = rows(run_dir)
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for want, have in zip(expected, got):
+        for key in EXACT_KEYS:
+            assert have.get(key) == want.get(key), (want["step"], key)
+    for step in (1, 2, 3, 4):
+        a = (reference / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+        b = (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+        assert [json.loads(x)["completion"] for x in a] == [json.loads(x)["completion"] for x in b]
+    w_ref, w_got = final_weights(reference, 4), final_weights(run_dir, 4)
+    assert w_ref.keys() == w_got.keys()
+    for name in w_ref:
+        assert torch.equal(w_ref[name], w_got[name]), name
+
+
+def read_back_overrides(run_dir: Path) -> list[str]:
+    """The saved config as '@ file' (what `scirl train --resume` does)."""
+    return ["@", str(run_dir / "config.toml")]
