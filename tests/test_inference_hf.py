@@ -214,3 +214,28 @@ def test_bad_requests_are_rejected(generator, prompts):
         generator.generate(prompts, SamplingParams(top_p=0))
     with pytest.raises(ValueError, match="n must be"):
         generator.generate(prompts, SamplingParams(n=0))
+
+
+def test_sampler_draws_from_the_given_distribution():
+    from scirl.inference.hf import sample_categorical
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2], [0.0, 0.0, 0.0, 1.0]])
+    rows = probs.repeat(20000, 1)
+    draws = sample_categorical(rows, torch.Generator().manual_seed(0)).view(20000, 2)
+    first = torch.bincount(draws[:, 0], minlength=4).float() / 20000
+    assert first.tolist() == pytest.approx([0.5, 0.0, 0.3, 0.2], abs=0.015)
+    assert first[1] == 0  # a zero-probability token is never drawn
+    assert (draws[:, 1] == 3).all()
+
+
+def test_preallocated_cache_matches_transformers_dynamic_cache(generator, prompts, monkeypatch):
+    import scirl.inference.hf as hf
+
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5)
+    fast = generator.generate(prompts, params)
+    monkeypatch.setattr(hf, "preallocated_layer_class", lambda: None)  # fall back to DynamicCache
+    plain = generator.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in fast] == [[c.token_ids for c in g] for g in plain]
+    for g_fast, g_plain in zip(fast, plain):
+        for a, b in zip(g_fast, g_plain):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

@@ -18,6 +18,7 @@ importance ratio start at 1. Greedy (temperature 0) reports ``log_softmax(logits
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Iterable
@@ -61,8 +62,22 @@ def sample_next(logits, params: SamplingParams, generator=None):
     if params.temperature == 0:
         tokens = logprobs.argmax(dim=-1)
     else:
-        tokens = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(1)
+        tokens = sample_categorical(logprobs.exp(), generator)
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def sample_categorical(probs, generator=None):
+    """One draw per row of ``probs`` [rows, vocab] by inverse-CDF: a single uniform per row.
+
+    Same distribution as ``torch.multinomial(probs, 1)``, but ~10x faster on CPU
+    (multinomial draws vocab-many random numbers per row). ``right=True`` makes a
+    zero-probability token (its CDF equals its predecessor's) impossible to pick.
+    """
+    import torch
+
+    cdf = probs.cumsum(dim=-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def resolve_dtype(dtype, device):
@@ -239,11 +254,24 @@ class HFGenerator(Generator):
         )
         return out.logits[:, -1, :].float()
 
-    def _new_cache(self):
+    def _new_cache(self, capacity: int):
+        """A KV cache preallocated for ``capacity`` positions when the model is plain full attention.
+
+        transformers' ``DynamicCache`` grows by ``torch.cat`` every step, which re-copies the whole
+        cache per token (over a third of CPU decode time at 256 tokens); writing into a buffer avoids it.
+        """
         from transformers import DynamicCache
 
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
+        layer_class = preallocated_layer_class()
+        if layer_class is not None and set(layer_types) == {"full_attention"}:
+            from transformers.cache_utils import Cache
+
+            return Cache(layers=[layer_class(capacity) for _ in range(text_config.num_hidden_layers)])
         try:
-            return DynamicCache(config=self.model.config)
+            return DynamicCache(config=config)  # sliding-window or hybrid models: let transformers pick the layers
         except TypeError:  # older transformers
             return DynamicCache()
 
@@ -261,7 +289,7 @@ class HFGenerator(Generator):
         # positions count real tokens only, so a left-padded prompt sees the same positions as unpadded
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        cache = self._new_cache()
+        cache = self._new_cache(longest + params.max_tokens)
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
 
         # Share the prefill: row r of the decode batch continues prompt expand[r].
@@ -315,6 +343,62 @@ class HFGenerator(Generator):
                 row += 1
             out.append(group)
         return out
+
+
+@functools.cache
+def preallocated_layer_class():
+    """A ``DynamicLayer`` that writes into a fixed-capacity buffer instead of concatenating; None if
+    this transformers has no per-layer cache API (then the plain ``DynamicCache`` is used)."""
+    try:
+        from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
+    except ImportError:
+        return None
+
+    class PreallocatedLayer(DynamicLayer):
+        def __init__(self, capacity: int):
+            super().__init__()
+            self.capacity = capacity
+            self.length = 0
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            self.device = key_states.device
+            rows, heads, _, dim = key_states.shape
+            self.key_buffer = key_states.new_empty((rows, heads, self.capacity, dim))
+            self.value_buffer = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[-1]))
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.capacity:
+                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded")
+            self.key_buffer[:, :, self.length : end] = key_states
+            self.value_buffer[:, :, self.length : end] = value_states
+            self.length = end
+            self._expose()
+            return self.keys, self.values
+
+        def _expose(self) -> None:
+            # views, not copies: attention reads the filled prefix of the buffer
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices) -> None:
+            if self.is_initialized:
+                self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
+                self._expose()
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
+                self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
+                self._expose()
+
+    return PreallocatedLayer
 
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
