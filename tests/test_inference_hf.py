@@ -239,3 +239,19 @@ def test_preallocated_cache_matches_transformers_dynamic_cache(generator, prompt
     for g_fast, g_plain in zip(fast, plain):
         for a, b in zip(g_fast, g_plain):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_min_tokens_holds_eos_back(many_eos, prompts, tiny_model_dir):
+    gen, eos = many_eos
+    params = SamplingParams(n=8, temperature=1.0, max_tokens=30, min_tokens=30, seed=3)
+    result = gen.generate(prompts, params)
+    assert all(len(c.token_ids) == 30 and c.finish_reason == "length" for g in result for c in g)
+    assert not any(eos & set(c.token_ids) for g in result for c in g)
+    # the logprobs are those of the distribution without EOS, renormalised
+    model = load_model(tiny_model_dir)
+    c, prompt = result[0][0], prompts[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1 : -1].double()
+    logits[:, sorted(eos)] = float("-inf")
+    expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None]).squeeze(1)
+    assert c.logprobs == pytest.approx(expected.tolist(), abs=1e-4)

@@ -20,6 +20,9 @@ class SamplingParams:
     top_p: float = 1.0
     max_tokens: int = 256
     seed: int | None = None
+    # EOS is not sampled before this many tokens (vLLM's `min_tokens`); benchmarks set it to
+    # max_tokens to force full-length completions
+    min_tokens: int = 0
 
 
 @dataclass

@@ -307,6 +307,8 @@ class HFGenerator(Generator):
         live = torch.arange(total_rows, device=device)  # original row index of each row still decoding
 
         for t in range(max_tokens):
+            if t < params.min_tokens:
+                logits[:, eos] = float("-inf")  # as vLLM's min_tokens: EOS is out of the sampling distribution
             token, token_logprob = sample_next(logits, params, generator)
             tokens[live, t] = token
             logprobs[live, t] = token_logprob
@@ -411,6 +413,8 @@ def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
         raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
     if params.max_tokens < 1:
         raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {params.max_tokens}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens], got {params.min_tokens}")
     if params.temperature < 0:
         raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
     if not 0 < params.top_p <= 1:
