@@ -1,0 +1,237 @@
+"""scirl vs TRL's GRPOTrainer: the same GRPO step, timed side by side on CPU.
+
+Both frameworks get the same tiny local Qwen3 model, the same 8 chat-templated
+questions, the same thread count, and do the same work per step: 8 questions x 16
+completions = 128 completions of exactly 256 tokens (EOS held back: scirl's
+``min_tokens``, TRL's ``min_new_tokens``), reward = scirl's lenient answer check,
+advantage = reward - group mean (TRL: ``scale_rewards="none"``), no KL/reference
+model (TRL: ``beta=0``), fp32, no gradient checkpointing, micro-batches of 32 with
+gradient accumulation to one AdamW step.
+
+The scirl side runs the same calls, in the same order, as one step of
+``scirl.train`` (``HFGenerator`` sampling from the module being trained, reward,
+``group_advantages``, ``apply_filters``, ``make_micro_batches``, ``Trainer.train_step``);
+only the run-directory logging is left out. Each framework runs in its own
+subprocess, one after the other. The first ``--warmup`` steps are not timed.
+
+    pip install trl   # the benchmark's extra dependency; it keeps the installed torch
+    python benchmarks/bench_trl.py --steps 3 --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def build_inputs(work: Path, args) -> tuple[Path, list]:
+    """The benchmark model (built once, reused) and the questions."""
+    from scirl.data import question_from_row
+    from scirl.synthetic import generate_rows
+    from scirl.tiny_model import build_tiny_model
+
+    model_dir = work / f"model-h{args.hidden}-l{args.layers}"
+    if not (model_dir / "config.json").exists():
+        build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
+                         num_kv_heads=max(args.hidden // 128, 1))
+    rows = generate_rows(n_per_domain=max(args.questions, 4), seed=0, non_mcq=False)
+    questions = [question_from_row(row, source=f"bench:{i}") for i, row in enumerate(rows)][: args.questions]
+    return model_dir, questions
+
+
+def run_scirl(model_dir: Path, questions: list, args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scirl.config import FiltersConfig, LossConfig, OptimConfig
+    from scirl.grpo import apply_filters, group_advantages
+    from scirl.inference.base import SamplingParams, encode_messages
+    from scirl.inference.hf import HFGenerator
+    from scirl.prompt import build_messages
+    from scirl.reward import score
+    from scirl.trainer import Dist, Trainer, make_micro_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.config.use_cache = False
+    model.train()
+    trainer = Trainer(model, OptimConfig(lr=args.lr), LossConfig(), temperature=1.0, device=torch.device("cpu"),
+                      dist=Dist(), dtype=torch.float32)
+    generator = HFGenerator(model, tokenizer=tokenizer)  # samples from the module it trains, as scirl train does
+    filters = FiltersConfig()
+    filters.zero_advantage.enforce = False  # a random model scores ~0: train on every rollout, as TRL does
+    prompts = [encode_messages(tokenizer, build_messages(q)) for q in questions]
+    steps = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        params = SamplingParams(n=args.group, temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, seed=step)
+        groups = generator.generate(prompts, params)
+        t1 = time.perf_counter()
+        samples, tokens = [], 0
+        for q, prompt, group in zip(questions, prompts, groups):
+            rewards = torch.tensor([[score(c.text, q, "lenient").reward for c in group]])
+            for c, adv in zip(group, group_advantages(rewards)[0].tolist()):
+                tokens += len(c.token_ids)
+                if not apply_filters(c.token_ids, c.logprobs, adv, filters, model.config.vocab_size).dropped:
+                    samples.append({"prompt_ids": prompt, "completion_ids": c.token_ids, "logprobs": c.logprobs, "advantage": adv})
+        stats = trainer.train_step(make_micro_batches(samples, args.micro_batch, tokenizer.pad_token_id))
+        t2 = time.perf_counter()
+        assert stats["stepped"] and len(samples) == args.questions * args.group
+        steps.append({"seconds": t2 - t0, "generate": t1 - t0, "train": t2 - t1, "completion_tokens": tokens})
+        print(f"scirl step {step + 1}: {t2 - t0:.1f}s (generate {t1 - t0:.1f}s, train {t2 - t1:.1f}s), {tokens} tokens",
+              file=sys.stderr, flush=True)
+    return {"framework": "scirl", "steps": steps}
+
+
+def run_trl(model_dir: Path, questions: list, args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from scirl.prompt import build_messages, render_prompt
+    from scirl.reward import score
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # the same prompt text scirl tokenizes; TRL tokenizes a plain-string prompt as is
+    dataset = Dataset.from_list([{"prompt": render_prompt(tokenizer, build_messages(q)), "qi": i} for i, q in enumerate(questions)])
+
+    def reward(prompts, completions, qi, **kwargs):
+        return [score(c, questions[i], "lenient").reward for c, i in zip(completions, qi)]
+
+    per_step = args.questions * args.group
+    config = GRPOConfig(
+        output_dir=str(Path(args.work) / "trl-out"),
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=per_step // args.micro_batch,  # one generation of 128 per optimizer step
+        num_generations=args.group,
+        max_completion_length=args.tokens,
+        generation_kwargs={"min_new_tokens": args.tokens},
+        temperature=1.0,
+        top_p=1.0,
+        beta=0.0,
+        scale_rewards="none",
+        learning_rate=args.lr,
+        max_grad_norm=1.0,
+        max_steps=args.steps,
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+    )
+    steps: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.start, self.generate = time.perf_counter(), 0.0
+
+        def on_step_end(self, *_, **__):
+            seconds = time.perf_counter() - self.start
+            steps.append({"seconds": seconds, "generate": self.generate, "train": seconds - self.generate})
+            print(f"trl step {len(steps)}: {seconds:.1f}s (generate {self.generate:.1f}s)", file=sys.stderr, flush=True)
+
+    timer = Timer()
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
+                          callbacks=[timer])
+    plain_generate = trainer.model.generate
+
+    def timed_generate(*a, **kw):
+        t = time.perf_counter()
+        out = plain_generate(*a, **kw)
+        timer.generate += time.perf_counter() - t
+        return out
+
+    trainer.model.generate = timed_generate
+    trainer.train()
+    lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
+    assert lengths and all(abs(x - args.tokens) < 1e-6 for x in lengths), f"TRL completions were not {args.tokens} long: {lengths}"
+    for s, mean_length in zip(steps, lengths):
+        s["completion_tokens"] = round(mean_length * per_step)
+    return {"framework": "trl", "steps": steps}
+
+
+def summarize(result: dict, warmup: int) -> dict:
+    timed = result["steps"][warmup:] or result["steps"]
+    seconds = sum(s["seconds"] for s in timed) / len(timed)
+    tokens = sum(s["completion_tokens"] for s in timed) / len(timed)
+    return {
+        "s_per_step": seconds,
+        "generate_s": sum(s["generate"] for s in timed) / len(timed),
+        "train_s": sum(s["train"] for s in timed) / len(timed),
+        "tokens_per_s": tokens / seconds,
+        "timed_steps": len(timed),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per framework")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the figures")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
+    parser.add_argument("--questions", type=int, default=8)
+    parser.add_argument("--group", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=256, help="completion length (forced)")
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--work", default=None, help="directory for the model and TRL's output (default: a temp dir)")
+    parser.add_argument("--only", choices=["scirl", "trl"], help="run one framework in this process (used internally)")
+    parser.add_argument("--json", default=None, help="write the figures to this file")
+    args = parser.parse_args(argv)
+    if (args.questions * args.group) % args.micro_batch:
+        parser.error("--micro-batch must divide questions x group")
+
+    if args.only:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        torch.manual_seed(0)
+        model_dir, questions = build_inputs(Path(args.work), args)
+        result = (run_scirl if args.only == "scirl" else run_trl)(model_dir, questions, args)
+        print(json.dumps(result))
+        return 0
+
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+        args.work = args.work or tmp
+        Path(args.work).mkdir(parents=True, exist_ok=True)
+        build_inputs(Path(args.work), args)  # once, outside the timed runs
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+                   TOKENIZERS_PARALLELISM="false")
+        summaries = {}
+        settings = ["--steps", args.steps, "--threads", args.threads, "--questions", args.questions, "--group", args.group,
+                    "--tokens", args.tokens, "--micro-batch", args.micro_batch, "--hidden", args.hidden,
+                    "--layers", args.layers, "--lr", args.lr, "--work", args.work]
+        for framework in ("scirl", "trl"):
+            cmd = [sys.executable, __file__, *map(str, settings), "--only", framework]
+            out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
+            summaries[framework] = summarize(json.loads(out.strip().splitlines()[-1]), args.warmup)
+
+    per_step = args.questions * args.group
+    print(f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per step, "
+          f"model hidden {args.hidden} x {args.layers} layers, {args.threads} thread(s), "
+          f"{summaries['scirl']['timed_steps']} timed step(s) each\n")
+    print(f"{'':8}{'s/step':>10}{'generate s':>12}{'train s':>10}{'tokens/s':>10}")
+    for name, s in summaries.items():
+        print(f"{name:8}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}")
+    ratio = summaries["trl"]["s_per_step"] / summaries["scirl"]["s_per_step"]
+    print(f"\nscirl / TRL speed: {ratio:.2f}x (goal >= 2x)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": {k: v for k, v in vars(args).items() if k != "work"},
+                                               "results": summaries, "ratio": ratio}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
