@@ -6,7 +6,12 @@ runs over ``--questions`` synthetic questions at ``--concurrency`` requests in
 flight, writing its records file as the real command does. No client can beat
 concurrency / latency requests per second; the goal is >= 0.9 of that.
 
-    python benchmarks/bench_eval.py [--questions 800] [--concurrency 32] [--latency 0.5]
+    python benchmarks/bench_eval.py [--questions 800] [--concurrency 32] [--latency 0.5] [--bare]
+
+Install the ``bench`` extra first (httptools, uvloop): with uvicorn's pure-Python
+HTTP parser the test server itself, not the client, is the bottleneck on a small
+machine. ``--bare`` also times a client that does nothing but post, to tell the
+client's cost from the machine's load.
 """
 
 from __future__ import annotations
@@ -111,7 +116,11 @@ def main() -> None:
     assert results["counts"]["answered"] == len(questions), results["counts"]
     rate = len(questions) / elapsed
     bound = args.concurrency / args.latency
-    print(f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples {args.n_samples}")
+    import importlib.util
+
+    fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
+    print(f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples {args.n_samples}  "
+          f"server {'httptools+uvloop' if fast else 'h11+asyncio (install the bench extra)'}")
     print(f"elapsed {elapsed:.2f} s  (ideal {len(questions) / bound:.2f} s)")
     print(f"client CPU {cpu:.2f} s = {1000 * cpu / len(questions):.2f} ms per question (load average {os.getloadavg()[0]:.1f})")
     print(f"requests/s {rate:.1f}  bound {bound:.1f}  ratio {rate / bound:.3f}  (goal >= 0.9)")

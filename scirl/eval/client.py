@@ -211,7 +211,7 @@ async def evaluate_questions(
                 httpx.AsyncClient(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
                                   timeout=cfg.timeout, verify=ssl_context)
             )
-            for _ in range(cfg.concurrency)
+            for _ in range(max(1, min(cfg.concurrency, len(questions) * cfg.n_samples)))  # no idle clients
         ]
         if check:
             warning = await check_server(clients[0], cfg)
