@@ -50,6 +50,8 @@ def evaluate_generator(
     records = RecordsFile(records_path(out), resolved, overwrite=overwrite) if out else None
     answered: dict[str, dict[str, Any]] = dict(records.answered) if records else {}
     todo = [q for q in questions if q.id not in answered]
+    if progress and records and len(todo) < len(questions):
+        print(f"resuming: {len(questions) - len(todo)} of {len(questions)} questions already answered in {records.path}")
     try:
         with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
             for start in range(0, len(todo), batch_size):

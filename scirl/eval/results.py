@@ -118,12 +118,7 @@ class RecordsFile:
             old = header["settings"]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise ValueError(f"{self.path} is not a scirl eval records file (bad first line); use another --out") from None
-        diffs = [f"{k}: {old.get(k)!r} there, {settings.get(k)!r} now" for k in ANSWER_SETTINGS if old.get(k) != settings.get(k)]
-        if diffs:
-            raise SettingsMismatch(
-                f"{self.path} holds answers made with other settings ({'; '.join(diffs)}). "
-                "Use another --out, or --overwrite to discard them."
-            )
+        raise_on_mismatch(self.path, old, settings)
         for number, line in enumerate(lines[1:], start=2):
             try:
                 entry = json.loads(line)
@@ -177,6 +172,26 @@ class RecordsFile:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def raise_on_mismatch(path: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
+    diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in ANSWER_SETTINGS if old.get(k) != new.get(k)]
+    if diffs:
+        raise SettingsMismatch(
+            f"{path} holds answers made with other settings ({'; '.join(diffs)}). "
+            "Use another --out, or --overwrite to discard them."
+        )
+
+
+def check_resumable(out: str | Path, settings: dict[str, Any]) -> None:
+    """Raise SettingsMismatch now if ``out``'s records file was made with other settings (before a model loads)."""
+    path = records_path(out)
+    try:
+        with path.open(encoding="utf-8") as f:
+            old = json.loads(f.readline())["settings"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return  # absent or unreadable: RecordsFile decides
+    raise_on_mismatch(path, old, settings)
 
 
 def score_record(q: Question, replies: list[str], finish_reasons: list[str | None] | None = None) -> dict[str, Any]:
