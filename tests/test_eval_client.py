@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from fastapi import Request  # at module level: FastAPI resolves the string annotations here
