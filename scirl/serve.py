@@ -144,6 +144,8 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
         params = SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens, seed=request.seed)
         try:
             completions = await state["batcher"].submit(prompt, params)
+        except ValueError as e:  # the generator refused this request's values: the client's error, not worth a retry
+            return _error(400, f"bad request: {e}")
         except Exception as e:
             return _error(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
         completion_tokens = sum(len(c.token_ids) for c in completions)
