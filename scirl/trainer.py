@@ -177,7 +177,10 @@ class Trainer:
             sums = LossSums()
         else:
             sums.entropy = float(entropy[loss_mask].sum())
-        loss.backward()
+        # The loss is already divided by the global loss-token count, so the ranks' gradients must be
+        # summed; FSDP averages them, hence the world-size factor. (FSDP's set_gradient_divide_factor(1)
+        # would say the same, but needs a PREMUL_SUM reduction that gloo lacks.)
+        (loss * self.dist.world_size).backward()
         return float(loss.detach()), sums
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:

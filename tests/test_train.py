@@ -252,3 +252,66 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
 def read_back_overrides(run_dir: Path) -> list[str]:
     """The saved config as '@ file' (what `scirl train --resume` does)."""
     return ["@", str(run_dir / "config.toml")]
+
+
+FSDP_SCRIPT = r'''
+import sys, torch
+from scirl.config import TrainConfig
+from scirl.trainer import Trainer, load_model, make_micro_batches, setup_distributed
+model_dir, samples_file, out_file = sys.argv[1:4]
+dist, device = setup_distributed("cpu")
+samples = torch.load(samples_file)
+cfg = TrainConfig()
+model = load_model(model_dir, device, dist, torch.float32)
+trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
+stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
+state = trainer.full_state_dict()
+if dist.rank == 0:
+    torch.save({"stats": stats, "state": state}, out_file)
+torch.distributed.destroy_process_group()
+'''
+
+
+def fixed_samples(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for i in range(n):
+        n_prompt, n_completion = 4 + i, 1 + (i * 3) % 5
+        samples.append({
+            "prompt_ids": torch.randint(10, 500, (n_prompt,), generator=g).tolist(),
+            "completion_ids": torch.randint(10, 500, (n_completion,), generator=g).tolist(),
+            "logprobs": (-torch.rand(n_completion, generator=g) * 5).tolist(),
+            "advantage": float(torch.randn(1, generator=g)),
+        })
+    return samples
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
+    """torchrun, 2 gloo ranks, FSDP2: the loss-token count is global and the update equals one process's."""
+    from scirl.config import TrainConfig
+    from scirl.trainer import Dist, Trainer, load_model, make_micro_batches
+
+    samples = fixed_samples()
+    torch.save(samples, tmp_path / "samples.pt")
+    (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(tmp_path / "out.pt")
+
+    cfg = TrainConfig()
+    model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
+    assert got["stats"]["loss_tokens"] == want["loss_tokens"]
+    assert got["stats"]["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert got["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    for name, value in trainer.full_state_dict().items():
+        assert torch.allclose(got["state"][name], value, atol=1e-6), name
