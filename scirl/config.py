@@ -110,6 +110,7 @@ class TrainConfig(Section):
     output_dir: str = "outputs/run"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     filters: FiltersConfig = FiltersConfig()

@@ -146,16 +146,18 @@ def write_rollouts(path: Path, rows: list[dict]) -> None:
 
 
 def setup_logging(run_dir: Path, is_main: bool) -> None:
-    log.setLevel(logging.INFO)
-    for handler in list(log.handlers):
-        if getattr(handler, "_scirl", False):
-            log.removeHandler(handler)
+    """``logs/train.log`` gets every ``scirl.*`` logger's records (data notes, warnings, step lines)."""
+    package_log = logging.getLogger("scirl")
+    package_log.setLevel(logging.INFO)
+    for handler in list(package_log.handlers):
+        if getattr(handler, "_scirl_train", False):
+            package_log.removeHandler(handler)
             handler.close()
     if is_main:
         handler = logging.FileHandler(run_dir / "logs" / "train.log", encoding="utf-8")
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        handler._scirl = True
-        log.addHandler(handler)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._scirl_train = True
+        package_log.addHandler(handler)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +340,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
             if dropped:
                 log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
     barrier(dist)
-    model = load_model(model_source, device, dist, dtype)
+    model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
     if saved is not None:
         trainer.load_optimizer_state_dict(saved["optimizer"])

@@ -101,12 +101,14 @@ def dummy_micro_batch() -> MicroBatch:
     )
 
 
-def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype):
+def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool = False):
     """Load an HF causal LM in float32 (the master weights); shard it with FSDP2 under torchrun."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
-    model.config.use_cache = False
+    if activation_checkpointing:
+        # non-reentrant checkpointing is the variant that composes with FSDP2
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dist.world_size > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
