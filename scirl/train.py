@@ -260,6 +260,37 @@ class StopRequest:
 # the loop
 
 
+def score_groups(step, questions, prompts, prompt_texts, groups, cfg, vocab_size: int, rank: int = 0):
+    """Reward, advantage and filter verdict of every completion.
+
+    Returns (rollout records for the logs, training samples: the rollouts no enforcing filter dropped).
+    """
+    import torch
+
+    from scirl.grpo import apply_filters, group_advantages
+    from scirl.reward import score
+
+    rollouts, samples = [], []
+    for group_index, (q, prompt_ids, prompt_text, group) in enumerate(zip(questions, prompts, prompt_texts, groups)):
+        scored = [score(c.text, q, cfg.reward.mode) for c in group]
+        rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
+        advantages = group_advantages(rewards, cfg.advantage.std_normalize, cfg.advantage.eps)[0].tolist()
+        for k, (c, s, adv) in enumerate(zip(group, scored, advantages)):
+            verdict = apply_filters(c.token_ids, c.logprobs, adv, cfg.filters, vocab_size)
+            strict = s if cfg.reward.mode == "strict" else score(c.text, q, "strict")
+            lenient = s if cfg.reward.mode == "lenient" else score(c.text, q, "lenient")
+            rollouts.append({
+                "step": step, "question_id": q.id, "domain": q.domain, "group": group_index, "sample": k, "rank": rank,
+                "prompt": prompt_text, "completion": c.text, "answer": s.answer, "reward": float(s.reward),
+                "advantage": adv, "parsed_strict": bool(strict.parsed), "parsed_lenient": bool(lenient.parsed),
+                "filter": verdict.flag, "dropped": verdict.dropped, "finish_reason": c.finish_reason,
+                "num_tokens": len(c.token_ids),
+            })
+            if not verdict.dropped:
+                samples.append({"prompt_ids": prompt_ids, "completion_ids": c.token_ids, "logprobs": c.logprobs, "advantage": adv})
+    return rollouts, samples
+
+
 def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
     """Run (or continue) a GRPO run in ``cfg.output_dir``. Returns the process exit status."""
     import torch
@@ -268,11 +299,9 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     from scirl import checkpoint as ckpt_lib
     from scirl.config import write_config
     from scirl.data import load_splits
-    from scirl.grpo import apply_filters, group_advantages
     from scirl.inference.base import SamplingParams, encode_messages
     from scirl.inference.hf import HFGenerator
     from scirl.prompt import build_messages, render_prompt
-    from scirl.reward import score
     from scirl.trainer import Trainer, compute_dtype, load_model, make_micro_batches, setup_distributed
 
     import transformers
@@ -356,7 +385,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
 
     def save(step: int) -> float:
         t = time.perf_counter()
-        state = trainer.full_state_dict()
+        state = trainer.full_state_dict(all_ranks=False)  # fp32 masters: resuming from them is exact
         optimizer_state = trainer.optimizer_state_dict()
         # every rank calls this (it syncs); only rank 0 writes
         ckpt_lib.save_checkpoint(run_dir, step, model, tokenizer, state_dict=state, optimizer_state=optimizer_state,
@@ -388,25 +417,8 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                 time_generate = time.perf_counter() - t
 
                 # 3-4. rewards, advantages, filters
-                rollouts, samples = [], []
-                for group_index, (qi, group) in enumerate(zip(mine, groups)):
-                    q = questions[qi]
-                    scored = [score(c.text, q, cfg.reward.mode) for c in group]
-                    rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
-                    advantages = group_advantages(rewards, cfg.advantage.std_normalize, cfg.advantage.eps)[0].tolist()
-                    for k, (c, s, adv) in enumerate(zip(group, scored, advantages)):
-                        verdict = apply_filters(c.token_ids, c.logprobs, adv, cfg.filters, vocab_size)
-                        strict = s if cfg.reward.mode == "strict" else score(c.text, q, "strict")
-                        lenient = s if cfg.reward.mode == "lenient" else score(c.text, q, "lenient")
-                        rollouts.append({
-                            "step": step, "question_id": q.id, "domain": q.domain, "group": group_index, "sample": k,
-                            "rank": dist.rank, "prompt": prompt_texts[qi], "completion": c.text, "answer": s.answer,
-                            "reward": float(s.reward), "advantage": adv, "parsed_strict": bool(strict.parsed),
-                            "parsed_lenient": bool(lenient.parsed), "filter": verdict.flag, "dropped": verdict.dropped,
-                            "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids),
-                        })
-                        if not verdict.dropped:
-                            samples.append({"prompt_ids": prompts[qi], "completion_ids": c.token_ids, "logprobs": c.logprobs, "advantage": adv})
+                rollouts, samples = score_groups(step, [questions[i] for i in mine], [prompts[i] for i in mine],
+                                                 [prompt_texts[i] for i in mine], groups, cfg, vocab_size, dist.rank)
 
                 # 5. one optimizer step
                 t = time.perf_counter()
@@ -414,7 +426,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                 time_train = time.perf_counter() - t
                 t = time.perf_counter()
                 if dist.world_size > 1:
-                    generator.update_weights(trainer.full_state_dict().items())
+                    generator.update_weights(trainer.full_state_dict(device=device, dtype=dtype).items())
                 time_sync = time.perf_counter() - t
                 empty_steps = 0 if stats["stepped"] else empty_steps + 1
 

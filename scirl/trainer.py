@@ -227,13 +227,18 @@ class Trainer:
 
     # ---- state for the generation copy and checkpoints ----
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full (unsharded) HF-named tensors on CPU. Under FSDP every rank must call this."""
+    def full_state_dict(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                        all_ranks: bool = True) -> dict[str, torch.Tensor]:
+        """Full (unsharded) HF-named tensors. Under FSDP every rank must call this (each tensor is an
+        all-gather); with ``all_ranks=False`` only rank 0 keeps them (checkpoints), the others get {}.
+        The generation copy asks for its own device and dtype, so an 8B model never goes through host memory."""
+        keep = all_ranks or self.dist.is_main
         state = {}
         for name, value in self.model.state_dict().items():
             if hasattr(value, "full_tensor"):
                 value = value.full_tensor()
-            state[name] = value.detach().to("cpu")
+            if keep:
+                state[name] = value.detach().to(device=device, dtype=dtype or value.dtype)
         return state
 
     def optimizer_state_dict(self) -> dict:
