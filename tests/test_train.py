@@ -315,3 +315,24 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
     assert got["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
     for name, value in trainer.full_state_dict().items():
         assert torch.allclose(got["state"][name], value, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir, data_file, tmp_path, one_thread):
+    """The multi-rank loop end to end (each rank its share of the groups, rollouts gathered on rank 0,
+    generation copies refreshed, uneven work per rank once the zero-advantage filter drops groups);
+    its checkpoint then resumes in one process."""
+    run_dir = tmp_path / "ddp"
+    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2)
+    argv = [a for a in argv if a != "--filters.zero-advantage.no-enforce"]  # enforce: ranks get uneven work
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "scirl.train", *argv], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    metrics = rows(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["trainable/total"] == 16 for m in metrics)
+    ranks = {json.loads(x)["rank"] for x in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()}
+    assert ranks == {0, 1}
+    assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "3"], resume=True) == 0
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
