@@ -155,17 +155,29 @@ class Trainer:
         torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
         return t.tolist()
 
+    def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Trainer logprobs (and entropies) of the tokens at positions ``first:`` of ``mb.input_ids``,
+        at the sampling temperature. ``first`` is the micro-batch's earliest completion token: the LM
+        head and the vocab-wide softmax never run over prompt-only positions (for a 150k vocab, the
+        biggest activation of the step)."""
+        starts = mb.loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
+        first = max(int(starts.min()), 1)
+        length = mb.input_ids.shape[1]
+        with self._autocast():
+            # logits of positions first-1 .. L-1; position t predicts token t+1
+            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                                logits_to_keep=length - first + 1).logits
+        logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature)
+        return logprobs, entropy, first
+
     def forward_backward(self, mb: MicroBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
         """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
         mb_dev = MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.loss_mask, mb.inference_logprobs, mb.advantages)))
-        with self._autocast():
-            logits = self.model(input_ids=mb_dev.input_ids, attention_mask=mb_dev.attention_mask, use_cache=False).logits
-        # logits[:, t] predicts token t+1
-        logprobs, entropy = token_logprobs(logits[:, :-1], mb_dev.input_ids[:, 1:], self.temperature)
-        loss_mask = mb_dev.loss_mask[:, 1:]
+        logprobs, entropy, first = self.completion_logprobs(mb_dev)
+        loss_mask = mb_dev.loss_mask[:, first:]
         loss, sums = rl_loss(
             logprobs,
-            mb_dev.inference_logprobs[:, 1:],
+            mb_dev.inference_logprobs[:, first:],
             mb_dev.advantages,
             loss_mask,
             mask_low=self.loss_cfg.mask_low,

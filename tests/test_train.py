@@ -104,6 +104,8 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
         assert m["trainable/total"] == 16
     assert any(m["trainable/count"] > 0 for m in metrics), "the letter model should give some groups mixed rewards"
     assert all("loss" in m and "grad_norm" in m for m in metrics if m["trainable/count"] > 0)
+    # the trainer recomputes the sampler's logprobs (same weights, same temperature): no mismatch
+    assert all(abs(m["mismatch_kl"]) < 1e-5 for m in metrics)
 
     for step in (1, 2, 3):
         lines = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
@@ -336,3 +338,21 @@ def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir
     assert ranks == {0, 1}
     assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "3"], resume=True) == 0
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
+
+
+def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
+    """The completion-only LM head gives the same logprobs as a full forward + log_softmax / T."""
+    from scirl.config import TrainConfig
+    from scirl.trainer import Dist, Trainer, load_model, make_micro_batches
+
+    cfg = TrainConfig()
+    model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    (mb,) = make_micro_batches(fixed_samples(4, seed=2), 4, pad_id=0)
+    with torch.no_grad():
+        logprobs, _, first = trainer.completion_logprobs(mb)
+        full = torch.log_softmax(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits / 0.7, -1)
+    for b in range(mb.input_ids.shape[0]):
+        for t in mb.loss_mask[b].nonzero().flatten().tolist():
+            want = full[b, t - 1, mb.input_ids[b, t]]
+            assert abs(logprobs[b, t - first].item() - want.item()) < 1e-5
