@@ -39,7 +39,11 @@ log = logging.getLogger("scirl.train")
 RUN_ARTIFACTS = ("metrics.jsonl", "rollouts", "weights", "logs", "config.toml")
 
 
-class RunDirError(RuntimeError):
+class TrainError(RuntimeError):
+    """A problem with the run's inputs (model, data, run directory), reported without a traceback."""
+
+
+class RunDirError(TrainError):
     pass
 
 
@@ -84,11 +88,13 @@ def generation_seed(seed: int, step: int, rank: int) -> int:
 
 
 def prepare_run_dir(run_dir: Path, *, resume: bool, clean: bool) -> None:
-    """Refuse to mix two runs in one directory: artifacts there need ``--resume`` or ``--clean``."""
+    """Refuse to mix two runs in one directory: results there need ``--resume`` or ``--clean``.
+    (A config and logs alone are what a run that failed before its first step leaves: no refusal.)"""
     present = [name for name in RUN_ARTIFACTS if (run_dir / name).exists()]
-    if present and not resume and not clean:
+    results = [name for name in ("metrics.jsonl", "rollouts", "weights") if has_content(run_dir / name)]
+    if results and not resume and not clean:
         raise RunDirError(
-            f"{run_dir} already holds a run ({', '.join(present)}); "
+            f"{run_dir} already holds a run ({', '.join(results)}); "
             "pass --resume to continue it, --clean to delete it, or choose another --output-dir"
         )
     if clean:
@@ -97,6 +103,12 @@ def prepare_run_dir(run_dir: Path, *, resume: bool, clean: bool) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
     (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+
+def has_content(path: Path) -> bool:
+    if path.is_dir():
+        return any(path.iterdir())
+    return path.exists() and path.stat().st_size > 0
 
 
 def truncate_run(run_dir: Path, step: int) -> int:
@@ -294,7 +306,6 @@ def score_groups(step, questions, prompts, prompt_texts, groups, cfg, vocab_size
 def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
     """Run (or continue) a GRPO run in ``cfg.output_dir``. Returns the process exit status."""
     import torch
-    from transformers import AutoTokenizer
 
     from scirl import checkpoint as ckpt_lib
     from scirl.config import write_config
@@ -325,7 +336,10 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     # ---- data: questions and their prompt token ids ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method, seed=cfg.data.seed)
     questions = splits.split(cfg.data.split)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.top_p < 1:
+        log.warning("top_p=%s: the sampler's logprobs are renormalised over the nucleus, the trainer's are not, "
+                    "so the importance ratio is biased (prime-rl trains with top_p=1)", cfg.top_p)
     prompts, prompt_texts, kept = [], [], []
     for q in questions:
         text = render_prompt(tokenizer, build_messages(q))
@@ -341,12 +355,12 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                     too_long, len(questions), cfg.data.split, cfg.seq_len)
     questions = kept
     if len(questions) < cfg.questions_per_step:
-        raise ValueError(
+        raise TrainError(
             f"the {cfg.data.split} split has {len(questions)} usable questions, fewer than the "
             f"{cfg.questions_per_step} a step needs (batch_size / group_size)"
         )
     if cfg.questions_per_step < dist.world_size:
-        raise ValueError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
+        raise TrainError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
     say(f"Data: {len(questions)} {cfg.data.split} questions from {cfg.data.source}"
         + (f" ({too_long} too long for seq_len, left out)" if too_long else ""))
 
@@ -360,7 +374,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
             saved = ckpt_lib.load_trainer_state(path)
             position = saved["data_position"]
             if position["n_questions"] != len(questions):
-                raise ValueError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
+                raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
                                  f"the data now has {len(questions)}; resume needs the same data and config")
             sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
         if dist.is_main:
@@ -395,6 +409,12 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         seconds = time.perf_counter() - t
         say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")
         return seconds
+
+    if start_step >= cfg.max_steps:
+        say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
+            "pass a larger --max-steps to continue it")
+        generator.close()
+        return 0
 
     stop = StopRequest()
     stop.install()
@@ -450,7 +470,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                     if not stats["stepped"]:
                         log.warning("step %d: every rollout was filtered out; no optimizer step", step)
                 if empty_steps >= 10:
-                    raise RuntimeError("10 consecutive steps without a trainable rollout: check the filters and the rewards")
+                    raise TrainError("10 consecutive steps without a trainable rollout: check the filters and the rewards")
                 step_start = time.perf_counter()
                 checkpoint_seconds = 0.0
                 stop_now = stop_agreed(stop, dist)
@@ -475,6 +495,16 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        where = "local directory" if Path(model).exists() else "local directory or reachable hub model"
+        raise TrainError(f"cannot load the tokenizer of model {model!r} (not a usable {where}): {exc}") from exc
 
 
 def barrier(dist) -> None:
@@ -528,7 +558,7 @@ def start_wandb(cfg):
     try:
         import wandb
     except ImportError as exc:
-        raise RuntimeError("wandb.enabled is set but wandb is not installed: pip install 'scirl[wandb]'") from exc
+        raise TrainError("wandb.enabled is set but wandb is not installed: pip install 'scirl[wandb]'") from exc
     from scirl.config import to_toml_dict
 
     return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, config=to_toml_dict(cfg), dir=cfg.output_dir)

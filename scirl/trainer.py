@@ -105,7 +105,12 @@ def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch
     """Load an HF causal LM in float32 (the master weights); shard it with FSDP2 under torchrun."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        from scirl.train import TrainError
+
+        raise TrainError(f"cannot load model {path_or_name!r} as a causal LM: {exc}") from exc
     if activation_checkpointing:
         # non-reentrant checkpointing is the variant that composes with FSDP2
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -356,3 +356,41 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
         for t in mb.loss_mask[b].nonzero().flatten().tolist():
             want = full[b, t - 1, mb.input_ids[b, t]]
             assert abs(logprobs[b, t - first].item() - want.item()) < 1e-5
+
+
+def test_run_dir_rules(tmp_path):
+    from scirl.train import RunDirError, prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    prepare_run_dir(run_dir, resume=False, clean=False)  # new: fine
+    (run_dir / "config.toml").write_text("")
+    prepare_run_dir(run_dir, resume=False, clean=False)  # a start that failed early: still fine
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "weights" / "step_1").mkdir(parents=True)
+    with pytest.raises(RunDirError, match="metrics.jsonl, weights"):
+        prepare_run_dir(run_dir, resume=False, clean=False)
+    prepare_run_dir(run_dir, resume=True, clean=False)  # resume keeps everything
+    assert (run_dir / "weights" / "step_1").is_dir()
+    (tmp_path / "run" / "data.jsonl").write_text("{}\n")  # not a run artifact
+    prepare_run_dir(run_dir, resume=False, clean=True)
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "weights").exists()
+    assert (run_dir / "data.jsonl").exists()
+
+
+def test_wandb_enabled_without_wandb_is_a_clear_error(monkeypatch):
+    from scirl.train import TrainError, start_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    assert start_wandb(load_config([])) is None  # off by default: never imported
+    with pytest.raises(TrainError, match="pip install"):
+        start_wandb(load_config(["--wandb.enabled"]))
+
+
+def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
+    from scirl.commands.train import main
+
+    assert main(["--model", str(tmp_path / "model"), "--data.source", str(tmp_path / "none.jsonl"),
+                 "--output-dir", str(tmp_path / "run")]) == 1
+    assert "none.jsonl" in capsys.readouterr().err
+    assert main(["--resume", str(tmp_path / "nowhere")]) == 2
+    assert "config.toml" in capsys.readouterr().err

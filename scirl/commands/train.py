@@ -47,10 +47,14 @@ def main(argv: list[str]) -> int:
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
         return 0
 
-    from scirl.train import RunDirError, train
+    from scirl.data import DataSourceError
+    from scirl.train import RunDirError, TrainError, train
 
     try:
         return train(cfg, resume=bool(args.resume), clean=args.clean)
     except RunDirError as exc:
         print(f"scirl train: {exc}", file=sys.stderr)
         return 2
+    except (TrainError, DataSourceError) as exc:
+        print(f"scirl train: {exc}", file=sys.stderr)
+        return 1
