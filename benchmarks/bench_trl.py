@@ -161,8 +161,9 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
     return {"framework": "trl", "steps": steps}
 
 
-def summarize(result: dict, warmup: int) -> dict:
-    timed = result["steps"][warmup:] or result["steps"]
+def summarize(timed: list[dict]) -> dict:
+    if not timed:
+        raise SystemExit("no timed steps: --steps must exceed --warmup")
     seconds = sum(s["seconds"] for s in timed) / len(timed)
     tokens = sum(s["completion_tokens"] for s in timed) / len(timed)
     return {
@@ -176,8 +177,9 @@ def summarize(result: dict, warmup: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per framework")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per framework and round")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the figures")
+    parser.add_argument("--rounds", type=int, default=1, help="run scirl then TRL this many times, alternating")
     parser.add_argument("--threads", type=int, default=1, help="torch threads, the same for both")
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--group", type=int, default=16)
@@ -209,19 +211,22 @@ def main(argv: list[str] | None = None) -> int:
         build_inputs(Path(args.work), args)  # once, outside the timed runs
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false")
-        summaries = {}
+        results: dict[str, list] = {"scirl": [], "trl": []}
         settings = ["--steps", args.steps, "--threads", args.threads, "--questions", args.questions, "--group", args.group,
                     "--tokens", args.tokens, "--micro-batch", args.micro_batch, "--hidden", args.hidden,
                     "--layers", args.layers, "--lr", args.lr, "--work", args.work]
-        for framework in ("scirl", "trl"):
-            cmd = [sys.executable, __file__, *map(str, settings), "--only", framework]
-            out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-            summaries[framework] = summarize(json.loads(out.strip().splitlines()[-1]), args.warmup)
+        # alternate the frameworks so a change in the machine's load hits both alike
+        for _ in range(args.rounds):
+            for framework in ("scirl", "trl"):
+                cmd = [sys.executable, __file__, *map(str, settings), "--only", framework]
+                out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
+                results[framework] += json.loads(out.strip().splitlines()[-1])["steps"][args.warmup:]
+        summaries = {name: summarize(steps) for name, steps in results.items()}
 
     per_step = args.questions * args.group
     print(f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per step, "
           f"model hidden {args.hidden} x {args.layers} layers, {args.threads} thread(s), "
-          f"{summaries['scirl']['timed_steps']} timed step(s) each\n")
+          f"{summaries['scirl']['timed_steps']} timed step(s) each over {args.rounds} round(s)\n")
     print(f"{'':8}{'s/step':>10}{'generate s':>12}{'train s':>10}{'tokens/s':>10}")
     for name, s in summaries.items():
         print(f"{name:8}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}")
