@@ -70,7 +70,12 @@ class MicroBatch:
 
 
 def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    """``samples``: dicts with ``prompt_ids``, ``completion_ids``, ``logprobs``, ``advantage``."""
+    """``samples``: dicts with ``prompt_ids``, ``completion_ids``, ``logprobs``, ``advantage``.
+
+    Samples of similar length share a micro-batch (sorted by length; the gradient is a sum, so the
+    order does not matter), which keeps padding small when some completions stop early.
+    """
+    samples = sorted(samples, key=lambda s: len(s["prompt_ids"]) + len(s["completion_ids"]))
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
