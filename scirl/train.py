@@ -201,8 +201,9 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     trainable = [r for r in effective if r["advantage"] != 0]
     n = len(rollouts)
     m: dict = {"step": step, "time": time.time()}
-    m["reward/mean"] = statistics.fmean(rewards) if rewards else None
-    m["reward/std"] = statistics.pstdev(rewards) if rewards else None
+    if rewards:  # absent (not null) when an enforcing filter dropped every rollout
+        m["reward/mean"] = statistics.fmean(rewards)
+        m["reward/std"] = statistics.pstdev(rewards)
     m["reward/mean_all"] = statistics.fmean(r["reward"] for r in rollouts)
     for domain in sorted({r["domain"] for r in rollouts}):
         m[f"reward/{domain}"] = statistics.fmean(r["reward"] for r in rollouts if r["domain"] == domain)
@@ -210,7 +211,7 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     m["parse_rate/lenient"] = sum(r["parsed_lenient"] for r in rollouts) / n
     for name in ("gibberish", "repetition", "zero_advantage"):
         m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
-    m["filters/dropped"] = sum(r["dropped"] for r in rollouts)
+    m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n
     m["trainable/count"] = len(trainable)
     m["trainable/total"] = n
     m["trainable/fraction"] = len(trainable) / n
@@ -383,6 +384,10 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
             if dropped:
                 log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
     barrier(dist)
+    if start_step >= cfg.max_steps:
+        say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
+            "pass a larger --max-steps to continue it")
+        return 0
     model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
     if saved is not None:
@@ -409,12 +414,6 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         seconds = time.perf_counter() - t
         say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")
         return seconds
-
-    if start_step >= cfg.max_steps:
-        say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
-            "pass a larger --max-steps to continue it")
-        generator.close()
-        return 0
 
     stop = StopRequest()
     stop.install()
@@ -466,7 +465,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
                     progress.console.print(line)
                     progress.update(task, completed=step)
                     if wandb_run is not None:
-                        wandb_run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+                        wandb_run.log(metrics, step=step)
                     if not stats["stepped"]:
                         log.warning("step %d: every rollout was filtered out; no optimizer step", step)
                 if empty_steps >= 10:
