@@ -394,3 +394,20 @@ def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
     assert "none.jsonl" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "config.toml" in capsys.readouterr().err
+
+
+def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path, monkeypatch, one_thread):
+    """With a reward for answering "A", a few steps move the policy there (sign and plumbing of the whole loop)."""
+    import scirl.reward
+
+    def reward_for_a(reply, question, mode):
+        ok = reply.strip().startswith("A")
+        return scirl.reward.Scored(answer="A" if ok else None, correct=ok, parsed=ok, reward=float(ok))
+
+    monkeypatch.setattr(scirl.reward, "score", reward_for_a)
+    run_dir = tmp_path / "learn"
+    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=8, extra=["--batch-size", "32", "--optim.lr", "1e-3"])
+    assert run_in_process(argv) == 0
+    rewards = [m["reward/mean_all"] for m in rows(run_dir)]
+    # deterministic here (seeded, one thread); across seeds the rise was 0.22-0.34
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
