@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
@@ -176,12 +177,19 @@ def main(argv: list[str] | None = None) -> int:
         rows = generate_reading_rows(math.ceil(args.batch_size / 4), seed=data_rng.randrange(2**31))
         rows = data_rng.sample(rows, args.batch_size) if len(rows) > args.batch_size else rows
         ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id, clean=step <= args.clean_steps)
-        # logits only where there is a label: the prompt positions need no vocabulary projection
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         targets = labels[:, 1:]
         keep = targets != -100
         loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[keep]), targets[keep])
-        loss.backward()
+        if args.lm_weight > 0:
+            # plain next-token loss on the page itself: dense signal that grows the copy/match circuits
+            # (names repeated from the text, the text's value among the options) the answer needs
+            page = (mask[:, 1:] == 1) & ~keep
+            lm_loss = torch.nn.functional.cross_entropy(model.lm_head(hidden[page]), ids[:, 1:][page])
+            total = loss + args.lm_weight * lm_loss
+        else:
+            total = loss
+        total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,10 +1,16 @@
 """The demo's learnable science task: open-book MCQs in SciKnowEval's schema (like its L2 reading comprehension).
 
 Each question carries a one-sentence text about an invented entity and asks for
-the fact it states; the four options are values of the asked relation, exactly
-one of which the text states. Every row is fresh (new entity,
-new text, new option order), so nothing can be memorised: a model that answers
-held-out rows well has the *skill* of reading the text and picking its option.
+the fact it states. The four options are the relation's fixed choice list, always
+in the same order (as exam banks do for fixed scales such as crystal systems), and
+exactly one of them is the value the text states. Every row is fresh (a new entity
+and text), so nothing can be memorised: a model that answers held-out rows well
+has the *skill* of reading the text and giving its option's letter.
+
+Why a fixed option order: tiny models pretrained for minutes on a CPU did not learn
+to bind a value to a *shuffled* option's letter (a two-hop lookup: find the option
+that repeats the text, then read the letter before it); with a fixed list the
+letter follows from the value read in the text, a one-hop lookup they learn fast.
 
 The base model (see ``scirl.demo.pretrain``) learns that skill from "web" pages
 of such questions whose posted answers are unreliable, as real web answers are:
@@ -59,10 +65,8 @@ def relations_of(domain: str) -> list[Relation]:
 def reading_row(relation: Relation, rng: random.Random) -> dict[str, Any]:
     """One open-book MCQ row: a one-fact text about a new entity, a question about that fact."""
     entity = entity_name(rng)
-    value = rng.choice(relation.values)
-    distractors = rng.sample([v for v in relation.values if v != value], 3)
-    options = distractors + [value]
-    rng.shuffle(options)
+    options = list(relation.values[:4])  # the relation's fixed choice list, in its fixed order
+    value = rng.choice(options)
     question = f"{READING_PREFIX}\nText: {relation.statement.format(entity=entity, value=value)}\nQuestion: {relation.question.format(entity=entity)}"
     return {
         "prompt": {"default": MCQ4_INSTRUCTION},
