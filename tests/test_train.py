@@ -208,16 +208,27 @@ def start(argv, env_extra=None) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tmp_path, one_thread):
-    """Uninterrupted 4 steps vs: kill -9 inside checkpoint 4's write, resume (from 2), SIGTERM inside
-    checkpoint 3's write, resume (from 3). Same metrics rows, same weights, no step missing or doubled."""
+    """Uninterrupted 4 steps vs: kill -9 at the first step, resume (from 0), kill -9 inside checkpoint
+    4's write, resume (from 2), SIGTERM inside checkpoint 3's write, resume (from 3). Same metrics rows, same weights, no step missing or doubled."""
     reference = tmp_path / "reference"
     assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=4)) == 0
     expected = rows(reference)
 
     run_dir = tmp_path / "interrupted"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=4)
-    # 1) kill -9 while checkpoint 4 is being written (the writer sleeps after each file it seals)
-    proc = start(argv, {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    slow_checkpoints = {"SCIRL_CKPT_WRITE_DELAY": "0.3"}  # the writer sleeps after each file it seals
+    log_file = run_dir / "logs" / "train.log"
+    # 0) kill -9 as soon as the loop starts, before any checkpoint is complete
+    proc = start(argv, slow_checkpoints)
+    wait_for(lambda: log_file.exists() and "Training steps" in log_file.read_text(), proc, what="the first step")
+    proc.kill()
+    proc.wait()
+    from scirl.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(run_dir) is None
+
+    # 1) resume (nothing to resume from: step 0); kill -9 while checkpoint 4 is being written
+    proc = start(["--resume", str(run_dir)], slow_checkpoints)
     wait_for(lambda: (run_dir / "weights" / ".step_4.tmp" / "trainer_state").exists(), proc, what="checkpoint 4's write")
     proc.kill()
     proc.wait()
@@ -225,7 +236,7 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
 
     # 2) resume (from step 2) with a checkpoint every step; SIGTERM while checkpoint 3 is being written:
     #    the write completes, then the run stops cleanly
-    proc = start(["--resume", str(run_dir), "--ckpt.interval", "1"], {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    proc = start(["--resume", str(run_dir), "--ckpt.interval", "1"], slow_checkpoints)
     wait_for(lambda: (run_dir / "weights" / ".step_3.tmp").exists(), proc, what="checkpoint 3's write")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
