@@ -18,6 +18,10 @@ The metrics row of step N is written before checkpoint N, so a checkpoint always
 its rows; resuming from checkpoint N drops rows and rollouts past N and goes on from
 N+1 with the same data position, RNG and optimizer state: no step is missing or doubled.
 ``time/checkpoint`` in row N+1 is the time spent saving after step N.
+
+Exactness holds for the same config and number of ranks (generation is seeded per rank).
+Checkpoints keep the float32 master weights, so resuming loses no precision; serve them
+in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
 """
 
 from __future__ import annotations

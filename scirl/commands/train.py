@@ -9,6 +9,7 @@ EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
 kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
 --filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors.
+Every field with its value: --dry-run.
 Multi-GPU: torchrun --nproc-per-node N -m scirl.train @ configs/X.toml
 """
 
