@@ -3,8 +3,8 @@
 For every completion token t with advantage A:
 
     log_ratio = logp_trainer(t) - logp_inference(t)          ratio = exp(log_ratio)
-    masked    = (A > 0 and p_trainer - p_inference >  mask_high)
-             or (A < 0 and p_trainer - p_inference < -mask_low)      (probabilities, not ratios)
+    masked    = p_trainer - p_inference >  mask_high   if A > 0
+                p_trainer - p_inference < -mask_low    otherwise     (probabilities, not ratios)
     loss_t    = -(not masked) * A * ratio  +  kl_tau * log_ratio**2   (the KL term over all loss tokens)
 
 The loss is the sum of ``loss_t`` over every completion token of the batch divided by
@@ -64,7 +64,9 @@ def rl_loss(
     ratio = torch.exp(log_ratio)
     with torch.no_grad():
         prob_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
-        is_masked = ((advantages > 0) & (prob_diff > mask_high)) | ((advantages < 0) & (prob_diff < -mask_low))
+        # as prime-rl's code: the high rule where A > 0, the low rule elsewhere (A == 0 has no PG term
+        # either way; this only decides whether such a token counts as masked in the statistics)
+        is_masked = torch.where(advantages > 0, prob_diff > mask_high, prob_diff < -mask_low)
     keep = (mask & ~is_masked).to(trainer_logprobs.dtype)
     per_token = -keep * advantages * ratio + kl_tau * mask.to(trainer_logprobs.dtype) * log_ratio.pow(2)
     loss = per_token.sum() / loss_scale

@@ -17,7 +17,7 @@ def reference_loss(trainer_lp, inference_lp, adv, mask, mask_low, mask_high, kl_
                 continue
             lt, li, a = trainer_lp[b][t], inference_lp[b][t], adv[b]
             diff = math.exp(lt) - math.exp(li)
-            drop = (a > 0 and diff > mask_high) or (a < 0 and diff < -mask_low)
+            drop = diff > mask_high if a > 0 else diff < -mask_low
             masked += drop
             total += (0.0 if drop else -a * math.exp(lt - li)) + kl_tau * (lt - li) ** 2
     return total / scale, masked
@@ -52,7 +52,7 @@ def test_masking_cases_use_probability_difference_in_the_advantage_direction():
     inference = torch.full_like(p_tr, math.log(0.5))
     trainer = p_tr.log()
     mask = torch.ones_like(p_tr, dtype=torch.bool)
-    for adv, expect_masked in [(1.0, [True, False, False, False, True]), (-1.0, [False, False, True, False, False]), (0.0, [False] * 5)]:
+    for adv, expect_masked in [(1.0, [True, False, False, False, True]), (-1.0, [False, False, True, False, False]), (0.0, [False, False, True, False, False])]:
         a = torch.tensor([adv], dtype=torch.float64)
         _, sums = rl_loss(trainer, inference, a, mask, mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=5)
         assert sums.masked == sum(expect_masked), adv
