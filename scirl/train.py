@@ -372,7 +372,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     # ---- model, optimizer, and where we start ----
     empty_steps, start_step, sampler, model_source, saved = 0, 0, QuestionSampler(len(questions), cfg.seed), cfg.model, None
     if resume:
-        latest = ckpt_lib.latest_checkpoint(run_dir)
+        latest = ckpt_lib.latest_checkpoint(run_dir, clean=dist.is_main)  # one rank removes stale tmp dirs
         if latest is not None:
             start_step, path = latest
             model_source = str(path)
