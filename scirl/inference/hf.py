@@ -131,7 +131,8 @@ class HFGenerator(Generator):
             self.model = model_dir_or_module
             self.owns_model = False
             first_param = next(self.model.parameters())
-            if device is not None and torch.device(device) != first_param.device:
+            wanted = torch.device(device) if device is not None else None
+            if wanted is not None and (wanted.type != first_param.device.type or wanted.index not in (None, first_param.device.index)):
                 raise ValueError(
                     f"a shared module lives on {first_param.device}; it cannot be generated from on {device} "
                     "(move the module itself, or pass a model directory to get a separate copy)"
