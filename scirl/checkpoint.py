@@ -8,7 +8,9 @@ Layout of one checkpoint::
       trainer_state/optimizer.pt     optimizer state dict (full, gathered)
       trainer_state/state.pt         step, data position, RNG states, the caller's extra dict
       manifest.json                  every other file with its size and sha256, plus the step; written last
-    weights/latest                   text file "step_N", replaced atomically
+    weights/latest                   text file "step_N", replaced atomically after each commit: a
+                                     convenience for people and scripts (`vllm serve weights/$(cat
+                                     weights/latest)`); resuming scans and verifies the step dirs instead
 
 Commit protocol: everything is written into ``weights/.step_N.tmp/``, every file and
 directory is fsync'd, the manifest is written and fsync'd, the directory is renamed to
@@ -151,7 +153,8 @@ def save_checkpoint(
     optimizer state dict. ``extra`` holds anything else the trainer needs to resume;
     keep it to tensors, numbers, strings, lists and dicts (it is read back with
     ``torch.load(weights_only=True)``). With a process group initialised, only rank 0
-    writes and every rank waits at a barrier until the checkpoint is committed.
+    writes and every rank waits at a barrier until the checkpoint is committed (so
+    if rank 0 fails mid-write, the others wait until the process group times out).
     ``keep`` retains the newest ``keep`` checkpoints (None = all), pruning only after
     the new one is committed.
     """
