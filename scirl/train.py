@@ -263,8 +263,8 @@ class StopRequest:
             self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        # only set a flag (no logging, no I/O: this may interrupt anything); the loop acts on it
         self.signum = signum
-        log.warning("received %s: finishing this step, then stopping", signal.Signals(signum).name)
         signal.signal(signum, signal.SIG_DFL)
 
     def restore(self) -> None:
