@@ -86,6 +86,9 @@ def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) 
         inference_logprobs = torch.zeros((len(chunk), length), dtype=torch.float32)
         for b, s in enumerate(chunk):
             p, c = len(s["prompt_ids"]), len(s["completion_ids"])
+            if len(s["logprobs"]) != c or c == 0:
+                raise ValueError(f"a sample has {c} completion tokens and {len(s['logprobs'])} logprobs; "
+                                 "expected one sampling logprob per completion token (and at least one token)")
             input_ids[b, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"], dtype=torch.long)
             attention_mask[b, : p + c] = 1
             loss_mask[b, p : p + c] = True
