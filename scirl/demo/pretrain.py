@@ -3,18 +3,20 @@
 The pages come from ``scirl.demo.world``: fresh questions every step (so the model
 must learn to read, not memorise), formatted exactly as scirl's prompt does, with
 the unreliable posted answers of ``world.web_answer``. The loss is on the posted
-answer only. The result has the skill (it can find the option the text states)
+answer, plus a plain next-token loss on the page. The result has the skill (it can find the option the text states)
 but answers with a habitual letter on several question types: the starting point
 of the demo's GRPO run.
 
-Rebuild the shipped model (about 25 CPU-minutes on one thread):
+Rebuild the shipped model (about 10 minutes on one CPU thread; scripts/build_demo_base.sh):
 
-    python -m scirl.demo.pretrain --out scirl/assets/demo-base
+    python -m scirl.demo.pretrain --out scirl/assets/demo-base --steps 1100 --clean-steps 250 \
+        --layers 3 --eval-every 100 --val-per-domain 50
 
-Every ``--eval-every`` steps it measures greedy letter accuracy and the skill on
-a validation set (never used for anything else) and logs them to
-``OUT/pretrain_log.jsonl``; the weights written at the end are the final step's,
-stored in bfloat16 to keep the package small.
+Two phases: ``--clean-steps`` of "textbook" pages (answers always right) teach the
+reading skill, then "web" pages (``world.web_answer``) teach the answer habits. Every
+``--eval-every`` steps it logs greedy letter accuracy and the skill on a validation
+set (never used for anything else) to ``OUT/pretrain_log.jsonl``; the weights
+written at the end are the final step's, in bfloat16 to keep the package small.
 """
 
 from __future__ import annotations
@@ -119,21 +121,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scirl.demo.pretrain", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for the finished HF model")
     parser.add_argument("--init", help="continue from this HF model directory (its tokenizer too) instead of a new model")
-    parser.add_argument("--steps", type=int, default=6000)
-    parser.add_argument("--clean-steps", type=int, default=0,
+    parser.add_argument("--steps", type=int, default=1100)
+    parser.add_argument("--clean-steps", type=int, default=250,
                         help="the first N steps read textbook pages (answers always right) before the web pages")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)")
     parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab-size", type=int, default=1024)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--val-per-domain", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--snapshots", action="store_true", help="also save the model to OUT/latest at every evaluation")
     args = parser.parse_args(argv)
 
     import torch
@@ -201,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)
-            model.save_pretrained(out / "latest")  # so a long run can be inspected or continued
-            tokenizer.save_pretrained(out / "latest")
+            if args.snapshots:  # so a long run can be inspected, or continued with --init
+                model.save_pretrained(out / "latest")
+                tokenizer.save_pretrained(out / "latest")
     log.close()
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -45,7 +45,7 @@ def fresh_output_dir(root: str | Path = "outputs") -> Path:
     return path
 
 
-def write_questions(path: Path, train_per_domain: int, eval_per_domain: int, seed: int) -> Path:
+def write_questions(path: str | Path, train_per_domain: int, eval_per_domain: int, seed: int) -> Path:
     from scirl.demo.world import generate_reading_rows
     from scirl.synthetic import write_jsonl
 
