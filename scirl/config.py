@@ -111,6 +111,9 @@ class TrainConfig(Section):
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
+    share_prompts: bool = Field(True, description="train forward: each prompt once per micro-batch, its completions "
+                                "continued from its KV cache (a group's prompt is not recomputed per completion); "
+                                "single-process runs only, torchrun runs use full sequences")
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     filters: FiltersConfig = FiltersConfig()
@@ -127,6 +130,9 @@ class TrainConfig(Section):
                 f"batch_size ({self.batch_size}) must be divisible by group_size ({self.group_size}): "
                 "a step is batch_size/group_size questions with group_size completions each"
             )
+        if self.share_prompts and self.activation_checkpointing:
+            raise ValueError("share_prompts needs the KV cache in the training forward, which activation "
+                             "checkpointing turns off: set share_prompts = false with activation_checkpointing")
         if self.max_completion_tokens >= self.seq_len:
             raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) must be below seq_len ({self.seq_len})")
         return self

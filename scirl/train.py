@@ -318,7 +318,8 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     from scirl.inference.base import SamplingParams, encode_messages
     from scirl.inference.hf import HFGenerator
     from scirl.prompt import build_messages, render_prompt
-    from scirl.trainer import Trainer, compute_dtype, load_model, make_micro_batches, setup_distributed
+    from scirl.trainer import (Trainer, compute_dtype, load_model, make_micro_batches, make_shared_prompt_batches,
+                               setup_distributed)
 
     import transformers
 
@@ -445,7 +446,10 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
 
                 # 5. one optimizer step
                 t = time.perf_counter()
-                stats = trainer.train_step(make_micro_batches(samples, cfg.micro_batch_size, pad_id))
+                # under FSDP every rank must run the same number of forwards; the shared-prompt path
+                # runs one or two per micro-batch, so multi-rank runs use full sequences
+                build = make_shared_prompt_batches if cfg.share_prompts and dist.world_size == 1 else make_micro_batches
+                stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
                 time_train = time.perf_counter() - t
                 t = time.perf_counter()
                 if dist.world_size > 1:

@@ -85,10 +85,8 @@ def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) 
         loss_mask = torch.zeros((len(chunk), length), dtype=torch.bool)
         inference_logprobs = torch.zeros((len(chunk), length), dtype=torch.float32)
         for b, s in enumerate(chunk):
+            check_sample(s)
             p, c = len(s["prompt_ids"]), len(s["completion_ids"])
-            if len(s["logprobs"]) != c or c == 0:
-                raise ValueError(f"a sample has {c} completion tokens and {len(s['logprobs'])} logprobs; "
-                                 "expected one sampling logprob per completion token (and at least one token)")
             input_ids[b, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"], dtype=torch.long)
             attention_mask[b, : p + c] = 1
             loss_mask[b, p : p + c] = True
@@ -96,6 +94,65 @@ def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) 
         advantages = torch.tensor([float(s["advantage"]) for s in chunk], dtype=torch.float32)
         batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages))
     return batches
+
+
+@dataclass
+class SharedPromptBatch:
+    """Completions with their prompts stored once: the trainer runs each prompt through the model
+    once and continues every completion from its KV cache, as the sampler did (a group of 16
+    completions costs one prompt forward instead of 16)."""
+
+    prompt_ids: torch.Tensor  # [G, P] long, left-padded
+    prompt_mask: torch.Tensor  # [G, P] long
+    completion_ids: torch.Tensor  # [R, C] long, right-padded
+    completion_mask: torch.Tensor  # [R, C] bool: completion tokens (the loss tokens)
+    rows: torch.Tensor  # [R] long: the prompt of each completion
+    inference_logprobs: torch.Tensor  # [R, C] float32
+    advantages: torch.Tensor  # [R] float32
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.completion_mask
+
+
+def make_shared_prompt_batches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
+    """Like ``make_micro_batches``, but each distinct prompt of a micro-batch is stored once.
+    Samples keep their order (a group's completions are adjacent, so they share a micro-batch)."""
+    batches = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        prompt_index: dict[tuple, int] = {}
+        rows = []
+        for s in chunk:
+            check_sample(s)
+            rows.append(prompt_index.setdefault(tuple(s["prompt_ids"]), len(prompt_index)))
+        prompts = list(prompt_index)
+        longest_prompt = max(len(p) for p in prompts)
+        prompt_ids = torch.full((len(prompts), longest_prompt), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
+        for g, p in enumerate(prompts):
+            prompt_ids[g, longest_prompt - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[g, longest_prompt - len(p) :] = 1
+        longest = max(len(s["completion_ids"]) for s in chunk)
+        completion_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(chunk), longest), dtype=torch.bool)
+        inference_logprobs = torch.zeros((len(chunk), longest), dtype=torch.float32)
+        for r, s in enumerate(chunk):
+            c = len(s["completion_ids"])
+            completion_ids[r, :c] = torch.tensor(s["completion_ids"], dtype=torch.long)
+            completion_mask[r, :c] = True
+            inference_logprobs[r, :c] = torch.tensor(s["logprobs"], dtype=torch.float32)
+        advantages = torch.tensor([float(s["advantage"]) for s in chunk], dtype=torch.float32)
+        batches.append(SharedPromptBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                         torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages))
+    return batches
+
+
+def check_sample(s: dict) -> None:
+    c = len(s["completion_ids"])
+    if len(s["logprobs"]) != c or c == 0:
+        raise ValueError(f"a sample has {c} completion tokens and {len(s['logprobs'])} logprobs; "
+                         "expected one sampling logprob per completion token (and at least one token)")
 
 
 def dummy_micro_batch() -> MicroBatch:
@@ -148,6 +205,11 @@ class Trainer:
         self.dist = dist
         self.dtype = dtype
         self.max_norm = optim_cfg.max_norm
+        # transformers renamed the forward's `past_key_values` to `cache`; accept both
+        import inspect
+
+        forward_params = inspect.signature(model.forward).parameters
+        self.cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim_cfg.lr,
@@ -168,11 +230,11 @@ class Trainer:
         torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
         return t.tolist()
 
-    def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Trainer logprobs (and entropies) of the tokens at positions ``first:`` of ``mb.input_ids``,
-        at the sampling temperature. ``first`` is the micro-batch's earliest completion token: the LM
-        head and the vocab-wide softmax never run over prompt-only positions (for a 150k vocab, the
-        biggest activation of the step)."""
+    def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        """Trainer logprobs and entropies of the completion tokens, at the sampling temperature, with
+        the loss mask and sampler logprobs aligned to them. The LM head and the vocab-wide softmax
+        run from the micro-batch's earliest completion token on, never over prompt-only positions
+        (for a 150k vocab, the biggest activation of the step)."""
         starts = mb.loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
         first = max(int(starts.min()), 1)
         length = mb.input_ids.shape[1]
@@ -181,17 +243,42 @@ class Trainer:
             logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
                                 logits_to_keep=length - first + 1).logits
         logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature)
-        return logprobs, entropy, first
+        return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
 
-    def forward_backward(self, mb: MicroBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
+    def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
+        """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
+        is repeated for its completions, which continue from it, as in generation."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        with self._autocast():
+            out = self.model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
+                             use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
+            cache.batch_select_indices(mb.rows)
+            n_completion = mb.completion_ids.shape[1]
+            positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
+            attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
+            # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
+            logits = out.logits[mb.rows, -1:]
+            if n_completion > 1:
+                rest = self.model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                  position_ids=positions[:, :-1], use_cache=True, **{self.cache_kwarg: cache}).logits
+                logits = torch.cat([logits, rest], dim=1)
+        logprobs, entropy = token_logprobs(logits, mb.completion_ids, self.temperature)
+        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
+
+    def forward_backward(self, mb: MicroBatch | SharedPromptBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
         """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
-        mb_dev = MicroBatch(*(t.to(self.device) for t in (mb.input_ids, mb.attention_mask, mb.loss_mask, mb.inference_logprobs, mb.advantages)))
-        logprobs, entropy, first = self.completion_logprobs(mb_dev)
-        loss_mask = mb_dev.loss_mask[:, first:]
+        mb = type(mb)(*(t.to(self.device) for t in vars(mb).values()))
+        if isinstance(mb, SharedPromptBatch):
+            logprobs, entropy, loss_mask, inference_logprobs = self.shared_prompt_logprobs(mb)
+        else:
+            logprobs, entropy, loss_mask, inference_logprobs = self.completion_logprobs(mb)
         loss, sums = rl_loss(
             logprobs,
-            mb_dev.inference_logprobs[:, first:],
-            mb_dev.advantages,
+            inference_logprobs,
+            mb.advantages,
             loss_mask,
             mask_low=self.loss_cfg.mask_low,
             mask_high=self.loss_cfg.mask_high,

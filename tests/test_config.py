@@ -43,6 +43,7 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--no-max-steps"], "true/false"),
     (["--max-steps"], "needs a value"),
     (["loose-word"], "unexpected argument"),
+    (["--activation-checkpointing"], "share_prompts"),  # the shared-prompt forward needs the KV cache
 ])
 def test_bad_values_and_unknown_keys_name_the_field(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.") if "." in fragment else fragment):

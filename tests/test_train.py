@@ -361,7 +361,9 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     (mb,) = make_micro_batches(fixed_samples(4, seed=2), 4, pad_id=0)
     with torch.no_grad():
-        logprobs, _, first = trainer.completion_logprobs(mb)
+        logprobs, _, loss_mask, _ = trainer.completion_logprobs(mb)
+        first = int(mb.loss_mask.int().argmax(dim=1).min())  # logprobs start at the earliest completion token
+        assert torch.equal(loss_mask, mb.loss_mask[:, first:])
         full = torch.log_softmax(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits / 0.7, -1)
     for b in range(mb.input_ids.shape[0]):
         for t in mb.loss_mask[b].nonzero().flatten().tolist():
@@ -422,3 +424,40 @@ def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path,
     rewards = [m["reward/mean_all"] for m in rows(run_dir)]
     # deterministic here (seeded, one thread); across seeds the rise was 0.22-0.34
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+
+
+def grouped_samples(seed=0):
+    """Two prompts (different lengths), 3 and 2 completions each, one completion of a single token."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for n_prompt, lengths in ((9, (4, 1, 6)), (5, (3, 2))):
+        prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
+        for n in lengths:
+            samples.append({"prompt_ids": prompt, "completion_ids": torch.randint(10, 500, (n,), generator=g).tolist(),
+                            "logprobs": (-torch.rand(n, generator=g) * 5).tolist(),
+                            "advantage": float(torch.randn(1, generator=g))})
+    return samples
+
+
+def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir):
+    """Each prompt run once and continued from its KV cache: same logprobs and same update as full sequences."""
+    from scirl.config import TrainConfig
+    from scirl.trainer import Dist, Trainer, load_model, make_micro_batches, make_shared_prompt_batches
+
+    cfg = TrainConfig()
+    samples = grouped_samples()
+    results = []
+    for build in (make_micro_batches, make_shared_prompt_batches):
+        model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        micro_batches = build(samples, 3, pad_id=0)
+        stats = trainer.train_step(micro_batches)
+        results.append((stats, trainer.full_state_dict()))
+    (plain, plain_weights), (shared, shared_weights) = results
+    assert shared["loss_tokens"] == plain["loss_tokens"] == 16
+    for key in ("loss", "entropy", "mismatch_kl"):
+        assert shared[key] == pytest.approx(plain[key], abs=1e-5), key
+    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    for name, value in plain_weights.items():
+        assert torch.allclose(shared_weights[name], value, atol=1e-6), name
