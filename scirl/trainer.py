@@ -250,7 +250,10 @@ class Trainer:
         is repeated for its completions, which continue from it, as in generation."""
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            cache = DynamicCache()
         prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
         with self._autocast():
             out = self.model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
