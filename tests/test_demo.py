@@ -57,3 +57,38 @@ def test_pretrain_script_runs_and_writes_a_loadable_model(tmp_path):
     assert log[-1]["step"] == 3 and 0 <= log[-1]["greedy_acc"] <= 1
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.config.num_hidden_layers == 1
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
+    from scirl.demo.run import DemoOptions, run_demo
+
+    out = tmp_path / "demo"
+    summary = run_demo(DemoOptions(output_dir=out, train_per_domain=40, eval_per_domain=10, report=False, progress=False,
+                                   overrides=["--max-steps", "10", "--ckpt.interval", "10"]))
+    before = json.loads((out / "eval_base.json").read_text())
+    after = json.loads((out / "eval_final.json").read_text())
+    for results in (before, after):  # scirl eval's format, on the 40 held-out questions
+        assert results["counts"]["answered"] == 40 and set(results["per_domain_accuracy"]) == set(DOMAINS)
+    # held-out means the RL phase never saw them
+    trained_on = {row["question_id"] for path in (out / "rollouts").glob("step_*.jsonl") for row in read_jsonl(path)}
+    assert trained_on and not trained_on & {r["id"] for r in before["records"]}
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    rewards = [m["reward/mean"] for m in metrics]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
+    assert (out / "weights" / "step_10" / "config.json").is_file()
+    assert summary["gain_points"] == pytest.approx(100 * (after["overall_accuracy"] - before["overall_accuracy"]))
+
+
+def test_demo_command_refuses_a_used_output_dir(tmp_path, capsys):
+    from scirl.cli import main
+
+    (tmp_path / "old.txt").write_text("x")
+    assert main(["demo", "--output-dir", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
