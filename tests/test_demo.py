@@ -63,7 +63,6 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.slow
 def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
     from scirl.demo.run import DemoOptions, run_demo
 
