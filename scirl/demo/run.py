@@ -179,7 +179,9 @@ def run_demo(opts: DemoOptions) -> dict:
         console.print("(scirl.report is not available: no HTML report written)")
     else:
         if opts.report:
-            page = write_report(out)
-            console.print(f"report: {page}")
+            try:
+                console.print(f"report: {write_report(out)}")
+            except Exception as exc:  # the results are on disk already; a report failure must not hide them
+                console.print(f"[yellow]report not written: {exc}[/] (retry with: scirl report {out})")
     console.print(f"run directory: [bold]{out}[/]  ({summary['seconds']:.0f}s in all)")
     return summary
