@@ -47,47 +47,51 @@ def build_inputs(work: Path, args) -> tuple[Path, list]:
 
 def run_scirl(model_dir: Path, questions: list, args) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from scirl.config import FiltersConfig, LossConfig, OptimConfig
-    from scirl.grpo import apply_filters, group_advantages
+    from scirl.config import TrainConfig
     from scirl.inference.base import SamplingParams, encode_messages
     from scirl.inference.hf import HFGenerator
-    from scirl.prompt import build_messages
-    from scirl.reward import score
-    from scirl.trainer import Dist, Trainer, make_micro_batches
+    from scirl.prompt import build_messages, render_prompt
+    from scirl.train import generation_seed, load_tokenizer, score_groups
+    from scirl.trainer import (Dist, Trainer, compute_dtype, load_model, make_micro_batches,
+                               make_shared_prompt_batches)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config.use_cache = False
-    model.train()
-    trainer = Trainer(model, OptimConfig(lr=args.lr), LossConfig(), temperature=1.0, device=torch.device("cpu"),
-                      dist=Dist(), dtype=torch.float32)
+    # scirl train's defaults, with the benchmark's shapes; the zero-advantage filter only monitors
+    # (a random model scores ~0 everywhere: train on every rollout, as TRL does)
+    cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
+                      micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device="cpu",
+                      reward={"mode": "lenient"}, optim={"lr": args.lr},
+                      filters={"zero_advantage": {"enforce": False}})
+    # the setup scirl.train makes for a single process
+    dist, device = Dist(), torch.device("cpu")
+    dtype = compute_dtype(cfg.dtype, device)
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
+    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
     generator = HFGenerator(model, tokenizer=tokenizer)  # samples from the module it trains, as scirl train does
-    filters = FiltersConfig()
-    filters.zero_advantage.enforce = False  # a random model scores ~0: train on every rollout, as TRL does
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
+    build = make_shared_prompt_batches if cfg.share_prompts and dist.world_size == 1 else make_micro_batches
     prompts = [encode_messages(tokenizer, build_messages(q)) for q in questions]
+    prompt_texts = [render_prompt(tokenizer, build_messages(q)) for q in questions]
     steps = []
-    for step in range(args.steps):
+    for step in range(1, args.steps + 1):
+        # one step of scirl.train's loop, without writing the run directory
         t0, cpu0 = time.perf_counter(), time.process_time()
-        params = SamplingParams(n=args.group, temperature=1.0, max_tokens=args.tokens, min_tokens=args.tokens, seed=step)
+        params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
+                                max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank),
+                                min_tokens=args.tokens)  # the benchmark's only addition: fixed-length completions
         groups = generator.generate(prompts, params)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        samples, tokens = [], 0
-        for q, prompt, group in zip(questions, prompts, groups):
-            rewards = torch.tensor([[score(c.text, q, "lenient").reward for c in group]])
-            for c, adv in zip(group, group_advantages(rewards)[0].tolist()):
-                tokens += len(c.token_ids)
-                if not apply_filters(c.token_ids, c.logprobs, adv, filters, model.config.vocab_size).dropped:
-                    samples.append({"prompt_ids": prompt, "completion_ids": c.token_ids, "logprobs": c.logprobs, "advantage": adv})
-        stats = trainer.train_step(make_micro_batches(samples, args.micro_batch, tokenizer.pad_token_id))
+        rollouts, samples = score_groups(step, questions, prompts, prompt_texts, groups, cfg, model.config.vocab_size)
+        stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
         t2, cpu2 = time.perf_counter(), time.process_time()
+        tokens = sum(r["num_tokens"] for r in rollouts)
         assert stats["stepped"] and len(samples) == args.questions * args.group
         steps.append({"seconds": t2 - t0, "generate": t1 - t0, "train": t2 - t1, "completion_tokens": tokens,
                       "cpu_seconds": cpu2 - cpu0, "cpu_generate": cpu1 - cpu0})
-        print(f"scirl step {step + 1}: {t2 - t0:.1f}s (generate {t1 - t0:.1f}s, train {t2 - t1:.1f}s), {tokens} tokens",
+        print(f"scirl step {step}: {t2 - t0:.1f}s (generate {t1 - t0:.1f}s, train {t2 - t1:.1f}s), {tokens} tokens",
               file=sys.stderr, flush=True)
-    return {"framework": "scirl", "steps": steps}
+    return {"framework": "scirl", "steps": steps, "training_batches": build.__name__}
 
 
 def run_trl(model_dir: Path, questions: list, args) -> dict:

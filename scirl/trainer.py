@@ -263,12 +263,15 @@ class Trainer:
             positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
             attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
             # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
-            logits = out.logits[mb.rows, -1:]
+            rest = None
             if n_completion > 1:
                 rest = self.model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                                   position_ids=positions[:, :-1], use_cache=True, **{self.cache_kwarg: cache}).logits
-                logits = torch.cat([logits, rest], dim=1)
-        logprobs, entropy = token_logprobs(logits, mb.completion_ids, self.temperature)
+        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
+        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature)
+        if rest is not None:
+            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature)
+            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
         return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
 
     def forward_backward(self, mb: MicroBatch | SharedPromptBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
