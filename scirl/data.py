@@ -91,12 +91,19 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
         raise RowError("label_text_mismatch", f"{len(labels)} labels, {len(texts)} texts")
     if len(labels) < 2:
         raise RowError("too_few_options", str(len(labels)))
-    if any(not isinstance(t, str) or not t for t in texts):
+    if any(t is not None and not isinstance(t, str) for t in texts):
+        raise RowError("not_text", "an option text is not a string")
+    if any(not t for t in texts):
         raise RowError("empty_option")
     if len(set(labels)) != len(labels):
         raise RowError("duplicate_labels")
+    # the answer extraction reads one letter per option, case-insensitively
+    if any(len(x) != 1 or not x.isalpha() for x in labels) or len({x.upper() for x in labels}) != len(labels):
+        raise RowError("bad_labels", f"{labels} (expected distinct single letters)")
     question = row["question"]
-    if not isinstance(question, str) or not question.strip():
+    if not isinstance(question, str) or not isinstance(row["domain"], str):
+        raise RowError("not_text", "question or domain is not a string")
+    if not question.strip():
         raise RowError("empty_question")
     answer_key = str(row["answerKey"]).strip()
     if answer_key not in labels:

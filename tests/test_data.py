@@ -382,3 +382,33 @@ def test_bad_arguments_are_rejected(dirty_jsonl):
     splits = data.load_splits(str(dirty_jsonl), eval_per_domain=EVAL_N)
     with pytest.raises(ValueError, match="unknown split"):
         splits.split("test")
+
+
+# --- rows that parse but that the rest of scirl cannot use -----------------------------------------
+
+
+@pytest.mark.parametrize("labels", [["1", "2", "3", "4"], ["A", "a", "B", "C"], [None, "B", "C", "D"], ["AB", "B", "C", "D"]])
+def test_labels_that_are_not_distinct_letters_are_skipped_not_fatal_later(tmp_path, clean_rows, labels):
+    """The reward reads single distinct letters only: a row with other labels must be skipped here,
+    with its reason, not crash the eval (or the training reward) after every question was asked."""
+    from scirl.eval.results import score_record
+
+    row = dict(next(r for r in clean_rows if r["type"] == "mcq-4-choices"))
+    row["choices"] = {"text": ["one", "two", "three", "four"], "label": labels}
+    row["answerKey"] = "B"
+    with pytest.raises(data.RowError) as excinfo:
+        data.question_from_row(row)
+    assert excinfo.value.reason == "bad_labels"
+    synthetic.write_jsonl(clean_rows + [row], tmp_path / "rows.jsonl")
+    splits = data.load_splits(str(tmp_path / "rows.jsonl"), eval_per_domain=EVAL_N)
+    assert splits.skipped == {"bad_labels": 1}
+    for q in splits.train + splits.eval:
+        score_record(q, ["B"])
+
+
+def test_numbers_where_text_belongs_get_their_own_reason(clean_rows):
+    row = dict(next(r for r in clean_rows if r["type"] == "mcq-4-choices"))
+    for changes in ({"choices": {"text": [1, 2, 3, 4], "label": ["A", "B", "C", "D"]}}, {"question": 42}, {"domain": ["Biology"]}):
+        with pytest.raises(data.RowError) as excinfo:
+            data.question_from_row({**row, **changes})
+        assert excinfo.value.reason == "not_text", changes
