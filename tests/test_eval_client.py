@@ -253,3 +253,16 @@ def test_rerun_with_other_settings_is_refused(splits, data_file, tmp_path):
     assert other.returncode == 2
     assert "temperature" in other.stderr and "--overwrite" in other.stderr
     assert sum(server.requests.values()) == 4
+
+
+def test_reply_with_odd_choice_indexes_is_malformed_not_a_crash():
+    from scirl.eval.client import RetryableError, parse_choices
+
+    ok = {"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}
+    for body in ({"choices": [ok, {"index": None, "message": {"content": "C"}}]},
+                 {"choices": [ok, {"index": "1", "message": {"content": "C"}}]}):
+        with pytest.raises(RetryableError, match="malformed"):
+            parse_choices(json.dumps(body).encode())
+    assert parse_choices(json.dumps({"choices": [{**ok, "index": 1}, {**ok, "index": 0, "message": {"content": "A"}}]}).encode()) \
+        == [("A", "stop"), ("B", "stop")]
+

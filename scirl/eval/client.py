@@ -67,9 +67,11 @@ def parse_choices(body: bytes) -> list[tuple[str, str | None]]:
     choices = data.get("choices") if isinstance(data, dict) else None
     if not isinstance(choices, list) or not choices:
         raise RetryableError("malformed reply: no choices")
+    if not all(isinstance(c, dict) and type(c.get("index", 0)) is int for c in choices):
+        raise RetryableError("malformed reply: a choice that is not an object with an integer index")
     out = []
-    for choice in sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0):
-        message = choice.get("message") if isinstance(choice, dict) else None
+    for choice in sorted(choices, key=lambda c: c.get("index", 0)):
+        message = choice.get("message")
         if not isinstance(message, dict):
             raise RetryableError("malformed reply: a choice without a message")
         content = message.get("content")
