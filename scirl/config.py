@@ -79,7 +79,7 @@ class CkptConfig(Section):
 
 class DataConfig(Section):
     source: str = "hicai-zju/SciKnowEval"
-    split: str = "train"
+    split: Literal["train", "eval"] = "train"
     eval_per_domain: int = Field(200, ge=0, description="questions per domain held out for evaluation")
     split_method: Literal["content", "guide"] = "content"
     # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train

@@ -39,6 +39,7 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--optim.lr", "-1"], "optim.lr"),
     (["--batch-size", "10", "--group-size", "4"], "divisible by group_size"),
     (["--reward.mode", "fuzzy"], "reward.mode"),
+    (["--data.split", "test"], "data.split"),  # not a traceback after the data has loaded
     (["--optim", "3"], "section"),
     (["--no-max-steps"], "true/false"),
     (["--max-steps"], "needs a value"),
