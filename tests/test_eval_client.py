@@ -266,3 +266,33 @@ def test_reply_with_odd_choice_indexes_is_malformed_not_a_crash():
     assert parse_choices(json.dumps({"choices": [{**ok, "index": 1}, {**ok, "index": 0, "message": {"content": "A"}}]}).encode()) \
         == [("A", "stop"), ("B", "stop")]
 
+
+def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(splits):
+    """httpx's timeout is per read; a server that sends a byte now and then must still time out."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+    requests = Counter()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat():
+        requests["chat"] += 1
+
+        async def trickle():
+            for _ in range(15):  # 1.5 s in all, each byte well inside the 0.4 s timeout
+                yield b" "
+                await asyncio.sleep(0.1)
+            yield json.dumps({"choices": [{"index": 0, "message": {"content": "A"}, "finish_reason": "stop"}]}).encode()
+
+        return StreamingResponse(trickle(), media_type="application/json")
+
+    questions = splits.split("eval")[:1]
+    with running(app) as srv:
+        results = evaluate_server(questions, config(srv.url, retries=1), progress=False)
+    assert results["counts"]["answered"] == 0 and requests["chat"] == 2
+    assert "timed out" in results["failed"][0]["error"]

@@ -118,10 +118,13 @@ class ChatClient:
             http = await self.idle.get()
             try:
                 self.requests += 1
-                response = await http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout)
+                # httpx's timeout bounds each read, not the request: a server that trickles bytes would
+                # never time out, so the whole request is bounded too
+                async with asyncio.timeout(cfg.timeout):
+                    response = await http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout)
             finally:
                 self.idle.put_nowait(http)
-        except httpx.TimeoutException:
+        except (httpx.TimeoutException, TimeoutError):
             raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
         except httpx.TransportError as e:
             raise RetryableError(f"{type(e).__name__}: {e}") from None
