@@ -120,11 +120,12 @@ class ChatClient:
                 self.requests += 1
                 # httpx's timeout bounds each read, not the request: a server that trickles bytes would
                 # never time out, so the whole request is bounded too
-                async with asyncio.timeout(cfg.timeout):
-                    response = await http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout)
+                response = await asyncio.wait_for(
+                    http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout), cfg.timeout
+                )
             finally:
                 self.idle.put_nowait(http)
-        except (httpx.TimeoutException, TimeoutError):
+        except (httpx.TimeoutException, asyncio.TimeoutError):
             raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
         except httpx.TransportError as e:
             raise RetryableError(f"{type(e).__name__}: {e}") from None
