@@ -330,8 +330,6 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         prepare_run_dir(run_dir, resume=resume, clean=clean)
     barrier(dist)
     setup_logging(run_dir, dist.is_main)
-    if dist.is_main:
-        write_config(cfg, run_dir / "config.toml")
     console = make_console()
     say = (lambda text: (log.info(text), console.print(text))) if dist.is_main else (lambda text: None)
 
@@ -419,6 +417,11 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         seconds = time.perf_counter() - t
         say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")
         return seconds
+
+    if dist.is_main:
+        # only now that the data, the checkpoint and the model are accepted: a refused resume must
+        # not leave its flags in config.toml, the base of every later --resume
+        write_config(cfg, run_dir / "config.toml")
 
     stop = StopRequest()
     stop.install()
