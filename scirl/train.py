@@ -395,6 +395,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
     if saved is not None:
         trainer.load_optimizer_state_dict(saved["optimizer"])
+        apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         ckpt_lib.restore_rng_state(saved["rng"])
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
     if dist.world_size == 1:
@@ -515,6 +516,16 @@ def load_tokenizer(model: str):
     except (OSError, ValueError) as exc:
         where = "local directory" if Path(model).exists() else "local directory or reachable hub model"
         raise TrainError(f"cannot load the tokenizer of model {model!r} (not a usable {where}): {exc}") from exc
+
+
+def apply_optim_config(optimizer, optim_cfg) -> None:
+    """Set the config's hyperparameters on every param group (loading an optimizer state restores
+    the saved ones, which would silently override `--resume RUN --optim.lr X`)."""
+    for group in optimizer.param_groups:
+        for key, value in (("lr", optim_cfg.lr), ("betas", tuple(optim_cfg.betas)), ("weight_decay", optim_cfg.weight_decay)):
+            if group[key] != value:
+                log.info("optim.%s: %s in the checkpoint, %s from the config (used)", key, group[key], value)
+                group[key] = value
 
 
 def barrier(dist) -> None:

@@ -461,3 +461,45 @@ def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir):
     assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
     for name, value in plain_weights.items():
         assert torch.allclose(shared_weights[name], value, atol=1e-6), name
+
+
+@pytest.fixture(scope="module")
+def one_step_run(letter_model_dir, data_file, tmp_path_factory):
+    """A finished one-step run (checkpoint 1); tests copy it before resuming."""
+    run_dir = tmp_path_factory.mktemp("one_step") / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=1)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    return run_dir
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, capsys):
+    """A resume refused for a bad flag must not write that flag into config.toml, or every later
+    plain `--resume` inherits it and is refused too."""
+    from scirl.commands.train import main
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    saved = (run_dir / "config.toml").read_text()
+    assert main(["--resume", str(run_dir), "--data.eval-per-domain", "3", "--max-steps", "2"]) == 1
+    assert "questions" in capsys.readouterr().err
+    assert (run_dir / "config.toml").read_text() == saved
+
+
+def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path):
+    """`--resume RUN --optim.lr X` trains with X (the checkpoint's optimizer state must not bring the old lr back)."""
+    from scirl.checkpoint import load_trainer_state
+    from scirl.commands.train import main
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    assert main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
+    group = load_trainer_state(run_dir / "weights" / "step_2")["optimizer"]["param_groups"][0]
+    assert group["lr"] == 0.5 and group["weight_decay"] == 0.25
