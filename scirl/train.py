@@ -401,7 +401,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     if dist.world_size == 1:
         generator = HFGenerator(model, tokenizer=tokenizer)  # sample from the module we train
     else:
-        generator = HFGenerator(model_source, tokenizer=tokenizer, device=device, dtype=dtype)
+        generator = HFGenerator(local_model_dir(model_source), tokenizer=tokenizer, device=device, dtype=dtype)
     vocab_size = model.config.vocab_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     wandb_run = start_wandb(cfg) if dist.is_main else None
@@ -526,6 +526,19 @@ def apply_optim_config(optimizer, optim_cfg) -> None:
             if group[key] != value:
                 log.info("optim.%s: %s in the checkpoint, %s from the config (used)", key, group[key], value)
                 group[key] = value
+
+
+def local_model_dir(model: str) -> str:
+    """The directory of a model given as a path or a hub name: a hub model is in the local cache,
+    where loading it put it (the per-rank generation copy is loaded from a directory)."""
+    if Path(model).is_dir():
+        return model
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(model, "config.json")
+    if not isinstance(config, str):
+        raise TrainError(f"model {model!r} is neither a local directory nor in the hub cache")
+    return str(Path(config).parent)
 
 
 def barrier(dist) -> None:

@@ -503,3 +503,25 @@ def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path):
     assert main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
     group = load_trainer_state(run_dir / "weights" / "step_2")["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.5 and group["weight_decay"] == 0.25
+
+
+def test_a_hub_model_name_gives_the_generation_copy_its_cached_directory(tiny_model_dir, tmp_path, monkeypatch):
+    """Under torchrun each rank loads a generation copy from a directory; with a hub name (the guide's
+    config) that is the snapshot from_pretrained left in the cache, not a 'directory not found' crash."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    from scirl.inference.hf import HFGenerator
+    from scirl.train import TrainError, local_model_dir
+
+    repo = tmp_path / "models--org--tiny"
+    snapshot = Path(shutil.copytree(tiny_model_dir, repo / "snapshots" / "abc123"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert local_model_dir("org/tiny") == str(snapshot)
+    HFGenerator(local_model_dir("org/tiny"), device="cpu").close()
+    assert local_model_dir(str(tiny_model_dir)) == str(tiny_model_dir)
+    with pytest.raises(TrainError, match="org/absent"):
+        local_model_dir("org/absent")
