@@ -111,6 +111,9 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
     from scirl.inference.base import SamplingParams, encode_messages
 
     state: dict[str, Any] = {}
+    config = getattr(getattr(generator, "model", None), "config", None)
+    context_length = getattr(config, "max_position_embeddings", None) if config is not None else None
+    context_length = context_length if isinstance(context_length, int) else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -140,7 +143,16 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
             prompt = encode_messages(generator.tokenizer, messages)
         except Exception as e:  # e.g. a chat template that rejects the roles given
             return _error(400, f"cannot build the prompt: {e}")
-        max_tokens = request.max_completion_tokens or request.max_tokens or default_max_tokens
+        asked = request.max_completion_tokens or request.max_tokens
+        if context_length is not None:
+            room = context_length - len(prompt)
+            if room < 1 or (asked is not None and asked > room):
+                # as vLLM does; generating anyway would preallocate a KV cache for all of max_tokens
+                return _error(400, f"This model's maximum context length is {context_length} tokens; the prompt has "
+                                   f"{len(prompt)} tokens and max_tokens asks for {asked or 'at least 1'} more.")
+        max_tokens = asked or default_max_tokens
+        if context_length is not None:
+            max_tokens = min(max_tokens, context_length - len(prompt))  # a default never overflows the context
         params = SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens, seed=request.seed)
         try:
             completions = await state["batcher"].submit(prompt, params)

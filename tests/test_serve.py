@@ -73,6 +73,19 @@ def test_bad_requests_get_openai_style_errors(client):
     assert r.status_code == 422
 
 
+def test_max_tokens_beyond_the_context_is_a_clear_400_not_a_huge_allocation(client, generator):
+    """vLLM answers 400 when prompt + max_tokens exceed the model's context; a client's typo
+    (max_tokens=10**9) must not make the server preallocate a cache that size."""
+    context = generator.model.config.max_position_embeddings
+    for key in ("max_tokens", "max_completion_tokens"):
+        r = client.post("/v1/chat/completions", json={"messages": MESSAGES, key: context, "temperature": 0})
+        assert r.status_code == 400, r.text
+        assert str(context) in r.json()["error"]["message"] and "context" in r.json()["error"]["message"]
+    long_prompt = [{"role": "user", "content": "word " * context}]
+    r = client.post("/v1/chat/completions", json={"messages": long_prompt, "temperature": 0})
+    assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+
+
 class SlowGenerator(Generator):
     """Answers "A" after a delay and records the size of every generate call."""
 
