@@ -26,6 +26,7 @@ in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -365,6 +366,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         )
     if cfg.questions_per_step < dist.world_size:
         raise TrainError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
+    questions_digest = hashlib.sha256("\n".join(q.id for q in questions).encode()).hexdigest()[:16]
     say(f"Data: {len(questions)} {cfg.data.split} questions from {cfg.data.source}"
         + (f" ({too_long} too long for seq_len, left out)" if too_long else ""))
 
@@ -380,6 +382,14 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
             if position["n_questions"] != len(questions):
                 raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
                                  f"the data now has {len(questions)}; resume needs the same data and config")
+            # (epoch, cursor) index a seeded order of these very questions: other questions of the same
+            # count, or another seed, would repeat some and skip others (checkpoints before these keys: unchecked)
+            if position.get("questions", questions_digest) != questions_digest:
+                raise TrainError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
+                                 f"({cfg.data.split} split) gives now; resume needs the same data and config")
+            if position.get("seed", cfg.seed) != cfg.seed:
+                raise TrainError(f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
+                                 f"not {cfg.seed}; resume with --seed {position['seed']}")
             sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
         if dist.is_main:
             dropped = truncate_run(run_dir, start_step)
@@ -412,7 +422,8 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         optimizer_state = trainer.optimizer_state_dict()
         # every rank calls this (it syncs); only rank 0 writes
         ckpt_lib.save_checkpoint(run_dir, step, model, tokenizer, state_dict=state, optimizer_state=optimizer_state,
-                                 data_position={**sampler.state(), "n_questions": len(questions)},
+                                 data_position={**sampler.state(), "n_questions": len(questions),
+                                                "questions": questions_digest, "seed": cfg.seed},
                                  extra={"consecutive_empty_steps": empty_steps}, keep=cfg.ckpt.keep)
         barrier(dist)
         seconds = time.perf_counter() - t

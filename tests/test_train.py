@@ -525,3 +525,18 @@ def test_a_hub_model_name_gives_the_generation_copy_its_cached_directory(tiny_mo
     assert local_model_dir(str(tiny_model_dir)) == str(tiny_model_dir)
     with pytest.raises(TrainError, match="org/absent"):
         local_model_dir("org/absent")
+
+
+def test_resume_refuses_other_questions_or_another_seed(one_step_run, tmp_path, capsys):
+    """The data position (epoch, cursor) only means something in the same seeded order of the same
+    questions: other questions of the same count, or another seed, would repeat and skip questions."""
+    from scirl.commands.train import main
+    from scirl.synthetic import generate_rows, write_jsonl
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    other_data = write_jsonl(generate_rows(n_per_domain=12, seed=2), tmp_path / "other.jsonl")
+    assert main(["--resume", str(run_dir), "--data.source", str(other_data), "--max-steps", "2"]) == 1
+    assert "other questions" in capsys.readouterr().err
+    assert main(["--resume", str(run_dir), "--seed", "4", "--max-steps", "2"]) == 1
+    assert "--seed 3" in capsys.readouterr().err
+    assert not (run_dir / "weights" / "step_2").exists()
