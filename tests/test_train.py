@@ -540,3 +540,14 @@ def test_resume_refuses_other_questions_or_another_seed(one_step_run, tmp_path, 
     assert main(["--resume", str(run_dir), "--seed", "4", "--max-steps", "2"]) == 1
     assert "--seed 3" in capsys.readouterr().err
     assert not (run_dir / "weights" / "step_2").exists()
+
+
+def test_resume_with_another_output_dir_is_an_error(tmp_path, capsys):
+    """`--resume A --output-dir B` cannot do both; it used to continue A and ignore B silently."""
+    from scirl.commands.train import main
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "config.toml").write_text('max_steps = 2\n')
+    assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "b"), "--dry-run"]) == 2
+    assert "--output-dir" in capsys.readouterr().err
+    assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "a"), "--dry-run"]) == 0

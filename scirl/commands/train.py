@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     args, rest = parser.parse_known_args(argv)
 
-    from scirl.config import ConfigError, load_config, read_toml, to_toml_dict
+    from scirl.config import ConfigError, load_config, parse_overrides, read_toml, to_toml_dict
 
     try:
         base = None
@@ -34,6 +34,9 @@ def main(argv: list[str]) -> int:
             if not saved.is_file():
                 raise ConfigError(f"--resume {args.resume}: no config.toml there (is it a run directory?)")
             base = read_toml(saved)
+            asked = parse_overrides(rest)[1].get("output_dir")
+            if asked is not None and Path(asked).resolve() != Path(args.resume).resolve():
+                raise ConfigError(f"--resume {args.resume} continues that run in place; drop --output-dir {asked}")
             rest = rest + ["--output-dir", args.resume]
         cfg = load_config(rest, base=base)
     except ConfigError as exc:
