@@ -91,3 +91,13 @@ def test_demo_command_refuses_a_used_output_dir(tmp_path, capsys):
     (tmp_path / "old.txt").write_text("x")
     assert main(["demo", "--output-dir", str(tmp_path)]) == 2
     assert "not empty" in capsys.readouterr().err
+
+
+def test_demo_command_reports_a_training_problem_without_a_traceback(tmp_path, capsys):
+    from scirl.cli import main
+
+    # 20 training questions, a step wants 64 (batch 512 / group 8)
+    argv = ["demo", "--output-dir", str(tmp_path / "d"), "--no-report", "--no-progress", "--train-per-domain", "5",
+            "--eval-per-domain", "2", "--batch-size", "512"]
+    assert main(argv) == 1
+    assert "fewer than the 64 a step needs" in capsys.readouterr().err

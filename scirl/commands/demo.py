@@ -36,6 +36,8 @@ def main(argv: list[str]) -> int:
     import torch
 
     from scirl.config import ConfigError
+    from scirl.data import DataSourceError
+    from scirl.train import TrainError
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
 
     torch.set_num_threads(max(1, args.threads))
@@ -54,4 +56,7 @@ def main(argv: list[str]) -> int:
     except (ConfigError, FileNotFoundError, FileExistsError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 2
+    except (TrainError, DataSourceError) as exc:
+        print(f"scirl demo: {exc}", file=sys.stderr)
+        return 1
     return 0

@@ -103,7 +103,7 @@ def run_demo(opts: DemoOptions) -> dict:
 
     from scirl.config import load_config
     from scirl.data import load_splits
-    from scirl.train import train
+    from scirl.train import TrainError, train
 
     console = Console()
     started = time.perf_counter()
@@ -143,7 +143,8 @@ def run_demo(opts: DemoOptions) -> dict:
     console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps")
     status = train(cfg, show_progress=opts.progress)
     if status != 0:
-        raise RuntimeError(f"training stopped with status {status}; see {out / 'logs'}")
+        raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
+                         f"Its logs and checkpoints are in {out}")
     final_weights = out / "weights" / f"step_{cfg.max_steps}"
 
     # 4. the trained model on the same held-out questions
