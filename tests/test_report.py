@@ -223,6 +223,14 @@ def test_missing_confidence_intervals_are_computed_from_counts():
     assert table["Overall"][1:] == pytest.approx(wilson_interval(data["overall_accuracy"] * 160, 160))
 
 
+def test_missing_overall_interval_counts_answered_questions_not_failed_ones():
+    """overall_accuracy covers the answered questions only, so its interval must use their number."""
+    data = eval_results(dict(zip(DOMAINS, (0.5, 0.25, 0.75, 1.0))), n_per_domain=40, with_ci=False)
+    data["counts"] = {**data["counts"], "questions": 800, "failed": 640}
+    table = accuracy_table(Evaluation("eval_x.json", data))
+    assert table["Overall"][1:] == pytest.approx(wilson_interval(data["overall_accuracy"] * 160, 160))
+
+
 def test_compare_writes_plot_and_page_with_the_mcnemar_result(run_dir, tmp_path, capsys):
     a, b = run_dir / "eval_base.json", run_dir / "eval_final.json"
     assert report_main(["--compare", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0

@@ -252,7 +252,8 @@ def accuracy_table(evaluation: Evaluation) -> dict[str, tuple[float, float | Non
     table = {}
     overall = number(data.get("overall_accuracy"))
     if overall is not None:
-        n = _question_count(counts.get("questions")) or len(records)
+        # the accuracy covers the answered questions only (failed ones are not in it)
+        n = _question_count(counts.get("answered")) or len(records) or _question_count(counts.get("questions"))
         table["Overall"] = (overall, *_interval(ci.get("overall"), overall, n))
     per_domain = data.get("per_domain_accuracy") if isinstance(data.get("per_domain_accuracy"), dict) else {}
     for domain, value in sorted(per_domain.items()):
