@@ -101,7 +101,7 @@ class TrainConfig(Section):
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
     model: str = Field("PrimeIntellect/Qwen3-8B", description="hub name or local HF model directory")
     batch_size: int = Field(128, ge=1, description="completions per step")
-    group_size: int = Field(16, ge=1, description="completions per question")
+    group_size: int = Field(16, ge=2, description="completions per question (advantages need at least 2)")
     micro_batch_size: int = Field(8, ge=1, description="completions per forward/backward pass")
     max_completion_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, gt=0)

@@ -40,6 +40,7 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--batch-size", "10", "--group-size", "4"], "divisible by group_size"),
     (["--reward.mode", "fuzzy"], "reward.mode"),
     (["--data.split", "test"], "data.split"),  # not a traceback after the data has loaded
+    (["--group-size", "1", "--batch-size", "8"], "group_size"),  # every advantage would be 0: 10 idle steps, then an error
     (["--optim", "3"], "section"),
     (["--no-max-steps"], "true/false"),
     (["--max-steps"], "needs a value"),
