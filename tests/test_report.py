@@ -231,6 +231,20 @@ def test_missing_overall_interval_counts_answered_questions_not_failed_ones():
     assert table["Overall"][1:] == pytest.approx(wilson_interval(data["overall_accuracy"] * 160, 160))
 
 
+def test_odd_shapes_in_evaluations_and_rollouts_give_a_page_not_a_crash(tmp_path):
+    run = tmp_path / "odd"
+    (run / "rollouts").mkdir(parents=True)
+    # records that are not a list; an interval that does not hold its accuracy (a hand-edited file)
+    (run / "eval_base.json").write_text(json.dumps({"overall_accuracy": 0.5, "records": 5, "ci95": {"overall": [0.9, 0.95]}}))
+    (run / "eval_final.json").write_text(json.dumps({"overall_accuracy": 0.6, "records": {"a": 1}}))
+    (run / "rollouts" / "step_1.jsonl").write_text(
+        json.dumps({"question_id": [1], "reward": 1.0}) + "\n" + json.dumps({"question_id": {"a": 1}, "reward": 0.0}) + "\n")
+    page = write_report(run).read_text()
+    assert "50.0%" in page and "60.0%" in page
+    page, _ = write_compare(run / "eval_base.json", run / "eval_final.json", out_dir=tmp_path / "cmp")
+    assert "50.0%" in page.read_text()
+
+
 def test_compare_writes_plot_and_page_with_the_mcnemar_result(run_dir, tmp_path, capsys):
     a, b = run_dir / "eval_base.json", run_dir / "eval_final.json"
     assert report_main(["--compare", str(a), str(b), "--out", str(tmp_path / "cmp")]) == 0

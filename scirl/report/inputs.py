@@ -241,6 +241,12 @@ def _interval(ci: Any, accuracy: float, n: int | None) -> tuple[float | None, fl
     return None, None
 
 
+def record_list(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``records`` of a results file that are objects; none when the key holds something else."""
+    records = data.get("records")
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
+
+
 def accuracy_table(evaluation: Evaluation) -> dict[str, tuple[float, float | None, float | None]]:
     """{"Overall" and each domain: (accuracy, ci_low, ci_high)} of one evaluation, as fractions."""
     data = evaluation.data
@@ -248,7 +254,7 @@ def accuracy_table(evaluation: Evaluation) -> dict[str, tuple[float, float | Non
     ci_domain = ci.get("per_domain") if isinstance(ci.get("per_domain"), dict) else {}
     counts = data.get("counts") if isinstance(data.get("counts"), dict) else {}
     count_domain = counts.get("per_domain") if isinstance(counts.get("per_domain"), dict) else {}
-    records = [r for r in data.get("records") or [] if isinstance(r, dict)]
+    records = record_list(data)
     table = {}
     overall = number(data.get("overall_accuracy"))
     if overall is not None:

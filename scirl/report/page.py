@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scirl.report.inputs import Evaluation, RunInputs, accuracy_table, flatten, number, series
+from scirl.report.inputs import Evaluation, RunInputs, accuracy_table, flatten, number, record_list, series
 
 SAMPLES_PER_TABLE = 3
 MAX_CHARS = 2000  # of one completion or prompt on the page; the rest is counted, not shown
@@ -158,9 +158,10 @@ def distinct_questions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     samples are alike; different questions say more), topped up in order if there are too few."""
     picked, seen = [], set()
     for r in rows:
-        if len(picked) < SAMPLES_PER_TABLE and r.get("question_id") not in seen:
+        question = repr(r.get("question_id"))  # repr: a malformed id (a list, an object) is still hashable
+        if len(picked) < SAMPLES_PER_TABLE and question not in seen:
             picked.append(r)
-            seen.add(r.get("question_id"))
+            seen.add(question)
     for r in rows:
         if len(picked) < SAMPLES_PER_TABLE and not any(r is p for p in picked):
             picked.append(r)
@@ -200,7 +201,7 @@ def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
         overall = table.pop("Overall", None)
         acc = "n/a" if overall is None else pct(overall[0]) + (f" ({pct(overall[1])}–{pct(overall[2])})" if overall[1] is not None else "")
         counts = ev.data.get("counts") if isinstance(ev.data.get("counts"), dict) else {}
-        questions = counts.get("questions", len(ev.data.get("records") or []) or "n/a")
+        questions = counts.get("questions", len(record_list(ev.data)) or "n/a")
         domains = ", ".join(f"{esc(d)} {pct(v[0])}" for d, v in table.items())
         body.append(
             f"<tr><td>{esc(ev.name)}</td><td>{esc(role)}</td><td>{acc}</td><td>{pct(number(ev.data.get('strict_accuracy')))}</td>"

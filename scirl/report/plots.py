@@ -224,8 +224,9 @@ def plot_accuracy(tables: list[tuple[str, dict[str, tuple[float, float | None, f
         xs = [j + (i - (len(tables) - 1) / 2) * width for j, g in enumerate(groups) if g in table]
         present = [g for g in groups if g in table]
         acc = [100 * table[g][0] for g in present]
-        err_low = [100 * (table[g][0] - table[g][1]) if table[g][1] is not None else 0.0 for g in present]
-        err_high = [100 * (table[g][2] - table[g][0]) if table[g][2] is not None else 0.0 for g in present]
+        # max(0, ...): an interval that does not hold its accuracy (a hand-made file) must not stop the plot
+        err_low = [max(0.0, 100 * (table[g][0] - table[g][1])) if table[g][1] is not None else 0.0 for g in present]
+        err_high = [max(0.0, 100 * (table[g][2] - table[g][0])) if table[g][2] is not None else 0.0 for g in present]
         bars = ax.bar(xs, acc, width=width, yerr=[err_low, err_high], capsize=4, label=label)
         ax.bar_label(bars, labels=[f"{a:.1f}" for a in acc], fontsize=8, padding=2, label_type="center", color="white")
     ax.set_xticks(range(len(groups)), groups)
