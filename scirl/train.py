@@ -194,8 +194,8 @@ def step_line(m: dict) -> str:
     else:
         parts.append("no trainable tokens: step skipped")
     flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in ("gibberish", "repetition", "zero_advantage") if m.get(f"filters/{name}")]
-    if flagged:
-        parts.append("Filtered " + ", ".join(flagged))
+    if flagged:  # a monitoring filter only flags: those rollouts are still trained on
+        parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
     parts.append(f"{m['tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
 

@@ -551,3 +551,14 @@ def test_resume_with_another_output_dir_is_an_error(tmp_path, capsys):
     assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "b"), "--dry-run"]) == 2
     assert "--output-dir" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "a"), "--dry-run"]) == 0
+
+
+def test_step_line_says_whether_flagged_rollouts_were_dropped():
+    """A monitoring filter flags rollouts that are still trained on; the line must not call them filtered out."""
+    from scirl.train import step_line
+
+    m = {"step": 2, "time/step": 1.0, "reward/mean": 0.5, "trainable/count": 8, "trainable/total": 16,
+         "trainable/fraction": 0.5, "loss": 0.1, "entropy": 1.0, "grad_norm": 0.2, "mismatch_kl": 0.0,
+         "filters/zero_advantage": 0.5, "filters/dropped": 0.0, "tokens_per_s": 100.0}
+    assert "Flagged zero_advantage 50%, dropped 0%" in step_line(m)
+    assert "dropped 50%" in step_line({**m, "filters/dropped": 0.5})
