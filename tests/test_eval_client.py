@@ -296,3 +296,37 @@ def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(sp
         results = evaluate_server(questions, config(srv.url, retries=1), progress=False)
     assert results["counts"]["answered"] == 0 and requests["chat"] == 2
     assert "timed out" in results["failed"][0]["error"]
+
+
+def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_path, capsys):
+    """Some servers and proxies quote the bad credential in their error body; the error text ends up
+    in the results file and on the terminal, so the key must be blanked out of it."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    key = "sk-test-echoed-secret"
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        echoed = request.headers.get("authorization", "")
+        status = 400 if "x" in (await request.json())["messages"][-1]["content"][:1] else 500
+        return JSONResponse({"error": {"message": f"rejected credentials {echoed}"}}, status_code=status)
+
+    @app.post("/v2/chat/completions")
+    async def unauthorized(request: Request):
+        return JSONResponse({"error": f"bad key {request.headers.get('authorization')}"}, status_code=401)
+
+    questions = splits.split("eval")[:3]
+    out = tmp_path / "eval.json"
+    with running(app) as srv:
+        results = evaluate_server(questions, config(srv.url, api_key=key, retries=1), out=out, progress=False)
+        with pytest.raises(FatalServerError) as fatal:
+            evaluate_server(questions, config(srv.url.removesuffix("/v1") + "/v2", api_key=key), progress=False)
+    assert results["counts"]["failed"] == 3 and "rejected credentials" in results["failed"][0]["error"]
+    for text in (out.read_text(), records_path(out).read_text(), str(fatal.value), json.dumps(results), capsys.readouterr().out):
+        assert key not in text

@@ -132,7 +132,10 @@ class ChatClient:
         status = response.status_code
         if status == 200:
             return parse_choices(response.content)
-        detail = response.text[:300]
+        detail = response.text
+        if cfg.api_key:  # servers and proxies may quote the credential back; this text is printed and saved
+            detail = detail.replace(cfg.api_key, "<api key>")
+        detail = detail[:300]  # after the blanking, so no cut-off piece of the key survives
         if status in RETRY_STATUS or status >= 500:
             error = RetryableError(f"HTTP {status}: {detail}")
             error.retry_after = response.headers.get("retry-after")  # type: ignore[attr-defined]
