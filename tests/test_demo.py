@@ -101,3 +101,16 @@ def test_demo_command_reports_a_training_problem_without_a_traceback(tmp_path, c
             "--eval-per-domain", "2", "--batch-size", "512"]
     assert main(argv) == 1
     assert "fewer than the 64 a step needs" in capsys.readouterr().err
+
+
+def test_demo_refuses_overrides_it_would_misapply_and_leaves_no_output_dir(tmp_path, capsys):
+    """`--model X` would train X but evaluate the shipped base model as 'before'; a bad flag must not
+    leave a half-made output dir that the next try then refuses as 'not empty'."""
+    from scirl.cli import main
+
+    out = tmp_path / "d"
+    assert main(["demo", "--output-dir", str(out), "--model", str(tmp_path)]) == 2
+    assert "--base-model" in capsys.readouterr().err
+    assert main(["demo", "--output-dir", str(out), "--max-steps", "zero"]) == 2
+    assert "max_steps" in capsys.readouterr().err
+    assert not out.exists()

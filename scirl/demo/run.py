@@ -101,7 +101,7 @@ def run_demo(opts: DemoOptions) -> dict:
     import torch
     from rich.console import Console
 
-    from scirl.config import load_config
+    from scirl.config import ConfigError, load_config
     from scirl.data import load_splits
     from scirl.train import TrainError, train
 
@@ -115,15 +115,23 @@ def run_demo(opts: DemoOptions) -> dict:
                                 f"`python -m scirl.demo.pretrain --out {opts.base_model}`")
     if not Path(opts.config).is_file():
         raise FileNotFoundError(f"demo config not found: {opts.config}")
+    # the config first, so a bad flag leaves no half-made output directory behind
+    data_path = out / "data" / "demo_questions.jsonl"
+    fixed = {"model": str(opts.base_model), "output_dir": str(out), "data.source": str(data_path)}
+    cfg = load_config(["@", str(opts.config), "--model", fixed["model"], "--output-dir", fixed["output_dir"],
+                       "--data.source", fixed["data.source"], "--data.eval-per-domain", str(opts.eval_per_domain),
+                       "--data.split", "train", "--seed", str(opts.seed), *opts.overrides])
+    for key, value in fixed.items():  # an override of these would train one thing and evaluate another
+        section, _, name = key.rpartition(".")
+        if str(getattr(getattr(cfg, section) if section else cfg, name)) != value:
+            raise ConfigError(f"the demo sets --{key.replace('_', '-')} itself; use --base-model, --output-dir "
+                              "(or scirl train for other data)")
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
 
     # 1. questions: one file; the trainer and the evaluation split it the same way
     console.rule("[bold]1/4 questions")
-    data_path = write_questions(out / "data" / "demo_questions.jsonl", opts.train_per_domain, opts.eval_per_domain, opts.seed)
-    cfg = load_config(["@", str(opts.config), "--model", str(opts.base_model), "--output-dir", str(out),
-                       "--data.source", str(data_path), "--data.eval-per-domain", str(opts.eval_per_domain),
-                       "--data.split", "train", "--seed", str(opts.seed), *opts.overrides])
+    write_questions(data_path, opts.train_per_domain, opts.eval_per_domain, opts.seed)
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
                          seed=cfg.data.seed)
     held_out = splits.eval
