@@ -341,7 +341,9 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     # ---- data: questions and their prompt token ids ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method, seed=cfg.data.seed)
     questions = splits.split(cfg.data.split)
-    tokenizer = load_tokenizer(cfg.model)
+    # a resumed run needs only its run dir: the checkpoint holds the tokenizer (and the weights)
+    latest = ckpt_lib.latest_checkpoint(run_dir, clean=dist.is_main) if resume else None  # one rank removes stale tmp dirs
+    tokenizer = load_tokenizer(str(latest[1]) if latest else cfg.model)
     if cfg.top_p < 1:
         log.warning("top_p=%s: the sampler's logprobs are renormalised over the nucleus, the trainer's are not, "
                     "so the importance ratio is biased (prime-rl trains with top_p=1)", cfg.top_p)
@@ -373,7 +375,6 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
     # ---- model, optimizer, and where we start ----
     empty_steps, start_step, sampler, model_source, saved = 0, 0, QuestionSampler(len(questions), cfg.seed), cfg.model, None
     if resume:
-        latest = ckpt_lib.latest_checkpoint(run_dir, clean=dist.is_main)  # one rank removes stale tmp dirs
         if latest is not None:
             start_step, path = latest
             model_source = str(path)

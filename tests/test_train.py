@@ -562,3 +562,15 @@ def test_step_line_says_whether_flagged_rollouts_were_dropped():
          "filters/zero_advantage": 0.5, "filters/dropped": 0.0, "tokens_per_s": 100.0}
     assert "Flagged zero_advantage 50%, dropped 0%" in step_line(m)
     assert "dropped 50%" in step_line({**m, "filters/dropped": 0.5})
+
+
+def test_resume_needs_only_the_run_directory_not_the_original_model(letter_model_dir, data_file, tmp_path, one_thread):
+    """The checkpoint holds weights and tokenizer; a base model moved or deleted since must not block a resume."""
+    import shutil
+
+    model_copy = Path(shutil.copytree(letter_model_dir, tmp_path / "base"))
+    run_dir = tmp_path / "run"
+    assert run_in_process(train_args(model_copy, data_file, run_dir, max_steps=1)) == 0
+    shutil.rmtree(model_copy)
+    assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "2"], resume=True) == 0
+    assert [m["step"] for m in rows(run_dir)] == [1, 2]
