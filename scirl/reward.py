@@ -12,7 +12,8 @@ letter: it scores "Answer: B" as A.)
   3. explicit statements ("Answer: B", "the correct option is B", "I would choose B",
      "B is correct"); the LAST one wins, so self-corrections count; one naming several letters is a hedge;
   4. the reply opens with a letter and a delimiter ("B.", "B)", "(B)", "B:", "B - ", "B" on its own line),
-     or with "B <text of option B>", unless it walks through the options line by line ("A) ...\nB) ...");
+     or with "B <text of option B>", or "B, because ..." / "B since ...", unless it walks through the options
+     line by line ("A) ...\nB) ...");
   5. "X or Y" anywhere -> no answer; else exactly one distinct letter in reference form
      ("(B)", "B.", "B)", "B:", "B?", or "B" at the very end), not after "not" or a naming noun
      ("vitamin D.", "chain B)"); several -> no answer ("B? Or maybe C.");
@@ -118,6 +119,8 @@ _WHOLE_HEDGE = re.compile(
 _OPENING = re.compile(
     r"^" + _OPEN + r"?([A-Za-z])(?:(?P<closed>" + _CLOSE + r")|(?P<delim>[.:)](?!\d))|(?P<dash>\s+[-\u2013\u2014]\s)|[ \t]*(?:\n|$))"
 )
+# "C, because A and B are wrong", "C because ...": an upper-case letter, then the reasons for it
+_OPENING_REASON = re.compile(r"^" + _OPEN + r"?([A-Z])" + _CLOSE + r"?(?:\s*,)?\s+(?i:because|since|as(?!\s+well))\b")
 # Nouns that take a letter as a name, so "vitamin D." or "chain B" is not a reference to an option.
 _NAMING_WORDS = frozenset(
     "vitamin vitamins chain chains type class group site fig figure table panel point hepatitis complex phase region"
@@ -295,6 +298,9 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
             return pats.upper[letter.upper()]
         if letter.isupper() and letter not in pats.upper and "A" <= letter <= "F":
             return _NO_ANSWER  # "E. none of these", or "C)" on a two-option row
+    m = _OPENING_REASON.match(text)
+    if m and m.group(1) in pats.upper:
+        return pats.upper[m.group(1)]
     if options is not None:
         # "B mitochondrion": a letter, a space and that option's text
         m = re.match(r"^" + _OPEN + r"?([A-Za-z])" + _CLOSE + r"?\s+", text)

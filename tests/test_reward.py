@@ -188,6 +188,15 @@ FOUR_CASES = [
     ("C. Ribosome\n\nA is wrong because the nucleus stores DNA; B and D are other organelles.", "C", None),
     ("D\n\nThe lysosome. Not A, B or C.", "D", None),
     ("A\nThe nucleus holds the chromosomes, unlike B or C.", "A", None),
+    # a letter, then a comma or "because" and the reasons (naming other letters)
+    ("C, because A and B are wrong", "C", None),
+    ("C, because the ribosome translates mRNA.", "C", None),
+    ("C because A is wrong", "C", None),
+    ("B, since A and C make no ATP.", "B", None),
+    ("B, as the mitochondrion makes ATP", "B", None),
+    ("A, B and C are all wrong, so D", "D", None),
+    ("A, C and D are incorrect", None, None),
+    ("A, as well as C, binds it", None, None),
     ("B. mitochondrion. Option A (nucleus) is tempting but wrong.", "B", None),
     # a sentence that opens with the article "A"
     ("A protein that localizes to the mitochondrion, so the answer is B.", "B", None),
