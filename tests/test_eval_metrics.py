@@ -185,3 +185,7 @@ def test_compare_command_prints_json(tmp_path, capsys):
     assert "McNemar" in capsys.readouterr().out
     (tmp_path / "bad.json").write_text("[]")
     assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
+    for records in ([{"id": "1"}], ["x"], [{"correct": True}]):  # records that are not scirl's
+        (tmp_path / "bad.json").write_text(json.dumps({"records": records}))
+        assert main(["compare", str(tmp_path / "a.json"), str(tmp_path / "bad.json")]) == 2
+        assert "bad.json" in capsys.readouterr().err
