@@ -330,3 +330,31 @@ def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_
     assert results["counts"]["failed"] == 3 and "rejected credentials" in results["failed"][0]["error"]
     for text in (out.read_text(), records_path(out).read_text(), str(fatal.value), json.dumps(results), capsys.readouterr().out):
         assert key not in text
+
+
+def test_a_reply_that_cannot_be_decoded_is_retried_not_fatal(splits):
+    """A body that fails to decompress (a broken proxy) is a malformed reply like any other."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    questions = splits.split("eval")[:4]
+    by_text = {user_text(q): q for q in questions}
+    seen = Counter()
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        q = by_text[(await request.json())["messages"][-1]["content"]]
+        seen[q.id] += 1
+        if seen[q.id] == 1:
+            return Response(b"this is not gzip", media_type="application/json", headers={"content-encoding": "gzip"})
+        return {"choices": [{"index": 0, "message": {"content": rule_reply(q)}, "finish_reason": "stop"}]}
+
+    with running(app) as srv:
+        results = evaluate_server(questions, config(srv.url), progress=False)
+    assert results["counts"]["answered"] == 4 and results["failed"] == []
+    assert all(n == 2 for n in seen.values())

@@ -127,7 +127,7 @@ class ChatClient:
                 self.idle.put_nowait(http)
         except (httpx.TimeoutException, asyncio.TimeoutError):
             raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
-        except httpx.TransportError as e:
+        except httpx.RequestError as e:  # transport errors, and bodies that fail to decode (DecodingError)
             raise RetryableError(f"{type(e).__name__}: {e}") from None
         status = response.status_code
         if status == 200:
