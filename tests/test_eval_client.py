@@ -358,3 +358,17 @@ def test_a_reply_that_cannot_be_decoded_is_retried_not_fatal(splits):
         results = evaluate_server(questions, config(srv.url), progress=False)
     assert results["counts"]["answered"] == 4 and results["failed"] == []
     assert all(n == 2 for n in seen.values())
+
+
+def test_eval_takes_the_split_seed_so_a_reseeded_holdout_can_be_evaluated(splits, data_file, tmp_path):
+    """scirl data and scirl train take the holdout's seed; eval must be able to evaluate that same holdout."""
+    reseeded = load_splits(str(data_file), eval_per_domain=10, seed=7).split("eval")
+    assert {q.id for q in reseeded} != {q.id for q in splits.split("eval")}
+    server = FakeServer(load_splits(str(data_file), eval_per_domain=0).split("train"))
+    out = tmp_path / "eval.json"
+    with running(server.app()) as srv:
+        done = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--split-seed", "7"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(out.read_text())
+    assert [r["id"] for r in results["records"]] == [q.id for q in reseeded]
+    assert results["settings"]["split_seed"] == 7

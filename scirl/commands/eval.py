@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", default="eval", choices=("eval", "train"), help="default: %(default)s")
     p.add_argument("--eval-per-domain", type=int, default=200, help="held-out questions per domain (default: %(default)s)")
     p.add_argument("--split-method", default="content", choices=("content", "guide"), help="default: %(default)s")
+    p.add_argument("--split-seed", type=int, default=42, help="seed of the train/eval split, as in scirl data and "
+                   "the training config's data.seed (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
     p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")
     p.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
@@ -86,7 +88,7 @@ def run_eval(argv: list[str]) -> int:
     from scirl.eval.results import SettingsMismatch
 
     try:
-        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method)
+        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed)
     except (DataSourceError, FileNotFoundError, ValueError) as e:
         print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
         return 2
@@ -101,6 +103,7 @@ def run_eval(argv: list[str]) -> int:
         "split": args.split,
         "eval_per_domain": args.eval_per_domain,
         "split_method": args.split_method,
+        "split_seed": args.split_seed,
         "limit": args.limit,
     }
 
