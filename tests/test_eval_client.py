@@ -372,3 +372,17 @@ def test_eval_takes_the_split_seed_so_a_reseeded_holdout_can_be_evaluated(splits
     results = json.loads(out.read_text())
     assert [r["id"] for r in results["records"]] == [q.id for q in reseeded]
     assert results["settings"]["split_seed"] == 7
+
+
+def test_several_greedy_samples_are_flagged_as_identical(splits, data_file, tmp_path):
+    """--n-samples 4 at the default temperature 0 gives four copies of one reply: pass@k would equal
+    mean@k and look like a measurement, so the user is told."""
+    server = FakeServer(splits.split("eval"))
+    with running(server.app()) as srv:
+        greedy = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "a.json") + ["--limit", "2", "--n-samples", "4"],
+                                capture_output=True, text=True, timeout=120)
+        sampled = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "b.json") + ["--limit", "2", "--n-samples", "4",
+                                 "--temperature", "0.7"], capture_output=True, text=True, timeout=120)
+    assert greedy.returncode == 0 and sampled.returncode == 0
+    assert "--temperature 0" in greedy.stderr and "identical" in greedy.stderr
+    assert "identical" not in sampled.stderr

@@ -83,6 +83,10 @@ def run_eval(argv: list[str]) -> int:
         print(f"scirl eval: {problem}", file=sys.stderr)
         return 2
 
+    if args.n_samples > 1 and args.temperature == 0:
+        print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
+              "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
+
     from scirl.data import DataSourceError, load_splits
     from scirl.eval.display import print_summary
     from scirl.eval.results import SettingsMismatch
