@@ -309,8 +309,34 @@ def score_groups(step, questions, prompts, prompt_texts, groups, cfg, vocab_size
     return rollouts, samples
 
 
+def lock_run_dir(run_dir: Path):
+    """An exclusive lock on ``RUN_DIR/.lock`` held while the returned file is open. The kernel drops it
+    when the process dies (kill -9 included), so a stale lock never blocks a resume."""
+    import fcntl
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(run_dir / ".lock", "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RunDirError(f"{run_dir} is in use by another scirl train process; wait for it to end or stop it first") from None
+    return handle
+
+
 def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
     """Run (or continue) a GRPO run in ``cfg.output_dir``. Returns the process exit status."""
+    # one process per run dir: a second one (a --resume typed while the run lives) would remove the live
+    # run's checkpoint in progress as a stale tmp dir and interleave metrics rows. Rank 0 holds it for all.
+    lock = lock_run_dir(Path(cfg.output_dir)) if int(os.environ.get("RANK", "0")) == 0 else None
+    try:
+        return run_training(cfg, resume=resume, clean=clean, show_progress=show_progress)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     import torch
 
     from scirl import checkpoint as ckpt_lib

@@ -574,3 +574,23 @@ def test_resume_needs_only_the_run_directory_not_the_original_model(letter_model
     shutil.rmtree(model_copy)
     assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "2"], resume=True) == 0
     assert [m["step"] for m in rows(run_dir)] == [1, 2]
+
+
+def test_a_run_dir_in_use_is_refused(tmp_path):
+    """A second `scirl train` on a live run dir (say a --resume typed while it runs) would delete the
+    live run's checkpoint in progress as stale and interleave metrics rows: it is refused."""
+    from scirl.train import RunDirError, TrainError, lock_run_dir, train
+
+    run_dir = tmp_path / "run"
+    held = lock_run_dir(run_dir)  # what a live run holds
+    try:
+        with pytest.raises(RunDirError, match="in use"):
+            train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none")]), resume=True)
+    finally:
+        held.close()
+    from scirl.data import DataSourceError
+
+    with pytest.raises((TrainError, DataSourceError), match="none"):  # free again: the run gets past the lock (to the missing model)
+        train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none"),
+                           "--data.source", str(tmp_path / "none.jsonl")]), show_progress=False)
+    lock_run_dir(run_dir).close()  # and a failed run let go of it
