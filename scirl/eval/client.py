@@ -97,7 +97,6 @@ class ChatClient:
         for http in clients:
             self.idle.put_nowait(http)
         self.server_ignores_n = False  # learned from the first short reply; then we ask one sample per call
-        self.requests = 0
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
@@ -117,7 +116,6 @@ class ChatClient:
         try:
             http = await self.idle.get()
             try:
-                self.requests += 1
                 # httpx's timeout bounds each read, not the request: a server that trickles bytes would
                 # never time out, so the whole request is bounded too
                 response = await asyncio.wait_for(
