@@ -142,7 +142,7 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
                 continue
             try:
                 rows.append((f"{prefix}:{lineno}", json.loads(raw_line.decode("utf-8-sig"))))
-            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, absurdly deep nesting
                 bad_json += 1
                 log.warning("%s:%d: bad JSON line skipped", prefix, lineno)
     return rows, bad_json
@@ -153,7 +153,7 @@ def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
     are really JSON lines, so a file that is not one JSON document is read as JSON lines."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
-    except ValueError:  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
+    except (ValueError, RecursionError):  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
         return read_jsonl(path)
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]

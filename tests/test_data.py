@@ -412,3 +412,11 @@ def test_numbers_where_text_belongs_get_their_own_reason(clean_rows):
         with pytest.raises(data.RowError) as excinfo:
             data.question_from_row({**row, **changes})
         assert excinfo.value.reason == "not_text", changes
+
+
+def test_a_pathologically_nested_line_is_bad_json_not_a_crash(tmp_path, clean_rows):
+    lines = [json.dumps(r) for r in clean_rows[:4]] + ["[" * 100_000 + "]" * 100_000]
+    (tmp_path / "deep.jsonl").write_text("\n".join(lines) + "\n")
+    splits = data.load_splits(str(tmp_path / "deep.jsonl"), eval_per_domain=0)
+    assert splits.skipped.get("bad_json") == 1
+    assert_accounted(splits)
