@@ -367,6 +367,9 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     # ---- data: questions and their prompt token ids ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method, seed=cfg.data.seed)
     questions = splits.split(cfg.data.split)
+    skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
+    skipped_note = (f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
+                    if skipped else "")
     # a resumed run needs only its run dir: the checkpoint holds the tokenizer (and the weights)
     latest = ckpt_lib.latest_checkpoint(run_dir, clean=dist.is_main) if resume else None  # one rank removes stale tmp dirs
     tokenizer = load_tokenizer(str(latest[1]) if latest else cfg.model)
@@ -390,13 +393,13 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     if len(questions) < cfg.questions_per_step:
         raise TrainError(
             f"the {cfg.data.split} split has {len(questions)} usable questions, fewer than the "
-            f"{cfg.questions_per_step} a step needs (batch_size / group_size)"
+            f"{cfg.questions_per_step} a step needs (batch_size / group_size){skipped_note}"
         )
     if cfg.questions_per_step < dist.world_size:
         raise TrainError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
     questions_digest = hashlib.sha256("\n".join(q.id for q in questions).encode()).hexdigest()[:16]
     say(f"Data: {len(questions)} {cfg.data.split} questions from {cfg.data.source}"
-        + (f" ({too_long} too long for seq_len, left out)" if too_long else ""))
+        + (f" ({too_long} too long for seq_len, left out)" if too_long else "") + skipped_note)
 
     # ---- model, optimizer, and where we start ----
     empty_steps, start_step, sampler, model_source, saved = 0, 0, QuestionSampler(len(questions), cfg.seed), cfg.model, None

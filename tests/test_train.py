@@ -594,3 +594,13 @@ def test_a_run_dir_in_use_is_refused(tmp_path):
         train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none"),
                            "--data.source", str(tmp_path / "none.jsonl")]), show_progress=False)
     lock_run_dir(run_dir).close()  # and a failed run let go of it
+
+
+def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, capsys):
+    """Bad rows are skipped by reason; `scirl train` must say so, above all when nothing usable is left."""
+    from scirl.commands.train import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no options, no answer"}\n' * 3)
+    assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 1
+    assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err
