@@ -214,6 +214,16 @@ def test_before_and_after_are_chosen_by_name_else_by_modification_time(tmp_path)
     assert (inputs.before.name, inputs.after.name) == ("eval_base.json", "eval_zzz_newer.json")
 
 
+def test_a_base_evaluation_alone_says_the_after_one_is_missing(tmp_path):
+    """A run in progress has eval_base.json but no eval_final.json yet: the page must say so."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "eval_base.json").write_text(json.dumps(eval_results(dict(zip(DOMAINS, (0.5,) * 4)))))
+    inputs = gather(run)
+    assert inputs.before.name == "eval_base.json" and inputs.after is None
+    assert any("eval_base.json" in n and "no before/after" in n for n in inputs.notes)
+
+
 def test_missing_confidence_intervals_are_computed_from_counts():
     data = eval_results(dict(zip(DOMAINS, (0.5, 0.25, 0.75, 1.0))), n_per_domain=40, with_ci=False)
     table = accuracy_table(Evaluation("eval_x.json", data))

@@ -208,8 +208,9 @@ def gather(run_dir: Path) -> RunInputs:
     run.after = by_name.get(after.name) if after else None
     if not readable:
         notes.append("no eval_*.json: no before/after accuracy")
-    elif run.before is None:
-        notes.append(f"only one evaluation ({run.after.name}): no before/after comparison")
+    elif run.before is None or run.after is None:
+        only = (run.before or run.after).name
+        notes.append(f"only one evaluation ({only}): no before/after comparison")
 
     rollout_dir = run_dir / "rollouts"
     if rollout_dir.is_dir():
