@@ -363,6 +363,8 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     dtype = compute_dtype(cfg.dtype, device)
+    if dist.world_size == 1 and device.type == "cpu" and dtype != torch.float32:
+        log.warning("dtype=%s has no effect in a single CPU process: training and sampling run in float32", cfg.dtype)
 
     # ---- data: questions and their prompt token ids ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method, seed=cfg.data.seed)

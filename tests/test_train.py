@@ -604,3 +604,15 @@ def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, cap
     bad.write_text('{"question": "no options, no answer"}\n' * 3)
     assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 1
     assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err
+
+
+def test_bfloat16_on_one_cpu_process_is_not_silently_ignored(tmp_path, caplog):
+    """A single CPU process trains and samples in float32 whatever --dtype says (no CPU autocast): say so."""
+    from scirl.data import DataSourceError
+    from scirl.train import TrainError, train
+
+    argv = ["--output-dir", str(tmp_path / "run"), "--device", "cpu", "--dtype", "bfloat16",
+            "--data.source", str(tmp_path / "none.jsonl")]
+    with pytest.raises((TrainError, DataSourceError)):  # stops at the missing data, after the device set-up
+        train(load_config(argv), show_progress=False)
+    assert "float32" in caplog.text and "bfloat16" in caplog.text
