@@ -109,7 +109,11 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
     if answer_key not in labels:
         raise RowError("answer_not_in_labels", answer_key)
     details = row.get("details") if isinstance(row.get("details"), dict) else {}
-    prompt = row.get("prompt") if isinstance(row.get("prompt"), dict) else {}
+    prompt = row.get("prompt")
+    if isinstance(prompt, str):  # a prompt given as plain text is the instruction itself
+        prompt = {"default": prompt}
+    if not isinstance(prompt, dict):
+        prompt = {}
     domain = str(row["domain"])
     return Question(
         id=content_id(question, texts, domain),

@@ -420,3 +420,10 @@ def test_a_pathologically_nested_line_is_bad_json_not_a_crash(tmp_path, clean_ro
     splits = data.load_splits(str(tmp_path / "deep.jsonl"), eval_per_domain=0)
     assert splits.skipped.get("bad_json") == 1
     assert_accounted(splits)
+
+
+def test_a_prompt_given_as_plain_text_is_the_rows_instruction(clean_rows):
+    row = dict(next(r for r in clean_rows if r["type"] == "mcq-4-choices"))
+    assert data.question_from_row({**row, "prompt": "Reply with one letter."}).instruction == "Reply with one letter."
+    assert data.question_from_row({**row, "prompt": {"default": "Pick one."}}).instruction == "Pick one."
+    assert data.question_from_row({**row, "prompt": None}).instruction is None
