@@ -114,3 +114,16 @@ def test_demo_refuses_overrides_it_would_misapply_and_leaves_no_output_dir(tmp_p
     assert main(["demo", "--output-dir", str(out), "--max-steps", "zero"]) == 2
     assert "max_steps" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_demo_config_ships_inside_the_package():
+    """A regular (non-editable) install has only what package-data lists: the demo's config must be among it."""
+    import tomllib
+
+    from scirl.demo.run import DEMO_CONFIG, PACKAGE_DIR
+
+    pyproject = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text())
+    shipped = {p.resolve() for pattern in pyproject["tool"]["setuptools"]["package-data"]["scirl"]
+               for p in PACKAGE_DIR.glob(pattern)}
+    assert DEMO_CONFIG.is_file() and DEMO_CONFIG.resolve() in shipped
+    assert DEMO_CONFIG.parent.name == "configs" and DEMO_CONFIG.is_relative_to(PACKAGE_DIR)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 BASE_MODEL_DIR = PACKAGE_DIR / "assets" / "demo-base"
-DEMO_CONFIG = PACKAGE_DIR.parent / "configs" / "demo.toml"
+DEMO_CONFIG = PACKAGE_DIR / "configs" / "demo.toml"  # scirl/configs links to the repo's configs/, so a wheel ships them
 
 
 @dataclass
