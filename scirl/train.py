@@ -426,6 +426,9 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         if dist.is_main:
             dropped = truncate_run(run_dir, start_step)
             say(f"Resuming {run_dir} from step {start_step}" if latest else f"No complete checkpoint in {run_dir}: starting from step 0")
+            for step_n, step_path in ckpt_lib.list_checkpoints(run_dir):
+                if step_n > start_step:  # newer but unusable: the steps after start_step are redone
+                    say(f"Skipped incomplete checkpoint {step_path.name}: {'; '.join(ckpt_lib.verify_checkpoint(step_path))}")
             if dropped:
                 log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
     barrier(dist)

@@ -616,3 +616,16 @@ def test_bfloat16_on_one_cpu_process_is_not_silently_ignored(tmp_path, caplog):
     with pytest.raises((TrainError, DataSourceError)):  # stops at the missing data, after the device set-up
         train(load_config(argv), show_progress=False)
     assert "float32" in caplog.text and "bfloat16" in caplog.text
+
+
+def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp_path, capsys):
+    """Falling back past a broken newer checkpoint loses steps: the resume must say so, not just 'from step 1'."""
+    import shutil
+
+    from scirl.commands.train import main
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    shutil.copytree(run_dir / "weights" / "step_1", run_dir / "weights" / "step_3")  # its manifest says step 1
+    assert main(["--resume", str(run_dir), "--max-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "from step 1" in out and "step_3" in out and "manifest says step 1" in out
