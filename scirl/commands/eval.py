@@ -64,6 +64,10 @@ def _check(args) -> str | None:
         return "--retries must be >= 0"
     if args.limit is not None and args.limit < 1:
         return "--limit must be >= 1"
+    if args.batch_size < 1:
+        return "--batch-size must be >= 1"
+    if args.eval_per_domain < 0:
+        return "--eval-per-domain must be >= 0"
     if args.base_url is None and not (Path(args.model) / "config.json").is_file():
         return f"without --base-url, --model must be a local HF model directory; {args.model} has no config.json"
     return None
