@@ -9,9 +9,9 @@ model (TRL: ``beta=0``), fp32, no gradient checkpointing, micro-batches of 32 wi
 gradient accumulation to one AdamW step.
 
 The scirl side runs the same calls, in the same order, as one step of
-``scirl.train`` (``HFGenerator`` sampling from the module being trained, reward,
-``group_advantages``, ``apply_filters``, ``make_micro_batches``, ``Trainer.train_step``);
-only the run-directory logging is left out. Each framework runs in its own
+``scirl.train`` with its single-process defaults (``load_model``, ``HFGenerator`` sampling
+from the module being trained, ``score_groups``, ``make_shared_prompt_batches``,
+``Trainer.train_step``); only the run-directory logging is left out. Each framework runs in its own
 subprocess, one after the other. The first ``--warmup`` steps are not timed.
 
     pip install trl   # the benchmark's extra dependency; it keeps the installed torch
