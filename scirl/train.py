@@ -39,6 +39,8 @@ import sys
 import time
 from pathlib import Path
 
+from scirl.grpo import FILTER_NAMES
+
 log = logging.getLogger("scirl.train")
 
 RUN_ARTIFACTS = ("metrics.jsonl", "rollouts", "weights", "logs", "config.toml")
@@ -193,7 +195,7 @@ def step_line(m: dict) -> str:
         parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
     else:
         parts.append("no trainable tokens: step skipped")
-    flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in ("gibberish", "repetition", "zero_advantage") if m.get(f"filters/{name}")]
+    flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]
     if flagged:  # a monitoring filter only flags: those rollouts are still trained on
         parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
     parts.append(f"{m['tokens_per_s']:.0f} tok/s")
@@ -214,7 +216,7 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
         m[f"reward/{domain}"] = statistics.fmean(r["reward"] for r in rollouts if r["domain"] == domain)
     m["parse_rate/strict"] = sum(r["parsed_strict"] for r in rollouts) / n
     m["parse_rate/lenient"] = sum(r["parsed_lenient"] for r in rollouts) / n
-    for name in ("gibberish", "repetition", "zero_advantage"):
+    for name in FILTER_NAMES:
         m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
     m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n
     m["trainable/count"] = len(trainable)
@@ -487,7 +489,8 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 t = time.perf_counter()
                 params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                                         max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank))
-                groups = generator.generate([prompts[i] for i in mine], params)
+                with trainer.autocast():  # sample in the dtype the trainer computes in, so the two logprobs agree
+                    groups = generator.generate([prompts[i] for i in mine], params)
                 time_generate = time.perf_counter() - t
 
                 # 3-4. rewards, advantages, filters

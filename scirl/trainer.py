@@ -217,7 +217,7 @@ class Trainer:
             weight_decay=optim_cfg.weight_decay,
         )
 
-    def _autocast(self):
+    def autocast(self):
         # FSDP2's MixedPrecisionPolicy already casts; a single GPU process autocasts instead.
         if self.dist.world_size == 1 and self.device.type == "cuda" and self.dtype != torch.float32:
             return torch.autocast("cuda", dtype=self.dtype)
@@ -238,7 +238,7 @@ class Trainer:
         starts = mb.loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
         first = max(int(starts.min()), 1)
         length = mb.input_ids.shape[1]
-        with self._autocast():
+        with self.autocast():
             # logits of positions first-1 .. L-1; position t predicts token t+1
             logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
                                 logits_to_keep=length - first + 1).logits
@@ -255,7 +255,7 @@ class Trainer:
         except TypeError:  # transformers < 4.56
             cache = DynamicCache()
         prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
-        with self._autocast():
+        with self.autocast():
             out = self.model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
                              use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
             cache.batch_select_indices(mb.rows)
@@ -361,7 +361,8 @@ class Trainer:
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state, keyed by parameter name so it survives a change of sharding.
-        Under FSDP every rank must call this; the full state comes back on every rank (on CPU)."""
+        Under FSDP every rank must call this; the full state comes back on rank 0 only (on CPU),
+        which is the rank that writes checkpoints."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
