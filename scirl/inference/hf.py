@@ -10,6 +10,11 @@ One call generates ``n`` completions for each of several token-id prompts:
    is dropped from the batch (cache, mask and positions), so finished rows cost
    nothing, and the loop ends when every row is done or ``max_tokens`` is hit.
 
+For plain full-attention models the decode steps keep each prompt's K/V ONCE
+per group (``SharedPrefixCache``) instead of n copies: decode attention is
+memory-bound, and the repeated prompt was most of what it read
+(``shared_prefix_attention`` merges the prompt and completion parts exactly).
+
 Logprobs are those of the sampling distribution (``log_softmax(logits / T)``
 after top-p, renormalised), the quantity vLLM returns with
 ``logprobs_mode="processed_logprobs"``; this is what makes the trainer's
@@ -104,7 +109,8 @@ class HFGenerator(Generator):
     ``max_batch_size`` bounds the number of sequences decoded together and
     ``max_batch_tokens`` the KV-cache size of a batch (rows x (padded prompt +
     max_tokens)); a group is only split across batches when it alone exceeds
-    these bounds.
+    these bounds. ``shared_prefix_attention=False`` decodes from n copies of
+    each prompt's K/V (the reference path) even where the shared one applies.
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class HFGenerator(Generator):
         max_batch_size: int = 128,
         max_batch_tokens: int | None = 131072,
         strict_update: bool = False,
+        shared_prefix_attention: bool = True,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -126,6 +133,7 @@ class HFGenerator(Generator):
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.strict_update = strict_update
+        self.shared_prefix_attention = shared_prefix_attention
 
         if isinstance(model_dir_or_module, torch.nn.Module):
             self.model = model_dir_or_module
@@ -255,6 +263,40 @@ class HFGenerator(Generator):
         )
         return out.logits[:, -1, :].float()
 
+    def _forward_shared_prefix(self, input_ids, position_ids, cache):
+        """One decode step through ``shared_prefix_attention``; the model's own attention setting is restored after."""
+        config = self.model.config
+        previous = config._attn_implementation
+        config._attn_implementation = SHARED_PREFIX_ATTENTION  # no mask is built for it: the cache knows the padding
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=1,
+                shared_prefix_cache=cache,  # reaches the attention function through the model's **kwargs
+                **{self.cache_kwarg: cache},
+            )
+        finally:
+            config._attn_implementation = previous
+        return out.logits[:, -1, :].float()
+
+    def _can_share_prefix(self) -> bool:
+        """Only models whose every layer is plain softmax attention through transformers' AttentionInterface."""
+        if not self.shared_prefix_attention or preallocated_layer_class() is None:
+            return False
+        config = self.model.config
+        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
+        return (
+            register_shared_prefix_attention()
+            and getattr(self.model, "_supports_attention_backend", False)
+            and set(layer_types) == {"full_attention"}
+            and not getattr(text_config, "use_sliding_window", False)
+            and getattr(text_config, "attn_logit_softcapping", None) is None
+            and config._attn_implementation in ("sdpa", "eager")
+        )
+
     def _new_cache(self, capacity: int):
         """A KV cache preallocated for ``capacity`` positions when the model is plain full attention.
 
@@ -290,12 +332,17 @@ class HFGenerator(Generator):
         # positions count real tokens only, so a left-padded prompt sees the same positions as unpadded
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        cache = self._new_cache(longest + params.max_tokens)
+        share_prefix = self._can_share_prefix()
+        cache = self._new_cache(longest + (0 if share_prefix else params.max_tokens))
         logits = self._forward(input_ids, attention_mask, position_ids, cache)
 
         # Share the prefill: row r of the decode batch continues prompt expand[r].
         expand = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
-        cache.batch_select_indices(expand)
+        if share_prefix:
+            cache = SharedPrefixCache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
+                                      attention_mask.bool(), counts, params.max_tokens)
+        else:
+            cache.batch_select_indices(expand)
         logits, attention_mask = logits[expand], attention_mask[expand]
         next_position = position_ids[expand, -1] + 1
 
@@ -325,8 +372,11 @@ class HFGenerator(Generator):
                 cache.batch_select_indices(keep)
             if t == max_tokens - 1:
                 break
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=1)
-            logits = self._forward(token[:, None], attention_mask, next_position[:, None], cache)
+            if share_prefix:
+                logits = self._forward_shared_prefix(token[:, None], next_position[:, None], cache)
+            else:
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=1)
+                logits = self._forward(token[:, None], attention_mask, next_position[:, None], cache)
             next_position = next_position + 1
 
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
@@ -402,6 +452,124 @@ def preallocated_layer_class():
                 self._expose()
 
     return PreallocatedLayer
+
+
+SHARED_PREFIX_ATTENTION = "scirl_shared_prefix"
+
+
+@functools.cache
+def register_shared_prefix_attention() -> bool:
+    """Make ``shared_prefix_attention`` selectable by name; False if this transformers has no AttentionInterface."""
+    try:
+        from transformers import AttentionInterface
+    except ImportError:
+        return False
+    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
+    return True
+
+
+class SharedPrefixCache:
+    """Decode-time KV cache: each group's prompt K/V once, each row's completion K/V on its own.
+
+    Prompt part, per layer: keys/values [groups, kv_heads, P, d] from the prefill
+    and ``prompt_bias`` [groups, 1, 1, P] (0 for real tokens, -inf for left padding).
+    Completion part, per layer: a preallocated [rows, kv_heads, max_tokens, d]
+    buffer; every live row has written the same number of tokens, so that part
+    needs no mask. ``slot`` places each live row in a [groups x slots_per_group]
+    grid (group j's k-th row at j * slots_per_group + k): attention gathers the
+    queries of a group there to read its prompt K/V once for all of them.
+    """
+
+    def __init__(self, prompt_keys, prompt_values, prompt_mask, counts: list[int], max_tokens: int):
+        import torch
+
+        real = prompt_mask[:, None, :, None]
+        # zero the padding's K/V so the -inf bias alone decides, whatever the pad positions computed
+        self.prompt_keys = [k.masked_fill(~real, 0) for k in prompt_keys]
+        self.prompt_values = [v.masked_fill(~real, 0) for v in prompt_values]
+        self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=torch.float32, device=prompt_mask.device)
+        self.prompt_bias = self.prompt_bias.masked_fill(~prompt_mask, float("-inf"))[:, None, None, :]
+        self.groups, self.slots_per_group = len(counts), max(counts)
+        self.slot = torch.cat([torch.arange(k) + j * self.slots_per_group for j, k in enumerate(counts)]).to(prompt_mask.device)
+        rows = sum(counts)
+        self.keys = [k.new_empty((rows, k.shape[1], max_tokens, k.shape[3])) for k in prompt_keys]
+        self.values = [v.new_empty((rows, v.shape[1], max_tokens, v.shape[3])) for v in prompt_values]
+        self.lengths = [0] * len(prompt_keys)  # completion tokens written, per layer
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Append one decode step's K/V; return the completion K/V written so far (the prompt part stays here)."""
+        end = self.lengths[layer_idx] + key_states.shape[2]
+        if end > self.keys[layer_idx].shape[2]:
+            raise RuntimeError(f"KV cache capacity {self.keys[layer_idx].shape[2]} exceeded")
+        self.keys[layer_idx][:, :, self.lengths[layer_idx] : end] = key_states
+        self.values[layer_idx][:, :, self.lengths[layer_idx] : end] = value_states
+        self.lengths[layer_idx] = end
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prompt_keys[layer_idx].shape[2] + self.lengths[layer_idx]
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep only rows ``indices`` (finished rows leave); the prompt part is per group and stays."""
+        self.keys = [k[indices] for k in self.keys]
+        self.values = [v[indices] for v in self.values]
+        self.slot = self.slot[indices]
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, shared_prefix_cache=None, **kwargs):
+    """Decode attention over (shared prompt, own completion), merged exactly by log-sum-exp.
+
+    ``query`` [rows, heads, 1, d]; ``key``/``value`` are the rows' completion K/V
+    [rows, kv_heads, T, d] returned by ``SharedPrefixCache.update``. With m the
+    max score and l the sum of exp(score - m) of each part, softmax attention
+    over both is (o_p * e^(m_p-m) + o_c * e^(m_c-m)) / (l_p * e^(m_p-m) + l_c * e^(m_c-m)),
+    m = max(m_p, m_c), where o is the unnormalised exp-weighted sum of the part's values.
+    """
+    import torch
+
+    cache = shared_prefix_cache
+    if cache is None:  # a forward that is not one of our decode steps: plain attention
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    rows, heads, q_len, dim = query.shape
+    if q_len != 1 or kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
+        raise ValueError("shared_prefix_attention handles one-token decode steps of plain full attention only")
+    layer = module.layer_idx
+    kv_heads = key.shape[1]
+    per_kv = heads // kv_heads  # GQA: query head h uses kv head h // per_kv (transformers' repeat_kv order)
+    scale = scaling if scaling is not None else dim**-0.5
+    q = query.reshape(rows, kv_heads, per_kv, dim) * scale
+
+    # prompt part: put each group's queries side by side so its prompt K/V is read once for all of them
+    groups, slots = cache.groups, cache.slots_per_group
+    grid = q.new_zeros((groups * slots, kv_heads, per_kv, dim))
+    grid[cache.slot] = q
+    grid = grid.view(groups, slots, kv_heads, per_kv, dim).transpose(1, 2).reshape(groups, kv_heads, slots * per_kv, dim)
+    scores = (grid @ cache.prompt_keys[layer].transpose(-1, -2)).float() + cache.prompt_bias
+    max_p = scores.amax(-1, keepdim=True)
+    weights = (scores - max_p).exp()
+    sum_p = weights.sum(-1, keepdim=True)
+    out_p = (weights.to(value.dtype) @ cache.prompt_values[layer]).float()
+
+    def to_rows(t):  # [groups, kv_heads, slots * per_kv, x] -> [rows, kv_heads, per_kv, x]
+        t = t.view(groups, kv_heads, slots, per_kv, -1).transpose(1, 2).reshape(groups * slots, kv_heads, per_kv, -1)
+        return t[cache.slot]
+
+    max_p, sum_p, out_p = to_rows(max_p), to_rows(sum_p), to_rows(out_p)
+
+    # completion part: each row's own tokens, all of them visible
+    scores = (q @ key.transpose(-1, -2)).float()
+    max_c = scores.amax(-1, keepdim=True)
+    weights = (scores - max_c).exp()
+    sum_c = weights.sum(-1, keepdim=True)
+    out_c = (weights.to(value.dtype) @ value).float()
+
+    both = torch.maximum(max_p, max_c)
+    scale_p, scale_c = (max_p - both).exp(), (max_c - both).exp()
+    out = (out_p * scale_p + out_c * scale_c) / (sum_p * scale_p + sum_c * scale_c)
+    # [rows, 1, heads, d], the layout transformers' attention functions return
+    return out.to(query.dtype).reshape(rows, 1, heads, dim), None
 
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
