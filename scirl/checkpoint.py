@@ -311,10 +311,12 @@ def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = T
     return None
 
 
-def load_trainer_state(path: str | Path) -> dict[str, Any]:
+def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
     """{"step", "data_position", "rng", "extra", "optimizer"} of a checkpoint (optimizer None if not saved).
 
-    Restore the RNG with ``restore_rng_state(state["rng"])``.
+    Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
+    file (the checkpoint's biggest by far; "optimizer" is then None): under FSDP only rank 0 reads it
+    and broadcasts it while loading.
     """
     import torch
 
@@ -323,7 +325,7 @@ def load_trainer_state(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no trainer state in {path} (expected {TRAINER_STATE}/state.pt)")
     state = torch.load(trainer_dir / "state.pt", weights_only=True)
     optimizer_path = trainer_dir / "optimizer.pt"
-    state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer_path.is_file() else None
+    state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
     return state
 
 

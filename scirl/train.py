@@ -411,7 +411,9 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         if latest is not None:
             start_step, path = latest
             model_source = str(path)
-            saved = ckpt_lib.load_trainer_state(path)
+            # every rank needs the small state (step, RNG, data position); only rank 0 reads the optimizer
+            # state, which the trainer broadcasts shard by shard (8 ranks each reading it: 8 full copies in RAM)
+            saved = ckpt_lib.load_trainer_state(path, optimizer=dist.is_main)
             position = saved["data_position"]
             if position["n_questions"] != len(questions):
                 raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "

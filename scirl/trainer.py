@@ -368,7 +368,17 @@ class Trainer:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_optimizer_state_dict(self.model, self.optimizer, options=options)
 
-    def load_optimizer_state_dict(self, state: dict) -> None:
+    def load_optimizer_state_dict(self, state: dict | None) -> None:
+        """Load a full optimizer state (as ``optimizer_state_dict`` returns it). Under FSDP every rank
+        must call this, but only rank 0 needs ``state``: it broadcasts each tensor and every rank keeps
+        its own shard, so the full state (AdamW: 8 bytes per parameter, ~64 GB for an 8B model) is held
+        by one process instead of one per rank. The other ranks pass None."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
+        if self.dist.world_size == 1:
+            options = StateDictOptions(full_state_dict=True)
+        else:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            if not self.dist.is_main:
+                state = {}  # torch reads only rank 0's dict; the others receive the param groups and tensors
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)

@@ -351,6 +351,52 @@ def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
 
 
+def torchrun_train(argv: list[str]) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "scirl.train", *argv], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir, data_file, tmp_path):
+    """A 2-rank resume (rank 0 reads the optimizer state and broadcasts it, each rank keeps its shard)
+    goes on exactly as the uninterrupted 2-rank run: same metrics rows, same final weights."""
+    import shutil
+
+    reference = tmp_path / "reference"
+    torchrun_train(train_args(letter_model_dir, data_file, reference, max_steps=3))  # checkpoints 2 and 3
+    # the run as if stopped after checkpoint 2: a run with --max-steps 2 writes exactly that checkpoint
+    run_dir = tmp_path / "stopped"
+    shutil.copytree(reference, run_dir)
+    shutil.rmtree(run_dir / "weights" / "step_3")
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]  # the resume must drop row 3 and redo it
+    torchrun_train(["--resume", str(run_dir)])
+
+    expected, got = rows(reference), rows(run_dir)
+    assert [m["step"] for m in got] == [1, 2, 3]
+    for want, have in zip(expected, got):
+        for key in EXACT_KEYS:
+            assert have.get(key) == want.get(key), (want["step"], key)
+    w_ref, w_got = final_weights(reference, 3), final_weights(run_dir, 3)
+    assert w_ref.keys() == w_got.keys()
+    for name in w_ref:
+        assert torch.equal(w_ref[name], w_got[name]), name
+    # and the optimizer state it saved after the resumed step is the uninterrupted run's
+    from scirl.checkpoint import load_trainer_state
+
+    small = load_trainer_state(reference / "weights" / "step_2", optimizer=False)  # what ranks > 0 read
+    full = load_trainer_state(reference / "weights" / "step_2")
+    assert small["optimizer"] is None and full["optimizer"] is not None
+    assert small["step"] == full["step"] == 2 and small["data_position"] == full["data_position"]
+    opt_ref = load_trainer_state(reference / "weights" / "step_3")["optimizer"]
+    opt_got = load_trainer_state(run_dir / "weights" / "step_3")["optimizer"]
+    assert opt_ref["state"].keys() == opt_got["state"].keys()
+    for name in opt_ref["state"]:
+        for key, value in opt_ref["state"][name].items():
+            assert torch.equal(value, opt_got["state"][name][key]), (name, key)
+
+
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
     """The completion-only LM head gives the same logprobs as a full forward + log_softmax / T."""
     from scirl.config import TrainConfig
