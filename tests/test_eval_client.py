@@ -23,6 +23,7 @@ from scirl.prompt import user_text
 from scirl.synthetic import generate_rows, write_jsonl
 
 FAULTS = ("500", "429", "hang", "bad_json", "no_choices", "short")
+FAST = 0.4  # a timeout well under FakeServer's 1.5 s hang
 
 
 def rule_reply(q) -> str:
@@ -132,7 +133,9 @@ def expected_accuracy(questions) -> float:
 
 
 def config(url, **kw) -> ClientConfig:
-    base = dict(base_url=url, model="fake", timeout=0.4, retries=12, concurrency=8, backoff_base=0.01, backoff_max=0.05)
+    """Client settings for these tests. The default timeout is generous so that a loaded machine never turns a
+    healthy reply into a retry (tests count requests exactly); tests of hanging servers pass ``timeout=FAST``."""
+    base = dict(base_url=url, model="fake", timeout=30.0, retries=12, concurrency=8, backoff_base=0.01, backoff_max=0.05)
     return ClientConfig(**{**base, **kw})
 
 
@@ -144,7 +147,7 @@ def test_faulty_server_gives_every_answer_and_the_clean_accuracy(splits):
         clean_results = evaluate_server(questions, config(srv.url), progress=False)
     faulty = FakeServer(questions, faults=0.4, seed=7)
     with running(faulty.app()) as srv:
-        faulty_results = evaluate_server(questions, config(srv.url), progress=False)
+        faulty_results = evaluate_server(questions, config(srv.url, timeout=FAST), progress=False)
     # the faults really happened, each kind of them
     assert {"500", "429", "hang", "bad_json", "no_choices"} <= set(faulty.injected)
     assert sum(faulty.requests.values()) > len(questions)
@@ -161,7 +164,7 @@ def test_question_failing_after_all_retries_is_reported_and_filled_in_by_a_rerun
     out = tmp_path / "eval.json"
     broken = FakeServer(questions, faults=1.0, seed=1)  # every request fails
     with running(broken.app()) as srv:
-        results = evaluate_server(questions, config(srv.url, retries=2), out=out, progress=False)
+        results = evaluate_server(questions, config(srv.url, retries=2, timeout=FAST), out=out, progress=False)
     assert results["counts"] == {**results["counts"], "answered": 0, "failed": 12}
     assert {f["id"] for f in results["failed"]} == {q.id for q in questions}
     assert all("attempts" in f["error"] for f in results["failed"])
@@ -293,7 +296,7 @@ def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(sp
 
     questions = splits.split("eval")[:1]
     with running(app) as srv:
-        results = evaluate_server(questions, config(srv.url, retries=1), progress=False)
+        results = evaluate_server(questions, config(srv.url, retries=1, timeout=FAST), progress=False)
     assert results["counts"]["answered"] == 0 and requests["chat"] == 2
     assert "timed out" in results["failed"][0]["error"]
 
