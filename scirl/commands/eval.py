@@ -93,7 +93,7 @@ def run_eval(argv: list[str]) -> int:
 
     from scirl.data import DataSourceError, load_splits
     from scirl.eval.display import print_summary
-    from scirl.eval.results import SettingsMismatch
+    from scirl.eval.results import BadRecordsFile, SettingsMismatch
 
     try:
         splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed)
@@ -150,7 +150,7 @@ def run_eval(argv: list[str]) -> int:
                 )
             finally:
                 generator.close()
-    except SettingsMismatch as e:
+    except (SettingsMismatch, BadRecordsFile) as e:  # the records file at --out cannot be resumed
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -286,7 +286,8 @@ def evaluate_server(
 
     check_unique_ids(questions)
     settings = settings if settings is not None else server_settings(cfg)
-    records = RecordsFile(records_path(out), settings, overwrite=overwrite, background=True) if out else None
+    records = (RecordsFile(records_path(out), settings, overwrite=overwrite, background=True,
+                           expected_ids=[q.id for q in questions]) if out else None)
     try:
         done = records.answered if records else {}
         todo = [q for q in questions if q.id not in done]

@@ -47,7 +47,8 @@ def evaluate_generator(
     resolved.update(n_samples=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
     params = SamplingParams(n=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
-    records = RecordsFile(records_path(out), resolved, overwrite=overwrite) if out else None
+    ids = [q.id for q in questions]
+    records = RecordsFile(records_path(out), resolved, overwrite=overwrite, expected_ids=ids) if out else None
     answered: dict[str, dict[str, Any]] = dict(records.answered) if records else {}
     todo = [q for q in questions if q.id not in answered]
     if progress and records and len(todo) < len(questions):

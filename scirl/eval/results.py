@@ -37,7 +37,15 @@ Records file (``F.records.jsonl`` next to ``F.json``): a header line
 ``{"scirl_eval_records": 1, "settings": {...}}``, then one line per answered question,
 ``{"id", "replies", "finish_reasons"}``, each flushed and fsync'd as it arrives. Replies are
 stored raw and scored when the results are built, so a rerun scores old and new answers alike.
-A half-written last line (the process was killed mid-write) is dropped on reopen.
+
+Reopening never rewrites what is there. A damaged line (not JSON, not a record, a missing or
+mistyped field, the wrong number of replies, an id outside the eval set, a repeated id) is
+skipped, counted by reason in one warning, and stays in the file; its question is asked again
+and the new answer is appended after it. Readers keep the first intact record per id, so a
+file appended to this way still yields one record per question. A half-written last line (a
+kill mid-write) is copied to ``F.records.jsonl.damaged``, then cut off so the next append
+starts a fresh line. A missing or garbled header is refused (``BadRecordsFile``): without it
+the answers cannot be matched to settings.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import sys
 import threading
 from pathlib import Path
 from typing import Any, Iterable
@@ -60,6 +69,10 @@ class SettingsMismatch(ValueError):
     pass
 
 
+class BadRecordsFile(ValueError):
+    """The records file has no readable header, so its answers cannot be matched to any settings."""
+
+
 def records_path(out: str | Path) -> Path:
     """``F.json`` -> ``F.records.jsonl`` (any other name gets ``.records.jsonl`` appended)."""
     out = Path(out)
@@ -73,6 +86,9 @@ class RecordsFile:
 
     Opening an existing file checks its settings against ``settings`` (the keys in
     ``ANSWER_SETTINGS``) and loads the answered ids; ``overwrite`` starts afresh.
+    ``expected_ids`` (the questions of this evaluation) lets records of other
+    questions be counted as skipped. Damaged lines are skipped and counted by
+    reason in ``skipped`` ({reason: [line numbers]}) and in one warning on stderr.
 
     With ``background=True`` a writer thread does the writing: an fsync costs
     milliseconds, and an event loop that waited for one per answer would stall
@@ -81,50 +97,97 @@ class RecordsFile:
     after it arrives.
     """
 
-    def __init__(self, path: str | Path, settings: dict[str, Any], overwrite: bool = False, background: bool = False):
+    def __init__(
+        self,
+        path: str | Path,
+        settings: dict[str, Any],
+        overwrite: bool = False,
+        background: bool = False,
+        expected_ids: Iterable[str] | None = None,
+    ):
         self.path = Path(path)
         self.answered: dict[str, dict[str, Any]] = {}
+        self.skipped: dict[str, list[int]] = {}
+        self.warning: str | None = None
+        self.torn_saved_to: Path | None = None  # the side file that got a cut-short last line
         self._queue: queue.SimpleQueue | None = None
         self._writer_error: BaseException | None = None
         if overwrite and self.path.exists():
             self.path.unlink()
-        if self.path.exists() and self.path.stat().st_size > 0:
-            self._load(settings)
+        if self.path.exists() and self.path.stat().st_size > 0 and self._load(settings, expected_ids):
             self._file = self.path.open("a", encoding="utf-8")
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._file = self.path.open("w", encoding="utf-8")
             self._write_line({"scirl_eval_records": FORMAT_VERSION, "settings": settings})
+        if self.skipped:
+            self.warning = self._skipped_message()
+            print(f"warning: {self.warning}", file=sys.stderr)
         if background:
             self._queue = queue.SimpleQueue()
             self._thread = threading.Thread(target=self._writer, name="records-writer", daemon=True)
             self._thread.start()
 
-    def _load(self, settings: dict[str, Any]) -> None:
+    def _load(self, settings: dict[str, Any], expected_ids: Iterable[str] | None) -> bool:
+        """Read the answers back; False when the file holds no header yet (start it afresh)."""
         data = self.path.read_bytes()
-        # Everything after the last newline is a line cut short by a kill: drop it,
-        # or the next append would glue onto it.
-        complete = data[: data.rfind(b"\n") + 1]
-        if len(complete) != len(data):
+        # Split on b"\n" only: str.splitlines() would also split inside a reply holding U+2028 or
+        # U+0085, which json.dumps(ensure_ascii=False) writes unescaped.
+        cut = data.rfind(b"\n") + 1
+        lines = data[:cut].split(b"\n")[:-1]
+        tail = data[cut:]
+        torn = bool(tail.strip()) and _parse_json(tail) is NOT_JSON
+        if tail.strip() and not torn:
+            lines.append(tail)  # a whole line that lost its final newline (editors do that): keep it
+        numbered = [(number, line) for number, line in enumerate(lines, start=1) if line.strip()]
+        if numbered:  # refuse before touching the file
+            raise_on_mismatch(self.path, parse_header(self.path, numbered[0][1]), settings)
+        if torn:
+            # A line cut short by a kill (or a file cut mid-line): keep its bytes in a side file,
+            # then cut it off, or the next append would glue onto it and damage that line too.
+            side = self.path.with_name(self.path.name + ".damaged")
+            with side.open("ab") as f:
+                f.write(tail + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
             with self.path.open("r+b") as f:
-                f.truncate(len(complete))
-        lines = complete.decode("utf-8").splitlines()
-        if not lines:  # only a cut-short header: nothing was answered
-            with self.path.open("w", encoding="utf-8") as f:
-                f.write(json.dumps({"scirl_eval_records": FORMAT_VERSION, "settings": settings}) + "\n")
-            return
-        try:
-            header = json.loads(lines[0])
-            old = header["settings"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{self.path} is not a scirl eval records file (bad first line); use another --out") from None
-        raise_on_mismatch(self.path, old, settings)
-        for number, line in enumerate(lines[1:], start=2):
-            try:
-                entry = json.loads(line)
+                f.truncate(cut)
+            self.skipped["cut short at the end"] = [len(lines) + 1]
+            self.torn_saved_to = side
+        elif tail:
+            with self.path.open("ab") as f:
+                f.write(b"\n")
+        if not numbered:  # blank, or only a cut-short header: nothing was answered
+            return False
+        n_samples = settings.get("n_samples") if type(settings.get("n_samples")) is int else None
+        expected = set(expected_ids) if expected_ids is not None else None
+        for number, line in numbered[1:]:
+            # Damaged lines stay where they are; the question's new answer is appended later and
+            # this first-intact-wins read picks it. Simpler than an atomic rewrite into a side file,
+            # and it cannot lose an answer: the file only grows, and the user can still fix a line.
+            entry = _parse_json(line)
+            reason = "not JSON" if entry is NOT_JSON else record_problem(entry, n_samples)
+            if reason is None and expected is not None and entry["id"] not in expected:
+                reason = "id not in this eval set"
+            if reason is None and entry["id"] in self.answered:
+                reason = "duplicate id"
+            if reason is None:
                 self.answered[entry["id"]] = entry
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{self.path}:{number} is corrupt; fix or delete that line, or use --overwrite") from None
+            else:
+                self.skipped.setdefault(reason, []).append(number)
+        return True
+
+    def _skipped_message(self) -> str:
+        count = sum(len(numbers) for numbers in self.skipped.values())
+        reasons = []
+        for reason, numbers in self.skipped.items():
+            where = ", ".join(str(n) for n in numbers[:3]) + (", ..." if len(numbers) > 3 else "")
+            saved = f", saved to {self.torn_saved_to.name}" if reason == "cut short at the end" and self.torn_saved_to else ""
+            reasons.append(f"{len(numbers)} {reason}: line{'s' if len(numbers) > 1 else ''} {where}{saved}")
+        return (
+            f"records file {self.path}: kept {len(self.answered)}, skipped {count} damaged line{'s' if count != 1 else ''} "
+            f"({'; '.join(reasons)}); questions without an intact record will be asked again"
+        )
 
     def _write_line(self, obj: dict[str, Any]) -> None:
         self._file.write(json.dumps(obj, ensure_ascii=False) + "\n")
@@ -184,14 +247,69 @@ def raise_on_mismatch(path: Path, old: dict[str, Any], new: dict[str, Any]) -> N
 
 
 def check_resumable(out: str | Path, settings: dict[str, Any]) -> None:
-    """Raise SettingsMismatch now if ``out``'s records file was made with other settings (before a model loads)."""
+    """Raise now (before a model loads) if ``out``'s records file was made with other settings
+    (SettingsMismatch) or has a garbled header (BadRecordsFile)."""
     path = records_path(out)
     try:
-        with path.open(encoding="utf-8") as f:
-            old = json.loads(f.readline())["settings"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        with path.open("rb") as f:
+            first = next((line for line in f if line.strip()), None)
+    except OSError:
         return  # absent or unreadable: RecordsFile decides
-    raise_on_mismatch(path, old, settings)
+    if first is None or (not first.endswith(b"\n") and _parse_json(first) is NOT_JSON):
+        return  # empty, or only a header cut short by a kill: RecordsFile starts afresh
+    raise_on_mismatch(path, parse_header(path, first), settings)
+
+
+NOT_JSON = object()  # not None: a line may hold JSON null
+
+
+def _parse_json(line: bytes) -> Any:
+    """The JSON value of one line, or NOT_JSON when it is not UTF-8 JSON."""
+    try:
+        return json.loads(line.decode("utf-8"))
+    # UnicodeDecodeError and JSONDecodeError are ValueErrors; deep nesting raises RecursionError
+    except (ValueError, RecursionError):
+        return NOT_JSON
+
+
+def parse_header(path: Path, line: bytes) -> dict[str, Any]:
+    """The settings in a records file's first line; BadRecordsFile naming the file when it is not a header."""
+    advice = "Use another --out, or --overwrite to discard its answers and start afresh."
+    header = _parse_json(line)
+    if isinstance(header, dict) and "scirl_eval_records" in header and isinstance(header.get("settings"), dict):
+        if header["scirl_eval_records"] != FORMAT_VERSION:
+            raise BadRecordsFile(f"{path} is records format {header['scirl_eval_records']!r}; this scirl reads "
+                                 f"format {FORMAT_VERSION}. {advice}")
+        return header["settings"]
+    if isinstance(header, dict) and "id" in header:
+        problem = "has no header line (its first line is an answer), so the settings its answers were made with are unknown"
+    else:
+        problem = "does not start with a scirl eval records header (its first line is garbled)"
+    raise BadRecordsFile(f"{path} {problem}. {advice}")
+
+
+def record_problem(entry: Any, n_samples: int | None) -> str | None:
+    """Why one parsed line is not a usable answer record (a short reason), or None when it is."""
+    if not isinstance(entry, dict):
+        return "not a record object"
+    if "scirl_eval_records" in entry:
+        return "extra header line"
+    for field in ("id", "replies"):
+        if field not in entry:
+            return f"missing field {field!r}"
+    if not isinstance(entry["id"], str) or not entry["id"]:
+        return "bad field 'id'"
+    replies = entry["replies"]
+    if not isinstance(replies, list) or not all(isinstance(r, str) for r in replies):
+        return "bad field 'replies'"
+    if n_samples is not None and len(replies) != n_samples:
+        return "wrong number of replies"
+    finish = entry.get("finish_reasons")
+    if finish is not None and not (
+        isinstance(finish, list) and len(finish) == len(replies) and all(f is None or isinstance(f, str) for f in finish)
+    ):
+        return "bad field 'finish_reasons'"
+    return None
 
 
 def score_record(q: Question, replies: list[str], finish_reasons: list[str | None] | None = None) -> dict[str, Any]:
