@@ -21,6 +21,7 @@ subprocess, one after the other. The first ``--warmup`` steps are not timed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -50,25 +51,26 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
 
     from scirl.config import TrainConfig
     from scirl.inference.base import SamplingParams, encode_messages
-    from scirl.inference.hf import HFGenerator
+    from scirl.host_memory import keep_freed_memory
     from scirl.prompt import build_messages, render_prompt
-    from scirl.train import generation_seed, load_tokenizer, score_groups
+    from scirl.train import generation_seed, load_tokenizer, make_generator, score_groups
     from scirl.trainer import (Dist, Trainer, compute_dtype, load_model, make_micro_batches,
                                make_shared_prompt_batches)
 
     # scirl train's defaults, with the benchmark's shapes; the zero-advantage filter only monitors
     # (a random model scores ~0 everywhere: train on every rollout, as TRL does)
     cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
-                      micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device="cpu",
+                      micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device="cpu", dtype=args.dtype,
                       reward={"mode": "lenient"}, optim={"lr": args.lr},
                       filters={"zero_advantage": {"enforce": False}})
     # the setup scirl.train makes for a single process
     dist, device = Dist(), torch.device("cpu")
     dtype = compute_dtype(cfg.dtype, device)
+    keep_freed_memory()
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
-    generator = HFGenerator(model, tokenizer=tokenizer)  # samples from the module it trains, as scirl train does
+    generator, shares_module = make_generator(model, cfg.model, tokenizer, dist, device, dtype)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     build = make_shared_prompt_batches if cfg.share_prompts and dist.world_size == 1 else make_micro_batches
     prompts = [encode_messages(tokenizer, build_messages(q)) for q in questions]
@@ -80,10 +82,13 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
         params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank),
                                 min_tokens=args.tokens)  # the benchmark's only addition: fixed-length completions
-        groups = generator.generate(prompts, params)
+        with trainer.autocast() if shares_module else contextlib.nullcontext():
+            groups = generator.generate(prompts, params)
         t1, cpu1 = time.perf_counter(), time.process_time()
         rollouts, samples = score_groups(step, questions, prompts, prompt_texts, groups, cfg, model.config.vocab_size)
         stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
+        if not shares_module:
+            generator.update_weights(trainer.full_state_dict(device=device, dtype=dtype).items())
         t2, cpu2 = time.perf_counter(), time.process_time()
         tokens = sum(r["num_tokens"] for r in rollouts)
         assert stats["stepped"] and len(samples) == args.questions * args.group
@@ -127,7 +132,7 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
         max_grad_norm=1.0,
         max_steps=args.steps,
         gradient_checkpointing=False,
-        bf16=False,
+        bf16=args.dtype == "bfloat16",  # autocast, fp32 master weights, as scirl's dtype=bfloat16
         use_cpu=True,
         logging_steps=1,
         save_strategy="no",
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="compute dtype of both frameworks (bfloat16: autocast over float32 master weights)")
     parser.add_argument("--work", default=None, help="directory for the model and TRL's output (default: a temp dir)")
     parser.add_argument("--only", choices=["scirl", "trl"], help="run one framework in this process (used internally)")
     parser.add_argument("--json", default=None, help="write the figures to this file")
@@ -223,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, list] = {"scirl": [], "trl": []}
         settings = ["--steps", args.steps, "--threads", args.threads, "--questions", args.questions, "--group", args.group,
                     "--tokens", args.tokens, "--micro-batch", args.micro_batch, "--hidden", args.hidden,
-                    "--layers", args.layers, "--lr", args.lr, "--work", args.work]
+                    "--layers", args.layers, "--lr", args.lr, "--dtype", args.dtype, "--work", args.work]
         # alternate the frameworks so a change in the machine's load hits both alike
         for _ in range(args.rounds):
             for framework in ("scirl", "trl"):

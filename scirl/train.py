@@ -26,6 +26,7 @@ in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -40,6 +41,7 @@ import time
 from pathlib import Path
 
 from scirl.grpo import FILTER_NAMES
+from scirl.host_memory import keep_freed_memory
 
 log = logging.getLogger("scirl.train")
 
@@ -365,8 +367,8 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
     dtype = compute_dtype(cfg.dtype, device)
-    if dist.world_size == 1 and device.type == "cpu" and dtype != torch.float32:
-        log.warning("dtype=%s has no effect in a single CPU process: training and sampling run in float32", cfg.dtype)
+    if device.type == "cpu":
+        keep_freed_memory()
 
     # ---- data: questions and their prompt token ids ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method, seed=cfg.data.seed)
@@ -447,10 +449,7 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         ckpt_lib.restore_rng_state(saved["rng"])
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
-    if dist.world_size == 1:
-        generator = HFGenerator(model, tokenizer=tokenizer)  # sample from the module we train
-    else:
-        generator = HFGenerator(local_model_dir(model_source), tokenizer=tokenizer, device=device, dtype=dtype)
+    generator, shares_module = make_generator(model, model_source, tokenizer, dist, device, dtype)
     vocab_size = model.config.vocab_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     wandb_run = start_wandb(cfg) if dist.is_main else None
@@ -491,7 +490,8 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 t = time.perf_counter()
                 params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                                         max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank))
-                with trainer.autocast():  # sample in the dtype the trainer computes in, so the two logprobs agree
+                # a shared module samples in the dtype the trainer computes in, so the two logprobs agree
+                with trainer.autocast() if shares_module else contextlib.nullcontext():
                     groups = generator.generate([prompts[i] for i in mine], params)
                 time_generate = time.perf_counter() - t
 
@@ -507,7 +507,7 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
                 time_train = time.perf_counter() - t
                 t = time.perf_counter()
-                if dist.world_size > 1:
+                if not shares_module:
                     generator.update_weights(trainer.full_state_dict(device=device, dtype=dtype).items())
                 time_sync = time.perf_counter() - t
                 empty_steps = 0 if stats["stepped"] else empty_steps + 1
@@ -577,6 +577,23 @@ def apply_optim_config(optimizer, optim_cfg) -> None:
             if group[key] != value:
                 log.info("optim.%s: %s in the checkpoint, %s from the config (used)", key, group[key], value)
                 group[key] = value
+
+
+def make_generator(model, model_source: str, tokenizer, dist, device, dtype):
+    """The sampler, and whether it shares the trained module (else it needs ``update_weights`` after each step).
+
+    One process samples from the very module it trains, under the trainer's autocast, except in bf16 on
+    a CPU: there autocast re-casts every weight at every decode step (a third of the sampling time),
+    so the sampler holds a bf16 copy, refreshed after each optimizer step, as a vLLM server would.
+    Under FSDP each rank's generation copy is a full model, refreshed the same way.
+    """
+    import torch
+
+    from scirl.inference.hf import HFGenerator
+
+    if dist.world_size == 1 and not (device.type == "cpu" and dtype != torch.float32):
+        return HFGenerator(model, tokenizer=tokenizer), True
+    return HFGenerator(local_model_dir(model_source), tokenizer=tokenizer, device=device, dtype=dtype), False
 
 
 def local_model_dir(model: str) -> str:

@@ -219,8 +219,8 @@ class Trainer:
 
     def autocast(self):
         # FSDP2's MixedPrecisionPolicy already casts; a single GPU process autocasts instead.
-        if self.dist.world_size == 1 and self.device.type == "cuda" and self.dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.dtype)
+        if self.dist.world_size == 1 and self.dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.dtype)
         return contextlib.nullcontext()
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:

@@ -286,3 +286,24 @@ def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts
         for a, b in zip(g_shared, g_ref):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
     assert gen.model.config._attn_implementation == "sdpa"  # the model's own setting is back
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_lse_kernel_matches_the_plain_formula(dtype):
+    """The decode attention's two parts are merged by their log-sum-exp: the CPU kernel's lse and output
+    must be those of plain softmax attention, with a -inf padding bias and with strided (buffer-prefix) K/V."""
+    from scirl.inference.hf import attention_with_lse
+
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 2, 5, 16, generator=g).to(dtype)
+    buffer_k, buffer_v = (torch.randn(3, 2, 12, 16, generator=g).to(dtype) for _ in range(2))
+    key, value = buffer_k[:, :, :7], buffer_v[:, :, :7]  # a filled prefix, as the preallocated cache exposes
+    bias = torch.zeros(3, 1, 1, 7).masked_fill(torch.arange(7) < torch.tensor([0, 2, 4])[:, None, None, None], float("-inf"))
+    out, lse = attention_with_lse(query, key, value, 0.25, bias)
+    scores = (query.float() @ key.float().transpose(-1, -2)) * 0.25 + bias
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(lse, scores.logsumexp(-1), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), scores.softmax(-1) @ value.float(), atol=tol, rtol=tol)
+    plain_out, plain_lse = attention_with_lse(query, key, value, 0.25, bias, kernel=False)
+    torch.testing.assert_close(plain_lse, lse, atol=tol, rtol=tol)
+    torch.testing.assert_close(plain_out.float(), out.float(), atol=tol, rtol=tol)

@@ -520,10 +520,11 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     """Decode attention over (shared prompt, own completion), merged exactly by log-sum-exp.
 
     ``query`` [rows, heads, 1, d]; ``key``/``value`` are the rows' completion K/V
-    [rows, kv_heads, T, d] returned by ``SharedPrefixCache.update``. With m the
-    max score and l the sum of exp(score - m) of each part, softmax attention
-    over both is (o_p * e^(m_p-m) + o_c * e^(m_c-m)) / (l_p * e^(m_p-m) + l_c * e^(m_c-m)),
-    m = max(m_p, m_c), where o is the unnormalised exp-weighted sum of the part's values.
+    [rows, kv_heads, T, d] returned by ``SharedPrefixCache.update``. Each part is one
+    call of torch's CPU flash-attention kernel, which also returns the log-sum-exp of
+    the scores (lse). Softmax attention over both parts is then
+    o = o_p * e^(lse_p - lse) + o_c * e^(lse_c - lse), with lse = logaddexp(lse_p, lse_c),
+    where o_p, o_c are each part's own normalised attention output.
     """
     import torch
 
@@ -539,37 +540,56 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     kv_heads = key.shape[1]
     per_kv = heads // kv_heads  # GQA: query head h uses kv head h // per_kv (transformers' repeat_kv order)
     scale = scaling if scaling is not None else dim**-0.5
-    q = query.reshape(rows, kv_heads, per_kv, dim) * scale
+    # GQA without copying K/V: the per_kv query heads of a kv head go where a query's positions would
+    q = query.reshape(rows, kv_heads, per_kv, dim)
 
     # prompt part: put each group's queries side by side so its prompt K/V is read once for all of them
     groups, slots = cache.groups, cache.slots_per_group
     grid = q.new_zeros((groups * slots, kv_heads, per_kv, dim))
     grid[cache.slot] = q
     grid = grid.view(groups, slots, kv_heads, per_kv, dim).transpose(1, 2).reshape(groups, kv_heads, slots * per_kv, dim)
-    scores = (grid @ cache.prompt_keys[layer].transpose(-1, -2)).float() + cache.prompt_bias
-    max_p = scores.amax(-1, keepdim=True)
-    weights = (scores - max_p).exp()
-    sum_p = weights.sum(-1, keepdim=True)
-    out_p = (weights.to(value.dtype) @ cache.prompt_values[layer]).float()
+    out_p, lse_p = attention_with_lse(grid, cache.prompt_keys[layer], cache.prompt_values[layer], scale, cache.prompt_bias)
 
     def to_rows(t):  # [groups, kv_heads, slots * per_kv, x] -> [rows, kv_heads, per_kv, x]
         t = t.view(groups, kv_heads, slots, per_kv, -1).transpose(1, 2).reshape(groups * slots, kv_heads, per_kv, -1)
         return t[cache.slot]
 
-    max_p, sum_p, out_p = to_rows(max_p), to_rows(sum_p), to_rows(out_p)
+    out_p, lse_p = to_rows(out_p), to_rows(lse_p[..., None])
 
     # completion part: each row's own tokens, all of them visible
-    scores = (q @ key.transpose(-1, -2)).float()
-    max_c = scores.amax(-1, keepdim=True)
-    weights = (scores - max_c).exp()
-    sum_c = weights.sum(-1, keepdim=True)
-    out_c = (weights.to(value.dtype) @ value).float()
-
-    both = torch.maximum(max_p, max_c)
-    scale_p, scale_c = (max_p - both).exp(), (max_c - both).exp()
-    out = (out_p * scale_p + out_c * scale_c) / (sum_p * scale_p + sum_c * scale_c)
+    out_c, lse_c = attention_with_lse(q, key, value, scale)
+    lse = torch.logaddexp(lse_p, lse_c[..., None])
+    out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c[..., None] - lse).exp()
     # [rows, 1, heads, d], the layout transformers' attention functions return
     return out.to(query.dtype).reshape(rows, 1, heads, dim), None
+
+
+def attention_with_lse(query, key, value, scale: float, bias=None, *, kernel: bool = True):
+    """Softmax attention and the log-sum-exp of its scores: ([B, H, L, d], [B, H, L] float32).
+
+    torch's CPU flash-attention kernel returns both in one pass over K/V and reads strided
+    K/V (a prefix of a preallocated buffer) in place. Elsewhere (CUDA, a torch without that
+    kernel, or ``kernel=False``) the scores are computed plainly. Under autocast the inputs
+    are cast to its dtype, as SDPA would be; otherwise to their common dtype.
+    """
+    import torch
+
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if kernel and device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
+        mask = None if bias is None else bias.to(query.dtype)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask, scale=scale)
+        return out, lse
+    scores = (query @ key.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores = scores + bias
+    lse = scores.logsumexp(-1)
+    weights = (scores - lse[..., None]).exp()
+    return (weights.to(value.dtype) @ value), lse
 
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
