@@ -1,0 +1,98 @@
+"""Multi-rank model loading: only rank 0 reads the checkpoint, and every rank ends up with exactly the
+model a single process loads (parameters, tied weights and the non-persistent rotary buffers)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+LOAD_SCRIPT = r'''
+import sys, torch
+from transformers import PreTrainedModel
+from scirl.trainer import load_model, setup_distributed
+
+model_dir, out_dir = sys.argv[1:3]
+# count every from_pretrained (the Auto classes end up here too)
+calls = []
+original = PreTrainedModel.from_pretrained.__func__
+def counting_from_pretrained(cls, *args, **kwargs):
+    calls.append(cls.__name__)
+    return original(cls, *args, **kwargs)
+PreTrainedModel.from_pretrained = classmethod(counting_from_pretrained)
+
+dist, device = setup_distributed("cpu")
+try:
+    model = load_model(model_dir, device, dist, torch.float32)
+except Exception as exc:
+    with open(f"{out_dir}/error_{dist.rank}.txt", "w") as f:
+        f.write(f"{type(exc).__name__}: {exc}")
+    torch.distributed.destroy_process_group()
+    sys.exit(0)
+params = {name: value.full_tensor() for name, value in model.state_dict().items()}
+buffers = {name: value.clone() for name, value in model.named_buffers()}
+with torch.no_grad():  # every rank runs the forward: FSDP gathers the shards
+    logits = model(input_ids=torch.arange(3, 11).reshape(1, 8)).logits
+torch.save({
+    "from_pretrained_calls": calls,
+    "params": params,
+    "buffers": buffers,
+    "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+    "logits": logits,
+}, f"{out_dir}/rank_{dist.rank}.pt")
+torch.distributed.destroy_process_group()
+'''
+
+
+def torchrun_load(model_dir, tmp_path) -> None:
+    (tmp_path / "load.py").write_text(LOAD_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "load.py"), str(model_dir), str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torchrun_load(tiny_model_dir, tmp_path)
+    want = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    want_params = want.state_dict()
+    want_buffers = dict(want.named_buffers())
+    assert any(name.endswith("rotary_emb.inv_freq") for name in want_buffers)  # the non-persistent one to check
+    with torch.no_grad():
+        want_logits = want(input_ids=torch.arange(3, 11).reshape(1, 8)).logits
+
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"rank_{rank}.pt")
+        assert got["from_pretrained_calls"] == (["Qwen3ForCausalLM"] if rank == 0 else []), rank
+        assert got["params"].keys() == want_params.keys()
+        for name, value in want_params.items():
+            assert torch.equal(got["params"][name], value), (rank, name)
+        assert got["buffers"].keys() == want_buffers.keys()
+        for name, value in want_buffers.items():
+            assert torch.equal(got["buffers"][name], value), (rank, name)
+        assert got["tied"] == (want.lm_head.weight is want.model.embed_tokens.weight), rank
+        torch.testing.assert_close(got["logits"], want_logits)
+
+
+@pytest.mark.slow
+def test_when_rank_0_cannot_load_the_model_every_rank_fails_with_its_name(tiny_model_dir, tmp_path):
+    """The other ranks can read the config but must not wait forever for weights rank 0 never sends."""
+    import shutil
+
+    broken = tmp_path / "no_weights"
+    shutil.copytree(tiny_model_dir, broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.unlink()
+    torchrun_load(broken, tmp_path)
+    for rank in (0, 1):
+        error = (tmp_path / f"error_{rank}.txt").read_text()
+        assert error.startswith("TrainError: cannot load model") and str(broken) in error, (rank, error)
+    assert "rank 0 failed" in (tmp_path / "error_1.txt").read_text()
