@@ -109,7 +109,9 @@ class TrainConfig(Section):
     seed: int = 42
     output_dir: str = "outputs/run"
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "
+        "(bfloat16 on a CPU pays off where it has AMX/AVX512-BF16 matrix units)")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
     share_prompts: bool = Field(True, description="train forward: each prompt once per micro-batch, its completions "
                                 "continued from its KV cache (a group's prompt is not recomputed per completion); "

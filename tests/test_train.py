@@ -485,7 +485,8 @@ def grouped_samples(seed=0):
     return samples
 
 
-def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir):
+@pytest.mark.parametrize("micro_batch_size", [3, 5])  # one prompt per micro-batch; two, the shorter left-padded
+def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_size):
     """Each prompt run once and continued from its KV cache: same logprobs and same update as full sequences."""
     from scirl.config import TrainConfig
     from scirl.trainer import Dist, Trainer, load_model, make_micro_batches, make_shared_prompt_batches
@@ -497,7 +498,7 @@ def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
         trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        micro_batches = build(samples, 3, pad_id=0)
+        micro_batches = build(samples, micro_batch_size, pad_id=0)
         stats = trainer.train_step(micro_batches)
         results.append((stats, trainer.full_state_dict()))
     (plain, plain_weights), (shared, shared_weights) = results
