@@ -21,7 +21,6 @@ subprocess, one after the other. The first ``--warmup`` steps are not timed.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import subprocess
@@ -70,7 +69,7 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
     trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
-    generator, shares_module = make_generator(model, cfg.model, tokenizer, dist, device, dtype)
+    generator, shares_module = make_generator(trainer, cfg.model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     build = make_shared_prompt_batches if cfg.share_prompts and dist.world_size == 1 else make_micro_batches
     prompts = [encode_messages(tokenizer, build_messages(q)) for q in questions]
@@ -82,8 +81,7 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
         params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                                 max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank),
                                 min_tokens=args.tokens)  # the benchmark's only addition: fixed-length completions
-        with trainer.autocast() if shares_module else contextlib.nullcontext():
-            groups = generator.generate(prompts, params)
+        groups = generator.generate(prompts, params)
         t1, cpu1 = time.perf_counter(), time.process_time()
         rollouts, samples = score_groups(step, questions, prompts, prompt_texts, groups, cfg, model.config.vocab_size)
         stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
@@ -132,7 +130,7 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
         max_grad_norm=1.0,
         max_steps=args.steps,
         gradient_checkpointing=False,
-        bf16=args.dtype == "bfloat16",  # autocast, fp32 master weights, as scirl's dtype=bfloat16
+        bf16=args.dtype == "bfloat16",  # TRL's bf16 mixed precision (autocast) over fp32 weights
         use_cpu=True,
         logging_steps=1,
         save_strategy="no",
@@ -203,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
-                        help="compute dtype of both frameworks (bfloat16: autocast over float32 master weights)")
+                        help="compute dtype of both frameworks, over float32 master weights (scirl: a bf16 compute "
+                        "copy, as FSDP's mixed precision; TRL: autocast)")
     parser.add_argument("--work", default=None, help="directory for the model and TRL's output (default: a temp dir)")
     parser.add_argument("--only", choices=["scirl", "trl"], help="run one framework in this process (used internally)")
     parser.add_argument("--json", default=None, help="write the figures to this file")

@@ -26,7 +26,6 @@ in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -449,7 +448,7 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         ckpt_lib.restore_rng_state(saved["rng"])
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
-    generator, shares_module = make_generator(model, model_source, tokenizer, dist, device, dtype)
+    generator, shares_module = make_generator(trainer, model_source, tokenizer)
     vocab_size = model.config.vocab_size
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     wandb_run = start_wandb(cfg) if dist.is_main else None
@@ -490,9 +489,7 @@ def run_training(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 t = time.perf_counter()
                 params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
                                         max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank))
-                # a shared module samples in the dtype the trainer computes in, so the two logprobs agree
-                with trainer.autocast() if shares_module else contextlib.nullcontext():
-                    groups = generator.generate([prompts[i] for i in mine], params)
+                groups = generator.generate([prompts[i] for i in mine], params)
                 time_generate = time.perf_counter() - t
 
                 # 3-4. rewards, advantages, filters
@@ -579,21 +576,19 @@ def apply_optim_config(optimizer, optim_cfg) -> None:
                 group[key] = value
 
 
-def make_generator(model, model_source: str, tokenizer, dist, device, dtype):
-    """The sampler, and whether it shares the trained module (else it needs ``update_weights`` after each step).
+def make_generator(trainer, model_source: str, tokenizer):
+    """The sampler, and whether it shares the trainer's module (else it needs ``update_weights`` after each step).
 
-    One process samples from the very module it trains, under the trainer's autocast, except in bf16 on
-    a CPU: there autocast re-casts every weight at every decode step (a third of the sampling time),
-    so the sampler holds a bf16 copy, refreshed after each optimizer step, as a vLLM server would.
-    Under FSDP each rank's generation copy is a full model, refreshed the same way.
+    One process samples from the very module the trainer computes with (in bf16 runs, its bf16 copy of
+    the float32 masters, refreshed in place by every optimizer step), so sampler and trainer logprobs
+    come from the same weights in the same dtype. Under FSDP each rank's parameters are shards, so each
+    rank keeps a full generation copy in the compute dtype, refreshed after each step.
     """
-    import torch
-
     from scirl.inference.hf import HFGenerator
 
-    if dist.world_size == 1 and not (device.type == "cpu" and dtype != torch.float32):
-        return HFGenerator(model, tokenizer=tokenizer), True
-    return HFGenerator(local_model_dir(model_source), tokenizer=tokenizer, device=device, dtype=dtype), False
+    if trainer.dist.world_size == 1:
+        return HFGenerator(trainer.compute_model, tokenizer=tokenizer), True
+    return HFGenerator(local_model_dir(model_source), tokenizer=tokenizer, device=trainer.device, dtype=trainer.dtype), False
 
 
 def local_model_dir(model: str) -> str:

@@ -11,7 +11,6 @@ every rank divides by the batch's global count, as prime-rl does.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -278,12 +277,35 @@ class Trainer:
             betas=tuple(optim_cfg.betas),
             weight_decay=optim_cfg.weight_decay,
         )
+        # ``model`` holds the float32 master weights the optimizer steps. Forward and backward run on
+        # ``compute_model``: the same module, except in a single bf16 process, where it is a bf16 copy.
+        # That is what FSDP2's MixedPrecisionPolicy does under torchrun (bf16 parameters and activations,
+        # gradients accumulated in float32 into the masters), so one process and many compute alike.
+        # (autocast instead would keep float32 activations and re-cast every weight at every call.)
+        self.compute_model = model
+        self.master_and_compute: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        if dist.world_size == 1 and dtype != torch.float32:
+            import copy
 
-    def autocast(self):
-        # FSDP2's MixedPrecisionPolicy already casts; a single GPU process autocasts instead.
-        if self.dist.world_size == 1 and self.dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=self.dtype)
-        return contextlib.nullcontext()
+            self.compute_model = copy.deepcopy(model).to(dtype)
+            compute_params = dict(self.compute_model.named_parameters())
+            self.master_and_compute = [(p, compute_params[name]) for name, p in model.named_parameters() if p.requires_grad]
+
+    def _accumulate_master_grads(self) -> None:
+        """Add the compute copy's bf16 gradients of one micro-batch into the float32 masters' gradients."""
+        for master, compute in self.master_and_compute:
+            if compute.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = compute.grad.float()
+            else:
+                master.grad.add_(compute.grad)
+            compute.grad = None
+
+    @torch.no_grad()
+    def _refresh_compute_copy(self) -> None:
+        for master, compute in self.master_and_compute:
+            compute.copy_(master)
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         if self.dist.world_size == 1:
@@ -300,10 +322,9 @@ class Trainer:
         starts = mb.loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
         first = max(int(starts.min()), 1)
         length = mb.input_ids.shape[1]
-        with self.autocast():
-            # logits of positions first-1 .. L-1; position t predicts token t+1
-            logits = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
-                                logits_to_keep=length - first + 1).logits
+        # logits of positions first-1 .. L-1; position t predicts token t+1
+        logits = self.compute_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+                                    logits_to_keep=length - first + 1).logits
         logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature)
         return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
 
@@ -317,18 +338,17 @@ class Trainer:
         except TypeError:  # transformers < 4.56
             cache = DynamicCache()
         prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
-        with self.autocast():
-            out = self.model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
-                             use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
-            cache.batch_select_indices(mb.rows)
-            n_completion = mb.completion_ids.shape[1]
-            positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
-            attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
-            # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
-            rest = None
-            if n_completion > 1:
-                rest = self.model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                                  position_ids=positions[:, :-1], use_cache=True, **{self.cache_kwarg: cache}).logits
+        out = self.compute_model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
+                                 use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
+        cache.batch_select_indices(mb.rows)
+        n_completion = mb.completion_ids.shape[1]
+        positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
+        attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
+        # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
+        rest = None
+        if n_completion > 1:
+            rest = self.compute_model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                      position_ids=positions[:, :-1], use_cache=True, **{self.cache_kwarg: cache}).logits
         # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
         logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature)
         if rest is not None:
@@ -363,6 +383,7 @@ class Trainer:
         # summed; FSDP averages them, hence the world-size factor. (FSDP's set_gradient_divide_factor(1)
         # would say the same, but needs a PREMUL_SUM reduction that gloo lacks.)
         (loss * self.dist.world_size).backward()
+        self._accumulate_master_grads()
         return float(loss.detach()), sums
 
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
@@ -392,6 +413,7 @@ class Trainer:
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._refresh_compute_copy()
 
         loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
         tokens, masked, mismatch_kl, entropy = totals
