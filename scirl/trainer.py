@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scirl.gqa_attention import use_gqa_attention
 from scirl.loss import LossSums, rl_loss, token_logprobs
 
 
@@ -359,10 +360,11 @@ class Trainer:
     def forward_backward(self, mb: MicroBatch | SharedPromptBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
         """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
         mb = type(mb)(*(t.to(self.device) for t in vars(mb).values()))
-        if isinstance(mb, SharedPromptBatch):
-            logprobs, entropy, loss_mask, inference_logprobs = self.shared_prompt_logprobs(mb)
-        else:
-            logprobs, entropy, loss_mask, inference_logprobs = self.completion_logprobs(mb)
+        with use_gqa_attention(self.compute_model):
+            if isinstance(mb, SharedPromptBatch):
+                logprobs, entropy, loss_mask, inference_logprobs = self.shared_prompt_logprobs(mb)
+            else:
+                logprobs, entropy, loss_mask, inference_logprobs = self.completion_logprobs(mb)
         loss, sums = rl_loss(
             logprobs,
             inference_logprobs,
