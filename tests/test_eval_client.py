@@ -398,3 +398,24 @@ def test_bad_numeric_flags_are_refused_with_a_message(tmp_path, capsys):
         assert main(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--out", str(tmp_path / "x.json"),
                      "--data", str(tmp_path / "absent.jsonl"), flag, value]) == 2
         assert flag in capsys.readouterr().err
+
+
+def test_a_password_in_the_base_url_is_not_written_or_printed(splits, tmp_path, capsys):
+    """`--base-url http://user:password@host/v1` is how some proxies take credentials; the URL goes into
+    the results' settings and into error messages, so its password is blanked there (the request keeps it)."""
+    from scirl.eval.client import public_url
+
+    assert public_url("http://me:s3cret-pw@host:8000/v1") == "http://me:***@host:8000/v1"
+    assert public_url("http://host:8000/v1") == "http://host:8000/v1"
+    questions = splits.split("eval")[:3]
+    server = FakeServer(questions)
+    out = tmp_path / "eval.json"
+    with running(server.app()) as srv:
+        url = srv.url.replace("http://", "http://me:s3cret-pw@")
+        results = evaluate_server(questions, config(url), out=out, progress=False)
+        with pytest.raises(FatalServerError) as fatal:
+            evaluate_server(questions, config(url.removesuffix("/v1") + "/v2"), progress=False)
+    assert results["counts"]["answered"] == 3 and sum(server.requests.values()) == 3
+    assert results["settings"]["base_url"].startswith("http://me:***@")
+    for text in (out.read_text(), records_path(out).read_text(), str(fatal.value), capsys.readouterr().out):
+        assert "s3cret-pw" not in text

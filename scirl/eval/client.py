@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import random
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,24 @@ class ClientConfig:
 
 def _chat_url(base_url: str) -> str:
     return base_url.rstrip("/") + "/chat/completions"
+
+
+def public_url(url: str) -> str:
+    """``url`` with the password of a ``user:password@`` part blanked out: URLs are printed and saved."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
+
+
+def blank_secrets(text: str, cfg: "ClientConfig") -> str:
+    """Servers and proxies may quote a credential back in an error; that text is printed and saved."""
+    password = urllib.parse.urlsplit(cfg.base_url).password
+    for secret, label in ((cfg.api_key, "<api key>"), (password, "***")):
+        if secret:
+            text = text.replace(secret, label)
+    return text
 
 
 def parse_choices(body: bytes) -> list[tuple[str, str | None]]:
@@ -126,21 +145,18 @@ class ChatClient:
         except (httpx.TimeoutException, asyncio.TimeoutError):
             raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
         except httpx.RequestError as e:  # transport errors, and bodies that fail to decode (DecodingError)
-            raise RetryableError(f"{type(e).__name__}: {e}") from None
+            raise RetryableError(f"{type(e).__name__}: {blank_secrets(str(e), cfg)}") from None
         status = response.status_code
         if status == 200:
             return parse_choices(response.content)
-        detail = response.text
-        if cfg.api_key:  # servers and proxies may quote the credential back; this text is printed and saved
-            detail = detail.replace(cfg.api_key, "<api key>")
-        detail = detail[:300]  # after the blanking, so no cut-off piece of the key survives
+        detail = blank_secrets(response.text, cfg)[:300]  # cut after the blanking: no piece of a key survives
         if status in RETRY_STATUS or status >= 500:
             error = RetryableError(f"HTTP {status}: {detail}")
             error.retry_after = response.headers.get("retry-after")  # type: ignore[attr-defined]
             raise error
         if status in FATAL_STATUS:
             hint = " (does --base-url end with /v1, and is --model the served model name?)" if status == 404 else ""
-            raise FatalServerError(f"{_chat_url(cfg.base_url)} answered HTTP {status}{hint}: {detail}")
+            raise FatalServerError(f"{public_url(_chat_url(cfg.base_url))} answered HTTP {status}{hint}: {detail}")
         raise QuestionError(f"HTTP {status}: {detail}")
 
     async def _request(self, messages: list[dict[str, str]], n: int, seed: int | None) -> list[tuple[str, str | None]]:
@@ -178,14 +194,15 @@ class ChatClient:
 
 async def check_server(http: httpx.AsyncClient, cfg: ClientConfig, attempts: int = 3) -> str | None:
     """Fail fast when nothing listens at --base-url; return a warning when the model is not listed there."""
-    url = cfg.base_url.rstrip("/") + "/models"
+    url, shown = cfg.base_url.rstrip("/") + "/models", public_url(cfg.base_url.rstrip("/") + "/models")
     for attempt in range(attempts):
         try:
             response = await http.get(url, headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}, timeout=cfg.timeout)
             break
         except httpx.TransportError as e:  # includes timeouts
             if attempt == attempts - 1:
-                raise FatalServerError(f"cannot reach {url}: {type(e).__name__}: {e}. Is the server running?") from None
+                raise FatalServerError(f"cannot reach {shown}: {type(e).__name__}: {blank_secrets(str(e), cfg)}. "
+                                       "Is the server running?") from None
             await asyncio.sleep(1.0)
     try:
         served = [m.get("id") for m in response.json().get("data", [])]
@@ -257,7 +274,7 @@ def server_settings(cfg: ClientConfig, **extra: Any) -> dict[str, Any]:
     """The resolved settings written into the results; never the API key."""
     return {
         "backend": "server",
-        "base_url": cfg.base_url,
+        "base_url": public_url(cfg.base_url),
         "model": cfg.model,
         "n_samples": cfg.n_samples,
         "temperature": cfg.temperature,
