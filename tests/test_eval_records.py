@@ -75,7 +75,12 @@ def env(tmp_path_factory):
     with AnswerServer(questions) as server:
         out = tmp / "clean.json"
         assert main(eval_args(server, data_file, out)) == 0
-        yield data_file, questions, server, records_path(out).read_bytes()
+        # records arrive in completion order, which a loaded machine shuffles; the cases below damage
+        # "line i" meaning question i's record, so put them in question order (order means nothing to a resume)
+        header, lines = split_clean(records_path(out).read_bytes())
+        position = {q.id: i for i, q in enumerate(questions)}
+        lines.sort(key=lambda line: position[json.loads(line)["id"]])
+        yield data_file, questions, server, b"\n".join([header, *lines]) + b"\n"
 
 
 def eval_args(server, data_file, out, *extra):
