@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 
@@ -21,6 +20,8 @@ from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server
 from scirl.eval.results import records_path
 from scirl.prompt import user_text
 from scirl.synthetic import generate_rows, write_jsonl
+
+from asgi_server import running  # tests/asgi_server.py
 
 FAULTS = ("500", "429", "hang", "bad_json", "no_choices", "short")
 FAST = 0.4  # a timeout well under FakeServer's 1.5 s hang
@@ -87,33 +88,6 @@ class FakeServer:
                     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
         return app
-
-
-class running:
-    """Serve an ASGI app from a uvicorn thread on a free port; ``.url`` ends in /v1."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        from scirl.serve import bind_socket
-
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "fake server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ counted by reason and their questions asked again, a bad header is refused with 
 from __future__ import annotations
 
 import json
-import threading
-import time
 from collections import Counter
 
 import pytest
@@ -17,18 +15,17 @@ from scirl.eval.results import BadRecordsFile, RecordsFile, SettingsMismatch, ch
 from scirl.prompt import user_text
 from scirl.synthetic import generate_rows, write_jsonl
 
+from asgi_server import running  # tests/asgi_server.py
+
 N = 6  # questions per evaluation (--limit)
 OTHER_ID = "0123456789abcdef"  # a well-formed id that is in no eval set here
 
 
-class AnswerServer:
+class AnswerServer(running):
     """An OpenAI chat-completions server that always answers the right letter and counts requests per question."""
 
     def __init__(self, questions):
-        import uvicorn
         from fastapi import FastAPI
-
-        from scirl.serve import bind_socket
 
         self.by_text = {user_text(q): q for q in questions}
         self.requests: Counter = Counter()
@@ -47,23 +44,7 @@ class AnswerServer:
                         "finish_reason": "stop"} for i in range(body.get("n", 1))]
             return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices}
 
-        self.sock = bind_socket("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.time() + 20
-        while not self.server.started:
-            assert time.time() < deadline, "fake server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
+        super().__init__(app)
 
 
 @pytest.fixture(scope="module")
