@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -80,10 +82,10 @@ class CkptConfig(Section):
 class DataConfig(Section):
     source: str = "hicai-zju/SciKnowEval"
     split: Literal["train", "eval"] = "train"
-    eval_per_domain: int = Field(200, ge=0, description="questions per domain held out for evaluation")
-    split_method: Literal["content", "guide"] = "content"
+    eval_per_domain: int = Field(DEFAULT_EVAL_PER_DOMAIN, ge=0, description="questions per domain held out for evaluation")
+    split_method: Literal["content", "guide"] = DEFAULT_SPLIT_METHOD
     # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train
-    seed: int = 42
+    seed: int = DEFAULT_SPLIT_SEED
 
 
 class RewardConfig(Section):

@@ -52,6 +52,10 @@ HUB_CONFIG = "v2"  # the run guide: load_dataset("hicai-zju/SciKnowEval", "v2", 
 HUB_SPLIT = "test"
 HUB_PROBE_TIMEOUT_S = 5.0
 SPLIT_METHODS = ("content", "guide")
+# The split every command and the prime-rl plug-in use unless told otherwise: the one source of these defaults.
+DEFAULT_EVAL_PER_DOMAIN = 200  # held-out questions per domain (800 over the four)
+DEFAULT_SPLIT_METHOD = "content"
+DEFAULT_SPLIT_SEED = 42  # the holdout's own seed, apart from any training seed
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -424,9 +428,9 @@ class DataSplits:
     rows_read: int  # every row (and bad JSON line) in the source
     mcq_read: int  # rows_read minus rows of a non-MCQ type
     non_mcq: dict[str, int] = field(default_factory=dict)  # type -> rows
-    eval_per_domain: int = 200
-    split_method: str = "content"
-    seed: int = 42
+    eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN
+    split_method: str = DEFAULT_SPLIT_METHOD
+    seed: int = DEFAULT_SPLIT_SEED
     types: tuple[str, ...] = MCQ_TYPES
     notes: list[str] = field(default_factory=list)  # anything the caller should know (small domains, ...)
 
@@ -482,9 +486,9 @@ def load_splits(
     source: str = HUB_ID,
     *,
     types: tuple[str, ...] | list[str] = MCQ_TYPES,
-    eval_per_domain: int = 200,
-    split_method: str = "content",
-    seed: int = 42,
+    eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN,
+    split_method: str = DEFAULT_SPLIT_METHOD,
+    seed: int = DEFAULT_SPLIT_SEED,
 ) -> DataSplits:
     """Load, validate, dedupe and split SciKnowEval MCQ rows.
 

@@ -9,18 +9,18 @@ from pathlib import Path
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
-    from scirl.data import HUB_ID, SPLIT_METHODS
+    from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
     from scirl.schema import MCQ_TYPES
 
     parser.add_argument("--data", default=HUB_ID,
                         help=f"hub id (default {HUB_ID}), hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
                              "or one .jsonl/.json/.parquet file")
     parser.add_argument("--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)")
-    parser.add_argument("--eval-per-domain", type=int, default=200, help="held-out rows per domain (default %(default)s)")
-    parser.add_argument("--split-method", choices=SPLIT_METHODS, default="content",
+    parser.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out rows per domain (default %(default)s)")
+    parser.add_argument("--split-method", choices=SPLIT_METHODS, default=DEFAULT_SPLIT_METHOD,
                         help="content: deterministic from row content, twins share a split (default); "
                              "guide: the run guide's seeded permutation over rows in hub order")
-    parser.add_argument("--seed", type=int, default=42, help="split seed (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SPLIT_SEED, help="split seed (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scirl.data import HUB_ID
+    from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
 
     p = argparse.ArgumentParser(
         prog="scirl eval",
@@ -28,9 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive")
     p.add_argument("--data", default=HUB_ID, help="hub id, raw_data directory or one .jsonl/.json/.parquet file (default: %(default)s)")
     p.add_argument("--split", default="eval", choices=("eval", "train"), help="default: %(default)s")
-    p.add_argument("--eval-per-domain", type=int, default=200, help="held-out questions per domain (default: %(default)s)")
-    p.add_argument("--split-method", default="content", choices=("content", "guide"), help="default: %(default)s")
-    p.add_argument("--split-seed", type=int, default=42, help="seed of the train/eval split, as in scirl data and "
+    p.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out questions per domain (default: %(default)s)")
+    p.add_argument("--split-method", default=DEFAULT_SPLIT_METHOD, choices=SPLIT_METHODS, help="default: %(default)s")
+    p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help="seed of the train/eval split, as in scirl data and "
                    "the training config's data.seed (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
     p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")

@@ -21,7 +21,7 @@ import verifiers.v1 as vf
 from pydantic import field_validator
 
 from scirl import reward as scirl_reward
-from scirl.data import HUB_ID, SPLIT_METHODS, load_splits
+from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS, load_splits
 from scirl.prompt import build_messages
 from scirl.schema import MCQ_TYPES, Question
 
@@ -127,11 +127,11 @@ class SciKnowEvalConfig(vf.TasksetConfig):
     """Where scirl reads the rows: the hub id, a `raw_data/` directory, or one .jsonl/.json/.parquet file."""
     split: Literal["train", "eval"] = "train"
     """scirl's train split, or its held-out eval split."""
-    split_method: str = "content"
+    split_method: str = DEFAULT_SPLIT_METHOD
     """scirl's split method, one of `scirl.data.SPLIT_METHODS` ("content" or the guide's "guide")."""
-    eval_per_domain: int = 200
+    eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN
     """Held-out questions per domain."""
-    split_seed: int = 42
+    split_seed: int = DEFAULT_SPLIT_SEED
     """Seed of the split methods that draw at random."""
     reward_mode: Literal["strict", "lenient"] = "strict"
     """strict: the reply is the letter alone or ends with an "Answer: X" line (the training reward)."""
