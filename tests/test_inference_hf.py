@@ -307,3 +307,22 @@ def test_attention_with_lse_kernel_matches_the_plain_formula(dtype):
     plain_out, plain_lse = attention_with_lse(query, key, value, 0.25, bias, kernel=False)
     torch.testing.assert_close(plain_lse, lse, atol=tol, rtol=tol)
     torch.testing.assert_close(plain_out.float(), out.float(), atol=tol, rtol=tol)
+
+
+def test_should_stop_cancels_generation_between_decode_steps(tiny_model_dir):
+    """A caller whose reader is gone (scirl serve's disconnected client) stops the decode loop early."""
+    from scirl.inference.base import GenerationCancelled, SamplingParams
+    from scirl.inference.hf import HFGenerator
+
+    gen = HFGenerator(str(tiny_model_dir), device="cpu")
+    polls = []
+
+    def should_stop():
+        polls.append(1)
+        return len(polls) > 3
+
+    with pytest.raises(GenerationCancelled):
+        gen.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=50, min_tokens=50, seed=0), should_stop=should_stop)
+    assert len(polls) == 4  # stopped at the first poll that said so, not after 50 tokens
+    params = SamplingParams(n=2, max_tokens=5, seed=0)
+    assert gen.generate([[5, 6, 7]], params, should_stop=lambda: False) == gen.generate([[5, 6, 7]], params)

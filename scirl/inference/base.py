@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,22 @@ class Completion:
     finish_reason: str  # "stop" (EOS) or "length" (hit max_tokens)
 
 
+class GenerationCancelled(Exception):
+    """``generate`` stopped early because its ``should_stop`` said so (e.g. the client went away)."""
+
+
 class Generator(ABC):
     """A policy that samples completions and can take new weights."""
 
     tokenizer: object
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Return, for each prompt (token ids), ``params.n`` completions, in order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 should_stop: Callable[[], bool] | None = None) -> list[list[Completion]]:
+        """Return, for each prompt (token ids), ``params.n`` completions, in order.
+
+        ``should_stop``, if given, is polled between decode steps; once it returns True the call
+        raises ``GenerationCancelled`` instead of finishing work nobody will read."""
 
     @abstractmethod
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:

@@ -28,7 +28,7 @@ import inspect
 from pathlib import Path
 from typing import Iterable
 
-from scirl.inference.base import Completion, Generator, SamplingParams
+from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams
 
 
 def top_p_filter(logits, top_p: float):
@@ -186,7 +186,7 @@ class HFGenerator(Generator):
 
     # ---- the contract ----
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, should_stop=None) -> list[list[Completion]]:
         import torch
 
         check_params(prompts, params)
@@ -199,7 +199,8 @@ class HFGenerator(Generator):
         try:
             with torch.inference_mode():
                 for batch in self.plan_batches(prompts, params):
-                    completions = self._generate_batch([prompts[i] for i, _ in batch], [k for _, k in batch], params, generator)
+                    completions = self._generate_batch([prompts[i] for i, _ in batch], [k for _, k in batch], params, generator,
+                                                       should_stop)
                     for (i, k), group in zip(batch, completions):
                         assert len(group) == k
                         results[i].extend(group)
@@ -318,7 +319,7 @@ class HFGenerator(Generator):
         except TypeError:  # older transformers
             return DynamicCache()
 
-    def _generate_batch(self, prompts, counts, params, generator) -> list[list[Completion]]:
+    def _generate_batch(self, prompts, counts, params, generator, should_stop=None) -> list[list[Completion]]:
         import torch
 
         device = self.device
@@ -355,6 +356,8 @@ class HFGenerator(Generator):
         live = torch.arange(total_rows, device=device)  # original row index of each row still decoding
 
         for t in range(max_tokens):
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled()
             if t < params.min_tokens:
                 logits[:, eos] = float("-inf")  # as vLLM's min_tokens: EOS is out of the sampling distribution
             token, token_logprob = sample_next(logits, params, generator)
