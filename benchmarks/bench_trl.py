@@ -8,10 +8,9 @@ advantage = reward - group mean (TRL: ``scale_rewards="none"``), no KL/reference
 model (TRL: ``beta=0``), fp32, no gradient checkpointing, micro-batches of 32 with
 gradient accumulation to one AdamW step.
 
-The scirl side runs the same calls, in the same order, as one step of
-``scirl.train`` with its single-process defaults (``load_model``, ``HFGenerator`` sampling
-from the module being trained, ``score_groups``, ``make_shared_prompt_batches``,
-``Trainer.train_step``); only the run-directory logging is left out. Each framework runs in its own
+The scirl side calls ``scirl.train.rl_step``, the very step function ``scirl train`` loops
+over, with the generator and trainer ``scirl.backends`` builds for a CPU run (the sampler
+shares the trained module); only the run-directory logging and checkpoints are left out. Each framework runs in its own
 subprocess, one after the other. The first ``--warmup`` steps are not timed.
 
     pip install trl   # the benchmark's extra dependency; it keeps the installed torch
@@ -47,55 +46,57 @@ def build_inputs(work: Path, args) -> tuple[Path, list]:
 
 
 def run_scirl(model_dir: Path, questions: list, args) -> dict:
+    import dataclasses
+
     import torch
 
+    from scirl.backends import make_generator, make_trainer
     from scirl.config import TrainConfig
-    from scirl.inference.base import SamplingParams, encode_messages
-    from scirl.host_memory import keep_freed_memory
+    from scirl.cpu.host_memory import keep_freed_memory
+    from scirl.distributed import Dist
+    from scirl.inference.base import encode_messages
     from scirl.prompt import build_messages, render_prompt
-    from scirl.train import generation_seed, load_tokenizer, make_generator, score_groups
-    from scirl.trainer import (Dist, Trainer, compute_dtype, load_model, make_micro_batches,
-                               make_shared_prompt_batches)
+    from scirl.rollouts import PromptedQuestion
+    from scirl.train import load_tokenizer, rl_step
+    from scirl.trainer import compute_dtype, load_model
 
-    # scirl train's defaults, with the benchmark's shapes; the zero-advantage filter only monitors
-    # (a random model scores ~0 everywhere: train on every rollout, as TRL does)
     cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
                       micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device="cpu", dtype=args.dtype,
                       reward={"mode": "lenient"}, optim={"lr": args.lr},
                       filters={"zero_advantage": {"enforce": False}})
-    # the setup scirl.train makes for a single process
     dist, device = Dist(), torch.device("cpu")
     dtype = compute_dtype(cfg.dtype, device)
-    keep_freed_memory()
+    keep_freed_memory()  # what `scirl train` does on a CPU
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
-    generator, shares_module = make_generator(trainer, cfg.model, tokenizer)
+    trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
+    generator = make_generator(trainer, cfg.model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
-    build = make_shared_prompt_batches if cfg.share_prompts and dist.world_size == 1 else make_micro_batches
-    prompts = [encode_messages(tokenizer, build_messages(q)) for q in questions]
-    prompt_texts = [render_prompt(tokenizer, build_messages(q)) for q in questions]
+    batch = [PromptedQuestion(q, encode_messages(tokenizer, build_messages(q)), render_prompt(tokenizer, build_messages(q)))
+             for q in questions]
+    # the benchmark's only addition to a training step: fixed-length completions (EOS held back)
+    plain_generate, cpu_generate = generator.generate, []
+
+    def fixed_length_generate(prompts, params):
+        cpu = time.process_time()
+        out = plain_generate(prompts, dataclasses.replace(params, min_tokens=args.tokens))
+        cpu_generate.append(time.process_time() - cpu)
+        return out
+
+    generator.generate = fixed_length_generate
     steps = []
     for step in range(1, args.steps + 1):
-        # one step of scirl.train's loop, without writing the run directory
         t0, cpu0 = time.perf_counter(), time.process_time()
-        params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                                max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank),
-                                min_tokens=args.tokens)  # the benchmark's only addition: fixed-length completions
-        groups = generator.generate(prompts, params)
+        result = rl_step(step, batch, generator, trainer, cfg, pad_id=pad_id)
         t1, cpu1 = time.perf_counter(), time.process_time()
-        rollouts, samples = score_groups(step, questions, prompts, prompt_texts, groups, cfg, model.config.vocab_size)
-        stats = trainer.train_step(build(samples, cfg.micro_batch_size, pad_id))
-        if not shares_module:
-            generator.update_weights(trainer.full_state_dict(device=device, dtype=dtype).items())
-        t2, cpu2 = time.perf_counter(), time.process_time()
-        tokens = sum(r["num_tokens"] for r in rollouts)
-        assert stats["stepped"] and len(samples) == args.questions * args.group
-        steps.append({"seconds": t2 - t0, "generate": t1 - t0, "train": t2 - t1, "completion_tokens": tokens,
-                      "cpu_seconds": cpu2 - cpu0, "cpu_generate": cpu1 - cpu0})
-        print(f"scirl step {step}: {t2 - t0:.1f}s (generate {t1 - t0:.1f}s, train {t2 - t1:.1f}s), {tokens} tokens",
-              file=sys.stderr, flush=True)
-    return {"framework": "scirl", "steps": steps, "training_batches": build.__name__}
+        m = result.metrics
+        tokens = sum(r["num_tokens"] for r in result.rollouts)
+        assert result.stats["stepped"] and m["trainable/total"] == args.questions * args.group
+        steps.append({"seconds": t1 - t0, "generate": m["time/generate"], "train": m["time/train"] + m["time/weight_sync"],
+                      "completion_tokens": tokens, "cpu_seconds": cpu1 - cpu0, "cpu_generate": cpu_generate[-1]})
+        print(f"scirl step {step}: {t1 - t0:.1f}s (generate {m['time/generate']:.1f}s, train {m['time/train']:.1f}s), "
+              f"{tokens} tokens", file=sys.stderr, flush=True)
+    return {"framework": "scirl", "steps": steps, "training_batches": type(trainer).__name__}
 
 
 def run_trl(model_dir: Path, questions: list, args) -> dict:

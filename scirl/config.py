@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
+from scirl.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -144,10 +145,6 @@ class TrainConfig(Section):
     @property
     def questions_per_step(self) -> int:
         return self.batch_size // self.group_size
-
-
-class ConfigError(ValueError):
-    """A config file or override that cannot be used; the message names the field."""
 
 
 # ---------------------------------------------------------------------------------------------

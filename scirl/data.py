@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from scirl.errors import DataSourceError
 from scirl.schema import MCQ_TYPES, Question
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,6 @@ class RowError(ValueError):
     def __init__(self, reason: str, detail: str = ""):
         super().__init__(f"{reason}: {detail}" if detail else reason)
         self.reason = reason
-
-
-class DataSourceError(RuntimeError):
-    """The source cannot be read at all (missing path, no hub access, unreadable file)."""
 
 
 def content_id(question: str, options: tuple[str, ...] | list[str], domain: str = "") -> str:

@@ -201,13 +201,13 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_m
     """Load ``model_dir`` and serve it until interrupted. Prints the bound address, then a ready line."""
     import uvicorn
 
-    from scirl.inference.hf import HFGenerator
+    from scirl.backends import hf_generator
 
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     name = served_model_name or model_dir
     print(f"scirl serve: bound {host}:{bound}; loading {model_dir}", flush=True)
-    generator = HFGenerator(model_dir, device=device)
+    generator = hf_generator(model_dir, device=device)
     app = create_app(
         generator,
         name,

@@ -1,7 +1,7 @@
 """The trainer: model loading, FSDP2 sharding, micro-batched forward/backward, one AdamW step per RL step.
 
 Single process (CPU or one GPU): a plain module, trained in place; the generator
-samples from the very same module. Under torchrun (``WORLD_SIZE > 1``): a process
+samples from the very same module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): a process
 group (nccl on GPU, gloo on CPU), FSDP2 ``fully_shard`` per decoder layer and the
 root, fp32 master weights with a bf16 compute policy on GPU; each rank trains on its
 share of the batch and ``full_state_dict`` gathers the full tensors (for the
@@ -11,43 +11,16 @@ every rank divides by the batch's global count, as prime-rl does.
 
 from __future__ import annotations
 
-import datetime
-import os
+import math
 from dataclasses import dataclass
 
 import torch
 
-from scirl.gqa_attention import use_gqa_attention
+from scirl.distributed import Dist
+from scirl.errors import TrainError
 from scirl.loss import LossSums, rl_loss, token_logprobs
-
-
-@dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed(device_name: str) -> tuple[Dist, torch.device]:
-    """Pick the device and, under torchrun, join the process group."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if device_name == "auto":
-        device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_name == "cuda" and world_size > 1:
-        device_name = f"cuda:{local_rank}"
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1 and not torch.distributed.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
-    return Dist(rank, world_size, local_rank), device
+from scirl.mixed_precision import ComputeCopy
+from scirl.rollouts import Sample
 
 
 def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
@@ -69,89 +42,37 @@ class MicroBatch:
     advantages: torch.Tensor  # [B] float32
 
 
-def make_micro_batches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-    """``samples``: dicts with ``prompt_ids``, ``completion_ids``, ``logprobs``, ``advantage``.
+def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+    """Right-padded micro-batches of whole sequences.
 
     Samples of similar length share a micro-batch (sorted by length; the gradient is a sum, so the
     order does not matter), which keeps padding small when some completions stop early.
     """
-    samples = sorted(samples, key=lambda s: len(s["prompt_ids"]) + len(s["completion_ids"]))
+    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
-        length = max(len(s["prompt_ids"]) + len(s["completion_ids"]) for s in chunk)
+        length = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
         input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(chunk), length), dtype=torch.long)
         loss_mask = torch.zeros((len(chunk), length), dtype=torch.bool)
         inference_logprobs = torch.zeros((len(chunk), length), dtype=torch.float32)
         for b, s in enumerate(chunk):
             check_sample(s)
-            p, c = len(s["prompt_ids"]), len(s["completion_ids"])
-            input_ids[b, : p + c] = torch.tensor(s["prompt_ids"] + s["completion_ids"], dtype=torch.long)
+            p, c = len(s.prompt_ids), len(s.completion_ids)
+            input_ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
             attention_mask[b, : p + c] = 1
             loss_mask[b, p : p + c] = True
-            inference_logprobs[b, p : p + c] = torch.tensor(s["logprobs"], dtype=torch.float32)
-        advantages = torch.tensor([float(s["advantage"]) for s in chunk], dtype=torch.float32)
+            inference_logprobs[b, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
+        advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
         batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages))
     return batches
 
 
-@dataclass
-class SharedPromptBatch:
-    """Completions with their prompts stored once: the trainer runs each prompt through the model
-    once and continues every completion from its KV cache, as the sampler did (a group of 16
-    completions costs one prompt forward instead of 16)."""
-
-    prompt_ids: torch.Tensor  # [G, P] long, left-padded
-    prompt_mask: torch.Tensor  # [G, P] long
-    completion_ids: torch.Tensor  # [R, C] long, right-padded
-    completion_mask: torch.Tensor  # [R, C] bool: completion tokens (the loss tokens)
-    rows: torch.Tensor  # [R] long: the prompt of each completion
-    inference_logprobs: torch.Tensor  # [R, C] float32
-    advantages: torch.Tensor  # [R] float32
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        return self.completion_mask
-
-
-def make_shared_prompt_batches(samples: list[dict], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
-    """Like ``make_micro_batches``, but each distinct prompt of a micro-batch is stored once.
-    Samples keep their order (a group's completions are adjacent, so they share a micro-batch)."""
-    batches = []
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
-        prompt_index: dict[tuple, int] = {}
-        rows = []
-        for s in chunk:
-            check_sample(s)
-            rows.append(prompt_index.setdefault(tuple(s["prompt_ids"]), len(prompt_index)))
-        prompts = list(prompt_index)
-        longest_prompt = max(len(p) for p in prompts)
-        prompt_ids = torch.full((len(prompts), longest_prompt), pad_id, dtype=torch.long)
-        prompt_mask = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
-        for g, p in enumerate(prompts):
-            prompt_ids[g, longest_prompt - len(p) :] = torch.tensor(p, dtype=torch.long)
-            prompt_mask[g, longest_prompt - len(p) :] = 1
-        longest = max(len(s["completion_ids"]) for s in chunk)
-        completion_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
-        completion_mask = torch.zeros((len(chunk), longest), dtype=torch.bool)
-        inference_logprobs = torch.zeros((len(chunk), longest), dtype=torch.float32)
-        for r, s in enumerate(chunk):
-            c = len(s["completion_ids"])
-            completion_ids[r, :c] = torch.tensor(s["completion_ids"], dtype=torch.long)
-            completion_mask[r, :c] = True
-            inference_logprobs[r, :c] = torch.tensor(s["logprobs"], dtype=torch.float32)
-        advantages = torch.tensor([float(s["advantage"]) for s in chunk], dtype=torch.float32)
-        batches.append(SharedPromptBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                         torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages))
-    return batches
-
-
-def check_sample(s: dict) -> None:
-    c = len(s["completion_ids"])
-    if len(s["logprobs"]) != c or c == 0:
-        raise ValueError(f"a sample has {c} completion tokens and {len(s['logprobs'])} logprobs; "
+def check_sample(s: Sample) -> None:
+    c = len(s.completion_ids)
+    if len(s.logprobs) != c or c == 0:
+        raise ValueError(f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
                          "expected one sampling logprob per completion token (and at least one token)")
 
 
@@ -191,8 +112,6 @@ def load_full_model(path_or_name: str):
     try:
         return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
     except (OSError, ValueError) as exc:
-        from scirl.train import TrainError
-
         raise TrainError(f"cannot load model {path_or_name!r} as a causal LM: {exc}") from exc
 
 
@@ -221,14 +140,10 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
     torch.distributed.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         if isinstance(error, (OSError, ValueError)):
-            from scirl.train import TrainError
-
             raise TrainError(f"cannot load model {path_or_name!r} as a causal LM: {error}") from error
         raise error
     failed = [(rank, message) for rank, message in enumerate(errors) if message is not None]
     if failed:
-        from scirl.train import TrainError
-
         rank, message = failed[0]
         raise TrainError(f"cannot load model {path_or_name!r}: rank {rank} failed to load it ({message})")
 
@@ -259,54 +174,28 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
 
 
 class Trainer:
+    """One optimizer step per RL step: micro-batched forward/backward with gradient accumulation,
+    clipping, AdamW. ``make_batches`` and ``forward_logprobs`` are the two hooks ``scirl.cpu.CPUTrainer``
+    overrides; everything else is the same on every device."""
+
     def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype):
-        self.model = model
+        self.model = model  # holds the float32 master weights the optimizer steps
         self.loss_cfg = loss_cfg
         self.temperature = temperature
         self.device = device
         self.dist = dist
         self.dtype = dtype
         self.max_norm = optim_cfg.max_norm
-        # transformers renamed the forward's `past_key_values` to `cache`; accept both
-        import inspect
-
-        forward_params = inspect.signature(model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=optim_cfg.lr,
             betas=tuple(optim_cfg.betas),
             weight_decay=optim_cfg.weight_decay,
         )
-        # ``model`` holds the float32 master weights the optimizer steps. Forward and backward run on
-        # ``compute_model``: the same module, except in a single bf16 process, where it is a bf16 copy.
-        # That is what FSDP2's MixedPrecisionPolicy does under torchrun (bf16 parameters and activations,
-        # gradients accumulated in float32 into the masters), so one process and many compute alike.
-        # (autocast instead would keep float32 activations and re-cast every weight at every call.)
-        self.compute_model = model
-        self.master_and_compute: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        if dist.world_size == 1 and dtype != torch.float32:
-            import copy
-
-            self.compute_model = copy.deepcopy(model).to(dtype)
-            compute_params = dict(self.compute_model.named_parameters())
-            self.master_and_compute = [(p, compute_params[name]) for name, p in model.named_parameters() if p.requires_grad]
-
-    def _accumulate_master_grads(self) -> None:
-        """Add the compute copy's bf16 gradients of one micro-batch into the float32 masters' gradients."""
-        for master, compute in self.master_and_compute:
-            if compute.grad is None:
-                continue
-            if master.grad is None:
-                master.grad = compute.grad.float()
-            else:
-                master.grad.add_(compute.grad)
-            compute.grad = None
-
-    @torch.no_grad()
-    def _refresh_compute_copy(self) -> None:
-        for master, compute in self.master_and_compute:
-            compute.copy_(master)
+        # Forward and backward run on ``compute_model``: the module itself, except in a single bf16
+        # process, where it is a bf16 copy (FSDP2's mixed precision does this under torchrun)
+        self.compute_copy = ComputeCopy(model, dtype) if dist.world_size == 1 and dtype != torch.float32 else None
+        self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         if self.dist.world_size == 1:
@@ -314,6 +203,15 @@ class Trainer:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
         return t.tolist()
+
+    # ---- the hooks ----
+
+    def make_batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+        return make_micro_batches(samples, micro_batch_size, pad_id)
+
+    def forward_logprobs(self, mb) -> tuple[torch.Tensor, ...]:
+        """(trainer logprobs, entropies, loss mask, sampler logprobs) of a micro-batch's completion tokens."""
+        return self.completion_logprobs(mb)
 
     def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """Trainer logprobs and entropies of the completion tokens, at the sampling temperature, with
@@ -329,42 +227,12 @@ class Trainer:
         logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature)
         return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
 
-    def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
-        """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
-        is repeated for its completions, which continue from it, as in generation."""
-        from transformers import DynamicCache
+    # ---- the step ----
 
-        try:
-            cache = DynamicCache(config=self.model.config)
-        except TypeError:  # transformers < 4.56
-            cache = DynamicCache()
-        prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
-        out = self.compute_model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
-                                 use_cache=True, logits_to_keep=1, **{self.cache_kwarg: cache})
-        cache.batch_select_indices(mb.rows)
-        n_completion = mb.completion_ids.shape[1]
-        positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
-        attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
-        # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
-        rest = None
-        if n_completion > 1:
-            rest = self.compute_model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
-                                      position_ids=positions[:, :-1], use_cache=True, **{self.cache_kwarg: cache}).logits
-        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
-        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature)
-        if rest is not None:
-            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature)
-            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
-        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
-
-    def forward_backward(self, mb: MicroBatch | SharedPromptBatch, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
+    def forward_backward(self, mb, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
         """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
         mb = type(mb)(*(t.to(self.device) for t in vars(mb).values()))
-        with use_gqa_attention(self.compute_model):
-            if isinstance(mb, SharedPromptBatch):
-                logprobs, entropy, loss_mask, inference_logprobs = self.shared_prompt_logprobs(mb)
-            else:
-                logprobs, entropy, loss_mask, inference_logprobs = self.completion_logprobs(mb)
+        logprobs, entropy, loss_mask, inference_logprobs = self.forward_logprobs(mb)
         loss, sums = rl_loss(
             logprobs,
             inference_logprobs,
@@ -385,14 +253,16 @@ class Trainer:
         # summed; FSDP averages them, hence the world-size factor. (FSDP's set_gradient_divide_factor(1)
         # would say the same, but needs a PREMUL_SUM reduction that gloo lacks.)
         (loss * self.dist.world_size).backward()
-        self._accumulate_master_grads()
+        if self.compute_copy is not None:
+            self.compute_copy.accumulate_grads()
         return float(loss.detach()), sums
 
-    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
+    def train_step(self, micro_batches: list) -> dict:
         """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
 
-        Returns the batch's loss, grad norm and token statistics; ``stepped`` is False when
-        no rank had a single loss token (nothing to learn from: the step is skipped).
+        Returns the batch's loss, grad norm and token statistics. ``stepped`` is False when no rank
+        had a single loss token (nothing to learn from) or when the loss or the gradient norm is not
+        finite (``nonfinite`` True): then the update is skipped and the weights stay as they were.
         """
         local_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
         global_tokens = self._all_reduce([local_tokens])[0]
@@ -413,16 +283,22 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
+        grad_norm = float(grad_norm)  # the global norm: every rank sees the same value
+        if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
+            # one NaN applied makes every weight NaN; skipping keeps the last good weights and optimizer state
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"stepped": False, "nonfinite": True, "loss_tokens": int(global_tokens)}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._refresh_compute_copy()
+        if self.compute_copy is not None:
+            self.compute_copy.refresh()
 
-        loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
         tokens, masked, mismatch_kl, entropy = totals
         return {
             "stepped": True,
             "loss": loss_total,
-            "grad_norm": float(grad_norm),
+            "grad_norm": grad_norm,
             "loss_tokens": int(tokens),
             "masked_fraction": masked / max(tokens, 1),
             "mismatch_kl": mismatch_kl / max(tokens, 1),

@@ -13,7 +13,8 @@ import torch
 LOAD_SCRIPT = r'''
 import sys, torch
 from transformers import PreTrainedModel
-from scirl.trainer import load_model, setup_distributed
+from scirl.distributed import exit_process, setup as setup_distributed, teardown
+from scirl.trainer import load_model
 
 model_dir, out_dir = sys.argv[1:3]
 # count every from_pretrained (the Auto classes end up here too)
@@ -30,8 +31,8 @@ try:
 except Exception as exc:
     with open(f"{out_dir}/error_{dist.rank}.txt", "w") as f:
         f.write(f"{type(exc).__name__}: {exc}")
-    torch.distributed.destroy_process_group()
-    sys.exit(0)
+    teardown(wait_for_others=False)
+    exit_process(0)
 params = {name: value.full_tensor() for name, value in model.state_dict().items()}
 buffers = {name: value.clone() for name, value in model.named_buffers()}
 with torch.no_grad():  # every rank runs the forward: FSDP gathers the shards
@@ -43,7 +44,8 @@ torch.save({
     "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     "logits": logits,
 }, f"{out_dir}/rank_{dist.rank}.pt")
-torch.distributed.destroy_process_group()
+teardown()
+exit_process(0)
 '''
 
 

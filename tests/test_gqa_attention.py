@@ -2,7 +2,7 @@
 
 import torch
 
-from scirl.gqa_attention import GQA_SDPA_ATTENTION, use_gqa_attention
+from scirl.cpu.attention import GQA_SDPA_ATTENTION, use_gqa_attention
 
 
 def test_gqa_attention_gives_transformers_logits_and_gradients(tiny_model_dir):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from scirl.inference.base import SamplingParams
+from scirl.cpu.generator import CPUGenerator
 from scirl.inference.hf import HFGenerator
 
 PROMPT_TEXTS = [
@@ -45,7 +46,7 @@ def many_eos(tiny_model_dir, tokenizer):
     model = load_model(tiny_model_dir)
     eos = [tokenizer.eos_token_id] + list(range(100, 159))
     model.generation_config.eos_token_id = eos
-    return HFGenerator(model, tokenizer=tokenizer), set(eos)
+    return CPUGenerator(model, tokenizer=tokenizer), set(eos)
 
 
 def reference_logprobs(model, prompt, completion, temperature, top_p):
@@ -229,12 +230,12 @@ def test_sampler_draws_from_the_given_distribution():
 
 
 def test_preallocated_cache_matches_transformers_dynamic_cache(generator, prompts, monkeypatch):
-    import scirl.inference.hf as hf
+    import scirl.cpu.generator as hf
 
     params = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5)
-    fast = generator.generate(prompts, params)
+    fast = CPUGenerator(generator.model, tokenizer=generator.tokenizer, shared_prefix_attention=False).generate(prompts, params)
     monkeypatch.setattr(hf, "preallocated_layer_class", lambda: None)  # fall back to DynamicCache
-    plain = generator.generate(prompts, params)
+    plain = generator.generate(prompts, params)  # the plain loop: transformers' DynamicCache
     assert [[c.token_ids for c in g] for g in fast] == [[c.token_ids for c in g] for g in plain]
     for g_fast, g_plain in zip(fast, plain):
         for a, b in zip(g_fast, g_plain):
@@ -263,7 +264,7 @@ def test_min_tokens_holds_eos_back(many_eos, prompts, tiny_model_dir):
 ])
 def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts, params, monkeypatch):
     """Decoding from one prompt K/V per group gives the tokens and logprobs of n repeated copies."""
-    import scirl.inference.hf as hf
+    import scirl.cpu.generator as hf
 
     gen, _ = many_eos
     steps = []
@@ -276,7 +277,7 @@ def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts
     monkeypatch.setattr(hf.SharedPrefixCache, "update", counting_update)
     shared = gen.generate(prompts, params)
     assert steps  # the shared path ran
-    reference = HFGenerator(gen.model, tokenizer=gen.tokenizer, shared_prefix_attention=False).generate(prompts, params)
+    reference = CPUGenerator(gen.model, tokenizer=gen.tokenizer, shared_prefix_attention=False).generate(prompts, params)
     if params.temperature > 0:  # sampled rows of one group stop at different steps; greedy ones do not stop here
         lengths = [len(c.token_ids) for g in shared for c in g]
         assert min(lengths) < 10 and max(lengths) == 30
@@ -292,7 +293,7 @@ def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts
 def test_attention_with_lse_kernel_matches_the_plain_formula(dtype):
     """The decode attention's two parts are merged by their log-sum-exp: the CPU kernel's lse and output
     must be those of plain softmax attention, with a -inf padding bias and with strided (buffer-prefix) K/V."""
-    from scirl.inference.hf import attention_with_lse
+    from scirl.cpu.attention import attention_with_lse
 
     g = torch.Generator().manual_seed(0)
     query = torch.randn(3, 2, 5, 16, generator=g).to(dtype)
@@ -326,3 +327,16 @@ def test_should_stop_cancels_generation_between_decode_steps(tiny_model_dir):
     assert len(polls) == 4  # stopped at the first poll that said so, not after 50 tokens
     params = SamplingParams(n=2, max_tokens=5, seed=0)
     assert gen.generate([[5, 6, 7]], params, should_stop=lambda: False) == gen.generate([[5, 6, 7]], params)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0, max_tokens=12),
+                                    SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7)])
+def test_cpu_decode_path_equals_the_plain_loop(many_eos, prompts, params):
+    """The CPU generator (preallocated cache, shared prompt K/V) only changes speed: same tokens, same logprobs."""
+    gen, _ = many_eos
+    plain = HFGenerator(gen.model, tokenizer=gen.tokenizer).generate(prompts, params)
+    fast = gen.generate(prompts, params)
+    assert [[c.token_ids for c in g] for g in fast] == [[c.token_ids for c in g] for g in plain]
+    for g_fast, g_plain in zip(fast, plain):
+        for a, b in zip(g_fast, g_plain):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

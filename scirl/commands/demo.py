@@ -35,10 +35,9 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from scirl.config import ConfigError
-    from scirl.data import DataSourceError
-    from scirl.train import TrainError
+    from scirl.commands.train import keep_freed_memory_on_cpu
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
+    from scirl.errors import ConfigError, DataSourceError, TrainError
 
     torch.set_num_threads(max(1, args.threads))
     opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
@@ -51,6 +50,7 @@ def main(argv: list[str]) -> int:
         opts.base_model = Path(args.base_model)
     if args.config:
         opts.config = Path(args.config)
+    keep_freed_memory_on_cpu("cpu")  # the demo runs on the CPU
     try:
         run_demo(opts)
     except (ConfigError, FileNotFoundError, FileExistsError) as exc:

@@ -133,14 +133,14 @@ def run_eval(argv: list[str]) -> int:
         else:
             from scirl.eval.local import evaluate_generator
             from scirl.eval.results import check_resumable
-            from scirl.inference.hf import HFGenerator
+            from scirl.backends import hf_generator
 
             model_id = str(Path(args.model).resolve())
             if not args.overwrite:  # before loading the model, which may take minutes
                 check_resumable(args.out, {"model": model_id, "n_samples": args.n_samples, "temperature": args.temperature,
                                            "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed,
                                            **data_settings})
-            generator = HFGenerator(args.model, device=args.device)
+            generator = hf_generator(args.model, device=args.device)
             try:
                 results = evaluate_generator(
                     generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 EPILOG = """\
@@ -10,7 +11,7 @@ config: '@ FILE.toml' (several are deep-merged left to right), then any field as
 kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
 --filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors.
 Every field with its value: --dry-run.
-Multi-GPU: torchrun --nproc-per-node N -m scirl.train @ configs/X.toml
+Multi-GPU: torchrun --nproc-per-node N -m scirl train @ configs/X.toml
 """
 
 
@@ -51,14 +52,31 @@ def main(argv: list[str]) -> int:
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
         return 0
 
-    from scirl.data import DataSourceError
-    from scirl.train import RunDirError, TrainError, train
+    from scirl.errors import DataSourceError, RunDirError, TrainError
+    from scirl.train import train
 
+    keep_freed_memory_on_cpu(cfg.device)
     try:
-        return train(cfg, resume=bool(args.resume), clean=args.clean)
+        status = train(cfg, resume=bool(args.resume), clean=args.clean)
     except RunDirError as exc:
         print(f"scirl train: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     except (TrainError, DataSourceError) as exc:
         print(f"scirl train: {exc}", file=sys.stderr)
-        return 1
+        status = 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from scirl.distributed import exit_process
+
+        exit_process(status)  # under torchrun: no interpreter finalization (scirl/distributed.py says why)
+    return status
+
+
+def keep_freed_memory_on_cpu(device: str) -> None:
+    """A CPU run keeps freed host memory in the process instead of page-faulting big tensors in again
+    each step (``scirl.cpu.host_memory``). A process-wide setting: the command sets it, not the library."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        from scirl.cpu.host_memory import keep_freed_memory
+
+        keep_freed_memory()

@@ -55,9 +55,9 @@ def write_questions(path: str | Path, train_per_domain: int, eval_per_domain: in
 def evaluate(model_dir: Path, questions, out: Path, max_tokens: int, progress: bool) -> dict:
     """Greedy evaluation of ``model_dir`` on ``questions``, written to ``out`` in scirl eval's format."""
     from scirl.eval.local import evaluate_generator
-    from scirl.inference.hf import HFGenerator
+    from scirl.backends import hf_generator
 
-    generator = HFGenerator(model_dir, device="cpu", dtype="float32")
+    generator = hf_generator(model_dir, device="cpu", dtype="float32")
     try:
         return evaluate_generator(generator, questions, temperature=0.0, max_tokens=max_tokens, out=out,
                                   settings={"model": str(model_dir), "data": "scirl demo held-out"},
@@ -103,7 +103,8 @@ def run_demo(opts: DemoOptions) -> dict:
 
     from scirl.config import ConfigError, load_config
     from scirl.data import load_splits
-    from scirl.train import TrainError, train
+    from scirl.errors import TrainError
+    from scirl.train import train
 
     console = Console()
     started = time.perf_counter()

@@ -43,6 +43,8 @@ class Generator(ABC):
     """A policy that samples completions and can take new weights."""
 
     tokenizer: object
+    # False where the sampler shares the trainer's module: the optimizer step is the update
+    needs_weight_updates: bool = True
 
     @abstractmethod
     def generate(self, prompts: list[list[int]], params: SamplingParams,

@@ -1,8 +1,8 @@
-"""transformers generation backend for CPUs and small GPUs.
+"""transformers generation backend for CPUs and small GPUs: the plain decode loop.
 
 One call generates ``n`` completions for each of several token-id prompts:
 
-1. a batch of prompts is left-padded and prefilled ONCE into a ``DynamicCache``;
+1. a batch of prompts is left-padded and prefilled ONCE into a KV cache;
 2. the cache rows (and the last-position logits) are then repeated ``n`` times,
    so the whole group decodes from the same prefill and no prompt is ever
    recomputed per completion;
@@ -10,20 +10,17 @@ One call generates ``n`` completions for each of several token-id prompts:
    is dropped from the batch (cache, mask and positions), so finished rows cost
    nothing, and the loop ends when every row is done or ``max_tokens`` is hit.
 
-For plain full-attention models the decode steps keep each prompt's K/V ONCE
-per group (``SharedPrefixCache``) instead of n copies: decode attention is
-memory-bound, and the repeated prompt was most of what it read
-(``shared_prefix_attention`` merges the prompt and completion parts exactly).
-
 Logprobs are those of the sampling distribution (``log_softmax(logits / T)``
 after top-p, renormalised), the quantity vLLM returns with
 ``logprobs_mode="processed_logprobs"``; this is what makes the trainer's
 importance ratio start at 1. Greedy (temperature 0) reports ``log_softmax(logits)``.
+
+The KV cache and the decode-step forward are one object, ``KVCacheDecoder``; CPU runs get
+``scirl.cpu.CPUGenerator``, whose decoder keeps each prompt's K/V once per group.
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 from pathlib import Path
 from typing import Iterable
@@ -109,8 +106,10 @@ class HFGenerator(Generator):
     ``max_batch_size`` bounds the number of sequences decoded together and
     ``max_batch_tokens`` the KV-cache size of a batch (rows x (padded prompt +
     max_tokens)); a group is only split across batches when it alone exceeds
-    these bounds. ``shared_prefix_attention=False`` decodes from n copies of
-    each prompt's K/V (the reference path) even where the shared one applies.
+    these bounds.
+
+    The decode state lives in a ``KVCacheDecoder`` (``new_decoder``): the one hook through which
+    ``scirl.cpu.CPUGenerator`` swaps in its CPU decode path; this class is the plain loop.
     """
 
     def __init__(
@@ -123,7 +122,6 @@ class HFGenerator(Generator):
         max_batch_size: int = 128,
         max_batch_tokens: int | None = 131072,
         strict_update: bool = False,
-        shared_prefix_attention: bool = True,
     ):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +131,6 @@ class HFGenerator(Generator):
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
         self.strict_update = strict_update
-        self.shared_prefix_attention = shared_prefix_attention
 
         if isinstance(model_dir_or_module, torch.nn.Module):
             self.model = model_dir_or_module
@@ -168,9 +165,6 @@ class HFGenerator(Generator):
             raise ValueError("neither the tokenizer nor the generation config names an EOS token")
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
-        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); accept both.
-        params = inspect.signature(self.model.forward).parameters
-        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
 
     def _eos_ids(self) -> list[int]:
         ids = []
@@ -207,6 +201,10 @@ class HFGenerator(Generator):
         finally:
             self.model.train(was_training)
         return results
+
+    @property
+    def needs_weight_updates(self) -> bool:
+        return self.owns_model  # a shared module is the trainer's own: every optimizer step updates it
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         if not self.owns_model:
@@ -253,71 +251,8 @@ class HFGenerator(Generator):
 
     # ---- the decode loop ----
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache):
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,  # only the last position's logits: never a [rows, seq, vocab] tensor
-            **{self.cache_kwarg: cache},
-        )
-        return out.logits[:, -1, :].float()
-
-    def _forward_shared_prefix(self, input_ids, position_ids, cache):
-        """One decode step through ``shared_prefix_attention``; the model's own attention setting is restored after."""
-        config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = SHARED_PREFIX_ATTENTION  # no mask is built for it: the cache knows the padding
-        try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=1,
-                shared_prefix_cache=cache,  # reaches the attention function through the model's **kwargs
-                **{self.cache_kwarg: cache},
-            )
-        finally:
-            config._attn_implementation = previous
-        return out.logits[:, -1, :].float()
-
-    def _can_share_prefix(self) -> bool:
-        """Only models whose every layer is plain softmax attention through transformers' AttentionInterface."""
-        if not self.shared_prefix_attention or preallocated_layer_class() is None:
-            return False
-        config = self.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
-        return (
-            register_shared_prefix_attention()
-            and getattr(self.model, "_supports_attention_backend", False)
-            and set(layer_types) == {"full_attention"}
-            and not getattr(text_config, "use_sliding_window", False)
-            and getattr(text_config, "attn_logit_softcapping", None) is None
-            and config._attn_implementation in ("sdpa", "eager")
-        )
-
-    def _new_cache(self, capacity: int):
-        """A KV cache preallocated for ``capacity`` positions when the model is plain full attention.
-
-        transformers' ``DynamicCache`` grows by ``torch.cat`` every step, which re-copies the whole
-        cache per token (over a third of CPU decode time at 256 tokens); writing into a buffer avoids it.
-        """
-        from transformers import DynamicCache
-
-        config = self.model.config
-        text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"]
-        layer_class = preallocated_layer_class()
-        if layer_class is not None and set(layer_types) == {"full_attention"}:
-            from transformers.cache_utils import Cache
-
-            return Cache(layers=[layer_class(capacity) for _ in range(text_config.num_hidden_layers)])
-        try:
-            return DynamicCache(config=config)  # sliding-window or hybrid models: let transformers pick the layers
-        except TypeError:  # older transformers
-            return DynamicCache()
+    def new_decoder(self) -> KVCacheDecoder:
+        return KVCacheDecoder(self.model)
 
     def _generate_batch(self, prompts, counts, params, generator, should_stop=None) -> list[list[Completion]]:
         import torch
@@ -333,21 +268,12 @@ class HFGenerator(Generator):
         # positions count real tokens only, so a left-padded prompt sees the same positions as unpadded
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
-        share_prefix = self._can_share_prefix()
-        cache = self._new_cache(longest + (0 if share_prefix else params.max_tokens))
-        logits = self._forward(input_ids, attention_mask, position_ids, cache)
+        decoder = self.new_decoder()
+        logits = decoder.prefill(input_ids, attention_mask, position_ids, counts, params.max_tokens)
+        rows_of_prompt = torch.tensor(counts, device=device)
+        next_position = torch.repeat_interleave(position_ids[:, -1] + 1, rows_of_prompt)
 
-        # Share the prefill: row r of the decode batch continues prompt expand[r].
-        expand = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(counts, device=device))
-        if share_prefix:
-            cache = SharedPrefixCache([layer.keys for layer in cache.layers], [layer.values for layer in cache.layers],
-                                      attention_mask.bool(), counts, params.max_tokens)
-        else:
-            cache.batch_select_indices(expand)
-        logits, attention_mask = logits[expand], attention_mask[expand]
-        next_position = position_ids[expand, -1] + 1
-
-        total_rows, max_tokens = len(expand), params.max_tokens
+        total_rows, max_tokens = sum(counts), params.max_tokens
         eos = torch.tensor(self.eos_ids, device=device)
         tokens = torch.full((total_rows, max_tokens), self.pad_id, dtype=torch.long, device=device)
         logprobs = torch.zeros((total_rows, max_tokens), dtype=torch.float32, device=device)
@@ -371,15 +297,11 @@ class HFGenerator(Generator):
                 if keep.numel() == 0:
                     break
                 # drop finished rows everywhere so they cost nothing from here on
-                live, token, attention_mask, next_position = live[keep], token[keep], attention_mask[keep], next_position[keep]
-                cache.batch_select_indices(keep)
+                live, token, next_position = live[keep], token[keep], next_position[keep]
+                decoder.keep(keep)
             if t == max_tokens - 1:
                 break
-            if share_prefix:
-                logits = self._forward_shared_prefix(token[:, None], next_position[:, None], cache)
-            else:
-                attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(live), 1))], dim=1)
-                logits = self._forward(token[:, None], attention_mask, next_position[:, None], cache)
+            logits = decoder.step(token, next_position)
             next_position = next_position + 1
 
         tokens, logprobs, lengths, stopped = tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist()
@@ -401,198 +323,69 @@ class HFGenerator(Generator):
         return out
 
 
-@functools.cache
-def preallocated_layer_class():
-    """A ``DynamicLayer`` that writes into a fixed-capacity buffer instead of concatenating; None if
-    this transformers has no per-layer cache API (then the plain ``DynamicCache`` is used)."""
-    try:
-        from transformers.cache_utils import Cache, DynamicLayer  # noqa: F401
-    except ImportError:
-        return None
+class KVCacheDecoder:
+    """Decode state of one batch: transformers' ``DynamicCache`` with one row per completion.
 
-    class PreallocatedLayer(DynamicLayer):
-        def __init__(self, capacity: int):
-            super().__init__()
-            self.capacity = capacity
-            self.length = 0
-
-        def lazy_initialization(self, key_states, value_states) -> None:
-            self.device = key_states.device
-            rows, heads, _, dim = key_states.shape
-            self.key_buffer = key_states.new_empty((rows, heads, self.capacity, dim))
-            self.value_buffer = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[-1]))
-            self.is_initialized = True
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            if end > self.capacity:
-                raise RuntimeError(f"KV cache capacity {self.capacity} exceeded")
-            self.key_buffer[:, :, self.length : end] = key_states
-            self.value_buffer[:, :, self.length : end] = value_states
-            self.length = end
-            self._expose()
-            return self.keys, self.values
-
-        def _expose(self) -> None:
-            # views, not copies: attention reads the filled prefix of the buffer
-            self.keys = self.key_buffer[:, :, : self.length]
-            self.values = self.value_buffer[:, :, : self.length]
-
-        def get_seq_length(self) -> int:
-            return self.length
-
-        def batch_select_indices(self, indices) -> None:
-            if self.is_initialized:
-                self.key_buffer, self.value_buffer = self.key_buffer[indices], self.value_buffer[indices]
-                self._expose()
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            if self.is_initialized:
-                self.key_buffer = self.key_buffer.repeat_interleave(repeats, dim=0)
-                self.value_buffer = self.value_buffer.repeat_interleave(repeats, dim=0)
-                self._expose()
-
-    return PreallocatedLayer
-
-
-SHARED_PREFIX_ATTENTION = "scirl_shared_prefix"
-
-
-@functools.cache
-def register_shared_prefix_attention() -> bool:
-    """Make ``shared_prefix_attention`` selectable by name; False if this transformers has no AttentionInterface."""
-    try:
-        from transformers import AttentionInterface
-    except ImportError:
-        return False
-    AttentionInterface.register(SHARED_PREFIX_ATTENTION, shared_prefix_attention)
-    return True
-
-
-class SharedPrefixCache:
-    """Decode-time KV cache: each group's prompt K/V once, each row's completion K/V on its own.
-
-    Prompt part, per layer: keys/values [groups, kv_heads, P, d] from the prefill
-    and ``prompt_bias`` [groups, 1, 1, P] (0 for real tokens, -inf for left padding).
-    Completion part, per layer: a preallocated [rows, kv_heads, max_tokens, d]
-    buffer; every live row has written the same number of tokens, so that part
-    needs no mask. ``slot`` places each live row in a [groups x slots_per_group]
-    grid (group j's k-th row at j * slots_per_group + k): attention gathers the
-    queries of a group there to read its prompt K/V once for all of them.
+    ``prefill`` runs the prompts once and repeats each prompt's cache rows for its completions;
+    ``keep`` drops finished rows; ``step`` feeds one token per live row. Each returns or keeps
+    what the next call needs, so the decode loop never touches the cache itself.
     """
 
-    def __init__(self, prompt_keys, prompt_values, prompt_mask, counts: list[int], max_tokens: int):
+    def __init__(self, model):
+        self.model = model
+        # transformers renamed the forward's `past_key_values` to `cache` (5.2x); accept both
+        self.cache_kwarg = cache_kwarg(model)
+
+    def new_cache(self, capacity: int):
+        from transformers import DynamicCache
+
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:  # older transformers
+            return DynamicCache()
+
+    def prefill(self, input_ids, attention_mask, position_ids, counts: list[int], max_tokens: int):
+        """Logits [rows, vocab] of each completion's first token; row r continues prompt ``expand[r]``."""
         import torch
 
-        real = prompt_mask[:, None, :, None]
-        # zero the padding's K/V so the -inf bias alone decides, whatever the pad positions computed
-        self.prompt_keys = [k.masked_fill(~real, 0) for k in prompt_keys]
-        self.prompt_values = [v.masked_fill(~real, 0) for v in prompt_values]
-        self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=torch.float32, device=prompt_mask.device)
-        self.prompt_bias = self.prompt_bias.masked_fill(~prompt_mask, float("-inf"))[:, None, None, :]
-        self.groups, self.slots_per_group = len(counts), max(counts)
-        self.slot = torch.cat([torch.arange(k) + j * self.slots_per_group for j, k in enumerate(counts)]).to(prompt_mask.device)
-        rows = sum(counts)
-        self.keys = [k.new_empty((rows, k.shape[1], max_tokens, k.shape[3])) for k in prompt_keys]
-        self.values = [v.new_empty((rows, v.shape[1], max_tokens, v.shape[3])) for v in prompt_values]
-        self.lengths = [0] * len(prompt_keys)  # completion tokens written, per layer
+        self.cache = self.new_cache(input_ids.shape[1] + max_tokens)
+        logits = self.forward(input_ids, attention_mask, position_ids)
+        expand = torch.repeat_interleave(torch.arange(len(counts), device=input_ids.device),
+                                         torch.tensor(counts, device=input_ids.device))
+        self.cache.batch_select_indices(expand)
+        self.attention_mask = attention_mask[expand]
+        return logits[expand]
 
-    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Append one decode step's K/V; return the completion K/V written so far (the prompt part stays here)."""
-        end = self.lengths[layer_idx] + key_states.shape[2]
-        if end > self.keys[layer_idx].shape[2]:
-            raise RuntimeError(f"KV cache capacity {self.keys[layer_idx].shape[2]} exceeded")
-        self.keys[layer_idx][:, :, self.lengths[layer_idx] : end] = key_states
-        self.values[layer_idx][:, :, self.lengths[layer_idx] : end] = value_states
-        self.lengths[layer_idx] = end
-        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+    def keep(self, rows) -> None:
+        self.cache.batch_select_indices(rows)
+        self.attention_mask = self.attention_mask[rows]
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.prompt_keys[layer_idx].shape[2] + self.lengths[layer_idx]
+    def step(self, token, positions):
+        self.attention_mask = torch_cat_ones(self.attention_mask)
+        return self.forward(token[:, None], self.attention_mask, positions[:, None])
 
-    def batch_select_indices(self, indices) -> None:
-        """Keep only rows ``indices`` (finished rows leave); the prompt part is per group and stays."""
-        self.keys = [k[indices] for k in self.keys]
-        self.values = [v[indices] for v in self.values]
-        self.slot = self.slot[indices]
+    def forward(self, input_ids, attention_mask, position_ids, **kwargs):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position's logits: never a [rows, seq, vocab] tensor
+            **{self.cache_kwarg: self.cache},
+            **kwargs,
+        )
+        return out.logits[:, -1, :].float()
 
 
-def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, shared_prefix_cache=None, **kwargs):
-    """Decode attention over (shared prompt, own completion), merged exactly by log-sum-exp.
-
-    ``query`` [rows, heads, 1, d]; ``key``/``value`` are the rows' completion K/V
-    [rows, kv_heads, T, d] returned by ``SharedPrefixCache.update``. Each part is one
-    call of torch's CPU flash-attention kernel, which also returns the log-sum-exp of
-    the scores (lse). Softmax attention over both parts is then
-    o = o_p * e^(lse_p - lse) + o_c * e^(lse_c - lse), with lse = logaddexp(lse_p, lse_c),
-    where o_p, o_c are each part's own normalised attention output.
-    """
+def torch_cat_ones(mask):
+    """The attention mask with one more visible position per row."""
     import torch
 
-    cache = shared_prefix_cache
-    if cache is None:  # a forward that is not one of our decode steps: plain attention
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    rows, heads, q_len, dim = query.shape
-    if q_len != 1 or kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
-        raise ValueError("shared_prefix_attention handles one-token decode steps of plain full attention only")
-    layer = module.layer_idx
-    kv_heads = key.shape[1]
-    per_kv = heads // kv_heads  # GQA: query head h uses kv head h // per_kv (transformers' repeat_kv order)
-    scale = scaling if scaling is not None else dim**-0.5
-    # GQA without copying K/V: the per_kv query heads of a kv head go where a query's positions would
-    q = query.reshape(rows, kv_heads, per_kv, dim)
-
-    # prompt part: put each group's queries side by side so its prompt K/V is read once for all of them
-    groups, slots = cache.groups, cache.slots_per_group
-    grid = q.new_zeros((groups * slots, kv_heads, per_kv, dim))
-    grid[cache.slot] = q
-    grid = grid.view(groups, slots, kv_heads, per_kv, dim).transpose(1, 2).reshape(groups, kv_heads, slots * per_kv, dim)
-    out_p, lse_p = attention_with_lse(grid, cache.prompt_keys[layer], cache.prompt_values[layer], scale, cache.prompt_bias)
-
-    def to_rows(t):  # [groups, kv_heads, slots * per_kv, x] -> [rows, kv_heads, per_kv, x]
-        t = t.view(groups, kv_heads, slots, per_kv, -1).transpose(1, 2).reshape(groups * slots, kv_heads, per_kv, -1)
-        return t[cache.slot]
-
-    out_p, lse_p = to_rows(out_p), to_rows(lse_p[..., None])
-
-    # completion part: each row's own tokens, all of them visible
-    out_c, lse_c = attention_with_lse(q, key, value, scale)
-    lse = torch.logaddexp(lse_p, lse_c[..., None])
-    out = out_p.float() * (lse_p - lse).exp() + out_c.float() * (lse_c[..., None] - lse).exp()
-    # [rows, 1, heads, d], the layout transformers' attention functions return
-    return out.to(query.dtype).reshape(rows, 1, heads, dim), None
+    return torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
 
 
-def attention_with_lse(query, key, value, scale: float, bias=None, *, kernel: bool = True):
-    """Softmax attention and the log-sum-exp of its scores: ([B, H, L, d], [B, H, L] float32).
-
-    torch's CPU flash-attention kernel returns both in one pass over K/V and reads strided
-    K/V (a prefix of a preallocated buffer) in place. Elsewhere (CUDA, a torch without that
-    kernel, or ``kernel=False``) the scores are computed plainly. Under autocast the inputs
-    are cast to its dtype, as SDPA would be; otherwise to their common dtype.
-    """
-    import torch
-
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-    else:
-        dtype = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
-    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    if kernel and device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
-        mask = None if bias is None else bias.to(query.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask, scale=scale)
-        return out, lse
-    scores = (query @ key.transpose(-1, -2)).float() * scale
-    if bias is not None:
-        scores = scores + bias
-    lse = scores.logsumexp(-1)
-    weights = (scores - lse[..., None]).exp()
-    return (weights.to(value.dtype) @ value), lse
+def cache_kwarg(model) -> str:
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def check_params(prompts: list[list[int]], params: SamplingParams) -> None:

@@ -1,0 +1,67 @@
+"""Which generator and trainer a run gets, chosen once, here.
+
+The core classes (``inference.hf.HFGenerator``, ``trainer.Trainer``) are what a GPU runs; on a CPU
+the same contracts are served by ``scirl.cpu``'s subclasses, which only change how fast a step
+goes. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
+contract. Nothing below this module knows which one it got.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from scirl.errors import TrainError
+from scirl.inference.base import Generator
+from scirl.inference.hf import HFGenerator
+from scirl.trainer import Trainer
+
+
+def make_trainer(model, cfg, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
+    kwargs = dict(temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
+    if device.type == "cpu":
+        from scirl.cpu.trainer import CPUTrainer
+
+        return CPUTrainer(model, cfg.optim, cfg.loss, share_prompts=cfg.share_prompts, **kwargs)
+    return Trainer(model, cfg.optim, cfg.loss, **kwargs)
+
+
+def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:
+    """An ``HFGenerator`` over a directory or a shared module; on a CPU, the CPU decode path's."""
+    if isinstance(model_dir_or_module, torch.nn.Module):
+        device = next(model_dir_or_module.parameters()).device
+    else:
+        device = torch.device(kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        from scirl.cpu.generator import CPUGenerator
+
+        return CPUGenerator(model_dir_or_module, **kwargs)
+    return HFGenerator(model_dir_or_module, **kwargs)
+
+
+def make_generator(trainer: Trainer, model_source: str, tokenizer) -> Generator:
+    """The training sampler.
+
+    One process samples from the very module the trainer computes with (in bf16 runs, its bf16 copy
+    of the float32 masters, refreshed in place by every optimizer step), so sampler and trainer
+    logprobs come from the same weights in the same dtype and no weights need pushing. Under FSDP
+    each rank's parameters are shards, so each rank keeps a full generation copy in the compute
+    dtype, which takes the gathered weights after each step.
+    """
+    if trainer.dist.world_size == 1:
+        return hf_generator(trainer.compute_model, tokenizer=tokenizer)
+    return hf_generator(local_model_dir(model_source), tokenizer=tokenizer, device=trainer.device, dtype=trainer.dtype)
+
+
+def local_model_dir(model: str) -> str:
+    """The directory of a model given as a path or a hub name: a hub model is in the local cache,
+    where loading it put it (the per-rank generation copy is loaded from a directory)."""
+    if Path(model).is_dir():
+        return model
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(model, "config.json")
+    if not isinstance(config, str):
+        raise TrainError(f"model {model!r} is neither a local directory nor in the hub cache")
+    return str(Path(config).parent)

@@ -1,0 +1,125 @@
+"""The CPU training forward: each group's prompt run once per micro-batch, and grouped-query
+attention left to torch's CPU kernel.
+
+``CPUTrainer`` is ``Trainer`` with its two hooks overridden:
+
+- ``make_batches``: in a single process with ``share_prompts``, ``SharedPromptBatch`` stores each
+  group's prompt once; the forward runs it once and continues all its completions from its KV
+  cache (gradients flow through the cache), as the sampler did: a group of 16 completions costs
+  one prompt forward instead of 16. Under torchrun every rank must run the same number of
+  forwards, so multi-rank runs keep whole sequences;
+- ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from scirl.cpu.attention import use_gqa_attention
+from scirl.loss import token_logprobs
+from scirl.rollouts import Sample
+from scirl.trainer import Trainer, check_sample
+
+
+class CPUTrainer(Trainer):
+    def __init__(self, *args, share_prompts: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.share_prompts = share_prompts and self.dist.world_size == 1
+
+    def make_batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int):
+        if self.share_prompts:
+            return make_shared_prompt_batches(samples, micro_batch_size, pad_id)
+        return super().make_batches(samples, micro_batch_size, pad_id)
+
+    def forward_logprobs(self, mb):
+        with use_gqa_attention(self.compute_model):
+            if isinstance(mb, SharedPromptBatch):
+                return self.shared_prompt_logprobs(mb)
+            return self.completion_logprobs(mb)
+
+    def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
+        """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
+        is repeated for its completions, which continue from it, as in generation."""
+        from transformers import DynamicCache
+
+        from scirl.inference.hf import cache_kwarg
+
+        cache_arg = cache_kwarg(self.compute_model)
+        try:
+            cache = DynamicCache(config=self.model.config)
+        except TypeError:  # transformers < 4.56
+            cache = DynamicCache()
+        prompt_positions = (mb.prompt_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens from 0
+        out = self.compute_model(input_ids=mb.prompt_ids, attention_mask=mb.prompt_mask, position_ids=prompt_positions,
+                                 use_cache=True, logits_to_keep=1, **{cache_arg: cache})
+        cache.batch_select_indices(mb.rows)
+        n_completion = mb.completion_ids.shape[1]
+        positions = prompt_positions[mb.rows, -1:] + 1 + torch.arange(n_completion, device=self.device)
+        attention_mask = torch.cat([mb.prompt_mask[mb.rows], mb.completion_mask.long()], dim=1)
+        # completion token j is predicted by the prompt's last logits (j = 0) or completion position j-1
+        rest = None
+        if n_completion > 1:
+            rest = self.compute_model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
+                                      position_ids=positions[:, :-1], use_cache=True, **{cache_arg: cache}).logits
+        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
+        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature)
+        if rest is not None:
+            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature)
+            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
+        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
+
+
+@dataclass
+class SharedPromptBatch:
+    """Completions with their prompts stored once: the trainer runs each prompt through the model
+    once and continues every completion from its KV cache, as the sampler did (a group of 16
+    completions costs one prompt forward instead of 16)."""
+
+    prompt_ids: torch.Tensor  # [G, P] long, left-padded
+    prompt_mask: torch.Tensor  # [G, P] long
+    completion_ids: torch.Tensor  # [R, C] long, right-padded
+    completion_mask: torch.Tensor  # [R, C] bool: completion tokens (the loss tokens)
+    rows: torch.Tensor  # [R] long: the prompt of each completion
+    inference_logprobs: torch.Tensor  # [R, C] float32
+    advantages: torch.Tensor  # [R] float32
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.completion_mask
+
+
+def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
+    """Like ``make_micro_batches``, but each group's prompt is stored once per micro-batch.
+    Samples keep their order (a group's completions are adjacent, so they share a micro-batch)."""
+    batches = []
+    for start in range(0, len(samples), micro_batch_size):
+        chunk = samples[start : start + micro_batch_size]
+        row_of_group: dict[int, int] = {}  # the group index says which completions share a prompt
+        prompts, rows = [], []
+        for s in chunk:
+            check_sample(s)
+            if s.group not in row_of_group:
+                row_of_group[s.group] = len(prompts)
+                prompts.append(s.prompt_ids)
+            rows.append(row_of_group[s.group])
+        longest_prompt = max(len(p) for p in prompts)
+        prompt_ids = torch.full((len(prompts), longest_prompt), pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
+        for g, p in enumerate(prompts):
+            prompt_ids[g, longest_prompt - len(p) :] = torch.tensor(p, dtype=torch.long)
+            prompt_mask[g, longest_prompt - len(p) :] = 1
+        longest = max(len(s.completion_ids) for s in chunk)
+        completion_ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+        completion_mask = torch.zeros((len(chunk), longest), dtype=torch.bool)
+        inference_logprobs = torch.zeros((len(chunk), longest), dtype=torch.float32)
+        for r, s in enumerate(chunk):
+            c = len(s.completion_ids)
+            completion_ids[r, :c] = torch.tensor(s.completion_ids, dtype=torch.long)
+            completion_mask[r, :c] = True
+            inference_logprobs[r, :c] = torch.tensor(s.logprobs, dtype=torch.float32)
+        advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
+        batches.append(SharedPromptBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                         torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages))
+    return batches

@@ -1,0 +1,137 @@
+"""Rank plumbing: joining and leaving the process group, barriers, gathers, and stopping together on a signal.
+
+A single process (no ``torchrun``) is world size 1 and every call here is then a no-op, so the
+training code reads the same for one rank and many. Under ``torchrun`` the group is gloo on CPU
+and nccl on GPU.
+
+``teardown`` ends the group while the interpreter is still alive. Left to the interpreter's exit, a
+finished multi-rank run could abort (SIGABRT, "terminate called without an active exception", about
+one run in ten on a loaded machine): a gloo worker thread still held the last reference to a
+finished collective, whose tensors are Python objects; releasing them needs the GIL, and a thread
+that asks for the GIL during finalization is made to exit, which unwinds through a ``noexcept``
+frame and calls ``std::terminate``. Destroying the group does not stop those threads (torch's own
+caches keep the group object alive), so a multi-rank process that has finished its work leaves
+through ``exit_process``: files closed and flushed, then ``os._exit``, with no interpreter
+finalization for a gloo thread to race.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun), before any process group exists."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def setup(device_name: str) -> tuple[Dist, torch.device]:
+    """Pick the device and, under torchrun, join the process group."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = launched_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_name == "auto":
+        device_name = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_name == "cuda" and world_size > 1:
+        device_name = f"cuda:{local_rank}"
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return Dist(rank, world_size, local_rank), device
+
+
+def teardown(wait_for_others: bool = True) -> None:
+    """Leave the process group: every rank waits for the others (unless this one failed, when they
+    may never come), then the group is destroyed. Safe when no group exists, and twice."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            if wait_for_others:
+                torch.distributed.barrier()
+        finally:
+            torch.distributed.destroy_process_group()
+
+
+def exit_process(status: int) -> None:
+    """End a finished multi-rank process now: logs flushed and closed, then ``os._exit`` (see the
+    module's docstring for why not a normal exit). Call it only after every output is written."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def barrier(dist: Dist) -> None:
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+
+
+def gather_objects(items: list, dist: Dist) -> list:
+    """Every rank's ``items``, concatenated in rank order, on every rank."""
+    if dist.world_size == 1:
+        return items
+    gathered: list = [None] * dist.world_size
+    torch.distributed.all_gather_object(gathered, items)
+    return [x for part in gathered for x in part]
+
+
+class StopRequest:
+    """SIGTERM / Ctrl-C: finish the step in progress (and its checkpoint if one is due), then stop.
+    A second signal falls through to the default handler."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.previous = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        # only set a flag (no logging, no I/O: this may interrupt anything); the loop acts on it
+        self.signum = signum
+        signal.signal(signum, signal.SIG_DFL)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
+
+    def agreed(self, dist: Dist) -> bool:
+        """True on every rank when any rank was signalled: all ranks stop after the same step."""
+        if dist.world_size == 1:
+            return self.signum is not None
+        flag = torch.tensor([1.0 if self.signum is not None else 0.0])
+        if torch.distributed.get_backend() == "nccl":
+            flag = flag.cuda()
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and self.signum is None:
+            self.signum = signal.SIGTERM
+        return bool(flag.item())

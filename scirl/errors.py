@@ -1,0 +1,28 @@
+"""The errors scirl reports to a user as one line, without a traceback.
+
+Each names what is wrong and, where there is one, the fix. The CLI maps them to exit codes:
+``ConfigError`` and ``RunDirError`` are usage errors (2); ``DataSourceError`` and ``TrainError``
+are a run that could not go on (1). Everything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ScirlError(Exception):
+    """Base of every error scirl reports as one line."""
+
+
+class ConfigError(ScirlError, ValueError):
+    """A config file or override that cannot be used; the message names the field."""
+
+
+class DataSourceError(ScirlError, RuntimeError):
+    """A data source that cannot be read at all (missing file, unreachable hub, unsupported format)."""
+
+
+class TrainError(ScirlError, RuntimeError):
+    """A problem with a training run's inputs (model, data, checkpoint) or its progress."""
+
+
+class RunDirError(TrainError):
+    """A run directory that holds another run, or is in use by a live process."""

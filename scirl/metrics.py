@@ -1,0 +1,70 @@
+"""A training step's numbers: the ``metrics.jsonl`` row (keys in ``docs/architecture.md``) and the step line."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from scirl.grpo import FILTER_NAMES
+
+
+def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: dict) -> dict:
+    effective = [r for r in rollouts if not r["dropped"]]
+    rewards = [r["reward"] for r in effective]
+    trainable = [r for r in effective if r["advantage"] != 0]
+    n = len(rollouts)
+    m: dict = {"step": step, "time": time.time()}
+    if rewards:  # absent (not null) when an enforcing filter dropped every rollout
+        m["reward/mean"] = statistics.fmean(rewards)
+        m["reward/std"] = statistics.pstdev(rewards)
+    m["reward/mean_all"] = statistics.fmean(r["reward"] for r in rollouts)
+    for domain in sorted({r["domain"] for r in rollouts}):
+        m[f"reward/{domain}"] = statistics.fmean(r["reward"] for r in rollouts if r["domain"] == domain)
+    m["parse_rate/strict"] = sum(r["parsed_strict"] for r in rollouts) / n
+    m["parse_rate/lenient"] = sum(r["parsed_lenient"] for r in rollouts) / n
+    for name in FILTER_NAMES:
+        m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
+    m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n
+    m["trainable/count"] = len(trainable)
+    m["trainable/total"] = n
+    m["trainable/fraction"] = len(trainable) / n
+    if train_stats.get("stepped"):
+        for key in ("loss", "entropy", "grad_norm", "mismatch_kl", "masked_fraction"):
+            m[key] = train_stats[key]
+        m["loss_tokens"] = train_stats["loss_tokens"]
+    completion_tokens = sum(r["num_tokens"] for r in rollouts)
+    m["tokens/completion"] = completion_tokens / n
+    m["truncated/fraction"] = sum(r["finish_reason"] == "length" for r in rollouts) / n
+    busy = timings["time/generate"] + timings["time/train"] + timings["time/weight_sync"]
+    m["tokens_per_s"] = completion_tokens / busy if busy > 0 else 0.0
+    m.update(timings)
+    return m
+
+
+def step_line(m: dict) -> str:
+    """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 64/128 (50.0%) | ...``."""
+    parts = [
+        f"Step {m['step']}",
+        f"{m['time/step']:.1f}s",
+        f"Reward {m['reward/mean']:.4f}" if m.get("reward/mean") is not None else "Reward -",
+        f"Trainable {m['trainable/count']}/{m['trainable/total']} ({100 * m['trainable/fraction']:.1f}%)",
+    ]
+    if "loss" in m:
+        parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
+    else:
+        parts.append("no trainable tokens: step skipped")
+    flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]
+    if flagged:  # a monitoring filter only flags: those rollouts are still trained on
+        parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
+    parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def peak_memory_mb(device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
