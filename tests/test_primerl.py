@@ -493,3 +493,18 @@ def test_export_works_from_an_installed_scirl_wheel(data_file, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) == len(load(data_file))
+
+
+def test_data_errors_name_the_tasksets_data_key(monkeypatch):
+    """scirl's hub hint says `--data`; inside prime-rl the knob is the taskset's `data` key."""
+    from scirl.data import DataSourceError, hub_unreachable_message
+
+    def no_hub(*args, **kwargs):
+        raise DataSourceError(hub_unreachable_message("hicai-zju/SciKnowEval", "no network"))
+
+    monkeypatch.setattr("sciknoweval.taskset.load_splits", no_hub)
+    with pytest.raises(DataSourceError, match=r"(?s)--data.*taskset's `data` key.*source\.env\.taskset"):
+        list(vf.load_taskset(SciKnowEvalConfig(id="sciknoweval")))
+    monkeypatch.undo()
+    with pytest.raises(DataSourceError, match=r"(?s)neither the hub id.*taskset's `data` key"):
+        list(vf.load_taskset(SciKnowEvalConfig(id="sciknoweval", data="/nonexistent/rows.jsonl")))
