@@ -405,7 +405,7 @@ taskset, so results compare question for question with `scirl train` and `scirl 
 
 {source_note} {data_note}
 
-## Fresh node: install (in the prime-rl checkout)
+## Fresh node: install (run from this directory)
 
 ```bash
 git clone --recurse-submodules https://github.com/PrimeIntellect-ai/prime-rl.git ~/prime-rl
@@ -421,15 +421,15 @@ The package accepts prime-rl's own verifiers (its range holds both 0.3.1.devN an
 the sync leaves it in place.
 
 **pip route** (no uv workspace): install scirl first (it is not on PyPI), then the package,
-into prime-rl's venv:
+into prime-rl's venv, both without dependencies so nothing of prime-rl's is re-resolved:
 
 ```bash
-uv pip install --python .venv/bin/python -e /path/to/scirl-checkout
+uv pip install --python .venv/bin/python --no-deps -e /path/to/scirl-checkout
 uv pip install --python .venv/bin/python --no-deps -e {DROP_PATH}
 ```
 
-(`--no-deps` keeps prime-rl's verifiers; a plain `pip install ./sciknoweval` without scirl
-installed first fails with `No matching distribution found for scirl`.)
+(A plain `pip install ./sciknoweval` without scirl installed first fails with
+`No matching distribution found for scirl`.)
 
 Check it (expect {EXPECTED_TRAIN_TASKS:,} train tasks on the full dataset, {EXPECTED_EVAL_TASKS} held out):
 
@@ -453,8 +453,9 @@ runtime, so the node needs `uv` and package-index access (or a warm uv cache).
 
 The exporting machine checked every port below free; the training node may differ. Check
 there (the `ss` line above) and re-export with `--base-port N` to move the whole block.
-To move one port by hand, change its setting in `grpo.toml` (CLI overrides like
-`--trainer.weight-broadcast.port` are overwritten by the top-level block).
+To move one port by hand, change its setting in `grpo.toml`. For the NCCL port use the
+top-level `[weight_broadcast] port` (or `--weight-broadcast.port N`): prime-rl rebuilds both
+sides from it and overwrites per-side settings such as `--trainer.weight-broadcast.port`.
 
 | port | what | where to move it |
 |---|---|---|
@@ -482,16 +483,19 @@ about 10 minutes, and a timeout during it leaves an unloadable checkpoint.
 def eval_section(target: Target) -> str:
     convert = f"""\
 ```bash
-scirl dcp-to-hf outputs/sciknoweval-grpo/grpo-cold-start/checkpoints/step_30 \\
-    --base {DEFAULT_MODEL} --out outputs/sciknoweval-grpo/hf/step_30
-vllm serve outputs/sciknoweval-grpo/hf/step_30 --served-model-name grpo-step30 --port 18000 --max-model-len 4096
-scirl eval --base-url http://localhost:18000/v1 --model grpo-step30 --out eval-grpo.json
+uv run --no-sync scirl dcp-to-hf outputs/sciknoweval-grpo/grpo-cold-start/checkpoints/step_30 \\
+    --out outputs/sciknoweval-grpo/hf/step_30
+uv run --no-sync vllm serve outputs/sciknoweval-grpo/hf/step_30 --served-model-name grpo-step30 \\
+    --port 18000 --max-model-len 4096 &
+until curl -s http://localhost:18000/v1/models >/dev/null; do sleep 5; done
+uv run --no-sync scirl eval --base-url http://localhost:18000/v1 --model grpo-step30 --out eval-grpo.json
 ```"""
     if target.zero_advantage == "train_flag":
         return f"""\
 This prime-rl writes only distributed (DCP) checkpoints, `checkpoints/step_N/trainer/`;
 it no longer writes HF `weights/step_N/` (upstream PR #3316). Convert the final one to an HF
-directory that `vllm serve` and `scirl eval` load (`--base` gives the config and tokenizer):
+directory that `vllm serve` and `scirl eval` load (config and tokenizer come from the run's
+model, `{DEFAULT_MODEL}` unless you changed it; pass `--base MODEL` to name another):
 
 {convert}"""
     return f"""\
