@@ -72,8 +72,10 @@ DEFAULT_TARGET = "main"
 # (src/prime_rl/entrypoints/inference.py at 559b447); it has no config field.
 ROUTER_METRICS_OFFSET = 21_000
 # Linux's default ephemeral range: outgoing connections take local ports from it,
-# so a port there can be taken between export and launch.
-DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
+# so a port there can be taken between export and launch. The training node's range
+# is what matters, and it is usually this default, so the rule uses it; a different
+# range on the exporting machine only earns a note.
+EPHEMERAL_RANGE = DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 # Base ports are searched here: low enough that API + 21000 stays below the ephemeral range.
 BASE_PORT_SEARCH = range(10_000, 11_760, 10)
 ENV_SERVER_SLOTS = 4  # env servers listen on env_servers + source index (train, then eval sources)
@@ -132,7 +134,7 @@ class Ports:
         return ports
 
 
-def ephemeral_range() -> tuple[int, int]:
+def local_ephemeral_range() -> tuple[int, int]:
     """This machine's ephemeral port range (Linux), else the Linux default."""
     try:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
@@ -157,7 +159,7 @@ def port_is_free(port: int) -> bool:
 
 def check_ports(ports: Ports) -> None:
     """Raise ValueError naming the first port of the block that is out of range, ephemeral or taken."""
-    low, high = ephemeral_range()
+    low, high = EPHEMERAL_RANGE
     for use, port in ports.all().items():
         if not 1024 <= port <= 65535:
             raise ValueError(f"base port {ports.base} puts the {use} port at {port}, outside 1024-65535; "
@@ -545,6 +547,12 @@ def export(
     if data is not None and Path(data).expanduser().exists():
         data = str(Path(data).expanduser().resolve())
     ports = choose_ports(base_port)
+    local_low, local_high = local_ephemeral_range()
+    inside = [p for p in ports.all().values() if local_low <= p <= local_high]
+    if inside:
+        print(f"note: this machine's ephemeral port range {local_low}-{local_high} holds ports {inside}; "
+              f"the export assumes the Linux default {EPHEMERAL_RANGE[0]}-{EPHEMERAL_RANGE[1]} on the training "
+              "node (check `sysctl net.ipv4.ip_local_port_range` there)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     files = copy_package(out / PACKAGE_NAME, scirl_source or DEFAULT_SCIRL_SOURCE)
     for path, text in ((out / "grpo.toml", grpo_toml(ports, data, model, target)),

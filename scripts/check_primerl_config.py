@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import tomli_w
 
-from scirl.export_primerl import ROUTER_METRICS_OFFSET, TARGETS, Ports, ephemeral_range, export
+from scirl.export_primerl import EPHEMERAL_RANGE, ROUTER_METRICS_OFFSET, TARGETS, Ports, export
 
 # The flags the exported README launches with.
 LAUNCH_ARGS = ["--max-steps", "30", "--run.name", "grpo-cold-start"]
@@ -61,8 +61,9 @@ def parse(toml_path: Path, output_dir: Path):
 def resolved_facts(config) -> dict:
     """What a run of this config opens and trains with, read from prime-rl's resolved objects."""
     orch, trainer, inference = config.orchestrator, config.trainer, config.inference
-    sources = list(orch.train.source) + list(getattr(getattr(orch, "eval", None), "source", None) or [])
     train = orch.train
+    # the addresses the launcher binds env servers at (OrchestratorConfig.env_addresses)
+    env_ports = [urlparse(address.replace("tcp://", "http://")).port for address in orch.env_addresses.values()]
     facts = {
         "trainer.weight_broadcast.type": trainer.weight_broadcast.type,
         "trainer.weight_broadcast.port": trainer.weight_broadcast.port,
@@ -77,7 +78,7 @@ def resolved_facts(config) -> dict:
         "orchestrator.rollout_transport.port": orch.rollout_transport.port,
         "rollout_ready_port": orch.rollout_transport.port + 1,
         "orchestrator.env_server_base_port": orch.env_server_base_port,
-        "env_server_ports": [orch.env_server_base_port + i for i in range(len(sources))],
+        "env_server_ports": env_ports,
         "orchestrator.model.client.base_url": orch.model.client.base_url,
         "orchestrator.model.client.admin_base_url": orch.model.client.admin_base_url,
         "trainer.model.name": trainer.model.name,
@@ -124,7 +125,7 @@ def field_names(config, exported: dict) -> dict[str, list[str]]:
 
 
 def checks(facts: dict, ports: Ports, target_name: str) -> list[tuple[bool, str]]:
-    low, high = ephemeral_range()
+    low, high = EPHEMERAL_RANGE
     opened = [facts["inference.server.port"], facts["inference.backend_port"], facts["router_metrics_port"],
               facts["trainer.weight_broadcast.port"], facts["inference.vllm.data_parallel_rpc_port"],
               facts["orchestrator.rollout_transport.port"], facts["rollout_ready_port"], *facts["env_server_ports"]]
