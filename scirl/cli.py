@@ -13,12 +13,13 @@ COMMANDS = {
     "demo": ("demo", "offline end-to-end demo: evaluate, train, evaluate again"),
     "report": ("report", "plots and a one-page HTML summary of a run"),
     "export": ("export", "export the task for other frameworks (prime-rl)"),
+    "dcp-to-hf": ("dcp_to_hf", "an HF model from a prime-rl DCP checkpoint"),
 }
 
 
 def usage() -> str:
     lines = ["usage: scirl <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run `scirl <command> --help` for the options of one command."]
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""`scirl export prime-rl --out DIR [--data SRC] [--port N]`: the task as a prime-rl plug-in and config."""
+"""`scirl export prime-rl --out DIR [--prime-rl-ref main|guide] [--data SRC] [--base-port N]`."""
 
 from __future__ import annotations
 
@@ -7,42 +7,50 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from scirl.export_primerl import DEFAULT_MODEL, DEFAULT_TARGET, TARGETS
+
     parser = argparse.ArgumentParser(prog="scirl export", description="Export the task for other frameworks.")
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     prime = targets.add_parser(
         "prime-rl",
         help="the verifiers taskset package, grpo.toml and a README for vanilla prime-rl",
         description="Write the sciknoweval taskset package (for deps/prime-envs/environments/science/), "
-        "the run guide's grpo.toml with a free NCCL weight-broadcast port, and a README with the commands.",
+        "the run guide's grpo.toml for one prime-rl commit with every port moved to a free block, "
+        "and a README with the commands.",
     )
     prime.add_argument("--out", required=True, help="output directory")
+    refs = ", ".join(f"{t.name} = {t.commit[:9]} ({t.date})" for t in TARGETS.values())
+    prime.add_argument("--prime-rl-ref", choices=sorted(TARGETS), default=DEFAULT_TARGET,
+                       help=f"the prime-rl commit grpo.toml is written for: {refs}; default: {DEFAULT_TARGET}")
     prime.add_argument("--data", default=None,
                        help="data source the taskset reads (hub id, raw_data/ dir or one file); default: the hub")
-    prime.add_argument("--port", type=int, default=None,
-                       help="NCCL weight-broadcast port (checked free); default: one the OS picks")
+    prime.add_argument("--base-port", type=int, default=None,
+                       help="first port of the block prime-rl's ports are moved to (checked free, outside the "
+                       "ephemeral range); default: the first free block from 10000")
     prime.add_argument("--scirl-source", default=None,
                        help="where uv finds scirl on the training node (checkout dir or wheel); "
-                       "default: the checkout this scirl runs from")
-    prime.add_argument("--model", default=None, help="model name in grpo.toml (default: PrimeIntellect/Qwen3-8B)")
+                       "default: deps/scirl in the prime-rl checkout")
+    prime.add_argument("--model", default=DEFAULT_MODEL, help=f"model name in grpo.toml (default: {DEFAULT_MODEL})")
     prime.add_argument("--force", action="store_true", help="overwrite an earlier export in --out")
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from scirl.export_primerl import DEFAULT_MODEL, DROP_PATH, export
+    from scirl.export_primerl import DROP_PATH, export
 
-    if args.port is not None and not 0 < args.port < 65536:
-        print(f"scirl export: --port must be in 1..65535, got {args.port}", file=sys.stderr)
-        return 2
     try:
-        result = export(args.out, data=args.data, port=args.port, scirl_source=args.scirl_source,
-                        model=args.model or DEFAULT_MODEL, force=args.force)
+        result = export(args.out, data=args.data, base_port=args.base_port, scirl_source=args.scirl_source,
+                        model=args.model, ref=args.prime_rl_ref, force=args.force)
     except (FileExistsError, ValueError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {len(result.files)} files to {result.out}")
+        return 2
+    ports = result.ports
+    print(f"wrote {len(result.files)} files to {result.out} for prime-rl {result.target.name} "
+          f"({result.target.commit[:9]}, {result.target.date})")
     print(f"  {result.out / 'sciknoweval'}  ->  {DROP_PATH}")
-    print(f"  {result.out / 'grpo.toml'}  (NCCL weight broadcast on port {result.port}, both sides)")
-    print(f"  {result.out / 'README.md'}  (install and launch commands)")
+    print(f"  {result.out / 'grpo.toml'}  (ports: API {ports.api}, backend {ports.backend}, NCCL {ports.nccl}, "
+          f"DP RPC {ports.dp_rpc}, rollouts {ports.rollout}, env servers {ports.env_servers}+, "
+          f"router metrics {ports.router_metrics})")
+    print(f"  {result.out / 'README.md'}  (install, launch and evaluation commands)")
     return 0

@@ -21,7 +21,15 @@ import verifiers.v1 as vf
 from pydantic import field_validator
 
 from scirl import reward as scirl_reward
-from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS, load_splits
+from scirl.data import (
+    DEFAULT_EVAL_PER_DOMAIN,
+    DEFAULT_SPLIT_METHOD,
+    DEFAULT_SPLIT_SEED,
+    HUB_ID,
+    SPLIT_METHODS,
+    DataSourceError,
+    load_splits,
+)
 from scirl.prompt import build_messages
 from scirl.schema import MCQ_TYPES, Question
 
@@ -156,13 +164,20 @@ class SciKnowEvalConfig(vf.TasksetConfig):
 class SciKnowEvalTaskset(vf.Taskset[SciKnowEvalTask, SciKnowEvalConfig]):
     def load(self) -> list[SciKnowEvalTask]:
         cfg = self.config
-        splits = load_splits(
-            cfg.data,
-            types=MCQ_TYPES,
-            eval_per_domain=cfg.eval_per_domain,
-            split_method=cfg.split_method,
-            seed=cfg.split_seed,
-        )
+        try:
+            splits = load_splits(
+                cfg.data,
+                types=MCQ_TYPES,
+                eval_per_domain=cfg.eval_per_domain,
+                split_method=cfg.split_method,
+                seed=cfg.split_seed,
+            )
+        except DataSourceError as e:
+            # scirl's messages name its own `--data` flag; in a config the knob is the taskset's key.
+            where = "[orchestrator.train.source.env.taskset] (or the eval source's)"
+            hint = (f"`--data` above is the taskset's `data` key here: set it under {where}" if "--data" in str(e)
+                    else f"set the taskset's `data` key under {where}")
+            raise DataSourceError(f"{e}\n{hint}") from e
         # Sort by id first so the order depends only on the questions and the
         # seed, not on the order the files were read in.
         questions = sorted(splits.split(cfg.split), key=lambda q: q.id)
