@@ -48,31 +48,33 @@ def load(args: argparse.Namespace):
 
 def print_tables(summary: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # every name below comes from the data (or the command line): printed literally, never read as markup
     console = Console()
-    console.print(f"[bold]{summary['source']}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
-                  f"({', '.join(summary['types'])}); split {summary['split_method']!r}, "
+    console.print(f"[bold]{escape(str(summary['source']))}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
+                  f"({escape(', '.join(summary['types']))}); split {summary['split_method']!r}, "
                   f"{summary['eval_per_domain']} eval per domain, seed {summary['seed']}")
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
         table = Table(title=f"by {title}")
         for col in (title, "train", "eval", "total"):
             table.add_column(col, justify="left" if col == title else "right")
         for name, counts in summary[key].items():
-            table.add_row(name, str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
+            table.add_row(escape(str(name)), str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
         table.add_row("[bold]all[/]", str(summary["train"]), str(summary["eval"]), str(summary["train"] + summary["eval"]))
         console.print(table)
     table = Table(title="MCQ rows skipped, by reason")
     table.add_column("reason")
     table.add_column("rows", justify="right")
     for reason, n in summary["skipped"].items():
-        table.add_row(reason, str(n))
+        table.add_row(escape(str(reason)), str(n))
     table.add_row("[bold]all[/]", str(summary["skipped_total"]))
     console.print(table)
     if summary["non_mcq"]:
-        console.print("not MCQ (read, not used): " + ", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items()))
+        console.print("not MCQ (read, not used): " + escape(", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items())))
     for note in summary["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(str(note))}")
 
 
 def export(splits, split: str, out: str) -> int:
