@@ -263,8 +263,9 @@ def run_compare(argv: list[str]) -> int:
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             print(f"scirl eval compare: {path} is not a scirl eval results file (no records)", file=sys.stderr)
             return 2
-        if not all(isinstance(r, dict) and "id" in r and "correct" in r for r in data["records"]):
-            print(f"scirl eval compare: {path}: every record needs an 'id' and 'correct'", file=sys.stderr)
+        if not all(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("correct"), bool)
+                   for r in data["records"]):
+            print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
             return 2
         loaded.append(data)
     result = compare(*loaded)

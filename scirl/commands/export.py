@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from scirl.commands.parser import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scirl export", description="Export the task for other frameworks.")
+    parser = Parser(prog="scirl export", description="Export the task for other frameworks.")
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     prime = targets.add_parser(
         "prime-rl",
@@ -35,11 +38,17 @@ def main(argv: list[str]) -> int:
     if args.port is not None and not 0 < args.port < 65536:
         print(f"scirl export: --port must be in 1..65535, got {args.port}", file=sys.stderr)
         return 2
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"scirl export: --out {args.out} is a file; give a directory", file=sys.stderr)
+        return 2
     try:
         result = export(args.out, data=args.data, port=args.port, scirl_source=args.scirl_source,
                         model=args.model or DEFAULT_MODEL, force=args.force)
     except (FileExistsError, ValueError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # e.g. no permission to write --out
+        print(f"scirl export: cannot write {args.out}: {e}", file=sys.stderr)
         return 1
     print(f"wrote {len(result.files)} files to {result.out}")
     print(f"  {result.out / 'sciknoweval'}  ->  {DROP_PATH}")
