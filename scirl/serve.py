@@ -337,6 +337,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise PortError(f"port {port} on {host} is already in use; pick another --port (--port 0 picks a free one)") from None
         raise PortError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # listen now: connections made after the "ready" line wait in the backlog instead of being refused
+    # while the server starts up
+    sock.listen(2048)
     return sock
 
 
