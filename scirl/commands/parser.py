@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import sys
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
@@ -49,8 +48,3 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
 
-
-def say_error(prog: str, message: str) -> int:
-    """Print ``prog: message`` as one line on stderr and return the bad-input exit status."""
-    print(f"{prog}: " + " ".join(str(message).split()), file=sys.stderr)
-    return 2
