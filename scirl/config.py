@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.errors import ConfigError
@@ -28,15 +28,39 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+# Bounds below refuse values that can only be mistakes (a typo'd exponent, a NaN from a script), so they
+# fail here naming the field instead of as NaN losses or a crash inside AdamW mid-run.
+MAX_TEMPERATURE = 10.0  # at T=10 a 150k-token softmax is near uniform: samples are noise; useful RL sampling is T <= ~2
+MAX_SEED = 2**63 - 1  # what torch, numpy and random all accept
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a meaningful setting (TOML and the flags both accept them as floats)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class OptimConfig(Section):
-    lr: float = Field(1e-6, gt=0)
+    # AdamW moves every weight by about lr per step: lr >= 1 wipes out any pretrained model
+    lr: float = Field(1e-6, gt=0, lt=1)
     weight_decay: float = Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     max_norm: float = Field(1.0, gt=0, description="gradient-norm clipping threshold")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        # AdamW's moving averages need 0 <= beta < 1 (torch raises mid-setup otherwise; 1 never forgets)
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
+        return betas
+
+    @model_validator(mode="after")
+    def _decay_below_one(self) -> "OptimConfig":
+        # decoupled weight decay multiplies every weight by (1 - lr * weight_decay) each step
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"lr * weight_decay must be below 1 (each step scales weights by 1 - lr*wd), "
+                             f"got {self.lr} * {self.weight_decay}")
+        return self
 
 
 class AdvantageConfig(Section):
@@ -47,7 +71,7 @@ class AdvantageConfig(Section):
 
 class GibberishFilterConfig(Section):
     enforce: bool = True
-    token_id_threshold: int = 100_000
+    token_id_threshold: int = Field(100_000, ge=0)
     logprob_offset: float = 2.0
 
 
@@ -81,12 +105,12 @@ class CkptConfig(Section):
 
 
 class DataConfig(Section):
-    source: str = "hicai-zju/SciKnowEval"
+    source: str = Field("hicai-zju/SciKnowEval", min_length=1)
     split: Literal["train", "eval"] = "train"
     eval_per_domain: int = Field(DEFAULT_EVAL_PER_DOMAIN, ge=0, description="questions per domain held out for evaluation")
     split_method: Literal["content", "guide"] = DEFAULT_SPLIT_METHOD
     # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train
-    seed: int = DEFAULT_SPLIT_SEED
+    seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED)
 
 
 class RewardConfig(Section):
@@ -102,15 +126,15 @@ class WandbConfig(Section):
 class TrainConfig(Section):
     max_steps: int = Field(30, ge=1)
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
-    model: str = Field("PrimeIntellect/Qwen3-8B", description="hub name or local HF model directory")
+    model: str = Field("PrimeIntellect/Qwen3-8B", min_length=1, description="hub name or local HF model directory")
     batch_size: int = Field(128, ge=1, description="completions per step")
     group_size: int = Field(16, ge=2, description="completions per question (advantages need at least 2)")
     micro_batch_size: int = Field(8, ge=1, description="completions per forward/backward pass")
     max_completion_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, gt=0)
+    temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = 42
-    output_dir: str = "outputs/run"
+    seed: int = Field(42, ge=0, le=MAX_SEED)
+    output_dir: str = Field("outputs/run", min_length=1, description="run directory ('' would be the current directory)")
     device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "

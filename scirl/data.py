@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from scirl.errors import DataSourceError
+from scirl.errors import DataSourceError, HubUnreachable
 from scirl.schema import MCQ_TYPES, Question
 
 log = logging.getLogger(__name__)
@@ -137,25 +137,65 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
 # Reading raw rows. Every reader returns (rows, bad_json) where rows are (where, row) pairs.
 
 
+_BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
+    (b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+    (b"\xff\xfe", "UTF-16-LE"), (b"\xfe\xff", "UTF-16-BE"),
+)
+
+
+def check_utf8_bom(path: Path) -> None:
+    """Refuse a file whose byte-order mark says it is UTF-16 or UTF-32: every line would count as bad JSON."""
+    with path.open("rb") as f:
+        head = f.read(4)
+    for bom, encoding in _BOMS:
+        if head.startswith(bom):
+            raise DataSourceError(f"{path} is {encoding} text (its byte-order mark says so), not UTF-8; convert it "
+                                  f"first, e.g. iconv -f {encoding} -t UTF-8 {path.name} > converted{path.suffix}")
+
+
+def _not_utf8_message(path: Path, count: int, nul: bool) -> str:
+    guess = "UTF-16 without a byte-order mark?" if nul else "Latin-1 or another 8-bit encoding?"
+    return f"{path}: {count} line{'s' if count != 1 else ''} not UTF-8 text ({guess}); convert the file to UTF-8"
+
+
 def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[str, Any]], int]:
-    """Rows of a JSON-lines file; blank lines are ignored, undecodable lines are counted."""
+    """Rows of a JSON-lines file; blank lines are ignored, undecodable lines are counted.
+
+    A file that is not UTF-8 at all (a UTF-16 byte-order mark, or no line that decodes) is a
+    DataSourceError naming the likely encoding, not a file of "bad JSON" lines."""
+    check_utf8_bom(path)
     prefix = where_prefix if where_prefix is not None else path.name
-    rows, bad_json = [], 0
+    rows, bad_json, not_utf8, nul = [], 0, 0, False
     with path.open("rb") as f:  # bytes, so a line that is not UTF-8 is counted, not silently altered
         for lineno, raw_line in enumerate(f, start=1):
             if not raw_line.strip():
                 continue
             try:
-                rows.append((f"{prefix}:{lineno}", json.loads(raw_line.decode("utf-8-sig"))))
-            except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, absurdly deep nesting
+                text = raw_line.decode("utf-8-sig")
+                if "\x00" in text:  # valid UTF-8, but JSON never holds a raw NUL: UTF-16 text
+                    nul = True
+                    raise UnicodeError("NUL byte")
+            except UnicodeError:
+                bad_json += 1
+                not_utf8 += 1
+                log.warning("%s:%d: line is not UTF-8 text, skipped", prefix, lineno)
+                continue
+            try:
+                rows.append((f"{prefix}:{lineno}", json.loads(text)))
+            except (ValueError, RecursionError):  # JSONDecodeError, absurdly deep nesting
                 bad_json += 1
                 log.warning("%s:%d: bad JSON line skipped", prefix, lineno)
+    if not_utf8 and not rows:
+        raise DataSourceError(_not_utf8_message(path, not_utf8, nul))
+    if not_utf8:
+        log.warning("%s", _not_utf8_message(path, not_utf8, nul))
     return rows, bad_json
 
 
 def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
     """A .json file: one array of rows (or an object with a "data" array). Many ".json" dumps
     are really JSON lines, so a file that is not one JSON document is read as JSON lines."""
+    check_utf8_bom(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
     except (ValueError, RecursionError):  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
@@ -269,7 +309,7 @@ def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str 
     if not is_local and not hub_offline():
         problem = probe_hub(repo_id, timeout=probe_timeout)
         if problem is not None:
-            raise DataSourceError(hub_unreachable_message(repo_id, problem))
+            raise HubUnreachable(hub_unreachable_message(repo_id, problem))
     import datasets
 
     try:
@@ -277,7 +317,7 @@ def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str 
     except Exception as e:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError, ...)
         if is_local:
             raise DataSourceError(f"{repo_id}: datasets.load_dataset({config!r}, split={split!r}) failed: {e}") from e
-        raise DataSourceError(hub_unreachable_message(repo_id, f"{type(e).__name__}: {e}")) from e
+        raise HubUnreachable(hub_unreachable_message(repo_id, f"{type(e).__name__}: {e}")) from e
     return [(f"hub:{split}:{i}", row) for i, row in enumerate(ds.to_list())], 0
 
 
@@ -291,7 +331,18 @@ def read_source(source: str) -> tuple[list[tuple[str, Any]], int]:
     if source == HUB_ID:
         return read_hub(HUB_ID)
     if source.startswith("hf:"):
-        return read_hub(source[3:])
+        target = source[3:]
+        if not target:
+            raise DataSourceError("hf: needs a dataset directory or hub id after it, e.g. hf:path/to/dataset_dir")
+        # a hub id is "owner/name"; anything shaped like a path means a local directory, which must exist
+        # (else the hub would be asked for it and the error would wrongly blame the network)
+        looks_local = target.startswith(("/", ".", "~")) or target.count("/") > 1 or os.sep in target.replace("/", "")
+        local = Path(target).expanduser()
+        if looks_local and not local.exists():
+            raise DataSourceError(f"{source}: the directory {local} does not exist")
+        if local.exists() and not local.is_dir():
+            raise DataSourceError(f"{source}: {local} is not a directory (give a file without hf:)")
+        return read_hub(str(local) if local.exists() else target)
     path = Path(source).expanduser()
     if path.is_dir():
         return read_directory(path)

@@ -20,6 +20,10 @@ class DataSourceError(ScirlError, RuntimeError):
     """A data source that cannot be read at all (missing file, unreachable hub, unsupported format)."""
 
 
+class HubUnreachable(DataSourceError):
+    """The hub cannot be reached from here: the environment's problem, not a bad --data."""
+
+
 class TrainError(ScirlError, RuntimeError):
     """A problem with a training run's inputs (model, data, checkpoint) or its progress."""
 

@@ -20,7 +20,8 @@ letter: it scores "Answer: B" as A.)
   6. exactly one option text appears in the reply (options inside a longer option are not counted twice).
 
 Both modes first normalise the reply: drop ``<think>...</think>``, fold full-width characters (NFKC),
-turn ``\\boxed{X}`` and ``<answer>X</answer>`` into "answer: X", and drop markdown characters ``*_`#$``.
+turn ``\\boxed{X}`` and ``<answer>X</answer>`` into "answer: X", drop markdown characters ``*_`#$``, drop
+blank lines and turn every run of spaces into one space.
 Only the row's labels are answers: "E", or "C" on a two-option row, is never returned.
 """
 
@@ -44,10 +45,12 @@ DEFAULT_LABELS = ("A", "B", "C", "D")
 _THINK_CLOSE = re.compile(r"</think\s*>", re.IGNORECASE)
 _THINK_OPEN = re.compile(r"<think\s*>", re.IGNORECASE)
 _BOXED = re.compile(r"\\boxed\s*\{\s*(?:\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}|([^{}]*))\s*\}")
-_ANSWER_TAG = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.IGNORECASE | re.DOTALL)
+_ANSWER_OPEN = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSE = re.compile(r"</answer>", re.IGNORECASE)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf)\s*\{([^{}]*)\}")
 _LATEX_DELIMS = re.compile(r"\\[()\[\]]")
 _MARKDOWN = re.compile(r"[*_`#$]")
+_BLANKS = re.compile(r"\s+")  # applied within one line, so never a line break
 
 
 def strip_think(reply: str) -> str:
@@ -65,17 +68,43 @@ def strip_think(reply: str) -> str:
     return reply
 
 
+def _answer_tags(text: str) -> str:
+    """Each ``<answer>X</answer>`` (case-insensitive, X stripped) -> "\\nanswer: X\\n", each open tag paired with the
+    first close tag after it.
+
+    Done by hand because the regex ``<answer>\\s*(.*?)\\s*</answer>`` is quadratic on unclosed tags: every
+    ``<answer>`` scans to the end of the reply for a close tag (an 80 KB reply of open tags took 6 s).
+    Here the text is scanned once: once no close tag follows an open tag, none follows any later one.
+    """
+    parts, pos = [], 0
+    while True:
+        opened = _ANSWER_OPEN.search(text, pos)
+        if opened is None:
+            break
+        closed = _ANSWER_CLOSE.search(text, opened.end())
+        if closed is None:
+            break
+        parts += [text[pos:opened.start()], "\nanswer: ", text[opened.end():closed.start()].strip(), "\n"]
+        pos = closed.end()
+    if not parts:
+        return text
+    parts.append(text[pos:])
+    return "".join(parts)
+
+
 def normalise(reply: str) -> str:
     """Text that the extraction rules read; see the module docstring."""
     text = unicodedata.normalize("NFKC", strip_think(reply))
     # Boxed and tagged answers are explicit answers: rewrite them as one so that rule 3 (and strict's
     # last-line rule) reads them, and "\boxed{A, C}" becomes a hedge like "answer: A, C".
     text = _BOXED.sub(lambda m: "\nanswer: " + (m.group(1) if m.group(1) is not None else m.group(2)).strip() + "\n", text)
-    text = _ANSWER_TAG.sub(lambda m: "\nanswer: " + m.group(1) + "\n", text)
+    text = _answer_tags(text)
     text = _LATEX_TEXT.sub(r"\1", text)
     text = _LATEX_DELIMS.sub(" ", text)
     text = _MARKDOWN.sub("", text)
-    lines = [line.strip() for line in text.strip().splitlines()]
+    # One space per gap: the patterns read "\s*"/"\s+" there anyway, and adjacent whitespace quantifiers
+    # ("answer\s*:?\s+", "choose\s+" then "\s*...") split a long run of spaces in quadratically many ways.
+    lines = [_BLANKS.sub(" ", line.strip()) for line in text.strip().splitlines()]
     return "\n".join(line for line in lines if line)
 
 

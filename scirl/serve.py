@@ -7,12 +7,23 @@ requests meanwhile; requests that arrive while the model is busy and share
 sampling settings are generated together as one batch. A request with a
 ``seed`` runs alone, so its seed alone decides its output. On GPUs, run
 ``vllm serve`` instead: ``scirl eval`` talks to both the same way.
+
+Limits, so one client cannot take the server from the others: a request body
+above ``max_body_bytes`` is refused (413) before it is read in full; ``n`` x
+``max_tokens`` above ``max_request_tokens`` is refused (400); non-finite numbers
+are refused (422); JSON parsing and tokenization run off the event loop; a batch
+whose clients have all disconnected stops generating at the next decode step.
+With ``api_key`` set, every ``/v1`` request needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import hmac
+import ipaddress
+import json
+import math
 import socket
 import sys
 import time
@@ -21,6 +32,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
+
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # MCQ prompts are a few KB; a long chat history still fits
+DEFAULT_MAX_REQUEST_TOKENS = 65536  # n x max_tokens of one request: e.g. 16 samples x 4096 tokens
 
 
 class ChatMessage(BaseModel):
@@ -35,7 +51,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     n: int = Field(1, ge=1, le=256)
@@ -50,6 +66,8 @@ class ChatRequest(BaseModel):
 class _Pending:
     def __init__(self, prompt: list[int], params, future: asyncio.Future):
         self.prompt, self.params, self.future = prompt, params, future
+        # set on the event loop when the client disconnects; read by the worker thread's should_stop
+        self.abandoned = False
 
 
 class Batcher:
@@ -61,11 +79,20 @@ class Batcher:
         self.pending: list[_Pending] = []
         self.wakeup = asyncio.Event()
 
-    async def submit(self, prompt: list[int], params) -> list:
+    async def submit(self, prompt: list[int], params, disconnected: "asyncio.Future | None" = None) -> list | None:
+        """The completions, or None when ``disconnected`` (a future set when the client leaves) finishes first."""
         future = asyncio.get_running_loop().create_future()
-        self.pending.append(_Pending(prompt, params, future))
+        pending = _Pending(prompt, params, future)
+        self.pending.append(pending)
         self.wakeup.set()
-        return await future
+        if disconnected is None:
+            return await future
+        await asyncio.wait({future, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+        if future.done():
+            return future.result()
+        pending.abandoned = True  # the batch stops once all of its clients have left
+        future.cancel()
+        return None
 
     def _take_batch(self) -> list[_Pending]:
         first = self.pending[0]
@@ -86,8 +113,16 @@ class Batcher:
             batch = [p for p in self._take_batch() if not p.future.done()]  # skip requests whose client left
             if not batch:
                 continue
+            from scirl.inference.base import GenerationCancelled
+
+            def should_stop(batch=batch) -> bool:
+                return all(p.abandoned for p in batch)
+
             try:
-                outputs = await asyncio.to_thread(self.generator.generate, [p.prompt for p in batch], batch[0].params)
+                outputs = await asyncio.to_thread(self.generator.generate, [p.prompt for p in batch], batch[0].params,
+                                                  should_stop=should_stop)
+            except GenerationCancelled:  # nobody is waiting for this batch any more
+                continue
             except Exception as e:  # report to every waiting request, keep serving
                 for p in batch:
                     if not p.future.done():
@@ -104,7 +139,66 @@ def _error(status: int, message: str, kind: str = "invalid_request_error"):
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
 
-def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max_batch: int = 32, on_ready=None):
+class _Refused(Exception):
+    """A request refused before generation: (HTTP status, message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+async def _read_body(request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed ``limit`` bytes (before it is all read)."""
+    declared = request.headers.get("content-length")
+    too_big = f"request body larger than {limit} bytes (the server's --max-body-bytes)"
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Refused(413, too_big)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Refused(413, too_big)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is out of range for a float")
+    return value
+
+
+def _parse_request(body: bytes) -> "ChatRequest":
+    """Parse and validate a chat request; NaN, Infinity and overflowing numbers are a 422, as any bad value."""
+    from pydantic import ValidationError
+
+    try:
+        data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so is UnicodeDecodeError
+        raise _Refused(422, f"the request body is not valid JSON: {e}") from None
+    try:
+        return ChatRequest.model_validate(data)
+    except ValidationError as e:
+        # the values are left out: echoing them back could itself be unserialisable
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()[:5])
+        raise _Refused(422, f"invalid request: {problems}") from None
+
+
+async def _wait_disconnect(receive) -> None:
+    """Returns when the client disconnects. Call only after the body has been read: the ASGI server then has
+    nothing else to send but ``http.disconnect``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max_batch: int = 32, on_ready=None,
+               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS):
     """The FastAPI app serving ``generator`` (a ``scirl.inference.base.Generator``) as ``model_name``."""
     from fastapi import FastAPI
 
@@ -114,6 +208,7 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
     config = getattr(getattr(generator, "model", None), "config", None)
     context_length = getattr(config, "max_position_embeddings", None) if config is not None else None
     context_length = context_length if isinstance(context_length, int) else None
+    expected_auth = f"Bearer {api_key}".encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -128,22 +223,47 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
 
     app = FastAPI(title="scirl serve", lifespan=lifespan)
 
+    def unauthorized(request: Request):
+        """A 401 response when an API key is set and the request does not carry it, else None."""
+        if expected_auth is None:
+            return None
+        given = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
+        # constant time: how much of a guess matched must not show in the response time
+        if hmac.compare_digest(given, expected_auth):
+            return None
+        return _error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error")
+
     @app.get("/v1/models")
-    async def models():
+    async def models(raw: Request):
+        refused = unauthorized(raw)
+        if refused is not None:
+            return refused
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "scirl"}]}
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest):
+    async def chat_completions(raw: Request):
+        refused = unauthorized(raw)
+        if refused is not None:
+            return refused
+        try:
+            body = await _read_body(raw, max_body_bytes)
+            # parsing and tokenizing a large body takes time: off the event loop, so other clients are served
+            request = await asyncio.to_thread(_parse_request, body)
+        except _Refused as e:
+            return _error(e.status, e.message)
         if request.model is not None and request.model != model_name:
             return _error(404, f"The model `{request.model}` does not exist; this server serves `{model_name}`.", "not_found_error")
         if request.stream:
             return _error(400, "stream=true is not supported by scirl serve")
+        asked = request.max_completion_tokens or request.max_tokens
+        if request.n * (asked or default_max_tokens) > max_request_tokens:
+            return _error(400, f"n x max_tokens = {request.n} x {asked or default_max_tokens} exceeds this server's limit "
+                               f"of {max_request_tokens} tokens per request (--max-request-tokens); ask for fewer")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            prompt = encode_messages(generator.tokenizer, messages)
+            prompt = await asyncio.to_thread(encode_messages, generator.tokenizer, messages)
         except Exception as e:  # e.g. a chat template that rejects the roles given
             return _error(400, f"cannot build the prompt: {e}")
-        asked = request.max_completion_tokens or request.max_tokens
         if context_length is not None:
             room = context_length - len(prompt)
             if room < 1 or (asked is not None and asked > room):
@@ -154,12 +274,18 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
         if context_length is not None:
             max_tokens = min(max_tokens, context_length - len(prompt))  # a default never overflows the context
         params = SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens, seed=request.seed)
+        # the body is read, so the next ASGI message can only be the client's disconnect
+        disconnected = asyncio.ensure_future(_wait_disconnect(raw.receive))
         try:
-            completions = await state["batcher"].submit(prompt, params)
+            completions = await state["batcher"].submit(prompt, params, disconnected)
         except ValueError as e:  # the generator refused this request's values: the client's error, not worth a retry
             return _error(400, f"bad request: {e}")
         except Exception as e:
             return _error(500, f"generation failed: {type(e).__name__}: {e}", "server_error")
+        finally:
+            disconnected.cancel()
+        if completions is None:  # the client left: nobody reads a response
+            return _error(499, "client closed the request")
         completion_tokens = sum(len(c.token_ids) for c in completions)
         return {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -174,6 +300,24 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
         }
 
     return app
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell the user when ``host`` exposes the model beyond this machine with no API key."""
+    if api_key or is_loopback(host):
+        return None
+    return (f"listening on {host} without --api-key: anyone who can reach this machine can use the model; "
+            "set --api-key (or $SCIRL_API_KEY), or bind 127.0.0.1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable only from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 class PortError(RuntimeError):
@@ -193,17 +337,24 @@ def bind_socket(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRINUSE:
             raise PortError(f"port {port} on {host} is already in use; pick another --port (--port 0 picks a free one)") from None
         raise PortError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # listen now: connections made after the "ready" line wait in the backlog instead of being refused
+    # while the server starts up
+    sock.listen(2048)
     return sock
 
 
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          device: str = "cpu", default_max_tokens: int = 256, max_batch: int = 32) -> None:
+          device: str = "cpu", default_max_tokens: int = 256, max_batch: int = 32, api_key: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
     """Load ``model_dir`` and serve it until interrupted. Prints the bound address, then a ready line."""
     import uvicorn
 
     from scirl.backends import hf_generator
 
     sock = bind_socket(host, port)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        print(f"scirl serve: warning: {warning}", file=sys.stderr, flush=True)
     bound = sock.getsockname()[1]
     name = served_model_name or model_dir
     print(f"scirl serve: bound {host}:{bound}; loading {model_dir}", flush=True)
@@ -213,6 +364,9 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_m
         name,
         default_max_tokens=default_max_tokens,
         max_batch=max_batch,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        max_request_tokens=max_request_tokens,
         on_ready=lambda: print(f"scirl serve: ready at http://{host}:{bound}/v1 (model {name!r})", flush=True),
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)

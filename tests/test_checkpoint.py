@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
+import shutil
 import random
 import signal
 import subprocess
@@ -17,7 +20,11 @@ import pytest
 import torch
 
 from scirl.checkpoint import (
+    CheckpointWriteError,
+    find_resume_checkpoint,
     latest_checkpoint,
+    load_problems,
+    prune_checkpoints,
     load_trainer_state,
     restore_rng_state,
     save_checkpoint,
@@ -187,3 +194,189 @@ def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path, tiny_model_d
     assert not tmp_dir.exists()  # stale tmp dir cleaned
     assert load_trainer_state(found[1])["optimizer"] == {"step": 1}
     assert (run_dir / "weights" / "latest").read_text().strip() == "step_1"
+
+
+# ---- resume verifies checksums and loadability, and falls back (issue 12, items 1/2/11) ----
+
+
+def reseal(path: Path) -> None:
+    """Rewrite the manifest from the files as they are now: damage done *before* sealing, which only loading catches."""
+    from scirl.checkpoint import seal_digest
+
+    manifest = json.loads((path / "manifest.json").read_text())
+    for rel in manifest["files"]:
+        f = path / rel
+        manifest["files"][rel] = {"size": f.stat().st_size, "sha256": seal_digest(f)}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def flip_bytes(f: Path, offset: int, count: int) -> None:
+    data = bytearray(f.read_bytes())
+    for i in range(offset, min(offset + count, len(data))):
+        data[i] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def good_checkpoint(tmp_path, model_and_tokenizer):
+    """Run dir with a verified step_1 (with optimizer state) as a source of damaged copies."""
+    model, tokenizer = model_and_tokenizer
+    run = tmp_path / "run"
+    save_checkpoint(run, 1, model, tokenizer, optimizer_state=trained_optimizer(model).state_dict(), data_position=1)
+    return run
+
+
+def damaged_copy(run: Path, step: int) -> Path:
+    dst = run / "weights" / f"step_{step}"
+    shutil.copytree(run / "weights" / "step_1", dst)
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["step"] = step
+    (dst / "manifest.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def test_resume_skips_damaged_checkpoints_and_falls_back(good_checkpoint):
+    run = good_checkpoint
+    # 4 KiB flipped in the weights, same size: only the sha256 sees it (before, resume took it silently)
+    flip_bytes(next(damaged_copy(run, 2).glob("*.safetensors")), 4096, 4096)
+    # a garbage safetensors header, re-sealed: the checksums match, loading does not
+    garbage = damaged_copy(run, 3)
+    flip_bytes(next(garbage.glob("*.safetensors")), 0, 64)
+    reseal(garbage)
+    # a truncated optimizer.pt, re-sealed
+    truncated = damaged_copy(run, 4)
+    optimizer = truncated / "trainer_state" / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[: optimizer.stat().st_size // 2])
+    reseal(truncated)
+    # an optimizer.pt of the same size with damaged bytes (checksum)
+    flip_bytes(damaged_copy(run, 5) / "trainer_state" / "optimizer.pt", 100, 16)
+    # structurally bad manifests: none may raise
+    for step, change in [
+        (6, lambda m: m["files"].__setitem__("config.json", {"sha256": "0" * 64})),  # entry without size
+        (7, lambda m: m.__setitem__("files", list(m["files"]))),  # files as a list
+        (8, lambda m: m.__setitem__("files", {})),  # nothing listed: not "complete"
+        (9, lambda m: m["files"]["config.json"].__setitem__("sha256", "abc")),  # not a sha256
+        (10, lambda m: m["files"]["config.json"].__setitem__("size", "12")),  # size as a string
+    ]:
+        path = damaged_copy(run, step)
+        manifest = json.loads((path / "manifest.json").read_text())
+        change(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    (damaged_copy(run, 11) / "manifest.json").write_text("[1, 2")  # not JSON
+
+    found, skipped = find_resume_checkpoint(run)
+    assert found == (1, run / "weights" / "step_1")
+    reasons = {p.name: reason for p, reason in skipped}
+    assert [p.name for p, _ in skipped] == [f"step_{n}" for n in range(11, 1, -1)]  # newest first, all reported
+    assert all("\n" not in reason for reason in reasons.values())
+    assert "sha256 mismatch" in reasons["step_2"] and "model.safetensors" in reasons["step_2"]
+    assert "does not load" in reasons["step_3"] and "safetensors" in reasons["step_3"]
+    assert "does not load" in reasons["step_4"] and "optimizer.pt" in reasons["step_4"]
+    assert "sha256 mismatch" in reasons["step_5"] and "optimizer.pt" in reasons["step_5"]
+    assert "no valid size" in reasons["step_6"]
+    assert "'files' must be an object" in reasons["step_7"]
+    assert "lists no files" in reasons["step_8"]
+    assert "no valid sha256" in reasons["step_9"]
+    assert "no valid size" in reasons["step_10"]
+    assert "unreadable manifest.json" in reasons["step_11"]
+    # the chosen one loads for real; damaged ones are reported, never deleted
+    assert load_trainer_state(found[1])["data_position"] == 1
+    assert all(p.exists() for p, _ in skipped)
+
+
+def test_resume_with_only_damaged_checkpoints_finds_none(good_checkpoint):
+    flip_bytes(next((good_checkpoint / "weights" / "step_1").glob("*.safetensors")), 4096, 8)
+    found, skipped = find_resume_checkpoint(good_checkpoint)
+    assert found is None and [p.name for p, _ in skipped] == ["step_1"]
+    assert find_resume_checkpoint(good_checkpoint / "nowhere") == (None, [])
+
+
+def test_load_problems_reads_the_tensors(good_checkpoint):
+    path = good_checkpoint / "weights" / "step_1"
+    assert load_problems(path) == []
+    shard = next(path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-64])  # header intact, the last tensor's bytes missing
+    assert "does not load" in load_problems(path)[0]
+
+
+def test_prune_never_deletes_the_newest_verified_checkpoint(good_checkpoint, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    run = good_checkpoint
+    flip_bytes(next(damaged_copy(run, 2).glob("*.safetensors")), 4096, 4096)
+    flip_bytes(next(damaged_copy(run, 3).glob("*.safetensors")), 4096, 4096)
+    # keep=1 by count alone would delete step_1, the only good one
+    assert prune_checkpoints(run, keep=1) == [run / "weights" / "step_2"]
+    assert sorted(p.name for p in (run / "weights").glob("step_*")) == ["step_1", "step_3"]
+    # a newly saved good checkpoint becomes the protected one, and the old good one may go
+    save_checkpoint(run, 4, model, tokenizer, keep=1)
+    assert sorted(p.name for p in (run / "weights").glob("step_*")) == ["step_4"]
+
+
+def test_disk_full_during_save_cleans_up_and_says_what_to_do(good_checkpoint, model_and_tokenizer, monkeypatch):
+    model, tokenizer = model_and_tokenizer
+    run = good_checkpoint
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        if Path(f).name == "optimizer.pt":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(CheckpointWriteError) as info:
+        save_checkpoint(run, 2, model, tokenizer, optimizer_state={"x": torch.zeros(3)}, keep=1)
+    message = str(info.value)
+    assert isinstance(info.value, OSError) and info.value.errno == errno.ENOSPC
+    assert "\n" not in message
+    assert "step 2" in message and str(run / "weights") in message
+    assert "No space left on device" in message and "GB free" in message and "ckpt.keep" in message
+    # no half-written tmp dir, and the previous checkpoint is still there and the one resume takes
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["latest", "step_1"]
+    assert find_resume_checkpoint(run)[0] == (1, run / "weights" / "step_1")
+
+    # torch's own report of a failed write (a RuntimeError without errno) is recognised too
+    def torch_write_failure(obj, f, *args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+
+    monkeypatch.setattr(torch, "save", torch_write_failure)
+    with pytest.raises(CheckpointWriteError, match="step 2 not saved"):
+        save_checkpoint(run, 2, model, tokenizer)
+    # anything else is a bug, not a disk problem: raised as it is (and still cleaned up)
+    monkeypatch.setattr(torch, "save", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        save_checkpoint(run, 2, model, tokenizer)
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["latest", "step_1"]
+
+
+FILE_LIMIT_WRITER = textwrap.dedent(
+    """
+    import resource, signal, sys, torch
+    from transformers import AutoModelForCausalLM
+    from scirl.checkpoint import CheckpointWriteError, save_checkpoint
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+    save_checkpoint(sys.argv[1], 1, model)
+    # from now on no file may grow past 64 KiB: the kernel fails the write (EFBIG), as a full disk would (ENOSPC)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        save_checkpoint(sys.argv[1], 2, model, optimizer_state={"big": torch.zeros(1 << 16)})
+    except CheckpointWriteError as e:
+        print("ERROR", e)
+    """
+)
+
+
+@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_FSIZE)[1] != resource.RLIM_INFINITY and
+                    resource.getrlimit(resource.RLIMIT_FSIZE)[1] < (1 << 20), reason="file size limit already low")
+def test_real_failed_write_is_reported_in_one_line(tmp_path, tiny_model_dir):
+    """A real failed write (the kernel refuses to grow a file): torch and safetensors errors become one line."""
+    script = tmp_path / "writer.py"
+    script.write_text(FILE_LIMIT_WRITER)
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, str(script), str(run), str(tiny_model_dir)], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
+    assert len(lines) == 1 and "checkpoint step 2 not saved" in lines[0] and "ckpt.keep" in lines[0]
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["latest", "step_1"]

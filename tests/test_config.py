@@ -46,6 +46,27 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--max-steps"], "needs a value"),
     (["loose-word"], "unexpected argument"),
     (["--activation-checkpointing"], "share_prompts"),  # the shared-prompt forward needs the KV cache
+    # values that can only be mistakes (issue 12, item 3): refused here, not as NaN losses or an AdamW crash
+    (["--optim.lr", "inf"], "optim.lr"),
+    (["--optim.lr", "nan"], "optim.lr"),
+    (["--optim.lr", "1e400"], "optim.lr"),  # overflows to inf
+    (["--optim.lr", "2"], "optim.lr"),
+    (["--temperature", "1e300"], "temperature"),
+    (["--temperature", "11"], "temperature"),
+    (["--optim.betas", "[2, -5]"], "optim.betas"),
+    (["--optim.betas", "[0.9, 1.0]"], "optim.betas"),
+    (["--optim.betas", "[0.9, NaN]"], "optim.betas"),
+    (["--optim.weight-decay", "-inf"], "optim.weight_decay"),
+    (["--optim.lr", "0.5", "--optim.weight-decay", "3"], "lr \\* weight_decay"),
+    (["--optim.max-norm", "nan"], "optim.max_norm"),
+    (["--loss.kl-tau", "inf"], "loss.kl_tau"),
+    (["--filters.gibberish.logprob-offset", "nan"], "logprob_offset"),
+    (["--advantage.eps", "inf"], "advantage.eps"),
+    (["--top-p", "nan"], "top_p"),
+    (["--seed", "-1"], "seed"),
+    (["--data.seed", str(2**64)], "data.seed"),
+    (["--output-dir", ""], "output_dir"),
+    (["--model", ""], "model"),
 ])
 def test_bad_values_and_unknown_keys_name_the_field(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.") if "." in fragment else fragment):
@@ -102,3 +123,12 @@ def test_cli_dry_run_prints_the_resolved_config(capsys):
     assert "max_steps = 2" in capsys.readouterr().out
     assert main(["--optim.lrr", "1", "--dry-run"]) == 2
     assert "optim.lr" in capsys.readouterr().err
+
+
+def test_non_finite_floats_in_a_toml_file_are_refused(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("temperature = nan\n[optim]\nlr = inf\n[loss]\nmask_low = -inf\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(["@", str(path)])
+    text = str(exc.value)
+    assert "temperature" in text and "optim.lr" in text and "loss.mask_low" in text and "finite" in text

@@ -372,7 +372,7 @@ def test_cli_export_round_trip(dirty_jsonl, tmp_path):
 
 def test_cli_reports_a_bad_source(tmp_path, capsys):
     rc = cli_main(["data", "stats", "--data", str(tmp_path / "missing.jsonl")])
-    assert rc == 1
+    assert rc == 2  # bad input
     assert "missing.jsonl" in capsys.readouterr().err
 
 
@@ -427,3 +427,43 @@ def test_a_prompt_given_as_plain_text_is_the_rows_instruction(clean_rows):
     assert data.question_from_row({**row, "prompt": "Reply with one letter."}).instruction == "Reply with one letter."
     assert data.question_from_row({**row, "prompt": {"default": "Pick one."}}).instruction == "Pick one."
     assert data.question_from_row({**row, "prompt": None}).instruction is None
+
+
+# ---- misleading or silent cases (issue 12, item 15) ----
+
+
+def test_export_refuses_to_overwrite_its_own_source(dirty_jsonl, tmp_path, capsys):
+    source = tmp_path / "source.jsonl"
+    source.write_bytes(dirty_jsonl.read_bytes())
+    for out in (source, tmp_path / "." / "source.jsonl"):
+        assert cli_main(["data", "export", "--data", str(source), "--split", "eval", "--out", str(out)]) == 2
+        assert "overwrite the source" in capsys.readouterr().err
+    assert source.read_bytes() == dirty_jsonl.read_bytes()
+
+
+@pytest.mark.parametrize("encoding, hint", [("utf-16", "UTF-16-LE"), ("utf-32", "UTF-32-LE"), ("latin-1", "Latin-1")])
+def test_a_file_in_another_encoding_is_named_as_such(clean_rows, tmp_path, capsys, encoding, hint):
+    """Before: a UTF-16 or Latin-1 file was read as a file of bad JSON lines, with no word about its encoding."""
+    rows = [dict(r, question=r["question"] + " \u00e9t\u00e9") for r in clean_rows[:4]]
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("\n".join(json.dumps(r, ensure_ascii=False) for r in rows).encode(encoding))
+    assert cli_main(["data", "stats", "--data", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "not UTF-8" in err and hint in err and len(err.strip().splitlines()) == 1
+
+
+def test_utf16_without_a_byte_order_mark_is_named_too(clean_rows, tmp_path):
+    from scirl.data import DataSourceError, load_splits
+
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes("\n".join(json.dumps(r) for r in clean_rows[:4]).encode("utf-16-le"))
+    with pytest.raises(DataSourceError, match="UTF-16"):
+        load_splits(str(path))
+
+
+def test_a_missing_hf_directory_is_not_blamed_on_the_hub(tmp_path, capsys):
+    """Before: hf:/missing/dir was reported as "cannot reach the Hugging Face Hub"."""
+    missing = tmp_path / "missing" / "dir"
+    assert cli_main(["data", "stats", "--data", f"hf:{missing}"]) == 2
+    err = capsys.readouterr().err
+    assert "does not exist" in err and str(missing) in err and "Hub" not in err

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from scirl.data import question_from_row
-from scirl.reward import Scored, extract_answer, official_score, reward, score, strip_think
+from scirl.reward import MODES, Scored, extract_answer, official_score, reward, score, strip_think
 from scirl.synthetic import generate_rows
 
 FOUR = ("A", "B", "C", "D")
@@ -455,3 +455,52 @@ def test_official_scorer_quirks_are_reproduced():
     assert official_score("It is the mitochondrion", "B", FOUR, FOUR_OPTIONS) == 1.0
     assert official_score(None, "B", FOUR, FOUR_OPTIONS) == 0.0
     assert official_score("", "B", FOUR, FOUR_OPTIONS) == 0.0
+
+
+# ---- extraction is linear in the reply's length (issue 12, item 8) ----
+
+ADVERSARIAL = {
+    # each was quadratic (or worse): 80 KB of unclosed <answer> tags took 6 s, 240 KB 55 s
+    "unclosed answer tags": "<answer>",
+    "spaces after answer": "answer" + " " * 64,
+    "tabs after a choice": "I choose" + "\t" * 64 + ".",
+    "latex delimiters after answer": "answer" + "\\(" * 64,
+    "boxed opens": "\\boxed{",
+    "think opens": "<think>",
+    "bracketed letters": "(A)",
+    "hedged letters": "A or ",
+    "slash letters": "/A",
+    "explicit statements": "the answer is B. ",
+    "negations": "not ",
+    "enumerated options": "A) x\n",
+}
+
+
+@pytest.mark.timeout(120)  # linear: well under a second on a loaded machine; quadratic: hours
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_a_megabyte_of_adversarial_reply_is_read_in_linear_time(name):
+    unit = ADVERSARIAL[name]
+    reply = ("answer" if name != "spaces after answer" else "") + unit * (1_000_000 // len(unit)) + "x"
+    for mode in MODES:
+        extract_answer(reply, FOUR, mode, FOUR_OPTIONS)  # the result does not matter, finishing does
+
+
+def test_answer_tags_are_read_as_the_regex_read_them():
+    """The hand-written <answer> pass gives what ``<answer>\\s*(.*?)\\s*</answer>`` (DOTALL, any case) gave."""
+    import random
+    import re
+
+    from scirl.reward import _answer_tags
+
+    old = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.IGNORECASE | re.DOTALL)
+    pieces = ["<answer>", "</answer>", "<ANSWER>", "</Answer>", " ", "\n", "B", "text", "<answer", "answer>"]
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        assert _answer_tags(text) == old.sub(lambda m: "\nanswer: " + m.group(1) + "\n", text), text
+
+
+def test_runs_of_spaces_read_as_one():
+    assert extract_answer("Answer:      B", FOUR, "strict") == "B"
+    assert extract_answer("I would   choose \t  (C)", FOUR, "lenient") == "C"
+    assert extract_answer("<answer>   D  </answer>", FOUR, "strict") == "D"

@@ -95,7 +95,7 @@ class SlowGenerator(Generator):
         self.tokenizer = tokenizer
         self.calls: list[int] = []
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, should_stop=None):
         self.calls.append(len(prompts))
         time.sleep(0.3)
         return [[Completion("A", [1], [0.0], "stop") for _ in range(params.n)] for _ in prompts]
@@ -219,3 +219,174 @@ def test_eval_command_on_a_local_model_dir(tiny_model_dir, data_file, tmp_path, 
     assert "overall" in capsys.readouterr().out
     assert main(args + ["--max-tokens", "4"]) == 2  # another setting, same --out
     assert "max_tokens" in capsys.readouterr().err
+
+
+# ---- limits, authentication, and clients that leave (issue 12, items 4 and 5) ----
+
+
+class HeldGenerator(Generator):
+    """Generates until released, polling ``should_stop`` as a real decode loop does between steps."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.started, self.release, self.cancelled = threading.Event(), threading.Event(), threading.Event()
+
+    def generate(self, prompts, params, should_stop=None):
+        from scirl.inference.base import GenerationCancelled
+
+        self.started.set()
+        deadline = time.monotonic() + 120
+        while not self.release.wait(0.01):  # one "decode step"
+            if should_stop is not None and should_stop():
+                self.cancelled.set()
+                raise GenerationCancelled()
+            assert time.monotonic() < deadline, "never released nor cancelled"
+        return [[Completion("A", [1], [0.0], "stop") for _ in range(params.n)] for _ in prompts]
+
+    def update_weights(self, named_tensors):
+        pass
+
+
+def raw_post(url: str, body: bytes, headers: str = "") -> socket.socket:
+    """Send a chat request over a plain socket (so the test can drop the connection) and return the socket."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n{headers}\r\n".encode() + body)
+    return sock
+
+
+def test_a_batch_whose_client_disconnected_stops_generating(generator):
+    """Before: the disconnect check never fired, so an abandoned heavy request held the model for its whole length."""
+    import httpx
+
+    from asgi_server import running
+    from scirl.serve import create_app
+
+    held = HeldGenerator(generator.tokenizer)
+    with running(create_app(held, "held")) as srv:
+        sock = raw_post(srv.url, json.dumps({"messages": MESSAGES, "max_tokens": 4}).encode())
+        assert held.started.wait(60), "generation never started"
+        sock.close()  # the client leaves mid-generation
+        assert held.cancelled.wait(60), "the generator was not told to stop"
+        # the model is free again: the next request is served
+        held.started.clear()
+        held.release.set()
+        r = httpx.post(srv.url + "/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "A"
+
+
+def test_a_batch_keeps_going_while_one_of_its_clients_waits(generator):
+    """Only a batch that *every* client left is cancelled; a connected client still gets its answer."""
+    import httpx
+
+    from asgi_server import running
+    from scirl.serve import create_app
+
+    held = HeldGenerator(generator.tokenizer)
+    with running(create_app(held, "held")) as srv:
+        result = {}
+        waiting = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+            srv.url + "/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=120)))
+        waiting.start()
+        assert held.started.wait(60)
+        held.release.set()
+        waiting.join(120)
+    assert result["r"].status_code == 200 and not held.cancelled.is_set()
+
+
+@pytest.fixture(scope="module")
+def limited(generator):
+    from fastapi.testclient import TestClient
+
+    from scirl.serve import create_app
+
+    with TestClient(create_app(generator, "tiny", max_body_bytes=4000, max_request_tokens=64, api_key="s3cret")) as c:
+        c.headers["Authorization"] = "Bearer s3cret"
+        yield c
+
+
+def test_request_body_limit_is_a_413(limited):
+    """Before: a 10 MB prompt was read and tokenized on the event loop, blocking every other client."""
+    big = {"messages": [{"role": "user", "content": "x" * 5000}], "max_tokens": 2}
+    r = limited.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and "4000 bytes" in r.json()["error"]["message"]
+    # a chunked body (no Content-Length) is cut off at the limit too
+    r = limited.post("/v1/chat/completions", content=iter([json.dumps(big).encode()[:3000]] * 2),
+                     headers={"Content-Type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_n_times_max_tokens_is_capped(limited):
+    r = limited.post("/v1/chat/completions", json={"messages": MESSAGES, "n": 9, "max_tokens": 8})
+    assert r.status_code == 400
+    message = r.json()["error"]["message"]
+    assert "9 x 8" in message and "64" in message and "--max-request-tokens" in message
+    r = limited.post("/v1/chat/completions", json={"messages": MESSAGES, "n": 8, "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+    b'{"messages": "hi"',
+    b'\xff\xfe{}',
+])
+def test_non_finite_numbers_and_bad_json_are_a_422(limited, body):
+    """Before: NaN gave a 500 (the error echoed NaN, which JSON cannot carry) and a dropped connection."""
+    r = limited.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_api_key_is_required_when_set(limited):
+    for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+        assert limited.get("/v1/models", headers=headers).status_code == 401
+        r = limited.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}, headers=headers)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    assert limited.get("/v1/models").status_code == 200
+
+
+def test_binding_beyond_loopback_without_a_key_warns():
+    from scirl.serve import exposure_warning
+
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+    assert exposure_warning("localhost", None) is None
+    assert "--api-key" in exposure_warning("0.0.0.0", None)
+    assert "--api-key" in exposure_warning("myhost.example", None)
+    assert exposure_warning("0.0.0.0", "k") is None
+
+
+class BlockingTokenizer:
+    """A tokenizer whose encoding waits for a signal, standing for a huge prompt's slow tokenization."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text, add_special_tokens=False):
+        self.entered.set()
+        assert self.release.wait(120)
+        return [1, 2, 3]
+
+
+def test_tokenization_runs_off_the_event_loop(generator):
+    from fastapi.testclient import TestClient
+
+    from scirl.serve import create_app
+
+    tokenizer = BlockingTokenizer()
+    slow = SlowGenerator(tokenizer)
+    with TestClient(create_app(slow, "slow")) as c:
+        result = {}
+        asking = threading.Thread(target=lambda: result.setdefault("r", c.post(
+            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})))
+        asking.start()
+        assert tokenizer.entered.wait(60)
+        assert c.get("/v1/models").status_code == 200  # served while the prompt is still being tokenized
+        tokenizer.release.set()
+        asking.join(120)
+    assert result["r"].status_code == 200

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
+
+from scirl.commands.parser import Parser
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +27,7 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="scirl data", description="Inspect and export the SciKnowEval MCQ splits.")
+    parser = Parser(prog="scirl data", description="Inspect and export the SciKnowEval MCQ splits.")
     sub = parser.add_subparsers(dest="action", required=True)
     stats = sub.add_parser("stats", help="counts per domain, type, level and split, and skipped rows by reason")
     add_source_args(stats)
@@ -48,40 +51,64 @@ def load(args: argparse.Namespace):
 
 def print_tables(summary: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # every name below comes from the data (or the command line): printed literally, never read as markup
     console = Console()
-    console.print(f"[bold]{summary['source']}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
-                  f"({', '.join(summary['types'])}); split {summary['split_method']!r}, "
+    console.print(f"[bold]{escape(str(summary['source']))}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
+                  f"({escape(', '.join(summary['types']))}); split {summary['split_method']!r}, "
                   f"{summary['eval_per_domain']} eval per domain, seed {summary['seed']}")
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
         table = Table(title=f"by {title}")
         for col in (title, "train", "eval", "total"):
             table.add_column(col, justify="left" if col == title else "right")
         for name, counts in summary[key].items():
-            table.add_row(name, str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
+            table.add_row(escape(str(name)), str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
         table.add_row("[bold]all[/]", str(summary["train"]), str(summary["eval"]), str(summary["train"] + summary["eval"]))
         console.print(table)
     table = Table(title="MCQ rows skipped, by reason")
     table.add_column("reason")
     table.add_column("rows", justify="right")
     for reason, n in summary["skipped"].items():
-        table.add_row(reason, str(n))
+        table.add_row(escape(str(reason)), str(n))
     table.add_row("[bold]all[/]", str(summary["skipped_total"]))
     console.print(table)
     if summary["non_mcq"]:
-        console.print("not MCQ (read, not used): " + ", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items()))
+        console.print("not MCQ (read, not used): " + escape(", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items())))
     for note in summary["notes"]:
-        console.print(f"[yellow]note:[/] {note}")
+        console.print(f"[yellow]note:[/] {escape(str(note))}")
+
+
+def out_problem(out: str, data: str) -> str | None:
+    """Why --out cannot be written (checked before the data is read), or None."""
+    path = Path(out).expanduser()
+    if not out.strip():
+        return "--out must name a file"
+    if path.is_dir():
+        return f"--out {out} is a directory; give a file name such as {path / 'eval.jsonl'}"
+    source = Path(data).expanduser()
+    if source.exists() and path.exists() and path.resolve() == source.resolve():
+        return f"--out {out} is the --data file itself: exporting would overwrite the source; write elsewhere"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"--out {out}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot write in {parent} (permission denied)"
+    return None
 
 
 def export(splits, split: str, out: str) -> int:
-    path = Path(out)
+    path = Path(out).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = splits.split(split)
-    with path.open("w", encoding="utf-8") as f:
+    tmp = path.with_name(path.name + ".tmp")  # written aside, then renamed: a kill never leaves half a file at --out
+    with tmp.open("w", encoding="utf-8") as f:
         for q in rows:
             f.write(json.dumps(q.raw, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
     print(f"wrote {len(rows)} {split} rows to {path}", file=sys.stderr)
     return len(rows)
 
@@ -90,17 +117,31 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import logging
 
-    from scirl.data import DataSourceError
+    from scirl.data import DataSourceError, HubUnreachable
 
     if args.action == "stats":
         # stats reports the counts and notes itself; the loader's per-row warnings would repeat them
         logging.getLogger("scirl.data").setLevel(logging.ERROR)
 
+    if args.eval_per_domain < 0:
+        print("scirl data: error: --eval-per-domain must be >= 0", file=sys.stderr)
+        return 2
+    if args.seed < 0:
+        print("scirl data: error: --seed must be >= 0", file=sys.stderr)
+        return 2
+    if args.action == "export":
+        problem = out_problem(args.out, args.data)
+        if problem:
+            print(f"scirl data: error: {problem}", file=sys.stderr)
+            return 2
     try:
         splits = load(args)
-    except (DataSourceError, ValueError) as e:
+    except HubUnreachable as e:  # not bad input: the same command works where the hub is reachable
         print(f"scirl data: error: {e}", file=sys.stderr)
         return 1
+    except (DataSourceError, OSError, ValueError) as e:
+        print(f"scirl data: error: {e}", file=sys.stderr)
+        return 2
     if args.action == "stats":
         summary = splits.summary()
         if args.json:
@@ -108,5 +149,9 @@ def main(argv: list[str]) -> int:
         else:
             print_tables(summary)
         return 0
-    export(splits, args.split, args.out)
+    try:
+        export(splits, args.split, args.out)
+    except OSError as e:  # e.g. a full disk: the source and any earlier --out file are untouched
+        print(f"scirl data: error: cannot write {args.out}: {e}", file=sys.stderr)
+        return 1
     return 0

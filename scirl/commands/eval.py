@@ -13,11 +13,13 @@ import os
 import sys
 from pathlib import Path
 
+from scirl.commands.parser import Parser, device_problem, finite_float
+
 
 def build_parser() -> argparse.ArgumentParser:
     from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="scirl eval",
         description="Evaluate a model on SciKnowEval MCQ questions through an OpenAI-compatible server "
         "(--base-url), or in-process from a local HF model directory (no --base-url). "
@@ -34,16 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "the training config's data.seed (default: %(default)s)")
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
     p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")
-    p.add_argument("--temperature", type=float, default=0.0, help="default: %(default)s (greedy)")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="default: %(default)s (greedy)")
+    p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=1024, help="completion tokens per sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds (default: %(default)s)")
+    p.add_argument("--timeout", type=finite_float, default=120.0, help="per request, seconds (default: %(default)s)")
     p.add_argument("--retries", type=int, default=6, help="retries per request after the first try (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
     p.add_argument("--device", default=None, help="torch device for a local model (default: cuda if available, else cpu)")
     p.add_argument("--batch-size", type=int, default=32, help="questions per generate call for a local model")
+    p.add_argument("--max-reply-chars", type=int, default=None,
+                   help="replies longer than this are stored cut to it and counted (a server that ignores "
+                   "max_tokens); default: 16 x --max-tokens, at least 4096")
     p.add_argument("--overwrite", action="store_true", help="discard answers recorded with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -58,6 +63,16 @@ def _check(args) -> str | None:
         return "--max-tokens must be >= 1"
     if args.temperature < 0:
         return "--temperature must be >= 0"
+    if not 0 < args.top_p <= 1:
+        return "--top-p must be in (0, 1]"
+    if args.max_reply_chars is not None and args.max_reply_chars < 1:
+        return "--max-reply-chars must be >= 1"
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        return "--seed must be in 0..2**63-1"
+    if args.split_seed < 0:
+        return "--split-seed must be >= 0"
+    if not args.model.strip():
+        return "--model must not be empty"
     if args.timeout <= 0:
         return "--timeout must be > 0"
     if args.retries < 0:
@@ -68,8 +83,50 @@ def _check(args) -> str | None:
         return "--batch-size must be >= 1"
     if args.eval_per_domain < 0:
         return "--eval-per-domain must be >= 0"
-    if args.base_url is None and not (Path(args.model) / "config.json").is_file():
+    if args.base_url is not None:
+        problem = _url_problem(args.base_url)
+        if problem:
+            return problem
+    elif not (Path(args.model) / "config.json").is_file():
         return f"without --base-url, --model must be a local HF model directory; {args.model} has no config.json"
+    problem = _out_problem(args.out)
+    if problem:
+        return problem
+    return device_problem(args.device, "--device")
+
+
+def _url_problem(url: str) -> str | None:
+    """Why --base-url cannot be an HTTP(S) server address (None when it can)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        return f"--base-url {url!r} is not a URL: {e}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"--base-url must look like http://HOST:PORT/v1, got {url!r}"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"--base-url {url!r}: port must be 1..65535"
+    return None
+
+
+def _out_problem(out: str) -> str | None:
+    """Why results cannot be written at --out, found now rather than after the whole evaluation."""
+    from scirl.eval.results import records_path
+
+    path = Path(out)
+    if not out.strip() or out.endswith(os.sep):
+        return f"--out must name a file, got {out!r}"
+    for target in (path, records_path(path)):
+        if target.is_dir():
+            return f"--out {out}: {target} is a directory; give a file name such as {path / 'eval.json'}"
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"--out {out}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot write in {parent} (permission denied)"
     return None
 
 
@@ -86,7 +143,20 @@ def run_eval(argv: list[str]) -> int:
     if problem:
         print(f"scirl eval: {problem}", file=sys.stderr)
         return 2
+    from scirl.eval.results import OutInUse, lock_out
 
+    try:
+        lock = lock_out(args.out)  # held until this process ends: one evaluation per --out
+    except (OutInUse, OSError) as e:
+        print(f"scirl eval: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_eval_locked(args)
+    finally:
+        lock.close()
+
+
+def _run_eval_locked(args) -> int:
     if args.n_samples > 1 and args.temperature == 0:
         print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
@@ -97,7 +167,7 @@ def run_eval(argv: list[str]) -> int:
 
     try:
         splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed)
-    except (DataSourceError, FileNotFoundError, ValueError) as e:
+    except (DataSourceError, OSError, ValueError) as e:
         print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
         return 2
     questions = splits.split(args.split)
@@ -123,6 +193,7 @@ def run_eval(argv: list[str]) -> int:
                 base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
                 n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                 seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+                max_reply_chars=args.max_reply_chars,
             )
             try:
                 results = evaluate_server(questions, cfg, out=args.out, settings=server_settings(cfg, **data_settings),
@@ -156,6 +227,10 @@ def run_eval(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("\nscirl eval: interrupted; the answers so far are saved. Rerun the same command to resume.", file=sys.stderr)
         return 130
+    except OSError as e:  # e.g. a full disk while appending answers or writing the results
+        print(f"scirl eval: {e}; the answers recorded so far are kept: fix this and rerun the same command to resume",
+              file=sys.stderr)
+        return 1
 
     print_summary(results)
     print(f"wrote {args.out}")
@@ -163,7 +238,7 @@ def run_eval(argv: list[str]) -> int:
 
 
 def run_compare(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="scirl eval compare",
         description="Paired comparison of two results files on their common questions (first sample), with McNemar's test.",
     )
@@ -178,15 +253,19 @@ def run_compare(argv: list[str]) -> int:
     loaded = []
     for path in (args.a, args.b):
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as e:
+            data = json.loads(Path(path).read_bytes().decode("utf-8"))
+        except UnicodeDecodeError:
+            print(f"scirl eval compare: {path} is not UTF-8 text, so not a scirl eval results file", file=sys.stderr)
+            return 2
+        except (OSError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
             print(f"scirl eval compare: cannot read {path}: {e}", file=sys.stderr)
             return 2
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             print(f"scirl eval compare: {path} is not a scirl eval results file (no records)", file=sys.stderr)
             return 2
-        if not all(isinstance(r, dict) and "id" in r and "correct" in r for r in data["records"]):
-            print(f"scirl eval compare: {path}: every record needs an 'id' and 'correct'", file=sys.stderr)
+        if not all(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("correct"), bool)
+                   for r in data["records"]):
+            print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
             return 2
         loaded.append(data)
     result = compare(*loaded)

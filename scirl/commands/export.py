@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from scirl.commands.parser import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     from scirl.export_primerl import DEFAULT_MODEL, DEFAULT_TARGET, TARGETS
 
-    parser = argparse.ArgumentParser(prog="scirl export", description="Export the task for other frameworks.")
+    parser = Parser(prog="scirl export", description="Export the task for other frameworks.")
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     prime = targets.add_parser(
         "prime-rl",
@@ -39,12 +42,18 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from scirl.export_primerl import DROP_PATH, export
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        print(f"scirl export: --out {args.out} is a file; give a directory", file=sys.stderr)
+        return 2
     try:
         result = export(args.out, data=args.data, base_port=args.base_port, scirl_source=args.scirl_source,
                         model=args.model, ref=args.prime_rl_ref, force=args.force)
     except (FileExistsError, ValueError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # e.g. no permission to write --out
+        print(f"scirl export: cannot write {args.out}: {e}", file=sys.stderr)
+        return 1
     ports = result.ports
     print(f"wrote {len(result.files)} files to {result.out} for prime-rl {result.target.name} "
           f"({result.target.commit[:9]}, {result.target.date})")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scirl.commands.parser import Parser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="scirl report",
         description="Plots and a one-page, self-contained HTML summary of a run (or a comparison of two evaluations).",
         epilog="Before/after accuracy: eval_base.json and eval_final.json by name, "
@@ -41,7 +43,7 @@ def main(argv: list[str]) -> int:
                 print("no paired comparison: the two files share no question ids (or lack records)")
         else:
             page = write_report(args.run_dir, out_dir=args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a missing run dir or file, an --out that cannot be a directory
         print(f"scirl report: {e}", file=sys.stderr)
         return 2
     print(page)

@@ -10,9 +10,11 @@ moment it arrives, so a killed run resumes where it stopped.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import random
+import re
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +55,23 @@ class ClientConfig:
     concurrency: int = 32
     backoff_base: float = 0.5  # seconds; doubles per attempt
     backoff_max: float = 30.0
+    max_reply_chars: int | None = None  # longer replies are cut (and counted); None: default_max_reply_chars
+
+    @property
+    def reply_cap(self) -> int:
+        return self.max_reply_chars if self.max_reply_chars is not None else default_max_reply_chars(self.max_tokens)
+
+
+def default_max_reply_chars(max_tokens: int) -> int:
+    """16 characters per requested token: above any real tokenizer's average (about 4), so only a server
+    that ignores max_tokens is cut, while 20 MB replies no longer reach memory and disk."""
+    return max(16 * max_tokens, 4096)
+
+
+def body_limit(cap: int, n: int) -> int:
+    """Most bytes read of one response: n replies of ``cap`` characters, JSON-escaped (up to 6 bytes each,
+    as \\uXXXX), plus room for the rest of the body."""
+    return n * cap * 6 + (1 << 20)
 
 
 def _chat_url(base_url: str) -> str:
@@ -68,13 +87,52 @@ def public_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{userinfo.split(':', 1)[0]}:***@{host}"))
 
 
+_AUTH_VALUE = re.compile(r"(?i)\b(Basic|Bearer)(\s+|%20|\+)[A-Za-z0-9._~+/=%-]+")
+
+
 def blank_secrets(text: str, cfg: "ClientConfig") -> str:
-    """Servers and proxies may quote a credential back in an error; that text is printed and saved."""
-    password = urllib.parse.urlsplit(cfg.base_url).password
-    for secret, label in ((cfg.api_key, "<api key>"), (password, "***")):
-        if secret:
+    """Servers and proxies may quote a credential back in an error (some echo the whole Authorization header);
+    that text is printed and saved. Blanked: the API key, the URL's password (as written and decoded), the
+    base64 ``user:password`` that HTTP Basic auth sends, and any ``Basic``/``Bearer`` header value."""
+    parts = urllib.parse.urlsplit(cfg.base_url)
+    secrets = [(cfg.api_key, "<api key>")]
+    if parts.password is not None:
+        user, password = parts.username or "", parts.password
+        plain_user, plain_password = urllib.parse.unquote(user), urllib.parse.unquote(password)
+        for u, pw in {(user, password), (plain_user, plain_password)}:
+            token = base64.b64encode(f"{u}:{pw}".encode()).decode()
+            secrets += [(token, "***"), (token.rstrip("="), "***")]
+        secrets += [(password, "***"), (plain_password, "***")]
+    for secret, label in secrets:
+        if secret and len(secret) >= 3:  # a 1-2 character "secret" would blank innocent text, and guards nothing
             text = text.replace(secret, label)
-    return text
+        elif secret:
+            text = re.sub(r"(?<![\w])" + re.escape(secret) + r"(?![\w])", label, text)
+    return _AUTH_VALUE.sub(lambda m: f"{m.group(1)} ***", text)
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_capped(response: httpx.Response, limit: int, cut: bool = False) -> bytes:
+    """The response body, at most ``limit`` bytes of it: a runaway server cannot fill memory. Past the limit,
+    BodyTooLarge, or with ``cut`` the first ``limit`` bytes (enough of an error message)."""
+    chunks, size = [], 0
+    async for chunk in response.aiter_bytes():
+        size += len(chunk)
+        if size > limit:
+            if cut:
+                chunks.append(chunk[: len(chunk) - (size - limit)])
+                break
+            raise BodyTooLarge()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def cap_replies(replies: list[str], cap: int) -> tuple[list[str], int]:
+    """Replies cut to ``cap`` characters, and how many were cut."""
+    return [r[:cap] for r in replies], sum(len(r) > cap for r in replies)
 
 
 def parse_choices(body: bytes) -> list[tuple[str, str | None]]:
@@ -132,32 +190,43 @@ class ChatClient:
         }
         if seed is not None:
             payload["seed"] = seed
+        limit = body_limit(cfg.reply_cap, n)
         try:
             http = await self.idle.get()
             try:
                 # httpx's timeout bounds each read, not the request: a server that trickles bytes would
                 # never time out, so the whole request is bounded too
-                response = await asyncio.wait_for(
-                    http.post(_chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout), cfg.timeout
-                )
+                status, headers, body = await asyncio.wait_for(self._post(http, payload, limit), cfg.timeout)
             finally:
                 self.idle.put_nowait(http)
         except (httpx.TimeoutException, asyncio.TimeoutError):
             raise RetryableError(f"timed out after {cfg.timeout:g} s") from None
         except httpx.RequestError as e:  # transport errors, and bodies that fail to decode (DecodingError)
             raise RetryableError(f"{type(e).__name__}: {blank_secrets(str(e), cfg)}") from None
-        status = response.status_code
+        except BodyTooLarge:
+            # asking again would get the same flood; the question is listed as failed, with the fix
+            raise QuestionError(f"the server's reply passed {limit} bytes (it ignores max_tokens?); not read further. "
+                                "Raise --max-reply-chars to accept longer replies") from None
         if status == 200:
-            return parse_choices(response.content)
-        detail = blank_secrets(response.text, cfg)[:300]  # cut after the blanking: no piece of a key survives
+            return parse_choices(body)
+        detail = blank_secrets(body.decode("utf-8", "replace"), cfg)[:300]  # cut after the blanking: no piece of a key survives
         if status in RETRY_STATUS or status >= 500:
             error = RetryableError(f"HTTP {status}: {detail}")
-            error.retry_after = response.headers.get("retry-after")  # type: ignore[attr-defined]
+            error.retry_after = headers.get("retry-after")  # type: ignore[attr-defined]
             raise error
         if status in FATAL_STATUS:
             hint = " (does --base-url end with /v1, and is --model the served model name?)" if status == 404 else ""
             raise FatalServerError(f"{public_url(_chat_url(cfg.base_url))} answered HTTP {status}{hint}: {detail}")
         raise QuestionError(f"HTTP {status}: {detail}")
+
+    async def _post(self, http: httpx.AsyncClient, payload: dict[str, Any], limit: int):
+        """(status, headers, body) of one chat-completions call, reading at most ``limit`` bytes of body."""
+        cfg = self.cfg
+        async with http.stream("POST", _chat_url(cfg.base_url), json=payload, headers=self._headers(),
+                               timeout=cfg.timeout) as response:
+            ok = response.status_code == 200
+            body = await _read_capped(response, limit if ok else 64 * 1024, cut=not ok)
+            return response.status_code, response.headers, body
 
     async def _request(self, messages: list[dict[str, str]], n: int, seed: int | None) -> list[tuple[str, str | None]]:
         """One request, retried with exponential backoff and full jitter."""
@@ -222,8 +291,9 @@ async def evaluate_questions(
 ) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
     """Ask every question; return ({id: {"replies", "finish_reasons"}}, [{"id", "error"}]).
 
-    ``on_answer(question, replies, finish_reasons)`` runs as each answer arrives
-    (the caller appends it to the records file); ``on_failure(question, error)``
+    ``on_answer(question, replies, finish_reasons, truncated)`` runs as each answer arrives
+    (the caller appends it to the records file; replies longer than ``cfg.reply_cap`` characters
+    come cut to it, ``truncated`` of them); ``on_failure(question, error)``
     when a question failed after all retries. FatalServerError stops the run.
     """
     answered: dict[str, dict[str, Any]] = {}
@@ -258,11 +328,13 @@ async def evaluate_questions(
                     if on_failure:
                         on_failure(q, error)
                     continue
-                replies = [s[0] for s in samples]
+                replies, truncated = cap_replies([s[0] for s in samples], cfg.reply_cap)
                 finish = [s[1] for s in samples]
                 answered[q.id] = {"id": q.id, "replies": replies, "finish_reasons": finish}
+                if truncated:
+                    answered[q.id]["truncated"] = truncated
                 if on_answer:
-                    on_answer(q, replies, finish)
+                    on_answer(q, replies, finish, truncated)
         finally:
             for t in tasks:
                 t.cancel()
@@ -284,6 +356,7 @@ def server_settings(cfg: ClientConfig, **extra: Any) -> dict[str, Any]:
         "timeout": cfg.timeout,
         "retries": cfg.retries,
         "concurrency": cfg.concurrency,
+        "max_reply_chars": cfg.reply_cap,
         **extra,
     }
 
@@ -312,9 +385,9 @@ def evaluate_server(
             print(f"resuming: {len(questions) - len(todo)} of {len(questions)} questions already answered in {records.path}")
         with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
 
-            def on_answer(q, replies, finish):
+            def on_answer(q, replies, finish, truncated):
                 if records:
-                    records.append(q.id, replies, finish)
+                    records.append(q.id, replies, finish, truncated=truncated)
                 bar.advance()
 
             answered, failed = asyncio.run(

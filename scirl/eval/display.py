@@ -6,6 +6,14 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 
+def _text(value: Any) -> str:
+    """Outside text (a model name, a server's error, a data field, a file name) as rich prints it literally:
+    "[/x]" in it would otherwise be read as markup and end the command in a MarkupError."""
+    from rich.markup import escape
+
+    return escape(str(value))
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.2f}%"
 
@@ -52,7 +60,7 @@ def print_summary(results: dict[str, Any], console=None) -> None:
 
     console = console or Console()
     counts = results["counts"]
-    table = Table(title=f"SciKnowEval MCQ: {results['settings'].get('model')}  (n_samples={results['n_samples']})")
+    table = Table(title=f"SciKnowEval MCQ: {_text(results['settings'].get('model'))}  (n_samples={results['n_samples']})")
     for column in ("", "questions", "accuracy", "95% CI", "strict"):
         table.add_column(column, justify="right" if column else "left")
     table.add_row(
@@ -64,7 +72,7 @@ def print_summary(results: dict[str, Any], console=None) -> None:
     )
     for domain, acc in results["per_domain_accuracy"].items():
         table.add_row(
-            domain,
+            _text(domain),
             str(counts["per_domain"].get(domain, 0)),
             _pct(acc),
             _ci(results["ci95"]["per_domain"].get(domain)),
@@ -75,10 +83,13 @@ def print_summary(results: dict[str, Any], console=None) -> None:
     if results["n_samples"] > 1:
         line += f"; mean@{results['n_samples']} {_pct(results['mean_at_k'])}, pass@{results['n_samples']} {_pct(results['pass_at_k'])}"
     console.print(line)
+    if counts.get("truncated_replies"):
+        console.print(f"[yellow]{counts['truncated_replies']} replies were cut to --max-reply-chars "
+                      f"{results['settings'].get('max_reply_chars')} characters[/] (the server sent longer ones)")
     if counts["failed"]:
         console.print(
             f"[bold red]{counts['failed']} of {counts['questions']} questions failed after all retries[/] "
-            f"(first: {results['failed'][0]['error']}); accuracies cover the answered ones. Rerun the same command to fill them in."
+            f"(first: {_text(results['failed'][0]['error'])}); accuracies cover the answered ones. Rerun the same command to fill them in."
         )
 
 
@@ -90,9 +101,9 @@ def print_compare(result: dict[str, Any], name_a: str, name_b: str, console=None
     t = result["table"]
     table = Table(title=f"paired comparison on {result['common_questions']} common questions")
     table.add_column("")
-    table.add_column(f"B right ({name_b})", justify="right")
+    table.add_column(f"B right ({_text(name_b)})", justify="right")
     table.add_column("B wrong", justify="right")
-    table.add_row(f"A right ({name_a})", str(t["both_right"]), str(t["a_right_only"]))
+    table.add_row(f"A right ({_text(name_a)})", str(t["both_right"]), str(t["a_right_only"]))
     table.add_row("A wrong", str(t["b_right_only"]), str(t["both_wrong"]))
     console.print(table)
     test = result["mcnemar"]

@@ -17,7 +17,9 @@ The run guide's keys come first, with the guide's shapes.
     pass_at_k                   float   unbiased pass@k at k = n_samples
     pass_at                     {"1": float, "2": float, ..., "k": float}
     n_samples                   int
-    counts                      {"questions", "answered", "failed", "samples", "unparsed", "per_domain": {domain: answered}}
+    counts                      {"questions", "answered", "failed", "samples", "unparsed", "truncated_replies",
+                                 "per_domain": {domain: answered}}; truncated_replies: replies cut to
+                                 settings.max_reply_chars (a server that ignored max_tokens)
     failed                      [{"id", "error"}]   questions that failed after all retries (a rerun fills them in)
     settings                    resolved settings (model, data, sampling, ...); never an API key
     records                     one per answered question, in question order:
@@ -35,7 +37,8 @@ Accuracy values are None when nothing was answered.
 
 Records file (``F.records.jsonl`` next to ``F.json``): a header line
 ``{"scirl_eval_records": 1, "settings": {...}}``, then one line per answered question,
-``{"id", "replies", "finish_reasons"}``, each flushed and fsync'd as it arrives. Replies are
+``{"id", "replies", "finish_reasons"}`` (plus ``"truncated": N`` when N replies were cut to
+``max_reply_chars``), each flushed and fsync'd as it arrives. Replies are
 stored raw and scored when the results are built, so a rerun scores old and new answers alike.
 
 Reopening never rewrites what is there. A damaged line (not JSON, not a record, a missing or
@@ -210,8 +213,11 @@ class RecordsFile:
                 self._writer_error = e
                 return
 
-    def append(self, question_id: str, replies: list[str], finish_reasons: list[str | None] | None = None) -> None:
+    def append(self, question_id: str, replies: list[str], finish_reasons: list[str | None] | None = None,
+               truncated: int = 0) -> None:
         entry = {"id": question_id, "replies": replies, "finish_reasons": finish_reasons or [None] * len(replies)}
+        if truncated:
+            entry["truncated"] = truncated
         if self._queue is None:
             self._write_line(entry)
         else:
@@ -371,6 +377,7 @@ def build_results(
             "failed": len(failed),
             "samples": sum(len(r["answers"]) for r in records),
             "unparsed": sum(a is None for r in records for a in r["answers"]),
+            "truncated_replies": sum(_count(answered[q.id].get("truncated")) for q in questions if q.id in answered),
             "per_domain": dict(sorted(per_domain.items())),
         },
         "failed": failed,
@@ -378,6 +385,35 @@ def build_results(
         "records": records,
     }
     return results
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value > 0 else 0
+
+
+class OutInUse(RuntimeError):
+    """Another live ``scirl eval`` writes the same ``--out``."""
+
+
+def lock_out(out: str | Path):
+    """An exclusive lock on ``OUT.lock``, held while the returned file is open.
+
+    Two evaluations appending to one records file would each ask every question and interleave lines. The
+    kernel drops the lock when the process ends (kill -9 included), so a stale lock file never blocks a rerun.
+    """
+    import fcntl
+
+    path = Path(out)
+    lock_path = path.with_name(path.name + ".lock")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(lock_path, "a")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise OutInUse(f"{out} is being written by another scirl eval (locked: {lock_path}); wait for it to end, "
+                       "or use another --out") from None
+    return handle
 
 
 def write_json(obj: Any, path: str | Path) -> Path:

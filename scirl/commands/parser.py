@@ -1,0 +1,50 @@
+"""What the command front ends share about their arguments: one-line usage errors and the checks several repeat."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+_DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr (exit 2), like every other refusal of bad input."""
+
+    def error(self, message: str):  # noqa: D401 - argparse's hook
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def device_problem(device: str | None, flag: str) -> str | None:
+    """Why ``device`` cannot be used (None when it can, or when it is None: the caller's default)."""
+    if device is None:
+        return None
+    if not _DEVICE.match(device):
+        return f"{flag} must be cpu, cuda, cuda:N or mps, got {device!r}"
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            return f"{flag} {device}: no CUDA device is available here (use cpu)"
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            return f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    if device == "mps":
+        import torch
+
+        if not torch.backends.mps.is_available():
+            return f"{flag} mps: no Apple MPS device is available here (use cpu)"
+    return None
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is not nan or inf (which no setting means)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
