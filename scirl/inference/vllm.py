@@ -70,8 +70,9 @@ def import_vllm():
     if "vllm" not in sys.modules:
         _guard_broken_torch_side_packages()
     try:
-        import vllm
-        from vllm import LLM  # noqa: F401 - the heavy import: fails here if the install is broken
+        with preserved_global_rngs():  # importing vllm draws from Python's global generator
+            import vllm
+            from vllm import LLM  # noqa: F401 - the heavy import: fails here if the install is broken
     except ImportError as exc:
         if not vllm_installed():
             raise ImportError(f"the vLLM backend needs vLLM: {INSTALL_HINT}") from exc
@@ -255,8 +256,7 @@ class VLLMGenerator(Generator):
             raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        # not only LLM(seed=) moves the global generators: importing vllm draws from Python's
-        with preserved_global_rngs():
+        with preserved_global_rngs():  # LLM(seed=) reseeds them
             self._vllm = import_vllm()
             self._compat = _Compat(self._vllm)
             self._start(path, tokenizer, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
