@@ -115,6 +115,8 @@ def test_sampled_logprobs_match_the_trainers_recompute(engine, prompts, model_a,
     groups = engine.generate(prompts, SamplingParams(n=4, temperature=temperature, top_p=top_p, max_tokens=24, seed=11))
     assert sum(len(c.token_ids) for g in groups for c in g) > 30
     assert mismatch_kl(model, prompts, groups, temperature, top_p) < KL_TOLERANCE
+    if which == "b" and top_p < 1:  # the check has teeth: a trainer that ignores top-p fails it (KL ~5e-3)
+        assert mismatch_kl(model, prompts, groups, temperature, 1.0) > KL_TOLERANCE
 
 
 def test_update_weights_in_place_switches_the_model_and_back(engine, prompts, model_a, model_b):
