@@ -85,9 +85,10 @@ def _guard_broken_torch_side_packages() -> None:
     """Hide torchvision & co. from this process when they are installed but cannot load.
 
     Cheap when they are absent (the documented install removes them): a spec lookup each.
-    When one is present and its import fails with the CUDA/CPU operator mismatch, it is
-    mapped to ``None`` in ``sys.modules`` so that the libraries probing for it see it as
-    missing instead of crashing. Any other failure is left alone.
+    When one is present but its import fails (the CUDA/CPU operator mismatch, a missing
+    FFmpeg), it is mapped to ``None`` in ``sys.modules`` so that vLLM and transformers, which
+    probe for it and only need it for images, audio and video, see it as missing instead of
+    crashing. Too late if transformers' model classes were imported before: uninstall them.
     """
     import importlib
     import importlib.util
@@ -97,14 +98,12 @@ def _guard_broken_torch_side_packages() -> None:
             continue
         try:
             importlib.import_module(name)
-        except (ImportError, RuntimeError, OSError) as exc:
-            if "does not exist" not in str(exc) and "undefined symbol" not in str(exc) and "libcu" not in str(exc):
-                raise
+        except Exception as exc:  # noqa: BLE001 - whatever breaks it, a text-only engine does not need it
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[key]
             sys.modules[name] = None  # type: ignore[assignment]  # `import name` now raises ImportError
             log.warning("%s is installed but cannot load under this torch (%s); ignoring it. Fix: pip uninstall -y %s",
-                        name, str(exc).splitlines()[0][:120], " ".join(TORCH_SIDE_PACKAGES))
+                        name, (str(exc).splitlines() or [type(exc).__name__])[0][:120], " ".join(TORCH_SIDE_PACKAGES))
 
 
 def _logs_to_stderr() -> None:
@@ -187,8 +186,8 @@ class _Compat:
         probe = getattr(self.platform, "is_sleep_mode_available", None)
         return probe() if probe is not None else not self.is_cpu
 
-    def engine_kwargs(self, wanted: dict) -> dict:
-        """Drop the optional engine arguments this release does not know (a TypeError otherwise)."""
+    def optional_engine_kwargs(self, wanted: dict) -> dict:
+        """Drop the optional engine arguments this release does not know (an error otherwise)."""
         known = {k: v for k, v in wanted.items() if k in self.engine_fields}
         dropped = sorted(set(wanted) - set(known))
         if dropped:
@@ -227,8 +226,11 @@ class VLLMGenerator(Generator):
     ``seed``: the engine's seed, used for requests without a seed.
     ``enable_sleep_mode`` / ``sleep_level``: let ``sleep()`` free the GPU for the trainer
     (colocated one-GPU mode); level 1 keeps the weights in CPU memory, level 2 drops them
-    (``update_weights`` must then run before the next ``generate``). Unsupported on CPU:
-    there ``sleep()`` and ``wake_up()`` do nothing.
+    (``update_weights`` must then run before the next ``generate``); level 0 never sleeps
+    (``[inference] sleep_level``). Unsupported on CPU: there ``sleep()`` and ``wake_up()`` do nothing.
+    ``engine_kwargs``: passed to ``vllm.LLM`` as they are, e.g. ``max_num_batched_tokens``, or
+    ``distributed_executor_backend="external_launcher"`` for one engine per rank under torchrun
+    (after the trainer's ``init_process_group``).
 
     Set torch's thread count before constructing: after the engine starts,
     ``torch.set_num_threads`` no longer takes effect in this process.
@@ -252,8 +254,8 @@ class VLLMGenerator(Generator):
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory not found: {path}")
-        if sleep_level not in (1, 2):
-            raise ValueError(f"sleep_level must be 1 or 2, got {sleep_level}")
+        if sleep_level not in (0, 1, 2):
+            raise ValueError(f"sleep_level must be 0, 1 or 2, got {sleep_level}")
         if not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         with preserved_global_rngs():  # LLM(seed=) reseeds them
@@ -279,6 +281,7 @@ class VLLMGenerator(Generator):
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the generation config names an EOS token")
 
+        enable_sleep_mode = enable_sleep_mode and sleep_level > 0
         self.sleep_enabled = enable_sleep_mode and self._compat.sleep_mode_available
         if enable_sleep_mode and not self.sleep_enabled:
             log.info("sleep mode is not available on this platform; sleep()/wake_up() will do nothing")
@@ -286,7 +289,8 @@ class VLLMGenerator(Generator):
         self.asleep = False
         self.weights_current = True  # False after a level-2 sleep until new weights are pushed
 
-        wanted = dict(
+        # required: a release without one of these must fail here, not sample with other semantics
+        required = dict(
             model=str(path),
             tokenizer=str(tokenizer_dir),
             dtype=dtype,
@@ -296,12 +300,12 @@ class VLLMGenerator(Generator):
             enforce_eager=enforce_eager,
             logprobs_mode="processed_logprobs",
         )
+        optional = {}
         if self.sleep_enabled:
-            wanted["enable_sleep_mode"] = True
-        if self._compat.is_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            wanted["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        wanted.update(engine_kwargs)
-        self._llm = self._vllm.LLM(**self._compat.engine_kwargs(wanted))
+            optional["enable_sleep_mode"] = True
+        if self._compat.is_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable, when set, wins anyway
+            optional["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        self._llm = self._vllm.LLM(**required, **self._compat.optional_engine_kwargs(optional), **engine_kwargs)
         if not hasattr(self._llm.llm_engine, "model_executor"):
             # the env var was set by the caller to 1, or read before we set it
             self.close()
