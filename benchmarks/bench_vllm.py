@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)  # before the engine: the CPU backend ignores it afterwards
 
     from scirl.inference.base import SamplingParams
-    from scirl.inference.vllm import VLLMGenerator, import_vllm
+    from scirl.inference.vllm import VLLMGenerator, import_vllm, request_seed
     from scirl.tiny_model import build_tiny_model
 
     vllm = import_vllm()
@@ -76,8 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
             return sum(len(c.token_ids) for g in groups for c in g)
 
         def raw_call(seed: int) -> int:
-            params = vllm.SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
-                                         seed=seed, logprobs=0)
+            # the same requests the adapter makes: one seed per prompt, the sampled token's logprob
+            params = [vllm.SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
+                                          seed=request_seed(seed, i), logprobs=0) for i in range(len(prompts))]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 

