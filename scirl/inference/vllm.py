@@ -245,7 +245,9 @@ class VLLMGenerator(Generator):
     (after the trainer's ``init_process_group``).
 
     Set torch's thread count before constructing: after the engine starts,
-    ``torch.set_num_threads`` no longer takes effect in this process.
+    ``torch.set_num_threads`` no longer takes effect in this process. On a GPU, construct
+    before the trainer fills it: the engine checks at start-up that
+    ``gpu_memory_utilization`` of the whole GPU is free.
     """
 
     def __init__(
@@ -431,6 +433,10 @@ class VLLMGenerator(Generator):
         self.asleep = False
 
     def _wake(self, tags: list[str] | None) -> None:
+        if not self._compat.is_cpu:
+            import torch
+
+            torch.cuda.empty_cache()  # hand the trainer's cached free blocks back first, or the wake can run out
         self._llm.wake_up(tags=tags)
 
     def _ready_to_generate(self) -> None:
