@@ -75,7 +75,7 @@ def import_vllm():
     if "vllm" not in sys.modules:
         _guard_broken_torch_side_packages()
     try:
-        with preserved_global_rngs():  # importing vllm draws from Python's global generator
+        with preserved_global_rngs(cuda=False):  # importing vllm draws from Python's global generator
             import vllm
             from vllm import LLM  # noqa: F401 - the heavy import: fails here if the install is broken
     except ImportError as exc:
@@ -119,16 +119,18 @@ def _logs_to_stderr() -> None:
 
 
 @contextmanager
-def preserved_global_rngs():
-    """Put Python's, NumPy's and torch's (CPU and, if started, CUDA) global generator states back on exit."""
+def preserved_global_rngs(cuda: bool = True):
+    """Put Python's, NumPy's and torch's (CPU and, with ``cuda``, CUDA) global generator states back on exit."""
     import random
 
     import numpy as np
     import torch
 
     python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    # only a CUDA context the caller already started has a state of theirs to keep
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    # Reading the CUDA states starts CUDA, which the engine is about to do anyway; it also runs a
+    # `torch.manual_seed` the caller made before CUDA started, which would otherwise apply only
+    # lazily, after the engine's own seeding, and be lost.
+    cuda_states = torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_available() else None
     try:
         yield
     finally:
