@@ -19,7 +19,7 @@ from scirl.trainer import Trainer
 
 
 def make_trainer(model, cfg, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
-    kwargs = dict(temperature=cfg.temperature, device=device, dist=dist, dtype=dtype)
+    kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist, dtype=dtype)
     if device.type == "cpu":
         from scirl.cpu.trainer import CPUTrainer
 
@@ -40,8 +40,36 @@ def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:
     return HFGenerator(model_dir_or_module, **kwargs)
 
 
+def inference_backend(cfg, device: torch.device) -> str:
+    """``hf`` or ``vllm``: ``auto`` takes vLLM on a GPU where it is installed (on a CPU, transformers
+    is the faster choice for the tiny models a CPU trains)."""
+    if cfg.inference.backend != "auto":
+        return cfg.inference.backend
+    from scirl.inference.vllm import vllm_installed
+
+    return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
+
+
+def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.device, dist, dtype: torch.dtype) -> Generator:
+    """An in-process vLLM engine per rank over the run's starting weights (the base model, or the
+    checkpoint a resume starts from), in the trainer's compute dtype. Build it before the trainer:
+    vLLM sizes its memory from what is free when it starts. On one GPU it sleeps during each train
+    step (``inference.sleep_level``) and ``update_weights`` wakes it."""
+    from scirl.inference.vllm import VLLMGenerator
+
+    extra = {}
+    if dist.world_size > 1:  # each rank its own engine, in the process group torchrun made (TRL's colocate design)
+        extra["distributed_executor_backend"] = "external_launcher"
+    return VLLMGenerator(
+        local_model_dir(model_source), tokenizer=tokenizer, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=cfg.inference.max_model_len or cfg.seq_len,
+        gpu_memory_utilization=cfg.inference.gpu_memory_utilization, enforce_eager=cfg.inference.enforce_eager,
+        seed=cfg.seed, enable_sleep_mode=device.type == "cuda" and cfg.inference.sleep_level > 0,
+        sleep_level=cfg.inference.sleep_level, kv_cache_gib=cfg.inference.kv_cache_gib, **extra)
+
+
 def make_generator(trainer: Trainer, model_source: str, tokenizer) -> Generator:
-    """The training sampler.
+    """The transformers training sampler.
 
     One process samples from the very module the trainer computes with (in bf16 runs, its bf16 copy
     of the float32 masters, refreshed in place by every optimizer step), so sampler and trainer

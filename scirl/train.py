@@ -11,8 +11,9 @@ Each step (``rl_step``), in order:
 4. prime-rl's filters (gibberish, repetition, zero-advantage): flagged rollouts are
    counted, and dropped from the batch when their filter enforces;
 5. one optimizer step over all surviving rollouts (micro-batches, gradient accumulation),
-   skipped when the loss or the gradients are not finite; then new weights to the sampler
-   where it does not share the trainer's module;
+   skipped when the loss or the gradients are not finite; a colocated vLLM engine sleeps
+   meanwhile; then new weights to the sampler where it does not share the trainer's module
+   (vLLM: loaded in place, prefix cache reset);
 6. the step's metrics, from every rank's rollouts.
 
 The loop then writes the step's line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and,
@@ -113,12 +114,15 @@ def rl_step(step: int, batch: list, generator, trainer, cfg, *, pad_id: int) -> 
     rollouts, samples = score_groups(step, batch, groups, cfg, trainer.model.config.vocab_size, dist.rank)
 
     t = time.perf_counter()
+    generator.sleep()  # a colocated engine gives the GPU to the trainer; update_weights wakes it
+    time_sync = time.perf_counter() - t
+    t = time.perf_counter()
     stats = trainer.train_step(trainer.make_batches(samples, cfg.micro_batch_size, pad_id))
     time_train = time.perf_counter() - t
     t = time.perf_counter()
     if generator.needs_weight_updates:
         generator.update_weights(trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype).items())
-    time_sync = time.perf_counter() - t
+    time_sync += time.perf_counter() - t
 
     rollouts = distributed.gather_objects(rollouts, dist)
     timings = {"time/step": time.perf_counter() - started, "time/generate": time_generate, "time/train": time_train,
@@ -156,7 +160,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     import transformers
 
     from scirl import checkpoint as ckpt_lib
-    from scirl.backends import make_generator, make_trainer
+    from scirl.backends import inference_backend, make_generator, make_trainer, make_vllm_generator
     from scirl.config import write_config
     from scirl.data import load_splits
     from scirl.trainer import compute_dtype, load_model
@@ -195,8 +199,12 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
             "pass a larger --max-steps to continue it")
         return 0
 
-    # ---- model, trainer, sampler ----
+    # ---- sampler, model, trainer ----
     model_source = str(latest[1]) if latest else cfg.model
+    backend = inference_backend(cfg, device)
+    generator = None
+    if backend == "vllm":  # first: vLLM sizes its memory from what is free when it starts
+        generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
     model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
     empty_steps = nonfinite_steps = 0
@@ -205,7 +213,8 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         ckpt_lib.restore_rng_state(saved["rng"])
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
-    generator = make_generator(trainer, model_source, tokenizer)
+    if generator is None:
+        generator = make_generator(trainer, model_source, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     wandb_run = start_wandb(cfg) if dist.is_main else None
 
@@ -303,9 +312,6 @@ def prompted_questions(splits, cfg, tokenizer, dist, say) -> tuple[list, str]:
     skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
     skipped_note = (f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
                     if skipped else "")
-    if cfg.top_p < 1:
-        log.warning("top_p=%s: the sampler's logprobs are renormalised over the nucleus, the trainer's are not, "
-                    "so the importance ratio is biased (prime-rl trains with top_p=1)", cfg.top_p)
     kept = []
     for q in questions:
         messages = build_messages(q)

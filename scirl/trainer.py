@@ -178,10 +178,12 @@ class Trainer:
     clipping, AdamW. ``make_batches`` and ``forward_logprobs`` are the two hooks ``scirl.cpu.CPUTrainer``
     overrides; everything else is the same on every device."""
 
-    def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype):
+    def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype,
+                 top_p: float = 1.0):
         self.model = model  # holds the float32 master weights the optimizer steps
         self.loss_cfg = loss_cfg
-        self.temperature = temperature
+        # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
+        self.temperature, self.top_p = temperature, top_p
         self.device = device
         self.dist = dist
         self.dtype = dtype
@@ -224,7 +226,7 @@ class Trainer:
         # logits of positions first-1 .. L-1; position t predicts token t+1
         logits = self.compute_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
                                     logits_to_keep=length - first + 1).logits
-        logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature)
+        logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature, self.top_p)
         return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
 
     # ---- the step ----

@@ -64,9 +64,9 @@ class CPUTrainer(Trainer):
             rest = self.compute_model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                                       position_ids=positions[:, :-1], use_cache=True, **{cache_arg: cache}).logits
         # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
-        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature)
+        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature, self.top_p)
         if rest is not None:
-            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature)
+            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature, self.top_p)
             logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
         return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
 

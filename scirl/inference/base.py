@@ -58,6 +58,10 @@ class Generator(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
         """Load new policy weights, given as (HF parameter name, tensor) pairs."""
 
+    def sleep(self) -> None:  # noqa: B027 - optional hook
+        """Give the accelerator's memory to the trainer until the next ``update_weights`` (an engine
+        colocated with the trainer on one GPU); a no-op for engines that need none."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (GPU memory, worker processes)."""
 

