@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -744,12 +743,14 @@ def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp
 
 
 TEARDOWN_SCRIPT = r'''
-import json, sys, threading, torch
+import json, os, sys, threading, torch
 from scirl.config import load_config
 from scirl.train import train
 status = train(load_config(json.loads(sys.argv[1])), show_progress=False)
 left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-print("TEARDOWN", json.dumps({"status": status, "group_alive": torch.distributed.is_initialized(), "threads": left}))
+report = {"status": status, "group_alive": torch.distributed.is_initialized(), "threads": left}
+with open(f"{sys.argv[2]}/teardown_{os.environ['RANK']}.json", "w") as f:
+    json.dump(report, f)
 from scirl.distributed import exit_process
 exit_process(0)
 '''
@@ -763,11 +764,10 @@ def test_a_finished_multi_rank_run_tears_down_its_process_group(letter_model_dir
     argv = train_args(letter_model_dir, data_file, tmp_path / "run", max_steps=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(tmp_path / "teardown.py"), json.dumps(argv)], env=env, capture_output=True, text=True,
-                          timeout=240)
+                           str(tmp_path / "teardown.py"), json.dumps(argv), str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # the two ranks share one pipe, so a report can land mid-line of the other rank's output
-    reports = [json.loads(m) for m in re.findall(r"TEARDOWN (\{[^{}]*\})", proc.stdout)]
+    reports = [json.loads((tmp_path / f"teardown_{rank}.json").read_text()) for rank in (0, 1)]
     assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, proc.stdout + proc.stderr
 
 
