@@ -154,7 +154,7 @@ class TrainConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(42, ge=0, le=MAX_SEED)
     output_dir: str = Field("outputs/run", min_length=1, description="run directory ('' would be the current directory)")
-    device: str = Field("auto", description="auto, cpu, cuda, cuda:N")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "
         "(bfloat16 on a CPU pays off where it has AMX/AVX512-BF16 matrix units)")
@@ -338,14 +338,15 @@ def validate(data: dict, origin: str = "config") -> TrainConfig:
     try:
         return TrainConfig.model_validate(_none_strings(data))
     except ValidationError as exc:
-        lines = []
+        problems = []
         for err in exc.errors():
             field = ".".join(str(p) for p in err["loc"]) or "(top level)"
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown field"
-            lines.append(f"  {field}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict) else ""))
-        raise ConfigError(f"invalid {origin}:\n" + "\n".join(lines)) from None
+            problems.append(f"{field}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict) else ""))
+        # one line, however many fields are wrong: a CLI error is a single line
+        raise ConfigError(f"invalid {origin}: " + "; ".join(problems)) from None
 
 
 def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:
@@ -384,7 +385,3 @@ def write_config(cfg: TrainConfig, path: str | Path) -> Path:
     tmp.write_text(tomli_w.dumps(to_toml_dict(cfg)), encoding="utf-8")
     tmp.replace(path)
     return path
-
-
-def read_config(path: str | Path) -> TrainConfig:
-    return validate(read_toml(Path(path)), str(path))

@@ -91,6 +91,15 @@ def barrier(dist: Dist) -> None:
         torch.distributed.barrier()
 
 
+def broadcast_object(obj, dist: Dist):
+    """Rank 0's ``obj`` on every rank (what rank 0 alone worked out, e.g. which checkpoint to resume)."""
+    if dist.world_size == 1:
+        return obj
+    box = [obj if dist.is_main else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather_objects(items: list, dist: Dist) -> list:
     """Every rank's ``items``, concatenated in rank order, on every rank."""
     if dist.world_size == 1:

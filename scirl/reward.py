@@ -1,7 +1,6 @@
 """Answer-letter extraction for multiple-choice replies, and the 0/1 reward.
 
-Two modes. (SciKnowEval's own scorer, kept as ``official_score`` for comparison, effectively demands a bare
-letter: it scores "Answer: B" as A.)
+Two modes. (SciKnowEval's own scorer effectively demands a bare letter: it scores "Answer: B" as A.)
 
 - ``strict`` (the training reward): the reply is the letter alone ("B", "(B)", "B.") or its last line
   is "Answer: B" (a final ``\\boxed{B}`` counts as that line). Anything looser is unparsed, so the reward
@@ -383,17 +382,6 @@ def _option_text(text: str, pats: _Patterns, options: Sequence[str]) -> str | No
 # reward and scoring
 
 
-def reward(
-    reply: str | None,
-    answer_key: str,
-    labels: Sequence[str] = DEFAULT_LABELS,
-    mode: str = "strict",
-    options: Sequence[str] | None = None,
-) -> float:
-    """1.0 when the extracted label equals ``answer_key``, else 0.0 (unparsed replies included)."""
-    return 1.0 if extract_answer(reply, labels, mode, options) == answer_key else 0.0
-
-
 @dataclass(frozen=True)
 class Scored:
     answer: str | None  # the extracted label, None when unparsed
@@ -407,26 +395,3 @@ def score(reply: str | None, question: "Question", mode: str) -> Scored:
     answer = extract_answer(reply, question.labels, mode, question.options)
     correct = answer is not None and answer == question.answer_key
     return Scored(answer=answer, correct=correct, parsed=answer is not None, reward=1.0 if correct else 0.0)
-
-
-def official_score(reply: str | None, answer_key: str, labels: Sequence[str], options: Sequence[str]) -> float:
-    """SciKnowEval's own MCQ scorer (``get_single_score_MCQ``), for reporting official-compatible accuracy.
-
-    It reads the raw reply (no think stripping) and effectively demands a bare letter: "Answer: B" is
-    scored by ``pred[0] == 'A'`` once D, C and B fail, so do not use it as a training signal.
-    """
-    if reply is None:
-        return 0.0
-    pred = reply.strip()
-    if not pred:
-        return 0.0
-    if len(pred) == 1:
-        return float(pred == answer_key)
-    correct_text = options[list(labels).index(answer_key)]
-    wrong_texts = [t for label, t in zip(labels, options) if label != answer_key]
-    if correct_text in pred and not any(t in pred for t in wrong_texts):
-        return 1.0
-    for key in reversed(list(labels)):
-        if any(f in pred for f in (f"{key}.", f"{key}\n", f"{key})", f"{key} ", f'"{key}', f'{key}"')) or pred[0] == key:
-            return float(key == answer_key)
-    return 0.0

@@ -71,7 +71,12 @@ def lock(run_dir: Path):
     when the process dies (kill -9 included), so a stale lock never blocks a resume."""
     import fcntl
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirError(f"--output-dir {run_dir} is a file; give a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on the path, no permission
+        raise RunDirError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}") from None
     handle = open(run_dir / ".lock", "a")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -182,7 +182,11 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     # ---- data, tokenizer, and where we start ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
                          seed=cfg.data.seed)
-    latest = ckpt_lib.latest_checkpoint(run_dir, clean=dist.is_main) if resume else None  # one rank removes stale tmp dirs
+    latest, skipped_checkpoints = None, []
+    if resume:
+        # rank 0 verifies (sha256 of every file, and a load) and removes stale tmp dirs; the others take its word
+        found = ckpt_lib.find_resume_checkpoint(run_dir) if dist.is_main else None
+        latest, skipped_checkpoints = distributed.broadcast_object(found, dist)
     # a resumed run needs only its run dir: the checkpoint holds the tokenizer (and the weights)
     tokenizer = load_tokenizer(str(latest[1]) if latest else cfg.model)
     questions, digest = prompted_questions(splits, cfg, tokenizer, dist, say)
@@ -192,7 +196,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         saved = resume_state(path, cfg, len(questions), digest, dist)
         sampler = QuestionSampler(len(questions), cfg.seed, **{k: saved["data_position"][k] for k in ("epoch", "cursor")})
     if resume and dist.is_main:
-        report_resume(run_dir, latest, say)
+        report_resume(run_dir, latest, skipped_checkpoints, say)
     distributed.barrier(dist)
     if start_step >= cfg.max_steps:
         say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
@@ -357,16 +361,13 @@ def resume_state(path: Path, cfg, n_questions: int, digest: str, dist) -> dict:
     return saved
 
 
-def report_resume(run_dir: Path, latest, say) -> None:
+def report_resume(run_dir: Path, latest, skipped: list, say) -> None:
     """Drop what a killed run wrote after its checkpoint, and say where the run goes on from and why."""
-    from scirl import checkpoint as ckpt_lib
-
     start_step = latest[0] if latest else 0
     dropped = rundir.truncate(run_dir, start_step)
-    say(f"Resuming {run_dir} from step {start_step}" if latest else f"No complete checkpoint in {run_dir}: starting from step 0")
-    for step_n, step_path in ckpt_lib.list_checkpoints(run_dir):
-        if step_n > start_step:  # newer but unusable: the steps after start_step are redone
-            say(f"Skipped incomplete checkpoint {step_path.name}: {'; '.join(ckpt_lib.verify_checkpoint(step_path))}")
+    say(f"Resuming {run_dir} from step {start_step}" if latest else f"No usable checkpoint in {run_dir}: starting from step 0")
+    for path, reason in skipped:  # newer but unusable (left in place for a look): the steps after start_step are redone
+        say(f"Skipped checkpoint {path.name}: {reason}")
     if dropped:
         log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
 

@@ -114,14 +114,32 @@ REPORT_CASES = [
 EXPORT_CASES = [
     ["export"],
     ["export", "prime-rl"],  # no --out
-    ["export", "prime-rl", "--out", "{tmp}/x", "--port", "notaport"],
-    ["export", "prime-rl", "--out", "{tmp}/x", "--port", "99999"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--base-port", "notaport"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--base-port", "99999"],
     ["export", "prime-rl", "--out", "{file}"],  # a plain file
     ["export", "other-target", "--out", "{tmp}/x"],
 ]
 
 # `scirl train` and `scirl demo` cases: added with the training-side hardening.
-TRAIN_DEMO_CASES: list[list[str]] = []
+TRAIN_DEMO_CASES = [
+    ["train", "--max-steps", "0"],
+    ["train", "--optim.lr", "inf"],
+    ["train", "--temperature", "nan"],
+    ["train", "--optim.betas", "[2, -5]"],
+    ["train", "--batch-size", "10", "--group-size", "3"],
+    ["train", "--device", "tpu9"],
+    ["train", "--no-such-field", "1"],
+    ["train", "--inference.backend", "tensorrt"],
+    ["train", "@", "{tmp}/missing.toml"],
+    ["train", "@", "{file}"],  # not TOML
+    ["train", "--resume", "{tmp}/nowhere"],
+    ["train", "--output-dir", "{file}", "--model", "{model}", "--data.source", "{data}"],  # a file, not a directory
+    ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{tmp}/missing.jsonl"],
+    ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{latin1}"],
+    ["demo", "--threads", "many"],
+    ["demo", "--model", "{model}"],  # the demo trains its own base model: overriding it is refused
+    ["demo", "--config", "{tmp}/missing.toml"],
+]
 
 ALL_CASES = DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from scirl.config import ConfigError, TrainConfig, load_config, read_config, write_config
+from scirl.config import ConfigError, TrainConfig, load_config, read_toml, validate, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_unknown_key_in_a_file_names_file_and_field(tmp_path):
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(["--max-steps", "3", "--wandb.name", "run-1", "--ckpt.keep", "2"])
     path = write_config(cfg, tmp_path / "config.toml")
-    assert read_config(path) == cfg
+    assert validate(read_toml(path)) == cfg
     # None fields are left out of the TOML and come back as their None default
     assert "interval" not in path.read_text()
 
@@ -139,7 +139,7 @@ def test_inference_section_parses_from_flags_and_round_trips(tmp_path):
     inf = cfg.inference
     assert (inf.backend, inf.sleep_level, inf.max_model_len, inf.enforce_eager) == ("vllm", 1, 1024, True)
     assert (inf.gpu_memory_utilization, inf.kv_cache_gib) == (0.3, 0.5)
-    assert read_config(write_config(cfg, tmp_path / "c.toml")).inference == inf
+    assert validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).inference == inf
     defaults = TrainConfig().inference
     assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == ("auto", None, 2, 0.5)
 

@@ -465,7 +465,7 @@ def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
     from scirl.commands.train import main
 
     assert main(["--model", str(tmp_path / "model"), "--data.source", str(tmp_path / "none.jsonl"),
-                 "--output-dir", str(tmp_path / "run")]) == 1
+                 "--output-dir", str(tmp_path / "run")]) == 2  # bad input: exit 2
     assert "none.jsonl" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "config.toml" in capsys.readouterr().err
@@ -799,3 +799,65 @@ def test_clean_deletes_only_what_a_scirl_run_wrote(tmp_path):
     (run / "weights" / "README").write_text("mine")
     prepare(run, resume=False, clean=True)
     assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == ["rollouts/notes.md", "weights/README"]
+
+
+def test_resume_verifies_checksums_and_falls_back_past_a_damaged_checkpoint(one_step_run, tmp_path, capsys):
+    """A newest checkpoint whose weights were flipped in place (same size) or whose header is garbage is
+    skipped with its reason; the run resumes from the newest one that verifies and loads, and keeps the bad one."""
+    import shutil
+
+    from scirl.commands.train import main
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    assert main(["--resume", str(run_dir), "--max-steps", "2", "--ckpt.interval", "1"]) == 0  # checkpoints 1 and 2
+    capsys.readouterr()
+    weights = run_dir / "weights" / "step_2" / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:  # 4 KiB flipped in the middle: sizes still match the manifest
+        f.seek(size // 2)
+        block = f.read(4096)
+        f.seek(size // 2)
+        f.write(bytes(b ^ 0x5A for b in block))
+    assert weights.stat().st_size == size
+    assert main(["--resume", str(run_dir), "--max-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "from step 1" in out and "Skipped checkpoint step_2" in out and "sha256" in out
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
+    # step 2 was redone from checkpoint 1 and saved again, so it verifies now
+    from scirl.checkpoint import verify_checkpoint
+
+    assert verify_checkpoint(run_dir / "weights" / "step_3", checksums=True) == []
+    shutil.rmtree(run_dir)
+
+
+def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(letter_model_dir, data_file, tmp_path,
+                                                                          monkeypatch, capsys):
+    """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
+    end the run with exit 1 and no checkpoint is written from them."""
+    import scirl.trainer
+    from scirl.commands.train import main
+
+    plain_loss, plain_step, steps = scirl.trainer.rl_loss, scirl.trainer.Trainer.train_step, []
+
+    def counting_step(self, micro_batches):
+        steps.append(1)
+        return plain_step(self, micro_batches)
+
+    def nan_from_step_2(*args, **kwargs):
+        loss, sums = plain_loss(*args, **kwargs)
+        return (loss * float("nan") if len(steps) > 1 else loss), sums
+
+    monkeypatch.setattr(scirl.trainer.Trainer, "train_step", counting_step)
+    monkeypatch.setattr(scirl.trainer, "rl_loss", nan_from_step_2)
+    run_dir = tmp_path / "nan"
+    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=6, extra=["--ckpt.interval", "1"])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "Traceback" not in err
+    metrics = rows(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m.get("skipped/nonfinite", 0) for m in metrics] == [0, 1, 1, 1]
+    assert "loss" in metrics[0] and all("loss" not in m for m in metrics[1:])
+    assert sorted(p.name for p in (run_dir / "weights").glob("step_*")) == ["step_1", "step_2", "step_3"]
+    for step in (1, 2, 3):
+        assert all(bool(torch.isfinite(t).all()) for t in final_weights(run_dir, step).values())

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scirl.commands.parser import Parser
+
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
@@ -18,8 +20,8 @@ the training run's metrics, rollouts and weights, and report/report.html.
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="scirl demo", description=__doc__.split("\n")[0], epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = Parser(prog="scirl demo", description=__doc__.split("\n")[0], epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--output-dir", help="where everything goes (default: a fresh outputs/demo-<time>)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the questions and the training run")
     parser.add_argument("--train-per-domain", type=int, default=None, help="training questions per domain")

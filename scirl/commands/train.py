@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from scirl.commands.parser import Parser
+
 EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
 kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
@@ -16,8 +18,8 @@ Multi-GPU: torchrun --nproc-per-node N -m scirl train @ configs/X.toml
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="scirl train", description="Cold-start GRPO training.", epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = Parser(prog="scirl train", description="Cold-start GRPO training.", epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "
                         "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)")
     parser.add_argument("--clean", action="store_true", help="delete the artifacts of a previous run in the output dir first")
@@ -52,18 +54,20 @@ def main(argv: list[str]) -> int:
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
         return 0
 
-    from scirl.errors import DataSourceError, RunDirError, TrainError
+    from scirl.checkpoint import CheckpointWriteError
+    from scirl.errors import DataSourceError, HubUnreachable, RunDirError, TrainError
     from scirl.train import train
 
     keep_freed_memory_on_cpu(cfg.device)
     try:
         status = train(cfg, resume=bool(args.resume), clean=args.clean)
-    except RunDirError as exc:
+    except (TrainError, HubUnreachable, CheckpointWriteError) as exc:
+        # a run that could not go on (RunDirError, a TrainError, is bad input: exit 2)
+        print(f"scirl train: {exc}", file=sys.stderr)
+        status = 2 if isinstance(exc, RunDirError) else 1
+    except DataSourceError as exc:  # a --data.source that cannot be read
         print(f"scirl train: {exc}", file=sys.stderr)
         status = 2
-    except (TrainError, DataSourceError) as exc:
-        print(f"scirl train: {exc}", file=sys.stderr)
-        status = 1
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from scirl.distributed import exit_process
 
