@@ -87,29 +87,43 @@ def test_max_tokens_beyond_the_context_is_a_clear_400_not_a_huge_allocation(clie
 
 
 class SlowGenerator(Generator):
-    """Answers "A" after a delay and records the size of every generate call."""
+    """Answers "A" and records the size of every generate call; the first call holds the model until
+    ``release`` is set, so requests that arrive meanwhile queue up (an event, not a delay that a
+    loaded machine could outlast)."""
 
     tokenizer = None
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.calls: list[int] = []
+        self.release = threading.Event()
 
     def generate(self, prompts, params, should_stop=None):
         self.calls.append(len(prompts))
-        time.sleep(0.3)
+        assert self.release.wait(timeout=60), "the test never released the model"
         return [[Completion("A", [1], [0.0], "stop") for _ in range(params.n)] for _ in prompts]
 
     def update_weights(self, named_tensors):
         pass
 
 
-def test_requests_arriving_together_are_batched_without_blocking(generator):
+def test_requests_arriving_together_are_batched_without_blocking(generator, monkeypatch):
     from fastapi.testclient import TestClient
 
+    import scirl.serve
     from scirl.serve import create_app
 
     slow = SlowGenerator(generator.tokenizer)
+    queued, all_queued = [], threading.Event()
+    plain_submit = scirl.serve.Batcher.submit
+
+    async def counting_submit(self, *args, **kwargs):
+        queued.append(1)
+        if len(queued) == 6:
+            all_queued.set()
+        return await plain_submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(scirl.serve.Batcher, "submit", counting_submit)
     with TestClient(create_app(slow, "slow")) as c:
         results = []
 
@@ -119,12 +133,13 @@ def test_requests_arriving_together_are_batched_without_blocking(generator):
         threads = [threading.Thread(target=ask) for _ in range(6)]
         for t in threads:
             t.start()
-        time.sleep(0.05)
+        assert all_queued.wait(timeout=60)  # every request reached the server while the model was busy
         assert c.get("/v1/models").status_code == 200  # the loop answers while the model works
+        slow.release.set()
         for t in threads:
             t.join()
     assert results == [200] * 6
-    assert sum(slow.calls) == 6 and len(slow.calls) < 6  # several requests shared a generate call
+    assert sum(slow.calls) == 6 and len(slow.calls) < 6  # the queued requests shared a generate call
 
 
 def test_port_in_use_fails_at_once_with_a_clear_message(tiny_model_dir):
