@@ -144,12 +144,14 @@ class DeviceMemoryPeak:
 
     def __init__(self, interval: float = 0.5):
         self.interval, self.peak_mb, self._stop = interval, None, threading.Event()
+        # the device torch calls cuda:0 (nvidia-smi numbers them all; it also counts this script's own context)
+        self.gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
         self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
 
     def _run(self):
         while not self._stop.is_set():
             try:
-                text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+                text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.gpu],
                                       capture_output=True, text=True, timeout=10).stdout
                 value = float(text.split()[0])
                 self.peak_mb = value if self.peak_mb is None else max(self.peak_mb, value)
