@@ -30,7 +30,8 @@ Also writes everything to ``OUT/gpu_check.json``, the run to ``OUT/run-<shape>``
 ``OUT/run-<shape>.log``.
 
 GPU (default when CUDA is there): ``--shape 0.6b``, 5 steps of 8 questions x 16 completions
-(128) x up to 256 tokens, bfloat16, CUDA graphs on. On one H200 expect about 5-6 minutes in all:
+(128) x up to 256 tokens, bfloat16, CUDA graphs on. On one H200 about 5-6 minutes in all (estimated
+ from the parts, not yet measured on a GPU):
 the model build and save ~30 s, ``scirl train``'s start + vLLM's engine start (compile + graph
 capture) ~2 min, 5 steps of a few seconds each, the final checkpoint ~20 s, then the comparison
 engine's start ~1.5 min and its timed calls ~30 s. Other shapes: ``1.7b``, ``4b`` (activation

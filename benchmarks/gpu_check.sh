@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU check of GRPO with vLLM colocated (scirl train --inference.backend vllm), offline.
 #
-# Sized for ~10 minutes on one H200 with no model hub; expect ~5-6 minutes with the default
+# Sized for ~10 minutes on one H200 with no model hub; estimated ~5-6 minutes (not yet run on a GPU) with the default
 # (--shape 0.6b: a random-init model with Qwen3-0.6B's shapes, 5 GRPO steps of 8 questions x 16
 # completions = 128 completions x up to 256 tokens, bfloat16, CUDA graphs on).
 #
