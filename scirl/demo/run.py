@@ -96,6 +96,18 @@ def print_before_after(console, before: dict, after: dict) -> None:
                   f"answer letters before {answer_letters(before)}, after {answer_letters(after)}")
 
 
+BACKEND_NAMES = {"hf": "transformers", "vllm": "vLLM"}
+
+
+def sampling_backend(cfg) -> str:
+    """``hf`` or ``vllm``: what samples the rollouts (the demo trains on the CPU, where ``auto`` is ``hf``)."""
+    import torch
+
+    from scirl.backends import inference_backend
+
+    return inference_backend(cfg, torch.device(cfg.device if cfg.device != "auto" else "cpu"))
+
+
 def run_demo(opts: DemoOptions) -> dict:
     """Run the whole demo; return a summary dict (also written to ``OUTPUT_DIR/demo_summary.json``)."""
     import torch
@@ -119,9 +131,13 @@ def run_demo(opts: DemoOptions) -> dict:
     # the config first, so a bad flag leaves no half-made output directory behind
     data_path = out / "data" / "demo_questions.jsonl"
     fixed = {"model": str(opts.base_model), "output_dir": str(out), "data.source": str(data_path)}
+    # Overrides come last, so they win over the demo's defaults; only `fixed` is refused below. The
+    # inference backend is one of them: `--inference.backend vllm` samples with an in-process vLLM
+    # engine. Eager by default: compiling buys the tiny model no decode speed on a CPU and costs
+    # 20-60 s of start-up (`--inference.no-enforce-eager` to compile anyway).
     cfg = load_config(["@", str(opts.config), "--model", fixed["model"], "--output-dir", fixed["output_dir"],
                        "--data.source", fixed["data.source"], "--data.eval-per-domain", str(opts.eval_per_domain),
-                       "--data.split", "train", "--seed", str(opts.seed), *opts.overrides])
+                       "--data.split", "train", "--seed", str(opts.seed), "--inference.enforce-eager", *opts.overrides])
     for key, value in fixed.items():  # an override of these would train one thing and evaluate another
         section, _, name = key.rpartition(".")
         if str(getattr(getattr(cfg, section) if section else cfg, name)) != value:
@@ -149,7 +165,8 @@ def run_demo(opts: DemoOptions) -> dict:
     console.print(f"base held-out accuracy: {100 * before['overall_accuracy']:.1f}%")
 
     # 3. cold-start GRPO with scirl's trainer
-    console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps")
+    backend = sampling_backend(cfg)
+    console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
     status = train(cfg, show_progress=opts.progress)
     if status != 0:
         raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
@@ -175,6 +192,7 @@ def run_demo(opts: DemoOptions) -> dict:
         "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
         "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
         "steps": cfg.max_steps,
+        "inference_backend": backend,
         "held_out_questions": len(held_out),
         "train_questions": len(splits.train),
         "seconds": round(time.perf_counter() - started, 1),
