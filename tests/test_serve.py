@@ -395,6 +395,7 @@ def test_tokenization_runs_off_the_event_loop(generator):
 
     tokenizer = BlockingTokenizer()
     slow = SlowGenerator(tokenizer)
+    slow.release.set()  # here the tokenizer is what holds the request, not the model
     with TestClient(create_app(slow, "slow")) as c:
         result = {}
         asking = threading.Thread(target=lambda: result.setdefault("r", c.post(
