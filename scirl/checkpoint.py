@@ -489,7 +489,8 @@ def find_resume_checkpoint(
 
 
 def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra", "optimizer"} of a checkpoint (optimizer None if not saved).
+    """{"step", "data_position", "rng", "extra", "optimizer", "adapter"} of a checkpoint (optimizer None if
+    not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None).
 
     Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
     file (the checkpoint's biggest by far; "optimizer" is then None): under FSDP only rank 0 reads it
@@ -503,6 +504,11 @@ def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, An
     state = torch.load(trainer_dir / "state.pt", weights_only=True)
     optimizer_path = trainer_dir / "optimizer.pt"
     state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
+    state["adapter"] = None
+    if (trainer_dir / ADAPTER_WEIGHTS).is_file():
+        from safetensors.torch import load_file
+
+        state["adapter"] = (load_file(trainer_dir / ADAPTER_WEIGHTS), json.loads((trainer_dir / ADAPTER_CONFIG).read_text()))
     return state
 
 

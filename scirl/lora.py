@@ -24,13 +24,10 @@ Single process only: FSDP2 sharding of a peft model is future work.
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import torch
 
-from scirl.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, TRAINER_STATE
 from scirl.errors import TrainError
 
 ADAPTER = "default"  # peft's name for a model's one adapter
@@ -61,16 +58,17 @@ def peft_config(settings):
 
 
 def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False,
-               checkpoint: str | Path | None = None):
-    """The base model (frozen, in the compute ``dtype``) with a fresh adapter, or the adapter saved in
-    ``checkpoint`` (a resume). peft keeps the adapter in float32 over a bf16 base: those are the masters."""
+               saved: tuple[dict, dict] | None = None):
+    """The base model (frozen, in the compute ``dtype``) with a fresh adapter, or with ``saved``, the
+    (tensors, peft config) a checkpoint kept (a resume). peft keeps the adapter in float32 over a bf16
+    base: those are the masters."""
     from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     except (OSError, ValueError) as exc:
-        where = " (a LoRA resume loads the base model of config.toml's `model`, then the checkpoint's adapter)" if checkpoint else ""
+        where = " (a LoRA resume loads the base model of config.toml's `model`, then the checkpoint's adapter)" if saved else ""
         raise TrainError(f"cannot load base model {base!r} as a causal LM{where}: {exc}") from exc
     if activation_checkpointing:
         # non-reentrant: with a frozen base the reentrant variant would see no input that needs grad
@@ -79,32 +77,25 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
         model = get_peft_model(model, peft_config(settings))
     except ValueError as exc:  # e.g. no module matches target_modules
         raise TrainError(f"lora: cannot add adapters to {base!r}: {exc}") from exc
-    if checkpoint is not None:
-        tensors = read_adapter(Path(checkpoint), settings)
+    if saved is not None:
+        tensors, config = saved
+        check_saved_config(config, settings)
         result = set_peft_model_state_dict(model, tensors, adapter_name=ADAPTER)
         if result.unexpected_keys:
-            raise TrainError(f"{checkpoint}: adapter tensors {result.unexpected_keys[:3]} do not fit the model")
+            raise TrainError(f"the checkpoint's adapter tensors {result.unexpected_keys[:3]} do not fit the model")
     model.to(device)
     model.train()
     return model
 
 
-def read_adapter(checkpoint: Path, settings) -> dict[str, torch.Tensor]:
-    """A checkpoint's adapter tensors, after checking it was saved with the same rank, alpha, dropout and targets."""
-    from safetensors.torch import load_file
-
-    folder = checkpoint / TRAINER_STATE
-    if not (folder / ADAPTER_WEIGHTS).is_file():
-        raise TrainError(f"{checkpoint} has no LoRA adapter ({TRAINER_STATE}/{ADAPTER_WEIGHTS}): it was made without "
-                         "lora.enabled; resume it without --lora.enabled")
-    saved = json.loads((folder / ADAPTER_CONFIG).read_text())
+def check_saved_config(saved: dict, settings) -> None:
+    """A resume needs the adapter's rank, alpha, dropout and targets as saved (shapes and scale)."""
     wanted = peft_config(settings).to_dict()
     differ = [f"{key} {normal(saved.get(key))} -> {normal(wanted[key])}" for key in COMPARED
               if normal(saved.get(key)) != normal(wanted[key])]
     if differ:
-        raise TrainError(f"{checkpoint}: the adapter was saved with other settings ({', '.join(differ)}); "
+        raise TrainError(f"the checkpoint's adapter was saved with other settings ({', '.join(differ)}); "
                          "resume with the run's own [lora] settings")
-    return load_file(folder / ADAPTER_WEIGHTS)
 
 
 def normal(value):

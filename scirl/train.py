@@ -213,7 +213,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
     if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
         model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing,
-                                checkpoint=latest[1] if latest else None)
+                                saved=saved["adapter"] if saved else None)
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
@@ -353,8 +353,10 @@ def resume_state(path: Path, cfg, n_questions: int, digest: str, dist) -> dict:
     from scirl import checkpoint as ckpt_lib
 
     saved = ckpt_lib.load_trainer_state(path, optimizer=dist.is_main)
-    if (path / ckpt_lib.TRAINER_STATE / ckpt_lib.ADAPTER_WEIGHTS).is_file() and not cfg.lora.enabled:
+    if saved["adapter"] is not None and not cfg.lora.enabled:
         raise TrainError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
+    if saved["adapter"] is None and cfg.lora.enabled:
+        raise TrainError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
     position = saved["data_position"]
     if position["n_questions"] != n_questions:
         raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "

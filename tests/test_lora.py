@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("peft")
 
 from test_train import (  # noqa: E402
-    COMPUTED_KEYS, EXACT_KEYS, copy_run, data_file, final_weights, fixed_samples, letter_model_dir, one_thread, rows,
-    run_in_process, train_args,
+    COMPUTED_KEYS, EXACT_KEYS, copy_run, data_file, final_weights, fixed_samples, letter_model_dir, one_step_run, one_thread,
+    rows, run_in_process, train_args,
 )
 
-__all__ = ["data_file", "letter_model_dir", "one_thread"]  # fixtures, used by name
+__all__ = ["data_file", "letter_model_dir", "one_step_run", "one_thread"]  # fixtures, used by name
 
 LORA = ["--lora.enabled", "--lora.rank", "4", "--lora.alpha", "8", "--ckpt.interval", "1"]
 SCALE = 8 / 4
@@ -52,6 +52,27 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
     changed = {name for name in before if not torch.equal(before[name], after[name])}
     assert changed and all(".lora_" in name for name in changed)  # the base is bit-for-bit the same
     assert any(".lora_A." in n for n in changed) and any(".lora_B." in n for n in changed)
+
+
+def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_model_dir):
+    """The 8B-on-one-GPU layout: the frozen base once, in the compute dtype; float32 adapter masters,
+    no bf16 copy of the model; gradients reach the adapter through activation checkpointing."""
+    from scirl.config import TrainConfig
+    from scirl.distributed import Dist
+    from scirl.lora import load_model
+    from scirl.trainer import Trainer, make_micro_batches
+
+    cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
+    model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
+    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+    assert trainer.compute_copy is None and trainer.compute_model is model
+    stats = trainer.train_step(make_micro_batches(fixed_samples(4, seed=3), 2, pad_id=0))
+    assert stats["stepped"] and stats["grad_norm"] > 0
+    merged = trainer.full_state_dict(device="cpu")
+    assert {t.dtype for t in merged.values()} == {torch.float32}  # what a checkpoint holds
+    assert {t.dtype for t in trainer.full_state_dict(dtype=torch.bfloat16).values()} == {torch.bfloat16}  # for an engine
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +144,10 @@ def test_the_sampler_gets_w_plus_ba_and_the_checkpoint_loads_as_a_plain_model(lo
     checkpoint = run_dir / "weights" / "step_3"
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     settings = LoraSettings(enabled=True, rank=4, alpha=8)
-    model = load_model(str(letter_model_dir), settings, torch.device("cpu"), torch.float32, checkpoint=checkpoint).eval()
+    from scirl.checkpoint import load_trainer_state
+
+    saved = load_trainer_state(checkpoint, optimizer=False)["adapter"]
+    model = load_model(str(letter_model_dir), settings, torch.device("cpu"), torch.float32, saved=saved).eval()
     ids = torch.randint(10, 500, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(plain(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=1e-5)
@@ -160,6 +184,14 @@ def test_a_resume_with_other_lora_settings_or_without_lora_is_refused(lora_run, 
         run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "4", "--lora.no-enabled"], resume=True)
 
 
+def test_a_full_fine_tuning_checkpoint_does_not_resume_as_lora(one_step_run, tmp_path):
+    from scirl.errors import TrainError
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    with pytest.raises(TrainError, match="no LoRA adapter"):
+        run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "2", "--lora.enabled"], resume=True)
+
+
 def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, monkeypatch):
     import scirl.distributed
     from scirl.config import load_config
@@ -177,13 +209,14 @@ def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, mon
         train(load_config(argv), show_progress=False)
 
 
-def test_lora_settings_are_validated():
-    from scirl.config import load_config
+def test_lora_settings_are_validated(tmp_path):
+    from scirl.config import load_config, read_toml, validate, write_config
     from scirl.errors import ConfigError
 
     cfg = load_config(["--lora.enabled", "--lora.target-modules", "q_proj,v_proj"])
     assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.alpha == 32 and cfg.lora.dropout == 0.0
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
+    assert validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).lora == cfg.lora  # config.toml keeps it for a resume
     assert not load_config([]).lora.enabled and len(load_config([]).lora.target_modules) == 7
     for flags, field in ((["--lora.rank", "0"], "lora.rank"), (["--lora.alpha", "0"], "lora.alpha"),
                          (["--lora.dropout", "1"], "lora.dropout"), (["--lora.target-modules", "[]"], "lora.target_modules")):
