@@ -24,7 +24,9 @@ step is missing or doubled. ``time/checkpoint`` in row N+1 is the time spent sav
 
 Exactness holds for the same config and number of ranks (generation is seeded per rank).
 Checkpoints keep the float32 master weights, so resuming loses no precision; serve them
-in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
+in bf16 with ``vllm serve weights/step_N --dtype bfloat16``. With ``[lora] enabled`` (one process,
+``scirl/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
+the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
 
 Where the parts plug in (``docs/architecture.md``): ``backends`` builds the generator and the
 trainer; ``rollouts`` scores groups (the orchestrator's work); ``trainer`` steps; ``rundir`` and
@@ -230,7 +232,8 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
     def save(step: int) -> float:
         t = time.perf_counter()
-        state = trainer.full_state_dict(all_ranks=False)  # fp32 masters (LoRA: merged): resuming from them is exact
+        # fp32 masters: resuming from them is exact (LoRA: the merged weights, for serving; a resume reads the adapter)
+        state = trainer.full_state_dict(all_ranks=False)
         bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
         if bad:  # never a checkpoint a resume would take as good
             raise TrainError(f"step {step}: weights {', '.join(bad[:3])} are not finite; no checkpoint written")
