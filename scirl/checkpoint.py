@@ -7,6 +7,9 @@ Layout of one checkpoint::
                                      from_pretrained(step_N) and `vllm serve step_N` load it)
       trainer_state/optimizer.pt     optimizer state dict (full, gathered)
       trainer_state/state.pt         step, data position, RNG states, the caller's extra dict
+      trainer_state/adapter_model.safetensors, adapter_config.json
+                                     LoRA runs only: the adapter (``scirl/lora.py``); model.safetensors
+                                     then holds the merged weights, for serving and evaluation
       manifest.json                  every other file with its size and sha256, plus the step; written last
     weights/latest                   text file "step_N", replaced atomically after each commit: a
                                      convenience for people and scripts (`vllm serve weights/$(cat
@@ -46,6 +49,8 @@ from typing import Any
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state"
 LATEST = "latest"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # LoRA runs: the adapter, in trainer_state/ (peft's file names)
+ADAPTER_CONFIG = "adapter_config.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
@@ -169,6 +174,7 @@ def save_checkpoint(
     data_position: Any = None,
     extra: dict | None = None,
     keep: int | None = None,
+    adapter: tuple[dict, dict] | None = None,
 ) -> Path:
     """Commit checkpoint ``step`` atomically and return ``weights/step_N``.
 
@@ -180,7 +186,8 @@ def save_checkpoint(
     writes and every rank waits at a barrier until the checkpoint is committed (so
     if rank 0 fails mid-write, the others wait until the process group times out).
     ``keep`` retains the newest ``keep`` checkpoints (None = all), pruning only after
-    the new one is committed.
+    the new one is committed. ``adapter`` (LoRA runs): (tensors, peft config dict), written to
+    ``trainer_state/adapter_model.safetensors`` and ``adapter_config.json`` and sealed with the rest.
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
@@ -190,7 +197,8 @@ def save_checkpoint(
     final = weights_dir(run_dir) / f"step_{step}"
     if writer:
         try:
-            _write_and_commit(Path(run_dir), step, model, tokenizer, state_dict, optimizer_state, data_position, extra)
+            _write_and_commit(Path(run_dir), step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
+                              adapter)
         except Exception as e:
             # never leave a half-written tmp dir behind: on a full disk it holds the space the user needs back
             shutil.rmtree(weights_dir(run_dir) / f".step_{step}.tmp", ignore_errors=True)
@@ -237,7 +245,8 @@ def _write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) 
             "the previous checkpoint is intact. Free disk space or lower ckpt.keep, then resume.")
 
 
-def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_state, data_position, extra) -> None:
+def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
+                      adapter=None) -> None:
     import inspect
 
     import torch
@@ -262,6 +271,12 @@ def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_sta
         torch.save(optimizer_state, tmp / TRAINER_STATE / "optimizer.pt")
     state = {"step": step, "data_position": data_position, "rng": capture_rng_state(), "extra": extra or {}}
     torch.save(state, tmp / TRAINER_STATE / "state.pt")
+    if adapter is not None:
+        from safetensors.torch import save_file
+
+        tensors, config = adapter
+        save_file(tensors, str(tmp / TRAINER_STATE / ADAPTER_WEIGHTS))
+        (tmp / TRAINER_STATE / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
 
     delay = _write_delay()
     files = {}
@@ -374,13 +389,13 @@ def load_problems(path: str | Path) -> list[str]:
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         problems.append(f"{path.name}: no *.safetensors weights")
-    for shard in shards:
+    for shard in shards + sorted((path / TRAINER_STATE).glob("*.safetensors")):  # + a LoRA adapter
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for key in f.keys():
                     f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types (and others) for damaged files
-            problems.append(f"{path.name}/{shard.name}: does not load: {_one_line(e)}")
+            problems.append(f"{path.name}/{shard.relative_to(path).as_posix()}: does not load: {_one_line(e)}")
     trainer_dir = path / TRAINER_STATE
     if not (trainer_dir / "state.pt").is_file():
         problems.append(f"{path.name}: no {TRAINER_STATE}/state.pt")
@@ -474,7 +489,8 @@ def find_resume_checkpoint(
 
 
 def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra", "optimizer"} of a checkpoint (optimizer None if not saved).
+    """{"step", "data_position", "rng", "extra", "optimizer", "adapter"} of a checkpoint (optimizer None if
+    not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None).
 
     Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
     file (the checkpoint's biggest by far; "optimizer" is then None): under FSDP only rank 0 reads it
@@ -488,6 +504,11 @@ def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, An
     state = torch.load(trainer_dir / "state.pt", weights_only=True)
     optimizer_path = trainer_dir / "optimizer.pt"
     state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
+    state["adapter"] = None
+    if (trainer_dir / ADAPTER_WEIGHTS).is_file():
+        from safetensors.torch import load_file
+
+        state["adapter"] = (load_file(trainer_dir / ADAPTER_WEIGHTS), json.loads((trainer_dir / ADAPTER_CONFIG).read_text()))
     return state
 
 

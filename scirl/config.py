@@ -142,6 +142,28 @@ class InferenceConfig(Section):
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # every linear of a Qwen3 layer
+
+
+class LoraSettings(Section):
+    """A low-rank adapter (peft's LoRA) over a frozen base: only the adapter trains (``scirl/lora.py``).
+    Single process only; the sampler gets the merged weights W + B@A * alpha/rank."""
+
+    enabled: bool = False
+    rank: int = Field(16, ge=1, description="r: the adapter's inner dimension")
+    alpha: float = Field(32, gt=0, description="the update is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input, in the train forward only")
+    target_modules: list[str] = Field(default_factory=lambda: list(LORA_TARGETS), min_length=1,
+                                      description="names of the linear layers that get an adapter")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, names: list[str]) -> list[str]:
+        if any(not name.strip() for name in names):
+            raise ValueError("target module names must be non-empty")
+        return names
+
+
 class TrainConfig(Section):
     max_steps: int = Field(30, ge=1)
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
@@ -171,6 +193,7 @@ class TrainConfig(Section):
     reward: RewardConfig = RewardConfig()
     wandb: WandbConfig = WandbConfig()
     inference: InferenceConfig = InferenceConfig()
+    lora: LoraSettings = LoraSettings()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "TrainConfig":

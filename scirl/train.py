@@ -24,7 +24,9 @@ step is missing or doubled. ``time/checkpoint`` in row N+1 is the time spent sav
 
 Exactness holds for the same config and number of ranks (generation is seeded per rank).
 Checkpoints keep the float32 master weights, so resuming loses no precision; serve them
-in bf16 with ``vllm serve weights/step_N --dtype bfloat16``.
+in bf16 with ``vllm serve weights/step_N --dtype bfloat16``. With ``[lora] enabled`` (one process,
+``scirl/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
+the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
 
 Where the parts plug in (``docs/architecture.md``): ``backends`` builds the generator and the
 trainer; ``rollouts`` scores groups (the orchestrator's work); ``trainer`` steps; ``rundir`` and
@@ -41,7 +43,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scirl import distributed, rundir
+from scirl import distributed, lora, rundir
 from scirl.errors import TrainError
 from scirl.metrics import peak_memory_mb, step_line, step_metrics
 
@@ -167,6 +169,8 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
     transformers.utils.logging.disable_progress_bar()  # per-file bars would drown the step lines
     dist, device = distributed.setup(cfg.device)
+    if cfg.lora.enabled:
+        lora.check_supported(dist)
     run_dir = Path(cfg.output_dir)
     if dist.is_main:
         rundir.prepare(run_dir, resume=resume, clean=clean)
@@ -209,7 +213,11 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     generator = None
     if backend == "vllm":  # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
-    model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
+    if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
+        model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing,
+                                saved=saved["adapter"] if saved else None)
+    else:
+        model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
     empty_steps = nonfinite_steps = 0
     if saved is not None:
@@ -224,11 +232,13 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
     def save(step: int) -> float:
         t = time.perf_counter()
-        state = trainer.full_state_dict(all_ranks=False)  # fp32 masters: resuming from them is exact
+        # fp32 masters: resuming from them is exact (LoRA: the merged weights, for serving; a resume reads the adapter)
+        state = trainer.full_state_dict(all_ranks=False)
         bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
         if bad:  # never a checkpoint a resume would take as good
             raise TrainError(f"step {step}: weights {', '.join(bad[:3])} are not finite; no checkpoint written")
-        ckpt_lib.save_checkpoint(run_dir, step, model, tokenizer, state_dict=state,
+        ckpt_lib.save_checkpoint(run_dir, step, lora.hf_model(model) if cfg.lora.enabled else model, tokenizer,
+                                 state_dict=state, adapter=lora.adapter_state(model) if cfg.lora.enabled else None,
                                  optimizer_state=trainer.optimizer_state_dict(),
                                  data_position={**sampler.state(), "n_questions": len(questions), "questions": digest,
                                                 "seed": cfg.seed},
@@ -346,6 +356,10 @@ def resume_state(path: Path, cfg, n_questions: int, digest: str, dist) -> dict:
     from scirl import checkpoint as ckpt_lib
 
     saved = ckpt_lib.load_trainer_state(path, optimizer=dist.is_main)
+    if saved["adapter"] is not None and not cfg.lora.enabled:
+        raise TrainError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
+    if saved["adapter"] is None and cfg.lora.enabled:
+        raise TrainError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
     position = saved["data_position"]
     if position["n_questions"] != n_questions:
         raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "

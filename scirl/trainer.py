@@ -18,6 +18,7 @@ import torch
 
 from scirl.distributed import Dist
 from scirl.errors import TrainError
+from scirl.lora import is_lora, merged_state_dict
 from scirl.loss import LossSums, rl_loss, token_logprobs
 from scirl.mixed_precision import ComputeCopy
 from scirl.rollouts import Sample
@@ -188,15 +189,19 @@ class Trainer:
         self.dist = dist
         self.dtype = dtype
         self.max_norm = optim_cfg.max_norm
+        # all parameters, except under LoRA: the adapter's only (the base is frozen); clipped over these too
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            self.trainable,
             lr=optim_cfg.lr,
             betas=tuple(optim_cfg.betas),
             weight_decay=optim_cfg.weight_decay,
         )
         # Forward and backward run on ``compute_model``: the module itself, except in a single bf16
-        # process, where it is a bf16 copy (FSDP2's mixed precision does this under torchrun)
-        self.compute_copy = ComputeCopy(model, dtype) if dist.world_size == 1 and dtype != torch.float32 else None
+        # process, where it is a bf16 copy (FSDP2's mixed precision does this under torchrun). A LoRA model
+        # needs none: its frozen base is held in the compute dtype and peft computes its float32 adapter as is
+        copy = dist.world_size == 1 and dtype != torch.float32 and not is_lora(model)
+        self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
@@ -282,7 +287,7 @@ class Trainer:
             loss, mb_sums = self.forward_backward(mb, global_tokens, dummy=dummy)
             loss_total += loss
             sums = sums.add(mb_sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
@@ -313,7 +318,10 @@ class Trainer:
                         all_ranks: bool = True) -> dict[str, torch.Tensor]:
         """Full (unsharded) HF-named tensors. Under FSDP every rank must call this (each tensor is an
         all-gather); with ``all_ranks=False`` only rank 0 keeps them (checkpoints), the others get {}.
-        The generation copy asks for its own device and dtype, so an 8B model never goes through host memory."""
+        The generation copy asks for its own device and dtype, so an 8B model never goes through host memory.
+        A LoRA model gives its merged weights (``scirl/lora.py``), float32 unless ``dtype`` says otherwise."""
+        if is_lora(self.model):  # single process only: nothing to gather
+            return merged_state_dict(self.model, device=device, dtype=dtype)
         keep = all_ranks or self.dist.is_main
         state = {}
         for name, value in self.model.state_dict().items():
