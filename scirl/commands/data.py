@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser
+from scirl.commands.parser import Parser, unwritable_parent
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -90,14 +90,7 @@ def out_problem(out: str, data: str) -> str | None:
     source = Path(data).expanduser()
     if source.exists() and path.exists() and path.resolve() == source.resolve():
         return f"--out {out} is the --data file itself: exporting would overwrite the source; write elsewhere"
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"--out {out}: {parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--out {out}: cannot write in {parent} (permission denied)"
-    return None
+    return unwritable_parent(path, out)
 
 
 def export(splits, split: str, out: str) -> int:

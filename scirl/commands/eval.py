@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, device_problem, finite_float
+from scirl.commands.parser import Parser, device_problem, finite_float, unwritable_parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,14 +120,7 @@ def _out_problem(out: str) -> str | None:
     for target in (path, records_path(path)):
         if target.is_dir():
             return f"--out {out}: {target} is a directory; give a file name such as {path / 'eval.json'}"
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"--out {out}: {parent} is not a directory"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--out {out}: cannot write in {parent} (permission denied)"
-    return None
+    return unwritable_parent(path, out)
 
 
 def _data_id(source: str) -> str:

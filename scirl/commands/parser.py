@@ -48,3 +48,17 @@ def finite_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
 
+
+def unwritable_parent(path, out: str) -> str | None:
+    """Why ``--out`` cannot be created where it points (None when it can): its nearest existing
+    ancestor must be a directory this process may write in."""
+    import os
+
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"--out {out}: {parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"--out {out}: cannot write in {parent} (permission denied)"
+    return None
