@@ -30,4 +30,7 @@ class Question:
     type: str = "mcq-4-choices"
     instruction: str | None = None  # the row's own prompt.default
     source: str = ""  # where the row was read: "file.jsonl:17" or "hub:test:123"
+    # shown position -> the row's original position, once ``scirl.options.permute`` moved the options;
+    # None: the row's own order
+    option_order: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
