@@ -134,12 +134,31 @@ class InferenceConfig(Section):
     sleep_level: Literal[0, 1, 2] = Field(
         2, description="vllm on one GPU: free its memory during the train step (0: never, 1: offload weights, 2: drop them)")
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV-cache size in GiB (allocated up front)")
+    urls: list[str] = Field(default_factory=list, description="vLLM OpenAI servers started elsewhere (multi-node): "
+                            "the run generates on them instead of starting its own; they must serve `model`")
 
     @field_validator("sleep_level", mode="before")
     @classmethod
     def _level_from_flag(cls, value):
         # a command-line value arrives as text, and a Literal of ints does not take "1"
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+class DeploymentConfig(Section):
+    """Where generation runs. ``num_infer_gpus = 0``: in the trainer's processes (colocated, synchronous).
+    ``num_infer_gpus = N``: vLLM servers on N GPUs of their own (on a machine without GPUs: N server
+    processes), fed by the orchestrator over HTTP, with the trainer under torchrun on ``num_train_gpus``."""
+
+    num_train_gpus: int = Field(1, ge=1, description="trainer ranks (torchrun --nproc-per-node)")
+    num_infer_gpus: int = Field(0, ge=0, description="GPUs for vLLM servers; 0: generate in the trainer (colocated)")
+    host: str = Field("127.0.0.1", min_length=1, description="address the servers listen on and the trainer reaches")
+    port: int = Field(0, ge=0, le=65535, description="first server's port (the next ones follow); 0: free ports")
+    weight_sync: Literal["auto", "filesystem", "nccl"] = Field(
+        "auto", description="how new weights reach the servers: auto = nccl on GPUs, filesystem elsewhere")
+    nccl_port: int = Field(0, ge=0, le=65535, description="the NCCL weight broadcast's rendezvous port; 0: a free one")
+    startup_timeout_s: float = Field(900, gt=0, description="longest wait for a server to become healthy")
+    request_timeout_s: float = Field(600, gt=0, description="longest wait for one generation request")
+    weight_sync_timeout_s: float = Field(600, gt=0, description="longest wait for servers to take new weights")
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # every linear of a Qwen3 layer
@@ -175,6 +194,8 @@ class TrainConfig(Section):
     temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int = Field(42, ge=0, le=MAX_SEED)
+    max_async_level: int = Field(1, ge=0, le=8, description="servers only: how many steps generation may run ahead "
+                                 "of training (1: batch n+1 is sampled while step n trains; 0: synchronous)")
     output_dir: str = Field("outputs/run", min_length=1, description="run directory ('' would be the current directory)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto, cpu, cuda, cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
@@ -194,6 +215,7 @@ class TrainConfig(Section):
     wandb: WandbConfig = WandbConfig()
     inference: InferenceConfig = InferenceConfig()
     lora: LoraSettings = LoraSettings()
+    deployment: DeploymentConfig = DeploymentConfig()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "TrainConfig":
