@@ -35,6 +35,10 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     completion_tokens = sum(r["num_tokens"] for r in rollouts)
     m["tokens/completion"] = completion_tokens / n
     m["truncated/fraction"] = sum(r["finish_reason"] == "length" for r in rollouts) / n
+    lags = [r["lag"] for r in rollouts if "lag" in r]
+    if lags:  # how many optimizer steps behind the trained policy each sample's policy was (0: on-policy)
+        m["async/lag_mean"] = statistics.fmean(lags)
+        m["async/lag_max"] = max(lags)
     busy = timings["time/generate"] + timings["time/train"] + timings["time/weight_sync"]
     m["tokens_per_s"] = completion_tokens / busy if busy > 0 else 0.0
     m.update(timings)
@@ -56,6 +60,8 @@ def step_line(m: dict) -> str:
     flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]
     if flagged:  # a monitoring filter only flags: those rollouts are still trained on
         parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
+    if m.get("async/lag_max"):
+        parts.append(f"Off-policy {m['async/lag_max']}")
     parts.append(f"{m['tokens_per_s']:.0f} tok/s")
     return " | ".join(parts)
 

@@ -46,47 +46,12 @@ from pathlib import Path
 from scirl import distributed, lora, rundir
 from scirl.errors import TrainError
 from scirl.metrics import peak_memory_mb, step_line, step_metrics
+from scirl.rollouts import QuestionSampler, generate_batch, generation_seed  # noqa: F401 - generation_seed: the recipe's API
 
 log = logging.getLogger("scirl.train")
 
 MAX_EMPTY_STEPS = 10  # consecutive steps without a trainable rollout before the run gives up
 MAX_NONFINITE_STEPS = 3  # consecutive steps whose loss or gradients were not finite, likewise
-
-
-# ---------------------------------------------------------------------------------------------
-# data order
-
-
-class QuestionSampler:
-    """Questions in a seeded order, reshuffled each epoch; ``(epoch, cursor)`` is the whole state."""
-
-    def __init__(self, n_questions: int, seed: int, epoch: int = 0, cursor: int = 0):
-        if n_questions < 1:
-            raise ValueError("no training questions to sample from")
-        self.n, self.seed, self.epoch, self.cursor = n_questions, seed, epoch, cursor
-        self.order = self._permutation(epoch)
-
-    def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(self.n))
-        random.Random(f"{self.seed}-{epoch}").shuffle(order)
-        return order
-
-    def next(self, k: int) -> list[int]:
-        picked = []
-        while len(picked) < k:
-            if self.cursor == self.n:
-                self.epoch, self.cursor = self.epoch + 1, 0
-                self.order = self._permutation(self.epoch)
-            picked.append(self.order[self.cursor])
-            self.cursor += 1
-        return picked
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
-
-
-def generation_seed(seed: int, step: int, rank: int) -> int:
-    return random.Random(f"{seed}-generate-{step}-{rank}").getrandbits(62)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -98,41 +63,55 @@ class StepResult:
     rollouts: list[dict]  # every rank's rollout records, on every rank
     stats: dict  # the trainer's: loss, grad norm, token counts; ``stepped``
     metrics: dict  # the metrics.jsonl row
+    data_position: dict  # what a checkpoint after this step saves: where the next batch's questions start
 
 
-def rl_step(step: int, batch: list, generator, trainer, cfg, *, pad_id: int) -> StepResult:
-    """One GRPO step on this rank's ``batch`` (``PromptedQuestion``s): generate -> score -> advantages
-    -> filters -> train step -> weights to the sampler -> metrics. Every rank calls it (it syncs)."""
-    from scirl.inference.base import SamplingParams
-    from scirl.rollouts import score_groups
+def rl_step(step: int, batch: list, generator, trainer, cfg, *, pad_id: int, data_position: dict | None = None) -> StepResult:
+    """One colocated GRPO step on this rank's ``batch`` (``PromptedQuestion``s): the orchestrator's half
+    (generate -> score -> advantages -> filters) then the trainer's (train step -> weights to the sampler
+    -> metrics). Every rank calls it (it syncs)."""
+    rollout_batch = generate_batch(step, batch, generator, cfg, vocab_size=trainer.model.config.vocab_size,
+                                   rank=trainer.dist.rank, data_position=data_position)
+    return learn(rollout_batch, trainer, cfg, pad_id=pad_id, push_weights=lambda: push_in_process(generator, trainer),
+                 before_train=generator.sleep)
 
-    dist, started = trainer.dist, time.perf_counter()
-    params = SamplingParams(n=cfg.group_size, temperature=cfg.temperature, top_p=cfg.top_p,
-                            max_tokens=cfg.max_completion_tokens, seed=generation_seed(cfg.seed, step, dist.rank))
-    t = time.perf_counter()
-    groups = generator.generate([item.prompt_ids for item in batch], params)
-    time_generate = time.perf_counter() - t
 
-    rollouts, samples = score_groups(step, batch, groups, cfg, trainer.model.config.vocab_size, dist.rank)
-
-    t = time.perf_counter()
-    generator.sleep()  # a colocated engine gives the GPU to the trainer; update_weights wakes it
-    time_sync = time.perf_counter() - t
-    t = time.perf_counter()
-    stats = trainer.train_step(trainer.make_batches(samples, cfg.micro_batch_size, pad_id))
-    time_train = time.perf_counter() - t
-    t = time.perf_counter()
+def push_in_process(generator, trainer) -> None:
+    """New weights to an in-process sampler that does not share the trainer's module (vLLM: loaded in
+    place, prefix cache reset; a per-rank transformers copy under FSDP)."""
     if generator.needs_weight_updates:
         generator.update_weights(trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype).items())
+
+
+def learn(rollout_batch, trainer, cfg, *, pad_id: int, push_weights, before_train=None,
+          time_before: float | None = None) -> StepResult:
+    """The trainer's half of a step, in either deployment: one optimizer step on this rank's samples
+    (skipped when the loss or the gradients are not finite), then ``push_weights()``, then the metrics
+    from every rank's rollouts. ``before_train``: a colocated vLLM engine gives the GPU to the trainer.
+    ``time_before``: the step's time before this call (default: the batch's generation)."""
+    dist, started = trainer.dist, time.perf_counter()
+    t = time.perf_counter()
+    if before_train is not None:
+        before_train()  # update_weights wakes it
+    time_sync = time.perf_counter() - t
+    t = time.perf_counter()
+    stats = trainer.train_step(trainer.make_batches(rollout_batch.samples, cfg.micro_batch_size, pad_id))
+    time_train = time.perf_counter() - t
+    t = time.perf_counter()
+    push_weights()
     time_sync += time.perf_counter() - t
 
-    rollouts = distributed.gather_objects(rollouts, dist)
-    timings = {"time/step": time.perf_counter() - started, "time/generate": time_generate, "time/train": time_train,
-               "time/weight_sync": time_sync, "memory/peak_mb": peak_memory_mb(trainer.device)}
-    metrics = step_metrics(step, rollouts, stats, timings)
+    rollouts = distributed.gather_objects(rollout_batch.rollouts, dist)
+    before = rollout_batch.time_generate if time_before is None else time_before
+    timings = {"time/step": time.perf_counter() - started + before,
+               "time/generate": rollout_batch.time_generate, "time/train": time_train, "time/weight_sync": time_sync,
+               "memory/peak_mb": peak_memory_mb(trainer.device)}
+    if time_before is not None:  # servers: how long the trainer waited for its batch (0 when generation fully overlapped)
+        timings["time/wait_for_batch"] = time_before
+    metrics = step_metrics(rollout_batch.step, rollouts, stats, timings)
     if stats.get("nonfinite"):
         metrics["skipped/nonfinite"] = 1
-    return StepResult(rollouts, stats, metrics)
+    return StepResult(rollouts, stats, metrics, rollout_batch.data_position)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,8 +188,11 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
     # ---- sampler, model, trainer ----
     model_source = str(latest[1]) if latest else cfg.model
-    backend = inference_backend(cfg, device)
-    generator = None
+    remote = bool(cfg.inference.urls)  # vLLM servers generate; this process only trains (and orchestrates on rank 0)
+    backend = "servers" if remote else inference_backend(cfg, device)
+    generator, served_roots = None, []
+    if remote and dist.is_main:  # first: a server that is down fails the run before a model is loaded
+        generator, served_roots = make_remote_generator(cfg, tokenizer)
     if backend == "vllm":  # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
     if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
@@ -225,12 +207,12 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         ckpt_lib.restore_rng_state(saved["rng"])
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
-    if generator is None:
+    if generator is None and not remote:
         generator = make_generator(trainer, model_source, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     wandb_run = start_wandb(cfg) if dist.is_main else None
 
-    def save(step: int) -> float:
+    def save(step: int, position: dict) -> float:
         t = time.perf_counter()
         # fp32 masters: resuming from them is exact (LoRA: the merged weights, for serving; a resume reads the adapter)
         state = trainer.full_state_dict(all_ranks=False)
@@ -240,7 +222,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         ckpt_lib.save_checkpoint(run_dir, step, lora.hf_model(model) if cfg.lora.enabled else model, tokenizer,
                                  state_dict=state, adapter=lora.adapter_state(model) if cfg.lora.enabled else None,
                                  optimizer_state=trainer.optimizer_state_dict(),
-                                 data_position={**sampler.state(), "n_questions": len(questions), "questions": digest,
+                                 data_position={**position, "n_questions": len(questions), "questions": digest,
                                                 "seed": cfg.seed},
                                  extra={"consecutive_empty_steps": empty_steps}, keep=cfg.ckpt.keep)
         distributed.barrier(dist)
@@ -253,6 +235,29 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         # not leave its flags in config.toml, the base of every later --resume
         write_config(cfg, run_dir / "config.toml")
 
+    # ---- the step: colocated, or the trainer's half against servers ----
+    orchestrator = None
+    if remote:
+        push = make_server_push(cfg, trainer, tokenizer, run_dir, start_step, served_roots)
+        if dist.is_main:
+            from scirl.orchestrator import Orchestrator
+
+            orchestrator = Orchestrator(questions, generator, cfg, vocab_size=model.config.vocab_size,
+                                        start_step=start_step, position=sampler.state(),
+                                        max_async_level=cfg.max_async_level).start()
+
+        def next_step(step: int) -> StepResult:
+            waited = time.perf_counter()
+            batch = distributed.broadcast_object(orchestrator.next_batch(step) if dist.is_main else None, dist)
+            waited = time.perf_counter() - waited
+            return learn(my_share(batch, dist), trainer, cfg, pad_id=pad_id, time_before=waited,
+                         push_weights=lambda: push(step, orchestrator))
+    else:
+        def next_step(step: int) -> StepResult:
+            picked = sampler.next(cfg.questions_per_step)
+            return rl_step(step, [questions[i] for i in picked[dist.rank :: dist.world_size]], generator, trainer,
+                           cfg, pad_id=pad_id, data_position=sampler.state())
+
     # ---- the loop ----
     stop = distributed.StopRequest()
     stop.install()
@@ -264,13 +269,11 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     try:
         with progress:
             for step in range(start_step + 1, cfg.max_steps + 1):
-                picked = sampler.next(cfg.questions_per_step)
-                result = rl_step(step, [questions[i] for i in picked[dist.rank :: dist.world_size]], generator, trainer,
-                                 cfg, pad_id=pad_id)
+                result = next_step(step)
                 empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
                 nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0
                 if dist.is_main:
-                    metrics = {**result.metrics, "epoch": sampler.epoch, "time/checkpoint": checkpoint_seconds}
+                    metrics = {**result.metrics, "epoch": result.data_position["epoch"], "time/checkpoint": checkpoint_seconds}
                     metrics["time/step"] += checkpoint_seconds
                     rundir.write_rollouts(run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
                     rundir.append_line(run_dir / "metrics.jsonl", metrics)
@@ -294,7 +297,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 stop_now = stop.agreed(dist)
                 due = cfg.ckpt.interval is not None and step % cfg.ckpt.interval == 0
                 if due or step == cfg.max_steps or stop_now:
-                    checkpoint_seconds = save(step)
+                    checkpoint_seconds = save(step, result.data_position)
                     stop_now = stop.agreed(dist)  # a signal during the write: it finished, now stop
                 if stop_now and step < cfg.max_steps:
                     say(f"Stopped by {signal.Signals(stop.signum).name if stop.signum else 'a signal'} after step {step}; "
@@ -305,10 +308,118 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
             say(f"Training finished: {cfg.max_steps} steps, weights in {run_dir / 'weights' / f'step_{cfg.max_steps}'}")
     finally:
         stop.restore()
-        generator.close()
+        if orchestrator is not None:
+            orchestrator.stop()
+        if generator is not None:
+            generator.close()
         if wandb_run is not None:
             wandb_run.finish()
     return status
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's side of a disaggregated run (``docs/architecture.md``, "Deployment")
+
+
+def make_remote_generator(cfg, tokenizer):
+    """The orchestrator's client over the servers of ``inference.urls``: every one healthy, or a clear error."""
+    from scirl.inference.vllm_server import RemoteGenerator, ServerClient, ServerError
+
+    served = []
+    for url in cfg.inference.urls:
+        client = ServerClient(url, timeout_s=cfg.deployment.request_timeout_s)
+        try:
+            client.wait_ready(cfg.deployment.startup_timeout_s)
+            served.append(client.served_model())
+        except ServerError as exc:
+            raise TrainError(f"inference server {url} is not usable: {exc}") from exc
+        finally:
+            client.close()
+    if len({model["id"] for model in served}) > 1:
+        raise TrainError("the servers of inference.urls serve different models: "
+                         + ", ".join(f"{url} {model['id']!r}" for url, model in zip(cfg.inference.urls, served)))
+    generator = RemoteGenerator(cfg.inference.urls, tokenizer, model_name=served[0]["id"],
+                                timeout_s=cfg.deployment.request_timeout_s)
+    return generator, [model.get("root") for model in served]
+
+
+def weight_sync_kind(cfg, device) -> str:
+    if cfg.deployment.weight_sync != "auto":
+        return cfg.deployment.weight_sync
+    return "nccl" if device.type == "cuda" else "filesystem"
+
+
+def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int, served_roots: list):
+    """``push(version, orchestrator)``: every trainer rank gathers the full weights; rank 0 hands them
+    to the servers between two batches. Pushes the start's weights at once when the servers may hold
+    others (a resume, or servers started on another model), so the first batch comes from version
+    ``start_step``."""
+    from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient
+
+    dist, kind = trainer.dist, weight_sync_kind(cfg, trainer.device)
+    sync = None
+    if dist.is_main:
+        clients = [ServerClient(url, timeout_s=cfg.deployment.weight_sync_timeout_s) for url in cfg.inference.urls]
+        if kind == "nccl":
+            sync = NCCLWeightSync(clients, master_address=nccl_master_address(cfg.inference.urls),
+                                  master_port=cfg.deployment.nccl_port or free_port(),
+                                  timeout_s=cfg.deployment.weight_sync_timeout_s)
+            sync.init()
+        else:
+            sync = FilesystemWeightSync(clients, run_dir / "broadcasts", timeout_s=cfg.deployment.weight_sync_timeout_s)
+
+    def send(version: int) -> None:
+        state = trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype, all_ranks=False)  # a collective
+        if sync is None:
+            return
+        if kind == "nccl":
+            sync.push(state.items(), version)
+        else:
+            sync.push(state.items(), version, model_config=trainer.model.config, tokenizer=tokenizer)
+
+    def push(version: int, orchestrator) -> None:
+        if orchestrator is None:  # ranks > 0: their part is the gather
+            send(version)
+        else:
+            orchestrator.push_weights(version, lambda: send(version))
+
+    stale = start_step > 0 or (dist.is_main and not all(serves(root, cfg.model) for root in served_roots))
+    if distributed.broadcast_object(stale, dist):
+        send(start_step)
+    return push
+
+
+def serves(root: str | None, model: str) -> bool:
+    """Whether a server whose model root (the path or hub name vLLM loaded) is ``root`` holds ``model``."""
+    if root == model:
+        return True
+    return root is not None and Path(model).exists() and Path(root).exists() and Path(root).resolve() == Path(model).resolve()
+
+
+def my_share(batch, dist):
+    """This rank's groups of a batch the orchestrator made for all ranks (rank 0 keeps the rollout records)."""
+    from dataclasses import replace
+
+    samples = [s for s in batch.samples if s.group % dist.world_size == dist.rank]
+    return replace(batch, samples=samples, rollouts=batch.rollouts if dist.is_main else [])
+
+
+def nccl_master_address(urls: list[str]) -> str:
+    """Where the servers reach trainer rank 0: loopback when they all run here, else this host's address."""
+    import socket
+    from urllib.parse import urlparse
+
+    if all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in urls):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
