@@ -137,6 +137,25 @@ class InferenceConfig(Section):
     urls: list[str] = Field(default_factory=list, description="vLLM OpenAI servers started elsewhere (multi-node): "
                             "the run generates on them instead of starting its own; they must serve `model`")
 
+    @field_validator("urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value):
+        # a command-line value arrives as one "url1,url2" string (or a JSON list)
+        return [part.strip() for part in value.split(",") if part.strip()] if isinstance(value, str) else value
+
+    @field_validator("urls")
+    @classmethod
+    def _server_urls(cls, urls: list[str]) -> list[str]:
+        from urllib.parse import urlparse
+
+        for url in urls:
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.port is None:
+                raise ValueError(f"{url!r} is not a server URL like http://HOST:PORT")
+        if len(set(urls)) != len(urls):
+            raise ValueError("a server is listed twice")
+        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+
     @field_validator("sleep_level", mode="before")
     @classmethod
     def _level_from_flag(cls, value):
