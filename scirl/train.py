@@ -190,9 +190,9 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     model_source = str(latest[1]) if latest else cfg.model
     remote = bool(cfg.inference.urls)  # vLLM servers generate; this process only trains (and orchestrates on rank 0)
     backend = "servers" if remote else inference_backend(cfg, device)
-    generator, served_roots = None, []
+    generator = None
     if remote and dist.is_main:  # first: a server that is down fails the run before a model is loaded
-        generator, served_roots = make_remote_generator(cfg, tokenizer)
+        generator = make_remote_generator(cfg, tokenizer)
     if backend == "vllm":  # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
     if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
@@ -238,7 +238,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     # ---- the step: colocated, or the trainer's half against servers ----
     orchestrator = None
     if remote:
-        push = make_server_push(cfg, trainer, tokenizer, run_dir, start_step, served_roots)
+        push = make_server_push(cfg, trainer, tokenizer, run_dir, start_step)
         if dist.is_main:
             from scirl.orchestrator import Orchestrator
 
@@ -338,9 +338,8 @@ def make_remote_generator(cfg, tokenizer):
     if len({model["id"] for model in served}) > 1:
         raise TrainError("the servers of inference.urls serve different models: "
                          + ", ".join(f"{url} {model['id']!r}" for url, model in zip(cfg.inference.urls, served)))
-    generator = RemoteGenerator(cfg.inference.urls, tokenizer, model_name=served[0]["id"],
-                                timeout_s=cfg.deployment.request_timeout_s)
-    return generator, [model.get("root") for model in served]
+    return RemoteGenerator(cfg.inference.urls, tokenizer, model_name=served[0]["id"],
+                           timeout_s=cfg.deployment.request_timeout_s)
 
 
 def weight_sync_kind(cfg, device) -> str:
@@ -349,11 +348,10 @@ def weight_sync_kind(cfg, device) -> str:
     return "nccl" if device.type == "cuda" else "filesystem"
 
 
-def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int, served_roots: list):
+def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
     """``push(version, orchestrator)``: every trainer rank gathers the full weights; rank 0 hands them
-    to the servers between two batches. Pushes the start's weights at once when the servers may hold
-    others (a resume, or servers started on another model), so the first batch comes from version
-    ``start_step``."""
+    to the servers between two batches. Pushes the start's weights at once, so the first batch comes
+    from version ``start_step`` whatever the servers held."""
     from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient
 
     dist, kind = trainer.dist, weight_sync_kind(cfg, trainer.device)
@@ -383,17 +381,9 @@ def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int, se
         else:
             orchestrator.push_weights(version, lambda: send(version))
 
-    stale = start_step > 0 or (dist.is_main and not all(serves(root, cfg.model) for root in served_roots))
-    if distributed.broadcast_object(stale, dist):
-        send(start_step)
+    # always: a server reports the model it started on, not what an earlier run (or a crash mid-push) left in it
+    send(start_step)
     return push
-
-
-def serves(root: str | None, model: str) -> bool:
-    """Whether a server whose model root (the path or hub name vLLM loaded) is ``root`` holds ``model``."""
-    if root == model:
-        return True
-    return root is not None and Path(model).exists() and Path(root).exists() and Path(root).resolve() == Path(model).resolve()
 
 
 def my_share(batch, dist):
