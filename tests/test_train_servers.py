@@ -1,0 +1,204 @@
+"""Training against real vLLM server processes (``inference.urls``): the orchestrator in trainer rank 0
+asks the servers for completions over HTTP, the trainer pushes every new policy version through the
+filesystem, and failures of a server end the run with a clear error instead of a hang.
+
+One server for the module (a CPU server takes about half a minute to start), on the demo base model;
+each run pushes its start weights first, so runs sharing the server do not see each other's weights.
+Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import scirl
+
+pytest.importorskip("vllm")
+
+DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
+DEMO_CONFIG = Path(scirl.__file__).parent / "configs" / "demo.toml"
+SERVER_START_DEADLINE_S = 240
+RUN_DEADLINE_S = 420
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory) -> Path:
+    from scirl.demo.run import write_questions
+
+    return write_questions(tmp_path_factory.mktemp("servers_data") / "q.jsonl", 40, 10, 0)
+
+
+def start_server(log_path: Path, *, core: int | None = None) -> tuple[subprocess.Popen, str]:
+    from scirl.inference.vllm_server import ServerClient, server_command
+
+    port = free_port()
+    argv, env = server_command(str(DEMO_BASE), port=port, served_model_name="policy", dtype="float32",
+                               max_model_len=512, device="cpu", kv_cache_gib=0.25, seed=0)
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
+                                env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    client = ServerClient(url, timeout_s=30)
+    try:
+        client.wait_ready(SERVER_START_DEADLINE_S, alive=lambda: proc.poll() is None)
+    except Exception:
+        stop_server(proc)
+        pytest.fail(f"the vLLM server did not come up:\n{log_path.read_text()[-4000:]}")
+    finally:
+        client.close()
+    return proc, url
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)  # a test may have stopped it
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(request, tmp_path_factory) -> tuple[subprocess.Popen, str]:
+    proc, url = start_server(tmp_path_factory.mktemp("servers_log") / "server.log")
+    request.addfinalizer(lambda: stop_server(proc))
+    return proc, url
+
+
+def train_args(questions: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "@", str(DEMO_CONFIG), "--model", str(DEMO_BASE), "--output-dir", str(out),
+            "--data.source", str(questions), "--data.eval-per-domain", "10", "--batch-size", "16",
+            "--group-size", "4", "--max-completion-tokens", "8", "--seq-len", "512", *extra]
+
+
+def run_scirl(args: list[str], *, nproc: int = 1, timeout: float = RUN_DEADLINE_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "scirl", *args]
+    else:
+        cmd = [sys.executable, "-m", "scirl", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollouts(run: Path, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def greedy_texts(generate, prompts: list[list[int]]) -> list[str]:
+    from scirl.inference.base import SamplingParams
+
+    return [group[0].text for group in generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=8, seed=0))]
+
+
+def test_two_rank_trainer_async_level_1_through_the_filesystem(server, questions, tmp_path):
+    """2 gloo trainer ranks + the orchestrator + a real server: batch n+1 is sampled by the weights of
+    step n-1 while step n trains (lag 1), the weights reach the server through broadcasts/, and the
+    server then answers as the trained checkpoint does."""
+    from transformers import AutoTokenizer
+
+    from scirl.backends import hf_generator
+    from scirl.inference.vllm_server import RemoteGenerator
+
+    _, url = server
+    run = tmp_path / "run"
+    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "3", "--max-async-level", "1",
+                                "--optim.lr", "5e-3", "--deployment.weight-sync", "filesystem"), nproc=2)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = rows(run)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    lags = {step: {r["lag"] for r in rollouts(run, step)} for step in (1, 2, 3)}
+    assert lags == {1: {0}, 2: {1}, 3: {1}}  # step 1 has no older policy to lag behind
+    assert [m["async/lag_max"] for m in metrics] == [0, 1, 1]
+    assert {r["policy_version"] for r in rollouts(run, 3)} == {1}
+    assert "Off-policy 1" in done.stdout
+    assert sorted(p.name for p in (run / "broadcasts").glob("step_*")) == ["step_2", "step_3"]  # the newest two
+
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
+    prompts = [tokenizer.encode(text) for text in ("Question: what is 2+2?\nAnswer:", "The capital of France is")]
+    remote = RemoteGenerator([url], tokenizer, model_name="policy", timeout_s=60)
+    try:
+        served = greedy_texts(remote.generate, prompts)
+    finally:
+        remote.close()
+    trained = greedy_texts(hf_generator(str(run / "weights" / "step_3"), tokenizer=tokenizer).generate, prompts)
+    base = greedy_texts(hf_generator(str(DEMO_BASE), tokenizer=tokenizer).generate, prompts)
+    assert served == trained
+    assert trained != base  # the check above would pass on an unchanged server otherwise
+
+
+def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_path):
+    """max_async_level 0 through a server is the colocated vLLM loop: same seeds, same samples, same
+    updates. Rewards and counts are compared exactly; losses and norms (other processes) to 1e-5."""
+    _, url = server
+    common = ("--max-steps", "2", "--optim.lr", "5e-3", "--seed", "7")
+    colocated = run_scirl(train_args(questions, tmp_path / "colocated", "--inference.backend", "vllm",
+                                     "--inference.kv-cache-gib", "0.25", *common))
+    assert colocated.returncode == 0, colocated.stdout[-3000:] + colocated.stderr[-3000:]
+    remote = run_scirl(train_args(questions, tmp_path / "servers", "--inference.urls", url, "--max-async-level", "0",
+                                  *common))
+    assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
+    for a, b in zip(rows(tmp_path / "colocated"), rows(tmp_path / "servers"), strict=True):
+        keys = {k for k in a if not k.startswith(("time", "memory", "tokens_per_s"))}
+        assert keys == {k for k in b if not k.startswith(("time", "memory", "tokens_per_s"))}
+        for key in sorted(keys):
+            if isinstance(a[key], float):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
+            else:
+                assert b[key] == a[key], key
+    for step in (1, 2):
+        assert ([r["completion"] for r in rollouts(tmp_path / "colocated", step)]
+                == [r["completion"] for r in rollouts(tmp_path / "servers", step)])
+
+
+def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, tmp_path):
+    """A server that stops answering (SIGSTOP) fails the run once a request passes its deadline,
+    naming the server, and the last checkpoint stays usable."""
+    proc, url = server
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
+                                                       "--ckpt.interval", "1", "--deployment.request-timeout-s", "15")]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
+        assert trainer.poll() is None, trainer.communicate()
+        os.killpg(proc.pid, signal.SIGSTOP)
+        out, err = trainer.communicate(timeout=240)  # the request deadline, plus the trainer's own exit
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode not in (0, None)
+    assert url in err and "Traceback" not in err, err[-3000:]
+    assert (run / "weights" / "step_1" / "manifest.json").is_file()
+
+
+def wait_for(condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"condition not met within {timeout_s}s")
+        time.sleep(0.2)
