@@ -98,7 +98,7 @@ def print_summary(results: dict[str, Any], console=None) -> None:
 
 
 def _shares(shares: dict[str, float | None]) -> str:
-    return " ".join(f"{_text(x)} {'-' if v is None else f'{100 * v:.0f}'}" for x, v in shares.items())
+    return " ".join(f"{_text(x)}{'-' if v is None else f'{100 * v:.0f}'}" for x, v in shares.items())
 
 
 def _kl(value: float | None) -> str:
