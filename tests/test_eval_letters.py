@@ -315,3 +315,89 @@ def test_permutations_below_one_is_a_one_line_usage_error(tmp_path, capsys, valu
                  "--permutations", value]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--permutations must be >= 1" in err and "Traceback" not in err
+
+
+def test_failed_orders_are_listed_and_a_rerun_asks_only_them(data_file, tmp_path):
+    """A question counts as answered once every order is; the orders that failed are named and asked again."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    from scirl.eval.client import ClientConfig, evaluate_server
+    from scirl.prompt import user_text
+
+    questions = load_splits(str(data_file), eval_per_domain=1).split("eval")
+    own = {user_text(q) for q in questions}
+    asked: Counter = Counter()
+    app = FastAPI()
+    app.state.healthy = False
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        text = (await request.json())["messages"][-1]["content"]
+        asked[text] += 1
+        if not app.state.healthy and text not in own:  # only the question's own order gets an answer
+            return JSONResponse({"error": "bad request"}, status_code=400)
+        return {"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}]}
+
+    out = tmp_path / "perm.json"
+    with running(app) as srv:
+        cfg = ClientConfig(base_url=srv.url, model="fake", retries=0, timeout=30.0)
+        results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
+        assert results["counts"]["answered"] == 0 and results["counts"]["failed"] == len(questions)
+        assert sorted((f["id"], f["permutation"]) for f in results["failed"]) == sorted(
+            (q.id, i) for q in questions for i in (1, 2))
+        asked.clear()
+        app.state.healthy = True
+        results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
+    assert sum(asked.values()) == 2 * len(questions) and not set(asked) & own
+    assert results["counts"]["answered"] == len(questions) and results["failed"] == []
+    assert results["permutations"]["same_letter_rate"] == 1.0
+
+
+def test_report_plots_the_letters_before_and_after(questions, tmp_path):
+    from scirl.report import plots, write_compare, write_report
+    from scirl.report.inputs import Evaluation, letter_table
+
+    run = tmp_path / "run"
+    run.mkdir()
+    base = build_results(questions, {q.id: {"replies": ["A"]} for q in questions}, [], SETTINGS)
+    final = build_results(questions, {q.id: {"replies": [q.answer_key]} for q in questions}, [], SETTINGS)
+    (run / "eval_base.json").write_text(json.dumps(base))
+    (run / "eval_final.json").write_text(json.dumps(final))
+    page = write_report(run).read_text()
+    assert (run / "report" / "letters.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Share of each answer letter among the gold answers" in page  # the plot's caption: it is on the page
+    assert "letter bias KL" in page
+    drawn = plots.plot_letters([("before", letter_table(Evaluation("b", base))), ("after", letter_table(Evaluation("f", final)))],
+                               tmp_path / "letters.png", "t")
+    assert drawn["gold"] == base["letters"]["gold"] == final["letters"]["gold"]  # the same questions: one gold set
+    assert drawn["predicted, before"]["A"] == 1.0
+    assert drawn["predicted, after"] == final["letters"]["gold"]
+    compare_page, comparison = write_compare(run / "eval_base.json", run / "eval_final.json", out_dir=tmp_path / "cmp")
+    assert (tmp_path / "cmp" / "compare_eval_base_vs_eval_final_letters.png").is_file()
+    assert comparison["letter_prior"]["predicted_a"]["A"] == 1.0
+    assert "Letter prior alone" in compare_page.read_text()
+
+
+def test_permutation_eval_of_a_local_model_directory(tiny_model_dir, data_file, tmp_path, capsys):
+    from scirl.commands.eval import main
+
+    out = tmp_path / "local.json"
+    args = ["--model", str(tiny_model_dir), "--data", str(data_file), "--eval-per-domain", "1", "--max-tokens", "3",
+            "--device", "cpu", "--permutations", "2", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    results = json.loads(out.read_text())
+    perm = results["permutations"]
+    assert perm["k"] == 2 and perm["questions"] == results["counts"]["answered"] == 4
+    assert perm["consistent_accuracy"] <= perm["mean_accuracy"]
+    assert all(len(r["permutations"]) == 2 for r in results["records"])
+    lines = records_path(out).read_text().splitlines()
+    assert len(lines) == 1 + 2 * 4
+    assert main(args) == 0  # resumed: nothing asked, nothing appended
+    assert records_path(out).read_text().splitlines() == lines
+    assert main(args[:-5] + ["--permutations", "3", "--out", str(out), "--no-progress"]) == 2
+    assert "permutations: 2 there, 3 now" in capsys.readouterr().err
