@@ -365,13 +365,13 @@ def test_report_plots_the_letters_before_and_after(questions, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     base = build_results(questions, {q.id: {"replies": ["A"]} for q in questions}, [], SETTINGS)
-    final = build_results(questions, {q.id: {"replies": [q.answer_key]} for q in questions}, [], SETTINGS)
+    final = evaluate_generator(ContentGenerator(questions, knows=frozenset(q.id for q in questions)), questions, permutations=2)
     (run / "eval_base.json").write_text(json.dumps(base))
     (run / "eval_final.json").write_text(json.dumps(final))
     page = write_report(run).read_text()
     assert (run / "report" / "letters.png").read_bytes()[:4] == b"\x89PNG"
     assert "Share of each answer letter among the gold answers" in page  # the plot's caption: it is on the page
-    assert "letter bias KL" in page
+    assert "letter bias KL" in page and "100.0% / 100.0% (2 orders)" in page  # the final eval knows every answer
     drawn = plots.plot_letters([("before", letter_table(Evaluation("b", base))), ("after", letter_table(Evaluation("f", final)))],
                                tmp_path / "letters.png", "t")
     assert drawn["gold"] == base["letters"]["gold"] == final["letters"]["gold"]  # the same questions: one gold set

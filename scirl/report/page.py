@@ -195,7 +195,7 @@ def rollout_table(rows: list[dict[str, Any]]) -> str:
 
 def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
     head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th><th>questions</th>"
-            "<th>letter bias KL</th><th>per domain</th></tr>")
+            "<th>letter bias KL</th><th>option orders: consistent / mean</th><th>per domain</th></tr>")
     body = []
     for role, ev in evaluations:
         table = accuracy_table(ev)
@@ -206,10 +206,13 @@ def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
         domains = ", ".join(f"{esc(d)} {pct(v[0])}" for d, v in table.items())
         letters = letter_table(ev)
         kl = number(letters.get("kl_predicted_gold")) if letters else None
+        perm = ev.data.get("permutations") if isinstance(ev.data.get("permutations"), dict) else {}
+        orders = (f"{pct(number(perm.get('consistent_accuracy')))} / {pct(number(perm.get('mean_accuracy')))} "
+                  f"({esc(perm.get('k'))} orders)" if perm else "n/a")
         body.append(
             f"<tr><td>{esc(ev.name)}</td><td>{esc(role)}</td><td>{acc}</td><td>{pct(number(ev.data.get('strict_accuracy')))}</td>"
             f"<td>{pct(number(ev.data.get('unparsed_rate')))}</td><td>{esc(questions)}</td>"
-            f"<td>{'n/a' if kl is None else f'{kl:.3f} nats'}</td><td>{domains}</td></tr>"
+            f"<td>{'n/a' if kl is None else f'{kl:.3f} nats'}</td><td>{orders}</td><td>{domains}</td></tr>"
         )
     return f"<table>{head}{''.join(body)}</table>"
 
