@@ -19,7 +19,7 @@ from scirl.report.page import rollout_samples
 DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
 STEPS = 12
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("reward.png", "filters.png", "training.png", "timing.png", "accuracy.png")
+PLOTS = ("reward.png", "filters.png", "training.png", "timing.png", "accuracy.png", "letters.png")
 
 
 def metrics_row(step: int) -> dict:

@@ -2,7 +2,11 @@
 
     scirl eval --base-url http://localhost:18000/v1 --model grpo-step30 --n-samples 1 --concurrency 32 --out eval.json
     scirl eval --model path/to/hf_model_dir --out eval.json          # in-process, no server
+    scirl eval --model path/to/hf_model_dir --permutations 4 --out perm.json   # 4 option orders per question
     scirl eval compare base.json trained.json [--json]              # paired difference + McNemar test
+
+Every summary shows the letter bias (predicted vs gold letters, KL, accuracy by gold letter:
+``scirl.eval.letters``); --permutations adds order robustness (``scirl.eval.permutations``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=1024, help="completion tokens per sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
+    p.add_argument("--permutations", type=int, default=1, metavar="K",
+                   help="ask each question under K option orders: order 0 is the question's own, the others seeded; "
+                   "reports consistent accuracy, mean accuracy over orders and how often the chosen text changes "
+                   "(default: %(default)s, no permutations)")
+    p.add_argument("--permutation-seed", type=int, default=0, help="seed of the option orders (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: %(default)s)")
     p.add_argument("--timeout", type=finite_float, default=120.0, help="per request, seconds (default: %(default)s)")
     p.add_argument("--retries", type=int, default=6, help="retries per request after the first try (default: %(default)s)")
@@ -57,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _check(args) -> str | None:
     if args.n_samples < 1:
         return "--n-samples must be >= 1"
+    if args.permutations < 1:
+        return f"--permutations must be >= 1 (1: only the question's own order), got {args.permutations}"
+    if args.permutation_seed < 0:
+        return "--permutation-seed must be >= 0"
     if args.concurrency < 1:
         return "--concurrency must be >= 1"
     if args.max_tokens < 1:
@@ -177,6 +190,7 @@ def _run_eval_locked(args) -> int:
         "split_seed": args.split_seed,
         "limit": args.limit,
     }
+    orders = {"permutations": args.permutations, "permutation_seed": args.permutation_seed}
 
     try:
         if args.base_url:
@@ -190,7 +204,7 @@ def _run_eval_locked(args) -> int:
             )
             try:
                 results = evaluate_server(questions, cfg, out=args.out, settings=server_settings(cfg, **data_settings),
-                                          overwrite=args.overwrite, progress=not args.no_progress)
+                                          overwrite=args.overwrite, progress=not args.no_progress, **orders)
             except FatalServerError as e:
                 print(f"scirl eval: {e}", file=sys.stderr)
                 return 1
@@ -203,14 +217,14 @@ def _run_eval_locked(args) -> int:
             if not args.overwrite:  # before loading the model, which may take minutes
                 check_resumable(args.out, {"model": model_id, "n_samples": args.n_samples, "temperature": args.temperature,
                                            "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed,
-                                           **data_settings})
+                                           **orders, **data_settings})
             generator = hf_generator(args.model, device=args.device)
             try:
                 results = evaluate_generator(
                     generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                     max_tokens=args.max_tokens, seed=args.seed, out=args.out, overwrite=args.overwrite,
                     batch_size=args.batch_size, progress=not args.no_progress,
-                    settings={"model": model_id, **data_settings},
+                    settings={"model": model_id, **data_settings}, **orders,
                 )
             finally:
                 generator.close()
@@ -233,7 +247,9 @@ def _run_eval_locked(args) -> int:
 def run_compare(argv: list[str]) -> int:
     p = Parser(
         prog="scirl eval compare",
-        description="Paired comparison of two results files on their common questions (first sample), with McNemar's test.",
+        description="Paired comparison of two results files on their common questions (first sample), with McNemar's "
+        "test, and how much of the difference a shift of the letter prior alone explains (A's accuracy per picked "
+        "letter, reweighted by how often B picks each letter).",
     )
     p.add_argument("a", help="results JSON of the baseline (A)")
     p.add_argument("b", help="results JSON of the candidate (B)")

@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 
+from scirl.eval.permutations import Item, items
 from scirl.prompt import build_messages
 from scirl.schema import Question
 
@@ -283,21 +284,22 @@ async def check_server(http: httpx.AsyncClient, cfg: ClientConfig, attempts: int
 
 
 async def evaluate_questions(
-    questions: list[Question],
+    units: list[Item],
     cfg: ClientConfig,
     on_answer=None,
     on_failure=None,
     check: bool = True,
-) -> tuple[dict[str, dict[str, Any]], list[dict[str, str]]]:
-    """Ask every question; return ({id: {"replies", "finish_reasons"}}, [{"id", "error"}]).
+) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Ask every question as shown by its unit (``scirl.eval.permutations.Item``); return
+    ({unit key: {"id", "replies", "finish_reasons", ...}}, [{"id", "error"}]).
 
-    ``on_answer(question, replies, finish_reasons, truncated)`` runs as each answer arrives
+    ``on_answer(unit, replies, finish_reasons, truncated)`` runs as each answer arrives
     (the caller appends it to the records file; replies longer than ``cfg.reply_cap`` characters
-    come cut to it, ``truncated`` of them); ``on_failure(question, error)``
+    come cut to it, ``truncated`` of them); ``on_failure(unit, error)``
     when a question failed after all retries. FatalServerError stops the run.
     """
     answered: dict[str, dict[str, Any]] = {}
-    failed: list[dict[str, str]] = []
+    failed: list[dict[str, Any]] = []
     ssl_context = httpx.create_ssl_context()  # built once: each client building its own costs ~0.1 s
     async with contextlib.AsyncExitStack() as stack:
         clients = [
@@ -305,7 +307,7 @@ async def evaluate_questions(
                 httpx.AsyncClient(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
                                   timeout=cfg.timeout, verify=ssl_context)
             )
-            for _ in range(max(1, min(cfg.concurrency, len(questions) * cfg.n_samples)))  # no idle clients
+            for _ in range(max(1, min(cfg.concurrency, len(units) * cfg.n_samples)))  # no idle clients
         ]
         if check:
             warning = await check_server(clients[0], cfg)
@@ -313,28 +315,29 @@ async def evaluate_questions(
                 print(f"warning: {warning}")
         client = ChatClient(clients, cfg)
 
-        async def ask(q: Question):
+        async def ask(unit: Item):
             try:
-                return q, await client.sample(build_messages(q)), None
+                return unit, await client.sample(build_messages(unit.question)), None
             except QuestionError as e:
-                return q, None, str(e)
+                return unit, None, str(e)
 
-        tasks = [asyncio.ensure_future(ask(q)) for q in questions]
+        tasks = [asyncio.ensure_future(ask(u)) for u in units]
         try:
             for next_done in asyncio.as_completed(tasks):
-                q, samples, error = await next_done
+                unit, samples, error = await next_done
                 if samples is None:
-                    failed.append({"id": q.id, "error": error})
+                    failed.append({"id": unit.question.id, **({} if unit.permutation is None else {"permutation": unit.permutation}),
+                                   "error": error})
                     if on_failure:
-                        on_failure(q, error)
+                        on_failure(unit, error)
                     continue
                 replies, truncated = cap_replies([s[0] for s in samples], cfg.reply_cap)
                 finish = [s[1] for s in samples]
-                answered[q.id] = {"id": q.id, "replies": replies, "finish_reasons": finish}
+                answered[unit.key] = {"id": unit.question.id, **unit.fields(), "replies": replies, "finish_reasons": finish}
                 if truncated:
-                    answered[q.id]["truncated"] = truncated
+                    answered[unit.key]["truncated"] = truncated
                 if on_answer:
-                    on_answer(q, replies, finish, truncated)
+                    on_answer(unit, replies, finish, truncated)
         finally:
             for t in tasks:
                 t.cancel()
@@ -369,25 +372,32 @@ def evaluate_server(
     settings: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    permutations: int = 1,
+    permutation_seed: int = 0,
 ) -> dict[str, Any]:
-    """Evaluate ``questions`` against the server; resume from and append to ``out``'s records file."""
+    """Evaluate ``questions`` against the server; resume from and append to ``out``'s records file.
+    ``permutations`` K > 1 asks each question under K option orders (``scirl.eval.permutations``)."""
     from scirl.eval.display import progress_bar
     from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
 
     check_unique_ids(questions)
     settings = settings if settings is not None else server_settings(cfg)
+    settings = {**settings, "permutations": permutations, "permutation_seed": permutation_seed}
+    units = items(questions, permutations, permutation_seed)
     records = (RecordsFile(records_path(out), settings, overwrite=overwrite, background=True,
-                           expected_ids=[q.id for q in questions]) if out else None)
+                           expected_ids=[u.key for u in units],
+                           expected_orders={u.key: u.order for u in units} if permutations > 1 else None) if out else None)
     try:
         done = records.answered if records else {}
-        todo = [q for q in questions if q.id not in done]
-        if records and len(todo) < len(questions):
-            print(f"resuming: {len(questions) - len(todo)} of {len(questions)} questions already answered in {records.path}")
+        todo = [u for u in units if u.key not in done]
+        if records and len(todo) < len(units):
+            what = "questions" if permutations == 1 else "(question, order) pairs"
+            print(f"resuming: {len(units) - len(todo)} of {len(units)} {what} already answered in {records.path}")
         with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
 
-            def on_answer(q, replies, finish, truncated):
+            def on_answer(unit, replies, finish, truncated):
                 if records:
-                    records.append(q.id, replies, finish, truncated=truncated)
+                    records.append(unit.question.id, replies, finish, truncated=truncated, **unit.fields())
                 bar.advance()
 
             answered, failed = asyncio.run(

@@ -26,15 +26,19 @@ def evaluate_generator(
     batch_size: int = 32,
     overwrite: bool = False,
     progress: bool = False,
+    permutations: int = 1,
+    permutation_seed: int = 0,
 ) -> dict[str, Any]:
     """Ask every question through ``generator`` (a ``scirl.inference.base.Generator``); return the results.
 
     With ``out`` the answers are appended to ``out``'s records file as each batch
     finishes and the results are written to ``out``; a rerun resumes. ``settings``
     adds to the recorded settings (e.g. ``{"model": path, "data": source}``); the
-    sampling values recorded are always the ones used here.
+    sampling values recorded are always the ones used here. ``permutations`` K > 1 asks each question
+    under K option orders (``scirl.eval.permutations``).
     """
     from scirl.eval.display import progress_bar
+    from scirl.eval.permutations import items
     from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
     from scirl.inference.base import SamplingParams, encode_messages
     from scirl.prompt import build_messages
@@ -44,29 +48,33 @@ def evaluate_generator(
     check_unique_ids(questions)
     resolved = {"backend": "local", "model": str(getattr(generator, "model_dir", type(generator).__name__)), "data": None}
     resolved.update(settings or {})
-    resolved.update(n_samples=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
+    resolved.update(n_samples=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
+                    permutations=permutations, permutation_seed=permutation_seed)
     params = SamplingParams(n=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
-    ids = [q.id for q in questions]
-    records = RecordsFile(records_path(out), resolved, overwrite=overwrite, expected_ids=ids) if out else None
+    units = items(questions, permutations, permutation_seed)
+    orders = {u.key: u.order for u in units} if permutations > 1 else None
+    records = (RecordsFile(records_path(out), resolved, overwrite=overwrite, expected_ids=[u.key for u in units],
+                           expected_orders=orders) if out else None)
     answered: dict[str, dict[str, Any]] = dict(records.answered) if records else {}
-    todo = [q for q in questions if q.id not in answered]
-    if progress and records and len(todo) < len(questions):
-        print(f"resuming: {len(questions) - len(todo)} of {len(questions)} questions already answered in {records.path}")
+    todo = [u for u in units if u.key not in answered]
+    if progress and records and len(todo) < len(units):
+        what = "questions" if permutations == 1 else "(question, order) pairs"
+        print(f"resuming: {len(units) - len(todo)} of {len(units)} {what} already answered in {records.path}")
     try:
         with progress_bar(len(todo), "evaluating", enabled=progress) as bar:
             for start in range(0, len(todo), batch_size):
                 batch = todo[start : start + batch_size]
-                prompts = [encode_messages(generator.tokenizer, build_messages(q)) for q in batch]
+                prompts = [encode_messages(generator.tokenizer, build_messages(u.question)) for u in batch]
                 outputs = generator.generate(prompts, params)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"generator returned {len(outputs)} results for {len(batch)} prompts")
-                for q, completions in zip(batch, outputs):
+                for u, completions in zip(batch, outputs):
                     replies = [c.text for c in completions]
                     finish = [c.finish_reason for c in completions]
-                    answered[q.id] = {"id": q.id, "replies": replies, "finish_reasons": finish}
+                    answered[u.key] = {"id": u.question.id, **u.fields(), "replies": replies, "finish_reasons": finish}
                     if records:
-                        records.append(q.id, replies, finish)
+                        records.append(u.question.id, replies, finish, **u.fields())
                     bar.advance()
     finally:
         if records:

@@ -121,7 +121,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
     ``difference`` = accuracy(B) - accuracy(A) on the common questions, with a
     95% interval for paired proportions and McNemar's test of "no difference".
+    ``letter_prior``: how much of the difference a shift of the letter prior alone explains
+    (``scirl.eval.letters.prior_shift``; None when the records do not say which letters were picked).
     """
+    from scirl.eval.letters import prior_shift
+
     a_by_id = {r["id"]: bool(r["correct"]) for r in a.get("records", [])}
     b_by_id = {r["id"]: bool(r["correct"]) for r in b.get("records", [])}
     common = [i for i in a_by_id if i in b_by_id]
@@ -143,4 +147,5 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "difference_ci95": [diff - Z95 * se, diff + Z95 * se],
         "table": {"both_right": both, "a_right_only": a_only, "b_right_only": b_only, "both_wrong": neither},
         "mcnemar": mcnemar(a_only, b_only),
+        "letter_prior": prior_shift(a.get("records", []), b.get("records", [])),
     }

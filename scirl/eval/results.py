@@ -16,11 +16,18 @@ The run guide's keys come first, with the guide's shapes.
     mean_at_k                   float   mean accuracy over the k samples (= overall_accuracy)
     pass_at_k                   float   unbiased pass@k at k = n_samples
     pass_at                     {"1": float, "2": float, ..., "k": float}
+    letters                     letter bias (scirl.eval.letters): {"labels", "samples", "predicted", "gold",
+                                 "predicted_counts", "gold_counts", "accuracy_by_gold", "kl_predicted_gold",
+                                 "unparsed_rate", "per_task": {"Domain/task": the same without per_task}}
+    permutations                only with --permutations K > 1 (scirl.eval.permutations): {"k", "seed", "order_0",
+                                 "questions", "mean_accuracy", "consistent_accuracy", "answer_changed_rate",
+                                 "same_letter_rate", "per_order_accuracy", "letters"}
     n_samples                   int
     counts                      {"questions", "answered", "failed", "samples", "unparsed", "truncated_replies",
                                  "per_domain": {domain: answered}}; truncated_replies: replies cut to
                                  settings.max_reply_chars (a server that ignored max_tokens)
-    failed                      [{"id", "error"}]   questions that failed after all retries (a rerun fills them in)
+    failed                      [{"id", "error"}]   questions that failed after all retries (a rerun fills them in);
+                                 "permutation": i too when order i of a permutation eval failed
     settings                    resolved settings (model, data, sampling, ...); never an API key
     records                     one per answered question, in question order:
         id, question, domain, level, task, subtask, type, labels, options, answerKey,
@@ -31,14 +38,21 @@ The run guide's keys come first, with the guide's shapes.
         strict_correct_samples  [bool]
         replies                 [str]         raw model replies, per sample
         finish_reasons          [str | None]
+        permutations            with K > 1: one entry per order, order 0 first: {"permutation", "order",
+                                "labels", "answerKey", "answers", "strict_answers", "correct_samples",
+                                "chosen_options" (index into options, None when unparsed), "replies", "finish_reasons"}
 
+With K > 1 the top-level fields of a record are order 0's (the question's own order), so every figure
+above is a plain eval's; a question counts as answered once every order is.
 Accuracies cover answered questions only; ``counts.failed`` says how many are missing.
 Accuracy values are None when nothing was answered.
 
 Records file (``F.records.jsonl`` next to ``F.json``): a header line
 ``{"scirl_eval_records": 1, "settings": {...}}``, then one line per answered question,
 ``{"id", "replies", "finish_reasons"}`` (plus ``"truncated": N`` when N replies were cut to
-``max_reply_chars``), each flushed and fsync'd as it arrives. Replies are
+``max_reply_chars``), each flushed and fsync'd as it arrives. A permutation eval writes one line per
+(question, order) with ``"permutation": i, "order": [...]`` (shown position -> original position) after
+the id; such a line whose order is not the one this eval shows is skipped and asked again. Replies are
 stored raw and scored when the results are built, so a rerun scores old and new answers alike.
 
 Reopening never rewrites what is there. A damaged line (not JSON, not a record, a missing or
@@ -65,7 +79,10 @@ from scirl.schema import Question
 
 FORMAT_VERSION = 1
 # Settings that change the answers: a records file made with other values cannot be resumed.
-ANSWER_SETTINGS = ("model", "data", "n_samples", "temperature", "top_p", "max_tokens", "seed")
+ANSWER_SETTINGS = ("model", "data", "n_samples", "temperature", "top_p", "max_tokens", "seed", "permutations",
+                   "permutation_seed")
+# Values of answer settings that records files made before the setting existed hold implicitly.
+ANSWER_DEFAULTS = {"permutations": 1, "permutation_seed": 0}
 
 
 class SettingsMismatch(ValueError):
@@ -107,6 +124,7 @@ class RecordsFile:
         overwrite: bool = False,
         background: bool = False,
         expected_ids: Iterable[str] | None = None,
+        expected_orders: dict[str, list[int] | tuple[int, ...]] | None = None,
     ):
         self.path = Path(path)
         self.answered: dict[str, dict[str, Any]] = {}
@@ -117,6 +135,7 @@ class RecordsFile:
         self._writer_error: BaseException | None = None
         if overwrite and self.path.exists():
             self.path.unlink()
+        self._expected_orders = expected_orders
         if self.path.exists() and self.path.stat().st_size > 0 and self._load(settings, expected_ids):
             self._file = self.path.open("a", encoding="utf-8")
         else:
@@ -163,19 +182,24 @@ class RecordsFile:
         if not numbered:  # blank, or only a cut-short header: nothing was answered
             return False
         n_samples = settings.get("n_samples") if type(settings.get("n_samples")) is int else None
+        permutations = settings.get("permutations", 1) if type(settings.get("permutations", 1)) is int else 1
         expected = set(expected_ids) if expected_ids is not None else None
+        orders = self._expected_orders
         for number, line in numbered[1:]:
             # Damaged lines stay where they are; the question's new answer is appended later and
             # this first-intact-wins read picks it. Simpler than an atomic rewrite into a side file,
             # and it cannot lose an answer: the file only grows, and the user can still fix a line.
             entry = _parse_json(line)
-            reason = "not JSON" if entry is NOT_JSON else record_problem(entry, n_samples)
-            if reason is None and expected is not None and entry["id"] not in expected:
+            reason = "not JSON" if entry is NOT_JSON else record_problem(entry, n_samples, permutations)
+            key = None if reason else entry_key(entry)
+            if reason is None and expected is not None and key not in expected:
                 reason = "id not in this eval set"
-            if reason is None and entry["id"] in self.answered:
+            if reason is None and orders is not None and entry["order"] != list(orders.get(key, ())):
+                reason = "order differs from this eval's"  # the orders' recipe changed: ask under today's
+            if reason is None and key in self.answered:
                 reason = "duplicate id"
             if reason is None:
-                self.answered[entry["id"]] = entry
+                self.answered[key] = entry
             else:
                 self.skipped.setdefault(reason, []).append(number)
         return True
@@ -214,8 +238,12 @@ class RecordsFile:
                 return
 
     def append(self, question_id: str, replies: list[str], finish_reasons: list[str | None] | None = None,
-               truncated: int = 0) -> None:
-        entry = {"id": question_id, "replies": replies, "finish_reasons": finish_reasons or [None] * len(replies)}
+               truncated: int = 0, permutation: int | None = None, order: list[int] | tuple[int, ...] | None = None) -> None:
+        """Record one answer; ``permutation`` and ``order`` say which option order was shown (permutation evals)."""
+        entry: dict[str, Any] = {"id": question_id}
+        if permutation is not None:
+            entry.update(permutation=permutation, order=list(order or ()))
+        entry.update(replies=replies, finish_reasons=finish_reasons or [None] * len(replies))
         if truncated:
             entry["truncated"] = truncated
         if self._queue is None:
@@ -224,7 +252,7 @@ class RecordsFile:
             if self._writer_error is not None:
                 raise OSError(f"writing {self.path} failed: {self._writer_error}") from self._writer_error
             self._queue.put(json.dumps(entry, ensure_ascii=False) + "\n")
-        self.answered[question_id] = entry
+        self.answered[entry_key(entry)] = entry
 
     def close(self) -> None:
         """Write out everything appended, then close. Safe to call twice."""
@@ -243,8 +271,17 @@ class RecordsFile:
         self.close()
 
 
+def answer_setting(settings: dict[str, Any], key: str) -> Any:
+    """One of ``ANSWER_SETTINGS`` as it bears on the answers: an absent one at its old default, and the
+    permutation seed only when orders were drawn (a plain eval draws none)."""
+    if key == "permutation_seed" and answer_setting(settings, "permutations") == 1:
+        return None
+    return settings.get(key, ANSWER_DEFAULTS.get(key))
+
+
 def raise_on_mismatch(path: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
-    diffs = [f"{k}: {old.get(k)!r} there, {new.get(k)!r} now" for k in ANSWER_SETTINGS if old.get(k) != new.get(k)]
+    diffs = [f"{k}: {answer_setting(old, k)!r} there, {answer_setting(new, k)!r} now" for k in ANSWER_SETTINGS
+             if answer_setting(old, k) != answer_setting(new, k)]
     if diffs:
         raise SettingsMismatch(
             f"{path} holds answers made with other settings ({'; '.join(diffs)}). "
@@ -294,7 +331,14 @@ def parse_header(path: Path, line: bytes) -> dict[str, Any]:
     raise BadRecordsFile(f"{path} {problem}. {advice}")
 
 
-def record_problem(entry: Any, n_samples: int | None) -> str | None:
+def entry_key(entry: dict[str, Any]) -> str:
+    """The key an answer is stored under: its question id, with the order's index in a permutation eval."""
+    from scirl.eval.permutations import record_key
+
+    return record_key(entry["id"], entry.get("permutation"))
+
+
+def record_problem(entry: Any, n_samples: int | None, permutations: int = 1) -> str | None:
     """Why one parsed line is not a usable answer record (a short reason), or None when it is."""
     if not isinstance(entry, dict):
         return "not a record object"
@@ -315,6 +359,17 @@ def record_problem(entry: Any, n_samples: int | None) -> str | None:
         isinstance(finish, list) and len(finish) == len(replies) and all(f is None or isinstance(f, str) for f in finish)
     ):
         return "bad field 'finish_reasons'"
+    if permutations > 1:
+        if "permutation" not in entry:
+            return "missing field 'permutation'"
+        index = entry["permutation"]
+        if type(index) is not int or not 0 <= index < permutations:
+            return "bad field 'permutation'"
+        order = entry.get("order")
+        if not (isinstance(order, list) and all(type(i) is int for i in order) and sorted(order) == list(range(len(order)))):
+            return "bad field 'order'"
+    elif "permutation" in entry:
+        return "extra field 'permutation'"
     return None
 
 
@@ -349,19 +404,36 @@ def score_record(q: Question, replies: list[str], finish_reasons: list[str | Non
 def build_results(
     questions: list[Question],
     answered: dict[str, dict[str, Any]],
-    failed: Iterable[dict[str, str]],
+    failed: Iterable[dict[str, Any]],
     settings: dict[str, Any],
 ) -> dict[str, Any]:
-    """The results object (format above) for ``questions``, from the raw answers keyed by id."""
+    """The results object (format above) for ``questions``, from the raw answers keyed as ``entry_key`` keys them.
+
+    In a permutation eval (``settings["permutations"]`` K > 1) a question counts as answered once all K
+    orders are; its record is order 0's (the question's own order) plus a ``permutations`` list."""
+    from scirl.eval.letters import letter_summary
     from scirl.eval.metrics import summarize
+    from scirl.eval.permutations import order_entry, permutation_summary, record_key
+    from scirl.options import permute
 
     n_samples = int(settings.get("n_samples", 1))
-    records = [
-        score_record(q, answered[q.id]["replies"], answered[q.id].get("finish_reasons"))
-        for q in questions
-        if q.id in answered
-    ]
-    failed = [f for f in failed if f["id"] not in answered]
+    k = answer_setting(settings, "permutations")
+    keys = {q.id: [record_key(q.id, None)] if k == 1 else [record_key(q.id, i) for i in range(k)] for q in questions}
+    records = []
+    for q in questions:
+        if not all(key in answered for key in keys[q.id]):
+            continue
+        entries = [answered[key] for key in keys[q.id]]
+        record = score_record(q, entries[0]["replies"], entries[0].get("finish_reasons"))
+        if k > 1:
+            record["permutations"] = [
+                order_entry(shown, e["permutation"], e["order"], score_record(shown, e["replies"], e.get("finish_reasons")))
+                for e in entries
+                for shown in [permute(q, e["order"])]
+            ]
+        records.append(record)
+    done = {r["id"] for r in records}
+    failed = [f for f in failed if f["id"] not in done and record_key(f["id"], f.get("permutation")) not in answered]
     summary = summarize(records, n_samples)
     per_domain: dict[str, int] = {}
     for r in records:
@@ -370,20 +442,26 @@ def build_results(
         "overall_accuracy": summary.pop("overall_accuracy"),
         "per_domain_accuracy": summary.pop("per_domain_accuracy"),
         **summary,
+        "letters": letter_summary(records),
         "n_samples": n_samples,
+    }
+    if k > 1:
+        results["permutations"] = permutation_summary(records, k, answer_setting(settings, "permutation_seed"))
+    results.update({
         "counts": {
             "questions": len(questions),
             "answered": len(records),
-            "failed": len(failed),
+            "failed": len({f["id"] for f in failed}),
             "samples": sum(len(r["answers"]) for r in records),
             "unparsed": sum(a is None for r in records for a in r["answers"]),
-            "truncated_replies": sum(_count(answered[q.id].get("truncated")) for q in questions if q.id in answered),
+            "truncated_replies": sum(_count(answered[key].get("truncated")) for q in questions for key in keys[q.id]
+                                     if key in answered),
             "per_domain": dict(sorted(per_domain.items())),
         },
         "failed": failed,
         "settings": settings,
         "records": records,
-    }
+    })
     return results
 
 

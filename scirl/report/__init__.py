@@ -17,10 +17,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from scirl.report import plots
-from scirl.report.inputs import accuracy_table, gather, paired_comparison, read_eval
+from scirl.report.inputs import accuracy_table, gather, letter_table, paired_comparison, read_eval
 from scirl.report.page import render_compare_page, render_run_page
 
 __all__ = ["write_report", "write_compare"]
+
+LETTERS_CAPTION = ("Share of each answer letter among the gold answers and among the parsed predictions: a model "
+                   "that moved its predictions toward the gold letters can gain accuracy without knowing more")
 
 
 def _role_label(role: str, evaluation) -> str:
@@ -65,6 +68,14 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             drawn.append((accuracy_path, "Per-domain accuracy before vs after training, 95% confidence intervals"))
         else:
             run.notes.append("accuracy.png: the evaluation files hold no overall_accuracy or per_domain_accuracy")
+    letters_path = out_dir / "letters.png"
+    letters_path.unlink(missing_ok=True)
+    if sides:
+        tables = [(_role_label(role, ev), letter_table(ev)) for role, ev in sides]
+        if plots.plot_letters(tables, letters_path, "Answer letters: gold vs predicted, before vs after training"):
+            drawn.append((letters_path, LETTERS_CAPTION))
+        else:
+            run.notes.append("letters.png: the evaluation files do not say which letters were picked")
     if run.before is not None and run.after is not None:
         comparison = paired_comparison(run.before, run.after, run.notes)
 
@@ -99,6 +110,12 @@ def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | 
     if not plots.plot_accuracy(tables, plot_path, title):
         notes.append("neither file holds overall_accuracy or per_domain_accuracy: no plot")
         plot_path = None
+    letters_path = out_dir / f"{stem}_letters.png"
+    letters_path.unlink(missing_ok=True)
+    if not plots.plot_letters([(f"A: {a.name}", letter_table(a)), (f"B: {b.name}", letter_table(b))], letters_path,
+                              "Answer letters: gold vs predicted"):
+        notes.append("neither file says which letters were picked: no letters plot")
+        letters_path = None
     page = out_dir / f"{stem}.html"
-    page.write_text(render_compare_page(a, b, plot_path, comparison, notes), encoding="utf-8")
+    page.write_text(render_compare_page(a, b, plot_path, comparison, notes, letters_path), encoding="utf-8")
     return page, comparison

@@ -272,6 +272,20 @@ def accuracy_table(evaluation: Evaluation) -> dict[str, tuple[float, float | Non
     return table
 
 
+def letter_table(evaluation: Evaluation) -> dict[str, Any] | None:
+    """Predicted and gold letter shares of one evaluation: the file's own ``letters``, else computed from its
+    records (files written before the letters were reported); None when neither says which letters were picked."""
+    from scirl.eval.letters import letter_stats
+
+    letters = evaluation.data.get("letters")
+    if isinstance(letters, dict) and isinstance(letters.get("predicted"), dict) and isinstance(letters.get("gold"), dict):
+        shares = {side: {x: number(v) for x, v in letters[side].items()} for side in ("predicted", "gold")}
+        if any(v is not None for v in shares["gold"].values()):
+            return {**shares, "labels": sorted(shares["gold"]), "kl_predicted_gold": number(letters.get("kl_predicted_gold"))}
+    stats = letter_stats(record_list(evaluation.data))
+    return stats if stats["samples"] else None
+
+
 def paired_comparison(a: Evaluation, b: Evaluation, notes: list[str]) -> dict[str, Any] | None:
     """``scirl eval compare``'s paired difference and McNemar test of B against A, or None with a note."""
     try:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scirl.report.inputs import Evaluation, RunInputs, accuracy_table, flatten, number, record_list, series
+from scirl.report.inputs import Evaluation, RunInputs, accuracy_table, flatten, letter_table, number, record_list, series
 
 SAMPLES_PER_TABLE = 3
 MAX_CHARS = 2000  # of one completion or prompt on the page; the rest is counted, not shown
@@ -194,7 +194,8 @@ def rollout_table(rows: list[dict[str, Any]]) -> str:
 
 
 def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
-    head = "<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th><th>questions</th><th>per domain</th></tr>"
+    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th><th>questions</th>"
+            "<th>letter bias KL</th><th>option orders: consistent / mean</th><th>per domain</th></tr>")
     body = []
     for role, ev in evaluations:
         table = accuracy_table(ev)
@@ -203,9 +204,15 @@ def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
         counts = ev.data.get("counts") if isinstance(ev.data.get("counts"), dict) else {}
         questions = counts.get("questions", len(record_list(ev.data)) or "n/a")
         domains = ", ".join(f"{esc(d)} {pct(v[0])}" for d, v in table.items())
+        letters = letter_table(ev)
+        kl = number(letters.get("kl_predicted_gold")) if letters else None
+        perm = ev.data.get("permutations") if isinstance(ev.data.get("permutations"), dict) else {}
+        orders = (f"{pct(number(perm.get('consistent_accuracy')))} / {pct(number(perm.get('mean_accuracy')))} "
+                  f"({esc(perm.get('k'))} orders)" if perm else "n/a")
         body.append(
             f"<tr><td>{esc(ev.name)}</td><td>{esc(role)}</td><td>{acc}</td><td>{pct(number(ev.data.get('strict_accuracy')))}</td>"
-            f"<td>{pct(number(ev.data.get('unparsed_rate')))}</td><td>{esc(questions)}</td><td>{domains}</td></tr>"
+            f"<td>{pct(number(ev.data.get('unparsed_rate')))}</td><td>{esc(questions)}</td>"
+            f"<td>{'n/a' if kl is None else f'{kl:.3f} nats'}</td><td>{orders}</td><td>{domains}</td></tr>"
         )
     return f"<table>{head}{''.join(body)}</table>"
 
@@ -227,7 +234,22 @@ def comparison_block(comparison: dict[str, Any] | None, a: str, b: str) -> str:
         f"<table><tr><th></th><th>{esc(b)} right</th><th>{esc(b)} wrong</th></tr>"
         f"<tr><th>{esc(a)} right</th><td>{t.get('both_right', '')}</td><td>{t.get('a_right_only', '')}</td></tr>"
         f"<tr><th>{esc(a)} wrong</th><td>{t.get('b_right_only', '')}</td><td>{t.get('both_wrong', '')}</td></tr></table>"
+        + letter_prior_block(comparison.get("letter_prior"), a, b)
     )
+
+
+def letter_prior_block(shift: dict[str, Any] | None, a: str, b: str) -> str:
+    """How much of the difference a letter-prior shift alone explains (``scirl.eval.letters.prior_shift``)."""
+    if not isinstance(shift, dict) or number(shift.get("accuracy_a")) is None:
+        return ""
+    prior_only = number(shift.get("prior_only_accuracy"))
+    explained = number(shift.get("explained"))
+    text = (f"<p><b>Letter prior alone.</b> {esc(a)}'s accuracy per picked letter, reweighted by how often {esc(b)} "
+            f"picks each letter (first sample, {esc(shift.get('questions'))} common questions): <b>{pct(prior_only)}</b> "
+            f"against {esc(a)} {pct(number(shift.get('accuracy_a')))} and {esc(b)} {pct(number(shift.get('accuracy_b')))}")
+    if explained is not None:
+        text += f"; a letter-prior shift alone explains <b>{100 * explained:.0f}%</b> of the difference"
+    return text + ".</p>"
 
 
 def document(title: str, body: str) -> str:
@@ -281,9 +303,12 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
     return document(f"scirl run report: {run.run_dir.resolve().name}", "".join(parts))
 
 
-def render_compare_page(a: Evaluation, b: Evaluation, plot: Path | None, comparison: dict[str, Any] | None, notes: list[str]) -> str:
+def render_compare_page(a: Evaluation, b: Evaluation, plot: Path | None, comparison: dict[str, Any] | None, notes: list[str],
+                        letters_plot: Path | None = None) -> str:
     parts = [missing_block(notes), "<h2>Accuracy</h2>", eval_table([("A", a), ("B", b)])]
     parts.append("<h2>Paired comparison (McNemar)</h2>" + (comparison_block(comparison, a.name, b.name) or '<p class="muted">not available</p>'))
     if plot is not None:
         parts.append(image(plot, f"per-domain accuracy, {a.name} vs {b.name}, 95% CIs"))
+    if letters_plot is not None:
+        parts.append(image(letters_plot, f"answer letters, gold vs predicted, {a.name} vs {b.name}"))
     return document(f"scirl comparison: {a.name} vs {b.name}", "".join(parts))

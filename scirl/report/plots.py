@@ -238,3 +238,44 @@ def plot_accuracy(tables: list[tuple[str, dict[str, tuple[float, float | None, f
     ax.legend(fontsize=8, loc="upper left", ncols=len(tables))
     _save(fig, path, steps_on_x=False)
     return dict(tables)
+
+
+def plot_letters(tables: list[tuple[str, dict[str, Any]]], path: Path, title: str) -> dict:
+    """Answer-letter shares: the gold letters, then each evaluation's predicted letters, one group per letter.
+
+    ``tables`` is [(label, {"gold": {letter: share}, "predicted": {letter: share}})] (``inputs.letter_table``).
+    One gold bar set when the evaluations share their gold shares (the same questions), else one per evaluation.
+    Returns {series label: {letter: share}} as drawn.
+    """
+    tables = [(label, table) for label, table in tables if table]
+    if not tables:
+        return {}
+    series: dict[str, dict[str, float]] = {}
+    golds = [table["gold"] for _, table in tables]
+    same_gold = all(g == golds[0] for g in golds)
+    for label, table in tables:
+        if not same_gold or not series:
+            series["gold" if same_gold else f"gold, {label}"] = {x: v for x, v in table["gold"].items() if v is not None}
+    for label, table in tables:
+        series[f"predicted, {label}"] = {x: v for x, v in table["predicted"].items() if v is not None}
+    letters = sorted({x for shares in series.values() for x in shares})
+    fig = Figure(figsize=(9, 4.8), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(series)
+    for i, (label, shares) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, x in enumerate(letters) if x in shares]
+        heights = [100 * shares[x] for x in letters if x in shares]
+        gold = label.startswith("gold")
+        bars = ax.bar(xs, heights, width=width, label=label, color="lightgray" if gold else None,
+                      edgecolor="black" if gold else None, hatch="//" if gold else None)
+        ax.bar_label(bars, labels=[f"{h:.0f}" for h in heights], fontsize=7, padding=1)
+    ax.set_xticks(range(len(letters)), letters)
+    ax.set_xlabel("answer letter")
+    ax.set_ylabel("share (%)")
+    top = max((100 * v for shares in series.values() for v in shares.values()), default=100)
+    ax.set_ylim(0, 1.3 * max(top, 1))  # headroom for the legend
+    ax.set_title(title)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, loc="upper right")
+    _save(fig, path, steps_on_x=False)
+    return series
