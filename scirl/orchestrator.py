@@ -75,6 +75,7 @@ class Orchestrator:
         batches that wait for this version go."""
         self._raise_if_failed()
         with self._servers_busy:
+            self._raise_if_failed()  # the batch it waited for failed: the servers may be gone
             push()
         with self._changed:
             self.version = version

@@ -352,7 +352,7 @@ def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
     """``push(version, orchestrator)``: every trainer rank gathers the full weights; rank 0 hands them
     to the servers between two batches. Pushes the start's weights at once, so the first batch comes
     from version ``start_step`` whatever the servers held."""
-    from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient
+    from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient, ServerError
 
     dist, kind = trainer.dist, weight_sync_kind(cfg, trainer.device)
     sync = None
@@ -370,10 +370,13 @@ def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
         state = trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype, all_ranks=False)  # a collective
         if sync is None:
             return
-        if kind == "nccl":
-            sync.push(state.items(), version)
-        else:
-            sync.push(state.items(), version, model_config=trainer.model.config, tokenizer=tokenizer)
+        try:
+            if kind == "nccl":
+                sync.push(state.items(), version)
+            else:
+                sync.push(state.items(), version, model_config=trainer.model.config, tokenizer=tokenizer)
+        except ServerError as exc:
+            raise TrainError(f"weights of step {version} did not reach the servers: {exc}") from exc
 
     def push(version: int, orchestrator) -> None:
         if orchestrator is None:  # ranks > 0: their part is the gather

@@ -179,14 +179,15 @@ def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, t
     proc, url = server
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
-                                                       "--ckpt.interval", "1", "--deployment.request-timeout-s", "15")]
+                                                       "--ckpt.interval", "1", "--deployment.request-timeout-s", "15",
+                                                       "--deployment.weight-sync-timeout-s", "15")]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
         assert trainer.poll() is None, trainer.communicate()
         os.killpg(proc.pid, signal.SIGSTOP)
-        out, err = trainer.communicate(timeout=240)  # the request deadline, plus the trainer's own exit
+        out, err = trainer.communicate(timeout=120)  # the 15 s deadlines, plus the trainer's own exit
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
         if trainer.poll() is None:
