@@ -171,27 +171,29 @@ class DeviceMemoryPeak:
             self._thread.join(timeout=15)
 
 
-def train(args, model_dir: Path, data: Path, run_dir: Path, settings: dict) -> tuple[float, float | None]:
-    """``scirl train`` with the vLLM backend, as a user runs it; returns (wall seconds, device peak MB)."""
+def train(args, model_dir: Path, data: Path, run_dir: Path, settings: dict, urls: list[str] | None = None,
+          env_extra: dict | None = None) -> tuple[float, float | None]:
+    """``scirl train`` as a user runs it, with the vLLM backend in process or, given ``urls``, generating on
+    those servers (async level 1); returns (wall seconds, device peak MB)."""
+    engine = (["--inference.urls", ",".join(urls), "--max-async-level", "1"] if urls else
+              ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
+               "--inference.kv-cache-gib", str(args.kv_cache_gib)] + (["--inference.enforce-eager"] if args.eager else []))
     flags = [
         "--model", str(model_dir), "--output-dir", str(run_dir), "--data.source", str(data), "--data.eval-per-domain", "5",
         "--max-steps", str(args.steps), "--batch-size", str(args.questions * args.group_size),
         "--group-size", str(args.group_size), "--micro-batch-size", str(settings["micro_batch_size"]),
         "--max-completion-tokens", str(args.max_tokens), "--seq-len", str(args.seq_len), "--temperature", "1.0",
-        "--device", args.device, "--dtype", args.dtype, "--seed", "0", "--ckpt.interval", "100000",
-        "--inference.backend", "vllm", "--inference.gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
-        "--inference.kv-cache-gib", str(args.kv_cache_gib),
+        "--device", args.device, "--dtype", args.dtype, "--seed", "0", "--ckpt.interval", "100000", *engine,
         # a random model: no reward, ids past 100k, repeats; monitor only, so every completion is trained on
         "--filters.gibberish.no-enforce", "--filters.repetition.no-enforce", "--filters.zero-advantage.no-enforce",
     ]
-    if args.eager:
-        flags.append("--inference.enforce-eager")
     if settings["activation_checkpointing"]:
         flags.append("--activation-checkpointing")
     cmd = [sys.executable, "-m", "scirl", "train", *flags]
     log_path = run_dir.with_name(run_dir.name + ".log")
     say(f"train: {' '.join(cmd[1:])}\n       (log: {log_path})")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           **(env_extra or {})}
     if args.device == "cpu":
         env["OMP_NUM_THREADS"] = str(args.threads)
     started = time.perf_counter()
@@ -330,6 +332,84 @@ def print_report(result: dict) -> None:
     say(f"wall: train {result['train_wall_s']:.0f}s, total {result['wall_s']:.0f}s")
 
 
+def disaggregated(args, model_dir: Path, data: Path, out: Path, settings: dict) -> dict:
+    """The same steps with a vLLM server generating and the trainer in its own process, generation of
+    step n+1 overlapping training of step n (``max_async_level`` 1), weights through the filesystem on
+    a CPU and over NCCL on GPUs. One GPU: server and trainer share it (the server takes its
+    ``gpu_memory_utilization`` share); two or more: the server on the first, the trainer on the second."""
+    import torch
+
+    from scirl.inference.vllm_server import ServerClient, server_command
+
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    argv, server_env = server_command(str(model_dir), port=port, served_model_name="policy", dtype=args.dtype,
+                                      max_model_len=args.seq_len, device=args.device,
+                                      weight_sync="nccl" if args.device == "cuda" else "filesystem",
+                                      gpu_memory_utilization=settings["gpu_memory_utilization"],
+                                      enforce_eager=args.eager, kv_cache_gib=args.kv_cache_gib)
+    split = args.device == "cuda" and torch.cuda.device_count() > 1
+    env = {**os.environ, **server_env}
+    trainer_env = {}
+    if split:
+        env["CUDA_VISIBLE_DEVICES"], trainer_env["CUDA_VISIBLE_DEVICES"] = "0", "1"
+    elif args.device == "cpu":
+        env["OMP_NUM_THREADS"] = "1"
+    log_path = out / f"server-{args.shape}.log"
+    say(f"disaggregated: a vLLM server on port {port} ({'its own GPU' if split else 'shared with the trainer'}), "
+        f"log {log_path}")
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        client = ServerClient(url, timeout_s=60)
+        try:
+            client.wait_ready(600, alive=lambda: server.poll() is None)
+        finally:
+            client.close()
+        server_start_s = time.perf_counter() - started
+        run_dir = out / f"run-{args.shape}-servers"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        wall, peak = train(args, model_dir, data, run_dir, settings, urls=[url], env_extra=trainer_env)
+    except BaseException:
+        say("the end of the server's log:\n" + "\n".join(log_path.read_text().splitlines()[-20:]))
+        raise
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    later = metrics[1:] or metrics
+    generate = statistics.fmean(m["time/generate"] for m in later)
+    waited = statistics.fmean(m["time/wait_for_batch"] for m in later)
+    return {"server_start_s": server_start_s, "train_wall_s": wall, "device_peak_mb": peak, "split_gpus": split,
+            "steps": [{"step": m["step"], "generate_s": m["time/generate"], "wait_for_batch_s": m["time/wait_for_batch"],
+                       "train_s": m["time/train"], "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"],
+                       "lag_max": m.get("async/lag_max", 0), "mismatch_kl": m.get("mismatch_kl")} for m in metrics],
+            "mean_after_first": {"step_s": statistics.fmean(m["time/step"] for m in later), "generate_s": generate,
+                                 "wait_for_batch_s": waited, "train_s": statistics.fmean(m["time/train"] for m in later),
+                                 "weight_sync_s": statistics.fmean(m["time/weight_sync"] for m in later)},
+            # the share of generation hidden behind training: 1 when the trainer never waits for its batch
+            "overlap": max(0.0, 1 - waited / generate) if generate > 0 else 0.0}
+
+
+def print_disaggregated(d: dict) -> None:
+    say(f"disaggregated ({'server and trainer on separate GPUs' if d['split_gpus'] else 'server and trainer sharing'}), "
+        f"server up in {d['server_start_s']:.0f}s:")
+    say(f"{'step':>4} {'generate s':>11} {'waited s':>9} {'train s':>9} {'sync s':>8} {'step s':>8} {'lag':>4}")
+    for r in d["steps"]:
+        say(f"{r['step']:>4} {r['generate_s']:>11.3f} {r['wait_for_batch_s']:>9.3f} {r['train_s']:>9.3f} "
+            f"{r['weight_sync_s']:>8.3f} {r['step_s']:>8.3f} {r['lag_max']:>4}")
+    m = d["mean_after_first"]
+    say(f"disaggregated mean of steps 2+: step {m['step_s']:.3f}s = waited for batch {m['wait_for_batch_s']:.3f}s + "
+        f"train {m['train_s']:.3f}s + weight sync {m['weight_sync_s']:.3f}s; generation {m['generate_s']:.3f}s, "
+        f"overlap {100 * d['overlap']:.0f}%")
+
+
 def generation_only(args, model_dir: Path, data: Path, out: Path, settings: dict) -> dict:
     """For shapes too big to train on one GPU: the engine's generation speed on the same kind of request."""
     from scirl.config import load_config
@@ -369,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="CPU only: the engine's KV cache")
     parser.add_argument("--threads", type=int, default=1, help="CPU only: torch threads")
     parser.add_argument("--out", type=Path, help="work directory (default: a fresh temporary one, kept)")
+    parser.add_argument("--disaggregated", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the steps with a vLLM server generating, async by one step (default: on a GPU)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -424,9 +506,13 @@ def main(argv: list[str] | None = None) -> dict:
     say("generation comparison: a fresh engine with the run's settings, the run's prompts and seeds")
     result["generation"] = compare_generation(run_dir, model_dir, args.device, [m["step"] for m in metrics],
                                               step_prompts(run_dir))
+    if args.disaggregated if args.disaggregated is not None else gpu:
+        result["disaggregated"] = disaggregated(args, model_dir, data, out, settings)
     result["wall_s"] = time.perf_counter() - started
     (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
     print_report(result)
+    if "disaggregated" in result:
+        print_disaggregated(result["disaggregated"])
     say(f"(all figures: {out / 'gpu_check.json'})")
     return result
 
