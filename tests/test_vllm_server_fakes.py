@@ -16,7 +16,8 @@ import torch
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse
 
-from asgi_server import running
+from asgi_server import running  # tests/asgi_server.py
+from server_process import free_port  # tests/server_process.py
 from scirl.inference.base import SamplingParams
 from scirl.inference.vllm_server import (
     FilesystemWeightSync,
@@ -249,12 +250,6 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
         write_weights(broken(), out, model_config=model.config)
     assert sorted(p.name for p in out.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_dead_url_fails_fast_and_clearly():
