@@ -20,6 +20,7 @@ import torch
 
 import scirl
 from server_process import free_port, stop  # tests/server_process.py
+from scirl.inference import vllm_server
 from scirl.inference.base import SamplingParams, encode_messages
 from scirl.inference.vllm_server import (
     FilesystemWeightSync,
@@ -188,7 +189,7 @@ def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, 
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= LOGPROB_TOLERANCE
 
 
-def test_filesystem_push_switches_the_model_and_back(generator, sync, models, tokenizer, prompts):
+def test_filesystem_push_switches_the_model_and_back(generator, sync, models, tokenizer, prompts, monkeypatch):
     from safetensors.torch import load_file, save_file
 
     model_a, model_b = models
@@ -203,7 +204,9 @@ def test_filesystem_push_switches_the_model_and_back(generator, sync, models, to
     written = load_file(path / "model.safetensors")
     assert torch.equal(written["lm_head.weight"], model_b.model.embed_tokens.weight)
     assert server_greedy(generator, prompts, 16) == expected_b
+    monkeypatch.setattr(vllm_server, "SHARD_BYTES", 1 << 18)  # a model in several files, as large ones are
     push(sync, model_a, 3)
+    assert len(list((sync.root / "step_3").glob("*.safetensors"))) > 1
     assert server_greedy(generator, prompts, 16) == expected_a
     assert sorted(p.name for p in sync.root.iterdir()) == ["step_2", "step_3"]  # keep = 2
 
@@ -215,6 +218,7 @@ def test_filesystem_push_switches_the_model_and_back(generator, sync, models, to
     generator.clients[0].reload_weights(headless)
     assert server_greedy(generator, prompts, 16) != expected_b
     push(sync, model_a, 4)
+    assert server_greedy(generator, prompts, 16) == expected_a
 
 
 def test_weight_sync_support_of_a_dev_mode_server_without_transfer_config(client):
