@@ -639,8 +639,12 @@ class NCCLWeightSync:
                                            post_iter_func=lambda item: item[1], buffer_size_bytes=PACKED_BUFFER_BYTES,
                                            num_buffers=PACKED_NUM_BUFFERS)
         else:
+            import torch
+
             for _, tensor in pairs:
                 self.communicator.broadcast(tensor, src=0)
+            if torch.cuda.is_available():  # the broadcasts are only enqueued: the caller may change the weights next
+                torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:
         """Leave the group: the servers drop their end, then this process its own."""
