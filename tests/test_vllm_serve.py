@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import scirl
+from server_process import free_port, stop  # tests/server_process.py
 
 pytest.importorskip("vllm")
 
@@ -63,12 +63,6 @@ def checkpoint(tmp_path_factory, questions) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def wait_until_healthy(server: subprocess.Popen, url: str, log_path: Path) -> None:
     deadline = time.monotonic() + SERVER_START_DEADLINE_S
     while True:
@@ -99,15 +93,7 @@ def server(request, checkpoint, tmp_path_factory) -> str:
              "--max-model-len", "512", "--enforce-eager", "--seed", "0"],
             stdout=log_file, stderr=subprocess.STDOUT, env=env)
 
-    def stop():
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
-
-    request.addfinalizer(stop)
+    request.addfinalizer(lambda: stop(proc))
     wait_until_healthy(proc, f"http://127.0.0.1:{port}/health", log_path)
     return f"http://127.0.0.1:{port}/v1"
 

@@ -8,15 +8,18 @@ request; the NCCL communicator is a fake that records what it would broadcast.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
+import threading
 
 import pytest
 import torch
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse
 
-from asgi_server import running
+from asgi_server import running  # tests/asgi_server.py
+from server_process import free_port  # tests/server_process.py
 from scirl.inference.base import SamplingParams
 from scirl.inference.vllm_server import (
     FilesystemWeightSync,
@@ -30,8 +33,9 @@ from scirl.inference.vllm_server import (
 
 
 def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
-              fail: dict[str, int] | None = None):
-    """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body)."""
+              fail: dict[str, int] | None = None, gate: threading.Event | None = None):
+    """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body).
+    ``gate``: completions wait until it is set (a server still generating)."""
     app = FastAPI()
     app.state.calls = []
     fail = fail or {}
@@ -76,6 +80,8 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
     async def completions(request: Request):
         body = await request.json()
         app.state.calls.append(("/v1/completions", body))
+        if gate is not None:
+            await asyncio.to_thread(gate.wait, 30)
         return {"choices": [{"index": i, "text": "x", "token_ids": [5, 2], "finish_reason": "stop",
                              "logprobs": {"token_logprobs": [-0.5, -0.25]}} for i in range(body["n"])]}
 
@@ -251,12 +257,6 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_dead_url_fails_fast_and_clearly():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     client = ServerClient(url, timeout_s=600, model="m")
@@ -304,6 +304,23 @@ def test_remote_generator_spreads_prompts_and_sends_every_sampling_field():
         with pytest.raises(RuntimeError, match="NCCLWeightSync"):
             generator.update_weights([])
         generator.close()
+
+
+def test_should_stop_cancels_a_generation_still_running():
+    from scirl.inference.base import GenerationCancelled
+
+    gate = threading.Event()
+    app = fake_vllm(gate=gate)
+    with running(app) as srv:
+        generator = RemoteGenerator([srv.url], _Tokenizer(), model_name="m", timeout_s=30, max_concurrency=2)
+        try:
+            with pytest.raises(GenerationCancelled):
+                generator.generate([[1], [2], [3], [4]], SamplingParams(max_tokens=2, seed=0),
+                                   should_stop=lambda: len(body(app, "/v1/completions")) == 2)
+        finally:
+            gate.set()  # the two requests already sent finish, unread
+            generator.close()
+    assert len(body(app, "/v1/completions")) == 2  # the queued two were never sent
 
 
 class _Tokenizer:

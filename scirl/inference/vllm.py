@@ -192,7 +192,7 @@ def eos_token_ids(tokenizer, model_dir: str | Path | None) -> list[int]:
     config's: the same stop set as the transformers backend."""
     ids: list[int] = []
     candidates = [tokenizer.eos_token_id]
-    if model_dir is not None and Path(model_dir).is_dir():
+    if model_dir and Path(model_dir).is_dir():  # "" would be the current directory
         try:
             from transformers import GenerationConfig
 

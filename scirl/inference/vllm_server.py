@@ -24,7 +24,6 @@ needs neither vLLM nor torch; the NCCL path imports vLLM's helpers when it runs.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -338,7 +337,7 @@ class RemoteGenerator(Generator):
         self.clients = [ServerClient(u, timeout_s=timeout_s, model=model_name, max_connections=max_concurrency)
                         for u in urls]
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout")
-        self._next_server = itertools.count()
+        self._next_server = 0  # where the next call's first prompt goes: calls of one prompt still spread
         self._lock = threading.Lock()
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, should_stop=None) -> list[list[Completion]]:
@@ -349,10 +348,9 @@ class RemoteGenerator(Generator):
         from scirl.inference.vllm import request_seed
 
         check_params(prompts, params)
-        with self._lock:  # concurrent callers still spread over the servers
-            first = next(self._next_server)
-            for _ in range(len(prompts) - 1):
-                next(self._next_server)
+        with self._lock:
+            first = self._next_server
+            self._next_server = (first + len(prompts)) % len(self.clients)
         futures: list[Future] = []
         for i, prompt in enumerate(prompts):
             client = self.clients[(first + i) % len(self.clients)]
@@ -468,11 +466,13 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
     return out_dir
 
 
-def _on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], object], timeout_s: float) -> list:
+def _on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], object], timeout_s: float,
+                     route: str) -> list:
     """``call(client)`` on every server at once; the results in order, or the first failure raised.
 
-    Runs on daemon threads, not a pool joined at exit: a server that never answers must not keep the
-    trainer alive (each HTTP call has its own timeout too)."""
+    Each HTTP call has its own timeout; ``timeout_s`` (a call's, twice over: some calls make two
+    requests) only catches a call that never returns. Daemon threads, not a pool joined at exit: such
+    a call must not keep the trainer alive."""
     results: list = [None] * len(clients)
     errors: list[BaseException | None] = [None] * len(clients)
     finished = [threading.Event() for _ in clients]
@@ -487,10 +487,10 @@ def _on_every_server(clients: list[ServerClient], call: Callable[[ServerClient],
 
     for i in range(len(clients)):
         threading.Thread(target=run, args=(i,), daemon=True, name=f"server-call-{i}").start()
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + 2 * timeout_s
     for i, event in enumerate(finished):
         if not event.wait(max(deadline - time.monotonic(), 0)):
-            raise ServerError(clients[i].url, "", f"no answer within {timeout_s:g}s")
+            raise ServerError(clients[i].url, route, f"no answer within {2 * timeout_s:g}s")
         if errors[i] is not None:
             raise errors[i]
     return results
@@ -509,7 +509,8 @@ class FilesystemWeightSync:
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server; returns its directory."""
         path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config, tokenizer=tokenizer)
-        _on_every_server(self.clients, lambda c: c.reload_weights(path, timeout_s=self.timeout_s), self.timeout_s)
+        _on_every_server(self.clients, lambda c: c.reload_weights(path, timeout_s=self.timeout_s), self.timeout_s,
+                         "/collective_rpc")
         self.prune(protect=path)
         return path
 
@@ -578,17 +579,18 @@ class NCCLWeightSync:
     def init(self) -> None:
         """Form the broadcast group: every server's workers join (their HTTP calls block until the
         rendezvous completes) while this process opens rank 0."""
-        counts = _on_every_server(self.clients, lambda c: c.world_size(), self.timeout_s)
+        counts = _on_every_server(self.clients, lambda c: c.world_size(), self.timeout_s, "/get_world_size")
         payloads = self.init_payloads(counts)
         self.world_size = payloads[0]["world_size"]
         self.rank_offsets = [p["rank_offset"] for p in payloads]
         by_client = dict(zip(map(id, self.clients), payloads))
         joined = ThreadPoolExecutor(max_workers=1)
         try:
+            route = "/init_weight_transfer_engine"
             joining = joined.submit(_on_every_server, self.clients, lambda c: c.post(
-                "/init_weight_transfer_engine", {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s), self.timeout_s)
+                route, {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s), self.timeout_s, route)
             self.communicator = self.communicator_factory(self.master_address, self.master_port, 0, self.world_size)
-            joining.result(timeout=self.timeout_s)
+            joining.result()  # bounded: _on_every_server has a deadline
         finally:
             joined.shutdown(wait=False)  # a failed rendezvous leaves the servers' calls to their own timeouts
 
@@ -612,20 +614,22 @@ class NCCLWeightSync:
         device = getattr(self.communicator, "device", None)  # PyNccl sends from its own device only
         wire = ((name, tensor.detach().to(device=device, dtype=dtype).contiguous()) for name, tensor in tensors)
 
-        _on_every_server(self.clients, lambda c: c.post("/start_weight_update", timeout_s=self.timeout_s), self.timeout_s)
+        self._post_all("/start_weight_update")
         receiving = ThreadPoolExecutor(max_workers=1)
         try:
-            received = receiving.submit(_on_every_server, self.clients, lambda c: c.post(
-                "/update_weights", {"update_info": info}, timeout_s=self.timeout_s), self.timeout_s)
+            received = receiving.submit(self._post_all, "/update_weights", {"update_info": info})
             self._broadcast(wire)
-            received.result(timeout=self.timeout_s)
+            received.result()  # bounded: _on_every_server has a deadline
         finally:
             # never join here: after a failed broadcast the workers wait inside NCCL and their calls end
             # only at their timeout
             receiving.shutdown(wait=False)
-        _on_every_server(self.clients, lambda c: c.post("/finish_weight_update", {"weight_version": str(version)},
-                                                        timeout_s=self.timeout_s), self.timeout_s)
-        _on_every_server(self.clients, lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s), self.timeout_s)
+        self._post_all("/finish_weight_update", {"weight_version": str(version)})
+        _on_every_server(self.clients, lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s), self.timeout_s,
+                         "/reset_prefix_cache")
+
+    def _post_all(self, route: str, payload: dict | None = None) -> None:
+        _on_every_server(self.clients, lambda c: c.post(route, payload, timeout_s=self.timeout_s), self.timeout_s, route)
 
     def _broadcast(self, pairs: Iterable[tuple[str, object]]) -> None:
         if self.packed:
@@ -635,16 +639,19 @@ class NCCLWeightSync:
                                            post_iter_func=lambda item: item[1], buffer_size_bytes=PACKED_BUFFER_BYTES,
                                            num_buffers=PACKED_NUM_BUFFERS)
         else:
+            import torch
+
             for _, tensor in pairs:
                 self.communicator.broadcast(tensor, src=0)
+            if torch.cuda.is_available():  # the broadcasts are only enqueued: the caller may change the weights next
+                torch.cuda.current_stream().synchronize()
 
     def close(self) -> None:
         """Leave the group: the servers drop their end, then this process its own."""
         if self.communicator is None:
             return
         try:
-            _on_every_server(self.clients, lambda c: c.post("/shutdown_weight_transfer_engine", timeout_s=self.timeout_s),
-                             self.timeout_s)
+            self._post_all("/shutdown_weight_transfer_engine")
         finally:
             destroy = getattr(self.communicator, "destroy", None)
             self.communicator = None
