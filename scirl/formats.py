@@ -277,14 +277,14 @@ class ColumnMapping:
     domain: str | None = None
     id: str | None = None
 
+    def as_dict(self) -> dict[str, str]:
+        """The mapping as a config table: the keys given, several columns joined by ``+``."""
+        return {key: "+".join(value) if isinstance(value, tuple) else value
+                for key in COLUMN_KEYS if (value := getattr(self, key))}
+
     def as_text(self) -> str:
-        """The mapping in the flag's syntax (what a config or a results file records)."""
-        parts = [f"question={self.question}"]
-        for key in ("options", "distractors"):
-            if getattr(self, key):
-                parts.append(f"{key}={'+'.join(getattr(self, key))}")
-        parts += [f"{key}={getattr(self, key)}" for key in ("answer", "answer_index", "domain", "id") if getattr(self, key)]
-        return ",".join(parts)
+        """The mapping in the flag's syntax (what a results file records)."""
+        return ",".join(f"{key}={value}" for key, value in self.as_dict().items())
 
     def convert(self, row: dict) -> dict:
         question = field_text(row, self.question)
