@@ -245,7 +245,7 @@ def hub_unreachable_message(repo_id: str, reason: str) -> str:
         f"cannot reach the Hugging Face Hub to load {repo_id!r} ({reason}).\n"
         "Point --data at a local copy instead, for example:\n"
         "  --data path/to/SciKnowEval           (a clone of the official repository, with raw_data/)\n"
-        "  --data path/to/sciknoweval.jsonl     (one .jsonl, .json or .parquet file)\n"
+        "  --data path/to/rows.jsonl            (one .jsonl, .json or .parquet file, in the set's hub schema)\n"
         "If the dataset is already in the local datasets cache, set HF_HUB_OFFLINE=1 to use it."
     )
 
