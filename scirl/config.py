@@ -119,11 +119,9 @@ class DataConfig(Section):
     @field_validator("format")
     @classmethod
     def _known_format(cls, value: str) -> str:
-        from scirl.formats import AUTO, FORMAT_NAMES
+        from scirl.formats import known_format
 
-        if value != AUTO and value not in FORMAT_NAMES:
-            raise ValueError(f"unknown data format {value!r}; expected auto or one of {', '.join(FORMAT_NAMES)}")
-        return value
+        return known_format(value)
 
     @field_validator("columns", mode="before")
     @classmethod

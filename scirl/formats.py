@@ -404,6 +404,13 @@ def detect_format(rows: Iterable[Any]) -> Format:
                      f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
 
 
+def known_format(name: str) -> str:
+    """``name`` when it is "auto" or a format of the table, else a ValueError listing them (config checks)."""
+    if name != AUTO and name not in FORMATS:
+        raise ValueError(f"unknown data format {name!r}; expected {AUTO} or one of {', '.join(FORMAT_NAMES)}")
+    return name
+
+
 def choose_converter(source: str, data_format: str, columns: str | dict | ColumnMapping | None,
                      rows: list[Any]) -> tuple[str, Callable[[dict], dict]]:
     """(the format's name, its converter) for ``data_format``, a column mapping, or, with "auto", the
@@ -417,9 +424,10 @@ def choose_converter(source: str, data_format: str, columns: str | dict | Column
             raise DataSourceError(str(e)) from None
         return "columns", mapping.convert
     if data_format != AUTO:
-        if data_format not in FORMATS:
-            raise DataSourceError(f"unknown data format {data_format!r}; expected auto or one of {', '.join(FORMAT_NAMES)}")
-        return data_format, FORMATS[data_format].convert
+        try:
+            return known_format(data_format), FORMATS[data_format].convert
+        except ValueError as e:
+            raise DataSourceError(str(e)) from None
     named = hub_set(source[3:] if source.startswith("hf:") else source)
     fmt = named[0] if named else detect_format(row for _, row in rows)
     return fmt.name, fmt.convert

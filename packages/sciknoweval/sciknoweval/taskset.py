@@ -30,7 +30,7 @@ from scirl.data import (
     DataSourceError,
     load_splits,
 )
-from scirl.formats import AUTO, FORMAT_NAMES, parse_columns
+from scirl.formats import AUTO, known_format, parse_columns
 from scirl.prompt import build_messages
 from scirl.schema import MCQ_TYPES, Question
 
@@ -161,9 +161,7 @@ class SciKnowEvalConfig(vf.TasksetConfig):
     @field_validator("data_format")
     @classmethod
     def _known_format(cls, value: str) -> str:
-        if value != AUTO and value not in FORMAT_NAMES:
-            raise ValueError(f"unknown data format {value!r}; expected {AUTO} or one of {', '.join(FORMAT_NAMES)}")
-        return value
+        return known_format(value)
 
     @field_validator("data_columns")
     @classmethod
