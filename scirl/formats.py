@@ -243,7 +243,6 @@ FORMATS: dict[str, Format] = {f.name: f for f in (
     _format("supergpqa", ("question", "options", "answer", "answer_letter"), from_supergpqa, HubSet("m-a-p/SuperGPQA", None, "train")),
 )}
 FORMAT_NAMES = tuple(FORMATS)
-GATED = {"Idavidrein/gpqa"}  # the hub serves these only to logged-in users who accepted the set's terms
 
 
 def hub_set(source: str) -> tuple[Format, HubSet] | None:
@@ -314,14 +313,18 @@ class ColumnMapping:
         value = value.strip()
         column = self.options[0] if len(self.options) == 1 else None
         if column and isinstance(row.get(column), dict):  # letters as the row labels its choices
-            texts, labels = labelled_choices(row, column)
-            if value in labels:
-                return labels.index(value)
+            _, stored_labels = labelled_choices(row, column)
+            if value in stored_labels:
+                return stored_labels.index(value)
         labels = OPTION_LABELS[: len(options)]
-        if value.upper() in labels and len(value) == 1:
-            return labels.index(value.upper())
+        # an upper-case letter first, then an option's text, then a lower-case letter: options ["b", "a"]
+        # with answer "a" mean the text, while "c" among longer texts means option C
+        if value in labels:
+            return labels.index(value)
         if options.count(value) == 1:
             return options.index(value)
+        if len(value) == 1 and value.upper() in labels:
+            return labels.index(value.upper())
         raise RowError("answer_not_in_options", value)
 
 

@@ -296,3 +296,24 @@ def test_export_round_trips_through_the_sciknoweval_format(fmt_file, tmp_path):
         before = {q.id: (q.question, q.options, answer_text(q), q.domain) for q in splits.split(split)}
         after = {q.id: (q.question, q.options, answer_text(q), q.domain) for q in again.train}
         assert after == before
+
+
+def test_a_mapped_answer_is_a_capital_letter_then_an_options_text_then_any_letter(tmp_path):
+    mapping = formats.parse_columns("question=q,options=o,answer=a")
+    row = {"q": "Which?", "o": ["b", "a", "longer text"]}
+    assert mapping.convert(dict(row, a="a"))["answerKey"] == "B"  # the text "a", not letter A
+    assert mapping.convert(dict(row, a="A"))["answerKey"] == "A"
+    assert mapping.convert(dict(row, a="c"))["answerKey"] == "C"
+    assert mapping.convert(dict(row, a="longer text"))["answerKey"] == "C"
+
+
+def test_the_training_config_takes_a_format_or_a_mapping():
+    from scirl.config import ConfigError, load_config
+
+    assert load_config(["--data.format", "medmcqa"]).data.format == "medmcqa"
+    text = load_config(["--data.columns", "question=Q,options=A+B,answer=k"]).data.columns
+    table = load_config([], base={"data": {"columns": {"question": "Q", "options": "A+B", "answer": "k"}}}).data.columns
+    assert text == table == {"question": "Q", "options": "A+B", "answer": "k"}
+    for argv in (["--data.format", "csv"], ["--data.format", "arc", "--data.columns", "question=Q,options=O,answer=k"]):
+        with pytest.raises(ConfigError):
+            load_config(argv)
