@@ -317,3 +317,18 @@ def test_the_training_config_takes_a_format_or_a_mapping():
     for argv in (["--data.format", "csv"], ["--data.format", "arc", "--data.columns", "question=Q,options=O,answer=k"]):
         with pytest.raises(ConfigError):
             load_config(argv)
+
+
+def test_eval_runs_on_a_ten_option_set(tmp_path, tiny_model_dir):
+    """A local model evaluated on MMLU-Pro-shaped rows: ten-option prompts go out, and the results
+    record the format the rows were read in."""
+    rows = synthetic.write_jsonl(sf.generate_format_rows("mmlu_pro", n=40, seed=3), tmp_path / "mmlu_pro.jsonl")
+    out = tmp_path / "eval.json"
+    rc = cli_main(["eval", "--model", str(tiny_model_dir), "--data", str(rows), "--data-format", "mmlu_pro", "--out", str(out),
+                   "--eval-per-domain", "2", "--limit", "4", "--max-tokens", "2", "--device", "cpu", "--no-progress"])
+    assert rc == 0
+    results = json.loads(out.read_text(encoding="utf-8"))
+    assert results["settings"]["data_format"] == "mmlu_pro"
+    assert len(results["records"]) == 4
+    assert {len(r["labels"]) for r in results["records"]} <= set(range(4, 11)) and any(
+        r["labels"] == list("ABCDEFGHIJ") and r["type"] == "mcq-10-choices" for r in results["records"])
