@@ -330,14 +330,14 @@ def gated_message(repo_id: str, reason: str) -> str:
 
 
 def is_hub_source(source: str) -> bool:
-    return source.startswith("hf:") or (not Path(source).exists() and formats.hub_set(source) is not None)
+    return source.startswith("hf:") or formats.hub_source(source) is not None
 
 
 def read_source(source: str) -> tuple[list[tuple[str, Any]], int]:
     """Dispatch on the source kind: a set of ``scirl.formats.FORMATS`` by its hub id
     (``REPO[:CONFIG][@SPLIT]``, e.g. ``allenai/ai2_arc:ARC-Easy@test``) or ``hf:<hub id or local dataset
     dir>`` go through ``datasets``; a directory is read as raw_data; a file by its suffix."""
-    known = None if Path(source).exists() else formats.hub_set(source[3:] if source.startswith("hf:") else source)
+    known = formats.hub_source(source)
     if known is not None:
         _, hub = known
         return read_hub(hub.repo_id, hub.config, hub.split)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from scirl.errors import DataSourceError
@@ -257,6 +258,14 @@ def hub_set(source: str) -> tuple[Format, HubSet] | None:
     return None
 
 
+def hub_source(source: str) -> tuple[Format, HubSet] | None:
+    """The known set ``--data`` names (``hf:`` in front or not), or None; an existing local path named
+    like a hub id is the path."""
+    if Path(source).exists():
+        return None
+    return hub_set(source[3:] if source.startswith("hf:") else source)
+
+
 # ---------------------------------------------------------------------------------------------
 # A column mapping for any other set: --data-columns question=Q,options=A+B+C+D,answer=ans
 
@@ -401,10 +410,10 @@ def detect_format(rows: Iterable[Any]) -> Format:
         return FORMATS[most_specific.pop()]
     if most_specific:
         raise DataSourceError(f"the rows' columns fit several formats ({', '.join(sorted(most_specific))}); "
-                         "name one with --data-format (config: data.format)")
+                              "name one with --data-format (config: data.format)")
     shown = ", ".join(sorted(columns_seen)[:12]) + (", ..." if len(columns_seen) > 12 else "")
     raise DataSourceError(f"cannot tell the data format from the columns ({shown}); name one with --data-format "
-                     f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
+                          f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
 
 
 def known_format(name: str) -> str:
@@ -431,6 +440,6 @@ def choose_converter(source: str, data_format: str, columns: str | dict | Column
             return known_format(data_format), FORMATS[data_format].convert
         except ValueError as e:
             raise DataSourceError(str(e)) from None
-    named = hub_set(source[3:] if source.startswith("hf:") else source)
+    named = hub_source(source)
     fmt = named[0] if named else detect_format(row for _, row in rows)
     return fmt.name, fmt.convert
