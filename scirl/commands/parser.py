@@ -72,8 +72,9 @@ def add_data_format_args(parser: argparse.ArgumentParser) -> None:
                         help="the schema of --data's rows; auto (default): the set a hub id names, else the one the "
                              "rows' columns fit")
     parser.add_argument("--data-columns", type=column_mapping, default=None, metavar="KEY=COL,...",
-                        help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX} "
-                             "(options may also be a list column; answer is a letter or the option's text)")
+                        help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX}; options may be one list "
+                             "column; answer is a letter or the option's text; or distractors=COL1+COL2+... with "
+                             "answer=COL the right option's text (placed among them by a hash of the question)")
 
 
 def column_mapping(text: str):
