@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(
         prog="scirl eval",
-        description="Evaluate a model on SciKnowEval MCQ questions through an OpenAI-compatible server "
+        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible server "
         "(--base-url), or in-process from a local HF model directory (no --base-url). "
         "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
     )
