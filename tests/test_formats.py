@@ -332,3 +332,18 @@ def test_eval_runs_on_a_ten_option_set(tmp_path, tiny_model_dir):
     assert len(results["records"]) == 4
     assert {len(r["labels"]) for r in results["records"]} <= set(range(4, 11)) and any(
         r["labels"] == list("ABCDEFGHIJ") and r["type"] == "mcq-10-choices" for r in results["records"])
+
+
+def test_training_reads_another_set_through_the_config(tmp_path, tiny_model_dir):
+    from scirl.config import load_config
+    from scirl.train import train
+
+    arc = synthetic.write_jsonl(sf.generate_format_rows("arc", n=40, seed=4), tmp_path / "arc.jsonl")
+    run_dir = tmp_path / "run"
+    cfg = load_config(["--model", str(tiny_model_dir), "--data.source", str(arc), "--data.format", "arc",
+                       "--data.eval-per-domain", "4", "--output-dir", str(run_dir), "--max-steps", "1", "--batch-size", "8",
+                       "--group-size", "4", "--micro-batch-size", "8", "--max-completion-tokens", "2", "--seq-len", "512",
+                       "--device", "cpu", "--dtype", "float32", "--filters.zero-advantage.no-enforce"])
+    assert train(cfg, show_progress=False) == 0
+    assert "format = \"arc\"" in (run_dir / "config.toml").read_text(encoding="utf-8")
+    assert len((run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()) == 1
