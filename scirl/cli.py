@@ -6,7 +6,7 @@ import importlib
 import sys
 
 COMMANDS = {
-    "data": ("data", "inspect and export the SciKnowEval MCQ splits"),
+    "data": ("data", "inspect and export the MCQ splits (SciKnowEval or another science MCQ set)"),
     "eval": ("eval", "evaluate a served or local model on the held-out questions"),
     "serve": ("serve", "serve a local HF model over an OpenAI-compatible API (CPU)"),
     "train": ("train", "cold-start GRPO training"),

@@ -111,6 +111,33 @@ class DataConfig(Section):
     split_method: Literal["content", "guide"] = DEFAULT_SPLIT_METHOD
     # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train
     seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED)
+    format: str = Field("auto", description="schema of the source's rows: auto (the set a hub id names, else the one "
+                        "the rows' columns fit) or one of scirl.formats.FORMAT_NAMES")
+    columns: dict[str, str] | None = Field(None, description="a column mapping instead of a format, as a table or as "
+                                           "the text of --data-columns: question=Q,options=A+B+C+D,answer=ans")
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        from scirl.formats import known_format
+
+        return known_format(value)
+
+    @field_validator("columns", mode="before")
+    @classmethod
+    def _column_mapping(cls, value):
+        # checked here so a bad mapping fails with the config, not after the data is read
+        from scirl.formats import parse_columns
+
+        if value is None:
+            return None
+        return parse_columns(value).as_dict()  # a ValueError names the problem
+
+    @model_validator(mode="after")
+    def _format_or_columns(self) -> "DataConfig":
+        if self.columns is not None and self.format != "auto":
+            raise ValueError(f"data.format = {self.format!r} and data.columns contradict each other: give one of them")
+        return self
 
 
 class RewardConfig(Section):

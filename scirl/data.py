@@ -1,9 +1,12 @@
-"""SciKnowEval MCQ data: load from the hub, a raw_data directory or one file; validate; dedupe; split.
+"""Science MCQ data: load from the hub, a raw_data directory or one file; validate; dedupe; split.
 
-The pipeline, in the order ``load_splits`` runs it:
+SciKnowEval first; ARC, SciQ, GPQA, MMLU-Pro, MedMCQA, OpenBookQA, SuperGPQA or any set with a column
+mapping are read too (``scirl.formats`` maps each to SciKnowEval's schema). The pipeline, in the order
+``load_splits`` runs it:
 
 1. read raw rows from the source (hub id, ``raw_data/<Domain>/<Level>/<task>.jsonl``
    directory, or one .jsonl/.json/.parquet file); a bad JSON line is counted, never fatal;
+   then map each row of another set to SciKnowEval's schema (a row that cannot be is counted by reason);
 2. keep the MCQ rows (``type`` in ``types``); other rows are counted as read, not MCQ;
 3. validate each MCQ row with ``question_from_row``; invalid rows are skipped by reason;
 4. drop every row of a group with conflicting answers (same question, same option set,
@@ -43,14 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
+from scirl import formats
 from scirl.errors import DataSourceError, HubUnreachable
-from scirl.schema import MCQ_TYPES, Question
+from scirl.schema import MAX_OPTIONS, MCQ_TYPES, Question, RowError
 
 log = logging.getLogger(__name__)
 
-HUB_ID = "hicai-zju/SciKnowEval"
-HUB_CONFIG = "v2"  # the run guide: load_dataset("hicai-zju/SciKnowEval", "v2", split="test")
-HUB_SPLIT = "test"
+_HUB = formats.FORMATS["sciknoweval"].hub  # the run guide: load_dataset("hicai-zju/SciKnowEval", "v2", split="test")
+HUB_ID, HUB_CONFIG, HUB_SPLIT = _HUB.repo_id, _HUB.config, _HUB.split
 HUB_PROBE_TIMEOUT_S = 5.0
 SPLIT_METHODS = ("content", "guide")
 # The split every command and the prime-rl plug-in use unless told otherwise: the one source of these defaults.
@@ -58,14 +61,6 @@ DEFAULT_EVAL_PER_DOMAIN = 200  # held-out questions per domain (800 over the fou
 DEFAULT_SPLIT_METHOD = "content"
 DEFAULT_SPLIT_SEED = 42  # the holdout's own seed, apart from any training seed
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class RowError(ValueError):
-    """A row that cannot be used; ``reason`` is the short name it is counted under."""
-
-    def __init__(self, reason: str, detail: str = ""):
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
 
 
 def content_id(question: str, options: tuple[str, ...] | list[str], domain: str = "") -> str:
@@ -92,6 +87,8 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
         raise RowError("label_text_mismatch", f"{len(labels)} labels, {len(texts)} texts")
     if len(labels) < 2:
         raise RowError("too_few_options", str(len(labels)))
+    if len(labels) > MAX_OPTIONS:  # the prompt and the reward read the letters A to J
+        raise RowError("too_many_options", f"{len(labels)} (at most {MAX_OPTIONS})")
     if any(t is not None and not isinstance(t, str) for t in texts):
         raise RowError("not_text", "an option text is not a string")
     if any(not t for t in texts):
@@ -248,7 +245,7 @@ def hub_unreachable_message(repo_id: str, reason: str) -> str:
         f"cannot reach the Hugging Face Hub to load {repo_id!r} ({reason}).\n"
         "Point --data at a local copy instead, for example:\n"
         "  --data path/to/SciKnowEval           (a clone of the official repository, with raw_data/)\n"
-        "  --data path/to/sciknoweval.jsonl     (one .jsonl, .json or .parquet file)\n"
+        "  --data path/to/rows.jsonl            (one .jsonl, .json or .parquet file, in the set's hub schema)\n"
         "If the dataset is already in the local datasets cache, set HF_HUB_OFFLINE=1 to use it."
     )
 
@@ -317,19 +314,33 @@ def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str 
     except Exception as e:  # datasets raises many types (ConnectionError, DatasetNotFoundError, ValueError, ...)
         if is_local:
             raise DataSourceError(f"{repo_id}: datasets.load_dataset({config!r}, split={split!r}) failed: {e}") from e
+        # GPQA is gated: the hub answers, but serves it only to a login that accepted its terms
+        if "gated" in str(e).lower() or type(e).__name__ == "GatedRepoError":
+            raise DataSourceError(gated_message(repo_id, f"{type(e).__name__}: {e}")) from e
         raise HubUnreachable(hub_unreachable_message(repo_id, f"{type(e).__name__}: {e}")) from e
     return [(f"hub:{split}:{i}", row) for i, row in enumerate(ds.to_list())], 0
 
 
+def gated_message(repo_id: str, reason: str) -> str:
+    """A gated set answered, but not to us: say how to get access (one line, as every refusal)."""
+    return (f"{repo_id} is a gated dataset: the hub serves it only to a logged-in account that accepted its terms "
+            f"({reason.splitlines()[0] if reason else 'access refused'}). Accept them at "
+            f"https://huggingface.co/datasets/{repo_id}, then log in with `huggingface-cli login` (or set HF_TOKEN) "
+            "and rerun; or point --data at a local copy")
+
+
 def is_hub_source(source: str) -> bool:
-    return source == HUB_ID or source.startswith("hf:")
+    return source.startswith("hf:") or formats.hub_source(source) is not None
 
 
 def read_source(source: str) -> tuple[list[tuple[str, Any]], int]:
-    """Dispatch on the source kind: ``HUB_ID`` or ``hf:<hub id or local dataset dir>`` go through
-    ``datasets``; a directory is read as raw_data; a file by its suffix."""
-    if source == HUB_ID:
-        return read_hub(HUB_ID)
+    """Dispatch on the source kind: a set of ``scirl.formats.FORMATS`` by its hub id
+    (``REPO[:CONFIG][@SPLIT]``, e.g. ``allenai/ai2_arc:ARC-Easy@test``) or ``hf:<hub id or local dataset
+    dir>`` go through ``datasets``; a directory is read as raw_data; a file by its suffix."""
+    known = formats.hub_source(source)
+    if known is not None:
+        _, hub = known
+        return read_hub(hub.repo_id, hub.config, hub.split)
     if source.startswith("hf:"):
         target = source[3:]
         if not target:
@@ -349,8 +360,9 @@ def read_source(source: str) -> tuple[list[tuple[str, Any]], int]:
     if path.is_file():
         return read_file(path)
     raise DataSourceError(
-        f"data source {source!r} is neither the hub id {HUB_ID!r}, an existing directory, nor an existing "
-        f"{'/'.join(FILE_SUFFIXES)} file"
+        f"data source {source!r} is neither the hub id {HUB_ID!r} (or another known set's: "
+        f"{', '.join(f.hub.repo_id for f in formats.FORMATS.values() if f.name != 'sciknoweval')}), "
+        f"an existing directory, nor an existing {'/'.join(FILE_SUFFIXES)} file"
     )
 
 
@@ -481,6 +493,7 @@ class DataSplits:
     seed: int = DEFAULT_SPLIT_SEED
     types: tuple[str, ...] = MCQ_TYPES
     notes: list[str] = field(default_factory=list)  # anything the caller should know (small domains, ...)
+    data_format: str = "sciknoweval"  # the schema the rows were read in (a name of scirl.formats.FORMATS, or "columns")
 
     def split(self, name: str) -> list[Question]:
         if name == "train":
@@ -506,6 +519,7 @@ class DataSplits:
 
         return {
             "source": self.source,
+            "format": self.data_format,
             "rows": self.rows_read,
             "mcq": self.mcq_read,
             "non_mcq": self.non_mcq,
@@ -524,6 +538,19 @@ class DataSplits:
         }
 
 
+def mapped_rows(rows: list[tuple[str, Any]], convert) -> Iterable[tuple[str, Any]]:
+    """Each row in SciKnowEval's schema; a row its format cannot map comes as the RowError saying why
+    (an MCQ row, skipped by that reason). A row that is not an object is left for validation to count."""
+    for where, row in rows:
+        if not isinstance(row, dict):
+            yield where, row
+            continue
+        try:
+            yield where, convert(row)
+        except RowError as e:
+            yield where, e
+
+
 def is_mcq_candidate(row: Any, types: tuple[str, ...]) -> bool:
     """A row is left out as non-MCQ only when it clearly declares another type; anything else
     (no type, not an object) is an MCQ row that validation will count under a reason."""
@@ -537,8 +564,13 @@ def load_splits(
     eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN,
     split_method: str = DEFAULT_SPLIT_METHOD,
     seed: int = DEFAULT_SPLIT_SEED,
+    data_format: str = formats.AUTO,
+    columns: str | dict | formats.ColumnMapping | None = None,
 ) -> DataSplits:
-    """Load, validate, dedupe and split SciKnowEval MCQ rows.
+    """Load, map to SciKnowEval's schema, validate, dedupe and split MCQ rows.
+
+    ``data_format``: a name of ``scirl.formats.FORMATS``, or "auto": the set a hub source names, else
+    the one the rows' columns fit. ``columns``: a column mapping instead (``scirl.formats.parse_columns``).
 
     ``split_method="content"`` (default): deterministic from row content; twins (same question,
     same option set) share a split. ``"guide"``: the run guide's holdout, reproduced exactly when
@@ -551,12 +583,13 @@ def load_splits(
     if eval_per_domain < 0:
         raise ValueError(f"eval_per_domain must be >= 0, got {eval_per_domain}")
     rows, bad_json = read_source(source)
+    format_name, convert = formats.choose_converter(source, data_format, columns, rows)
     skipped: Counter = Counter()
     if bad_json:
         skipped["bad_json"] = bad_json
     non_mcq: Counter = Counter()
     candidates: list[tuple[str, Any]] = []
-    for where, row in rows:
+    for where, row in mapped_rows(rows, convert):
         if is_mcq_candidate(row, types):
             candidates.append((where, row))
         else:
@@ -574,6 +607,8 @@ def load_splits(
     positions: list[int] = []
     for pos, (where, row) in enumerate(candidates):
         try:
+            if isinstance(row, RowError):  # a row the format's mapping refused
+                raise row
             questions.append(question_from_row(row, source=where, types=types))
             positions.append(pos)
         except RowError as e:
@@ -599,6 +634,7 @@ def load_splits(
         source=source, train=train, eval=eval_, skipped=dict(sorted(skipped.items())),
         rows_read=len(rows) + bad_json, mcq_read=len(candidates) + bad_json, non_mcq=dict(sorted(non_mcq.items())),
         eval_per_domain=eval_per_domain, split_method=split_method, seed=seed, types=types, notes=notes,
+        data_format=format_name,
     )
     assert splits.accounted == splits.mcq_read, "internal error: rows lost between read and split"
     for note in notes:

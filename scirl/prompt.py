@@ -10,10 +10,13 @@ from __future__ import annotations
 from scirl.schema import Question
 
 
+NUMBER_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
 def default_instruction(labels: tuple[str, ...] | list[str]) -> str:
     """The instruction SciKnowEval uses for MCQ rows, for rows that carry none."""
     n = len(labels)
-    count = {2: "two", 3: "three", 4: "four", 5: "five"}.get(n, str(n))
+    count = NUMBER_WORDS.get(n, str(n))
     quoted = [f'"{label}"' for label in labels]
     choices = quoted[0] if n == 1 else ", ".join(quoted[:-1]) + f" or {quoted[-1]}"
     return (

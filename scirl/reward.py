@@ -161,6 +161,11 @@ _ENUMERATED = re.compile(r"(?:^|(?<=[.!?;])[ \t]+)" + _OPEN + r"?([A-Z])(?:" + _
 _NEGATED_BEFORE = re.compile(r"(?i:\b(?:not|never)|n't)(?:\s+[A-Za-z]+){0,2}\s*$")  # "not A.", "wouldn't pick A."
 _LIST_CONTINUES = re.compile(_SEP + _TOKEN)
 _PREVIOUS_WORD = re.compile(r"([A-Za-z]+)[ \t]+$")
+# "I" then a verb is the pronoun ("the answer is I think B"), not option I of a nine- or ten-option question
+_PRONOUN_VERB = re.compile(
+    r"\s+(?i:think|believe|guess|suppose|reckon|feel|would|will|am|can|could|should|must|might|need|say|pick|choose"
+    r"|go|do|don't|have|hope|suspect|see|know|mean|agree)\b"
+)
 
 
 @dataclass(frozen=True)
@@ -273,9 +278,11 @@ def _lenient(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
 def _is_token_valid(text: str, end: int, letter: str, wrapped: bool, pats: _Patterns) -> bool:
     """A letter after "answer is" counts if it is one of the labels in upper case, or if it is marked as a
     letter (bracketed, or followed by '.', ')', ':' or the end of the line). This keeps "the answer is a
-    protein" and "the answer is I think B" from reading as letters."""
+    protein" and "the answer is I think B" from reading as letters, also where "I" is a label (nine or ten options)."""
     if wrapped or _DELIMITED.match(text, end):
         return True
+    if letter == "I" and _PRONOUN_VERB.match(text, end):
+        return False
     return letter.isupper() and letter in pats.upper
 
 

@@ -1,4 +1,5 @@
-"""The one record every part of scirl passes around: a validated multiple-choice question."""
+"""The one record every part of scirl passes around: a validated multiple-choice question,
+and the error a raw row that cannot become one raises."""
 
 from __future__ import annotations
 
@@ -6,7 +7,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
-MCQ_TYPES = ("mcq-4-choices", "mcq-2-choices")
+# Letters the answer is read as: a question has 2 to 10 options (MMLU-Pro and SuperGPQA go up to ten).
+OPTION_LABELS = tuple("ABCDEFGHIJ")
+MIN_OPTIONS, MAX_OPTIONS = 2, len(OPTION_LABELS)
+
+
+def mcq_type(n_options: int) -> str:
+    """The row type SciKnowEval gives a question with ``n_options`` options."""
+    return f"mcq-{n_options}-choices"
+
+
+# SciKnowEval's own two first, then every other option count another set can bring
+MCQ_TYPES = tuple(mcq_type(n) for n in (4, 2) + tuple(n for n in range(MIN_OPTIONS, MAX_OPTIONS + 1) if n not in (4, 2)))
+
+
+class RowError(ValueError):
+    """A row that cannot be used; ``reason`` is the short name it is counted under."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
 
 
 @dataclass(frozen=True)

@@ -164,7 +164,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
     # ---- data, tokenizer, and where we start ----
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.seed)
+                         seed=cfg.data.seed, data_format=cfg.data.format, columns=cfg.data.columns)
     latest, skipped_checkpoints = None, []
     if resume:
         # rank 0 verifies (sha256 of every file, and a load) and removes stale tmp dirs; the others take its word

@@ -3,7 +3,8 @@
 Each case runs in-process through ``scirl.cli.main`` (argparse's usage errors arrive as SystemExit(2)).
 Placeholders in the arguments: {data} a small valid .jsonl, {model} a tiny HF model dir, {tmp} a scratch dir,
 {results} a valid eval results file, {latin1} / {utf16} a data file in another encoding, {notutf8} a results
-file that is not UTF-8, {file} an existing plain file.
+file that is not UTF-8, {file} an existing plain file, {ambiguous} / {file_of_nothing} rows whose columns fit
+two known sets / none.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ DATA_CASES = [
     ["data", "export", "--data", "{data}", "--split", "eval", "--out", "{tmp}"],
     ["data", "export", "--data", "{data}", "--split", "eval", "--out", "{data}"],  # its own source
     ["data", "export", "--data", "{data}", "--split", "eval", "--out", "{file}/under/a/file.jsonl"],
+    ["data", "stats", "--data", "{data}", "--data-format", "csv"],  # not a known format
+    ["data", "stats", "--data", "{data}", "--data-columns", "question=Q"],  # no options, no answer
+    ["data", "stats", "--data", "{data}", "--data-columns", "question=Q,options=O,answer=A,colour=C"],
+    ["data", "stats", "--data", "{data}", "--data-format", "arc", "--data-columns", "question=Q,options=O,answer=A"],
+    ["data", "stats", "--data", "{ambiguous}"],  # columns of both MMLU-Pro and SuperGPQA
+    ["data", "stats", "--data", "{file_of_nothing}"],  # columns of no known set
+    ["data", "stats", "--data", "allenai/ai2_arc:ARC-Hard"],  # no such config: refused before any network use
 ]
 
 EVAL_SERVER = ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--data", "{data}", "--out", "{tmp}/e.json"]
@@ -69,6 +77,9 @@ EVAL_CASES = [
     EVAL_SERVER + ["--data", "{tmp}/missing.jsonl"],
     EVAL_SERVER + ["--data", "{latin1}"],
     EVAL_SERVER + ["--data", "hf:{tmp}/missing"],
+    EVAL_SERVER + ["--data-format", "csv"],
+    EVAL_SERVER + ["--data-columns", "options=O,answer=A"],  # no question column
+    EVAL_SERVER + ["--data", "{ambiguous}"],
     ["eval", "--model", "{tmp}/no-model", "--data", "{data}", "--out", "{tmp}/e.json"],  # local: not a model dir
     ["eval", "--model", "{model}", "--data", "{data}", "--out", "{tmp}/e.json", "--device", "tpu9"],
     ["eval", "--model", "{model}", "--data", "{data}", "--out", "{tmp}/e.json", "--batch-size", "0"],
@@ -136,6 +147,9 @@ TRAIN_DEMO_CASES = [
     ["train", "--output-dir", "{file}", "--model", "{model}", "--data.source", "{data}"],  # a file, not a directory
     ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{tmp}/missing.jsonl"],
     ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{latin1}"],
+    ["train", "--data.format", "csv"],
+    ["train", "--data.columns", "question=Q,distractors=D1+D2"],  # distractors without the answer's column
+    ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{ambiguous}"],
     ["demo", "--threads", "many"],
     ["demo", "--model", "{model}"],  # the demo trains its own base model: overriding it is refused
     ["demo", "--config", "{tmp}/missing.toml"],
@@ -162,10 +176,14 @@ def places(tmp_path_factory, tiny_model_dir):
     list_json.write_text("[1, 2]")
     bad_records = root / "bad_records.json"
     bad_records.write_text(json.dumps({"records": [{"id": ["x"], "correct": "yes"}]}))
+    ambiguous = write_jsonl([{"question": "q?", "options": ["a", "b"], "answer": "A", "answer_index": 0, "answer_letter": "A"}],
+                            root / "ambiguous.jsonl")
+    file_of_nothing = write_jsonl([{"prompt": "q?", "response": "a"}], root / "nothing.jsonl")
     results = root / "results.json"
     results.write_text(json.dumps({"records": [{"id": "a", "correct": True, "domain": "Biology"}], "settings": {}}))
     return {"data": data, "model": tiny_model_dir, "latin1": latin1, "utf16": utf16, "file": file, "notutf8": notutf8,
-            "list_json": list_json, "bad_records": bad_records, "results": results}
+            "list_json": list_json, "bad_records": bad_records, "results": results, "ambiguous": ambiguous,
+            "file_of_nothing": file_of_nothing}
 
 
 def run_cli(argv: list[str]) -> int:

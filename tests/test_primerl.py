@@ -613,3 +613,22 @@ def test_dcp_to_hf_refuses_cut_short_and_unnamed_checkpoints(primerl_run, tmp_pa
     assert cli_main(["dcp-to-hf", str(lone), "--out", str(tmp_path / "b")]) == 2
     assert "--base" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_other_sets_and_their_exports_load_in_the_taskset(tmp_path):
+    from scirl import synthetic_formats
+
+    arc = write_jsonl(synthetic_formats.generate_format_rows("arc", n=60, seed=1), tmp_path / "arc.jsonl")
+    direct = load(arc, split="train")
+    assert {len(t.data.options) for t in direct} == {3, 4, 5}  # no option count is dropped as "not MCQ"
+    assert [t.data.qid for t in load(arc, split="train", data_format="arc")] == [t.data.qid for t in direct]
+    out = tmp_path / "exported.jsonl"
+    assert cli_main(["data", "export", "--data", str(arc), "--split", "train", "--out", str(out),
+                     "--eval-per-domain", str(EVAL_PER_DOMAIN)]) == 0
+    config = SciKnowEvalConfig(id="sciknoweval", data=str(out), eval_per_domain=0, data_format="sciknoweval")
+    assert sorted(t.data.qid for t in vf.load_taskset(config)) == sorted(t.data.qid for t in direct)
+    mapped = load(arc, split="train", data_columns="question=question,options=choices,answer=answerKey")
+    assert sorted(t.data.answer_key for t in mapped) == sorted(t.data.answer_key for t in direct)
+    for bad in ({"data_format": "csv"}, {"data_columns": "question=Q"}):
+        with pytest.raises(ValidationError):
+            SciKnowEvalConfig(id="sciknoweval", **bad)

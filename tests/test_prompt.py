@@ -44,3 +44,11 @@ def test_cli_lists_commands_and_rejects_unknown(capsys):
     for name in ("data", "eval", "serve", "train", "demo", "report", "export"):
         assert name in out
     assert cli_main(["frobnicate"]) == 2
+
+
+def test_default_instruction_counts_up_to_ten_options():
+    ten = tuple("ABCDEFGHIJ")
+    assert default_instruction(ten).startswith("Given a question and ten options,")
+    assert 'Your answer should be "A", "B", "C", "D", "E", "F", "G", "H", "I" or "J".' in default_instruction(ten)
+    assert default_instruction(("A", "B", "C")).startswith("Given a question and three options,")
+    assert 'should be "A", "B", "C", "D" or "E".' in default_instruction(tuple("ABCDE"))

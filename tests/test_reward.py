@@ -492,3 +492,35 @@ def test_runs_of_spaces_read_as_one():
     assert extract_answer("Answer:      B", FOUR, "strict") == "B"
     assert extract_answer("I would   choose \t  (C)", FOUR, "lenient") == "C"
     assert extract_answer("<answer>   D  </answer>", FOUR, "strict") == "D"
+
+
+TEN = tuple("ABCDEFGHIJ")
+
+
+@pytest.mark.parametrize("reply, lenient, strict", [
+    ("J", "J", "J"),
+    ("Answer: J", "J", "J"),
+    ("(H)", "H", "H"),
+    ("The correct option is I.", "I", None),
+    ("answer: I", "I", "I"),
+    ("I", "I", "I"),
+    # "I" followed by a verb is the pronoun, even where I is an option
+    ("the answer is I think B", "B", None),
+    ("I think the answer is J.", "J", None),
+    ("I would choose G", "G", None),
+    ("\\boxed{F}", "F", "F"),
+    ("Answer: K", None, None),  # not a label
+])
+def test_ten_option_questions_read_letters_up_to_j(reply, lenient, strict):
+    assert extract_answer(reply, TEN, "lenient") == lenient
+    assert extract_answer(reply, TEN, "strict") == strict
+
+
+@pytest.mark.parametrize("labels, reply, expected", [
+    (("A", "B"), "B", "B"), (("A", "B"), "C", None), (("A", "B"), "Answer: C", None),
+    (("A", "B", "C"), "C", "C"), (("A", "B", "C"), "D", None), (("A", "B", "C"), "Answer: C", "C"),
+    (tuple("ABCDE"), "E", "E"), (tuple("ABCDE"), "Answer: E", "E"), (tuple("ABCDE"), "F", None),
+])
+def test_two_three_and_five_option_questions_take_only_their_letters(labels, reply, expected):
+    assert extract_answer(reply, labels, "lenient") == expected
+    assert extract_answer(reply, labels, "strict") == expected

@@ -1,4 +1,4 @@
-"""``scirl data stats|export``: inspect the SciKnowEval MCQ splits and write one out as JSON lines."""
+"""``scirl data stats|export``: inspect the MCQ splits and write one out as SciKnowEval-schema JSON lines."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, unwritable_parent
+from scirl.commands.parser import Parser, add_data_format_args, data_format_problem, unwritable_parent
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
@@ -16,8 +16,10 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
     from scirl.schema import MCQ_TYPES
 
     parser.add_argument("--data", default=HUB_ID,
-                        help=f"hub id (default {HUB_ID}), hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
+                        help=f"hub id (default {HUB_ID}; or a known set's, REPO[:CONFIG][@SPLIT], e.g. allenai/ai2_arc:ARC-Easy), "
+                             "hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
                              "or one .jsonl/.json/.parquet file")
+    add_data_format_args(parser)
     parser.add_argument("--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)")
     parser.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out rows per domain (default %(default)s)")
     parser.add_argument("--split-method", choices=SPLIT_METHODS, default=DEFAULT_SPLIT_METHOD,
@@ -27,12 +29,13 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="scirl data", description="Inspect and export the SciKnowEval MCQ splits.")
+    parser = Parser(prog="scirl data", description="Inspect and export the MCQ splits of SciKnowEval or another science MCQ set.")
     sub = parser.add_subparsers(dest="action", required=True)
     stats = sub.add_parser("stats", help="counts per domain, type, level and split, and skipped rows by reason")
     add_source_args(stats)
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    export = sub.add_parser("export", help="write one split's rows, with their original fields, as JSON lines")
+    export = sub.add_parser("export", help="write one split's rows as JSON lines in SciKnowEval's schema (SciKnowEval rows "
+                                               "keep their original fields)")
     add_source_args(export)
     export.add_argument("--split", choices=("train", "eval"), required=True)
     export.add_argument("--out", required=True, help="output .jsonl path")
@@ -46,7 +49,7 @@ def load(args: argparse.Namespace):
     if not types:
         raise ValueError("--types must name at least one row type")
     return load_splits(args.data, types=types, eval_per_domain=args.eval_per_domain,
-                       split_method=args.split_method, seed=args.seed)
+                       split_method=args.split_method, seed=args.seed, data_format=args.data_format, columns=args.data_columns)
 
 
 def print_tables(summary: dict) -> None:
@@ -56,7 +59,7 @@ def print_tables(summary: dict) -> None:
 
     # every name below comes from the data (or the command line): printed literally, never read as markup
     console = Console()
-    console.print(f"[bold]{escape(str(summary['source']))}[/]: {summary['rows']} rows read, {summary['mcq']} MCQ "
+    console.print(f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): {summary['rows']} rows read, {summary['mcq']} MCQ "
                   f"({escape(', '.join(summary['types']))}); split {summary['split_method']!r}, "
                   f"{summary['eval_per_domain']} eval per domain, seed {summary['seed']}")
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
@@ -121,6 +124,10 @@ def main(argv: list[str]) -> int:
         return 2
     if args.seed < 0:
         print("scirl data: error: --seed must be >= 0", file=sys.stderr)
+        return 2
+    problem = data_format_problem(args)
+    if problem:
+        print(f"scirl data: error: {problem}", file=sys.stderr)
         return 2
     if args.action == "export":
         problem = out_problem(args.out, args.data)

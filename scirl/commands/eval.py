@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, device_problem, finite_float, unwritable_parent
+from scirl.commands.parser import Parser, add_data_format_args, data_format_problem, device_problem, finite_float, unwritable_parent
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,14 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(
         prog="scirl eval",
-        description="Evaluate a model on SciKnowEval MCQ questions through an OpenAI-compatible server "
+        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible server "
         "(--base-url), or in-process from a local HF model directory (no --base-url). "
         "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
     )
     p.add_argument("--base-url", default=None, help="server URL ending in /v1, e.g. http://localhost:8000/v1")
     p.add_argument("--model", required=True, help="served model name (with --base-url), else a local HF model directory")
     p.add_argument("--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive")
-    p.add_argument("--data", default=HUB_ID, help="hub id, raw_data directory or one .jsonl/.json/.parquet file (default: %(default)s)")
+    p.add_argument("--data", default=HUB_ID, help="hub id (a known set's: REPO[:CONFIG][@SPLIT]), raw_data directory or one "
+                   ".jsonl/.json/.parquet file (default: %(default)s)")
+    add_data_format_args(p)
     p.add_argument("--split", default="eval", choices=("eval", "train"), help="default: %(default)s")
     p.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out questions per domain (default: %(default)s)")
     p.add_argument("--split-method", default=DEFAULT_SPLIT_METHOD, choices=SPLIT_METHODS, help="default: %(default)s")
@@ -96,6 +98,9 @@ def _check(args) -> str | None:
         return "--batch-size must be >= 1"
     if args.eval_per_domain < 0:
         return "--eval-per-domain must be >= 0"
+    problem = data_format_problem(args)
+    if problem:
+        return problem
     if args.base_url is not None:
         problem = _url_problem(args.base_url)
         if problem:
@@ -172,7 +177,8 @@ def _run_eval_locked(args) -> int:
     from scirl.eval.results import BadRecordsFile, SettingsMismatch
 
     try:
-        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed)
+        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed,
+                             data_format=args.data_format, columns=args.data_columns)
     except (DataSourceError, OSError, ValueError) as e:
         print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
         return 2
@@ -190,6 +196,11 @@ def _run_eval_locked(args) -> int:
         "split_seed": args.split_seed,
         "limit": args.limit,
     }
+    # recorded only when given, so a results file made before these flags still resumes with the defaults
+    if args.data_format != "auto":
+        data_settings["data_format"] = args.data_format
+    if args.data_columns is not None:
+        data_settings["data_columns"] = args.data_columns.as_text()
     orders = {"permutations": args.permutations, "permutation_seed": args.permutation_seed}
 
     try:

@@ -62,3 +62,33 @@ def unwritable_parent(path, out: str) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"--out {out}: cannot write in {parent} (permission denied)"
     return None
+
+
+def add_data_format_args(parser: argparse.ArgumentParser) -> None:
+    """--data-format and --data-columns: how the rows of --data are read (``scirl.formats``)."""
+    from scirl.formats import AUTO, COLUMNS_SYNTAX, FORMAT_NAMES
+
+    parser.add_argument("--data-format", default=AUTO, choices=(AUTO, *FORMAT_NAMES),
+                        help="the schema of --data's rows; auto (default): the set a hub id names, else the one the "
+                             "rows' columns fit")
+    parser.add_argument("--data-columns", type=column_mapping, default=None, metavar="KEY=COL,...",
+                        help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX}; options may be one list "
+                             "column; answer is a letter or the option's text; or distractors=COL1+COL2+... with "
+                             "answer=COL the right option's text (placed among them by a hash of the question)")
+
+
+def column_mapping(text: str):
+    """argparse type: a ``scirl.formats.ColumnMapping`` from the flag's text."""
+    from scirl.formats import parse_columns
+
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def data_format_problem(args: argparse.Namespace) -> str | None:
+    """Why --data-format and --data-columns cannot go together (None when they can)."""
+    if args.data_columns is not None and args.data_format != "auto":
+        return f"--data-format {args.data_format} and --data-columns contradict each other: give one of them"
+    return None

@@ -150,7 +150,7 @@ def run_demo(opts: DemoOptions) -> dict:
     console.rule("[bold]1/4 questions")
     write_questions(data_path, opts.train_per_domain, opts.eval_per_domain, opts.seed)
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.seed)
+                         seed=cfg.data.seed, data_format=cfg.data.format, columns=cfg.data.columns)
     held_out = splits.eval
     overlap = {q.id for q in held_out} & {q.id for q in splits.train}
     if overlap:  # load_splits guarantees this; the demo's claim rests on it, so check it

@@ -30,6 +30,7 @@ from scirl.data import (
     DataSourceError,
     load_splits,
 )
+from scirl.formats import AUTO, known_format, parse_columns
 from scirl.prompt import build_messages
 from scirl.schema import MCQ_TYPES, Question
 
@@ -133,6 +134,10 @@ class SciKnowEvalConfig(vf.TasksetConfig):
 
     data: str = HUB_ID
     """Where scirl reads the rows: the hub id, a `raw_data/` directory, or one .jsonl/.json/.parquet file."""
+    data_format: str = AUTO
+    """The schema of `data`'s rows: auto, or one of `scirl.formats.FORMAT_NAMES` (sciknoweval, arc, sciq, ...)."""
+    data_columns: str | None = None
+    """A column mapping instead of a format, as scirl's `--data-columns`: question=Q,options=A+B+C+D,answer=ans."""
     split: Literal["train", "eval"] = "train"
     """scirl's train split, or its held-out eval split."""
     split_method: str = DEFAULT_SPLIT_METHOD
@@ -153,6 +158,18 @@ class SciKnowEvalConfig(vf.TasksetConfig):
             raise ValueError(f"unknown split method {value!r}; expected one of {SPLIT_METHODS}")
         return value
 
+    @field_validator("data_format")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        return known_format(value)
+
+    @field_validator("data_columns")
+    @classmethod
+    def _column_mapping(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_columns(value)  # a ValueError names the problem
+        return value
+
     @field_validator("eval_per_domain")
     @classmethod
     def _non_negative(cls, value: int) -> int:
@@ -171,6 +188,8 @@ class SciKnowEvalTaskset(vf.Taskset[SciKnowEvalTask, SciKnowEvalConfig]):
                 eval_per_domain=cfg.eval_per_domain,
                 split_method=cfg.split_method,
                 seed=cfg.split_seed,
+                data_format=cfg.data_format,
+                columns=cfg.data_columns,
             )
         except DataSourceError as e:
             # scirl's messages name its own `--data` flag; in a config the knob is the taskset's key.
