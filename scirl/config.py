@@ -115,6 +115,10 @@ class DataConfig(Section):
                         "the rows' columns fit) or one of scirl.formats.FORMAT_NAMES")
     columns: dict[str, str] | None = Field(None, description="a column mapping instead of a format, as a table or as "
                                            "the text of --data-columns: question=Q,options=A+B+C+D,answer=ans")
+    shuffle_options: Literal["none", "epoch", "rollout"] = Field(
+        "none", description="permute each question's options (the gold label follows its text): none (the row's "
+        "order, as the guide trained); epoch (one order per question per epoch, shared by its group); rollout "
+        "(one order per completion); seeded from the run's seed, so a resume shows the same orders")
 
     @field_validator("format")
     @classmethod
@@ -141,7 +145,10 @@ class DataConfig(Section):
 
 
 class RewardConfig(Section):
-    mode: Literal["strict", "lenient"] = "strict"
+    mode: Literal["strict", "lenient", "random", "format"] = Field(
+        "strict", description="strict / lenient: 1 for the gold letter under that parser; the controls, independent "
+        "of correctness: random (1 with probability 1/2, seeded per completion), format (1 when the strict parser "
+        "reads any letter)")
 
 
 class WandbConfig(Section):

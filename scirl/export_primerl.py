@@ -268,10 +268,38 @@ enforce = false
 """
 
 
+# What the taskset can do of scirl's [data] shuffle_options and [reward] mode. A task's prompt is fixed at
+# load time and shared by its group, and the env server knows no step or sample index, so per-rollout
+# orders and the random control (both keyed by them) have no equivalent there.
+TASKSET_SHUFFLE_OPTIONS = ("none", "epoch")
+TASKSET_REWARD_MODES = ("strict", "lenient", "format")
+
+
+def check_taskset_settings(shuffle_options: str, reward_mode: str) -> None:
+    """Raise ValueError for a scirl setting the prime-rl taskset cannot reproduce, saying what it can."""
+    if shuffle_options not in TASKSET_SHUFFLE_OPTIONS:
+        raise ValueError(f"shuffle_options {shuffle_options!r} cannot be exported: in prime-rl a task has one prompt for "
+                         "its whole group, so only 'none' and 'epoch' (one order per question) are possible")
+    if reward_mode not in TASKSET_REWARD_MODES:
+        raise ValueError(f"reward mode {reward_mode!r} cannot be exported: the env server knows no step or sample index "
+                         f"to draw a reproducible coin from; the taskset offers {', '.join(TASKSET_REWARD_MODES)}")
+
+
+def taskset_lines(data: str | None, shuffle_options: str = "none", reward_mode: str = "strict") -> str:
+    """The taskset keys that differ from its defaults (so the default export is the config prime-rl validated)."""
+    lines = f"data = {toml_string(data)}\n" if data is not None else ""
+    if shuffle_options != "none":
+        lines += f"shuffle_options = {toml_string(shuffle_options)}   # one option order per question (scirl's epoch 0)\n"
+    if reward_mode != "strict":
+        lines += f"reward_mode = {toml_string(reward_mode)}\n"
+    return lines
+
+
 def grpo_toml(ports: Ports, data: str | None = None, model: str = DEFAULT_MODEL,
-              target: Target = TARGETS[DEFAULT_TARGET]) -> str:
+              target: Target = TARGETS[DEFAULT_TARGET], shuffle_options: str = "none", reward_mode: str = "strict") -> str:
     """The run guide's step-7 config for ``target``, with every port moved to ``ports``."""
-    data_line = f"data = {toml_string(data)}\n" if data is not None else ""
+    check_taskset_settings(shuffle_options, reward_mode)
+    data_line = taskset_lines(data, shuffle_options, reward_mode)
     return f"""\
 # GRPO on SciKnowEval MCQ with prime-rl: the run guide's config (step 7), written by `scirl export prime-rl`.
 # Target: prime-rl {target.name} at commit {target.commit} ({target.date}), verifiers {target.verifiers}.
@@ -528,6 +556,8 @@ def export(
     model: str = DEFAULT_MODEL,
     ref: str = DEFAULT_TARGET,
     force: bool = False,
+    shuffle_options: str = "none",
+    reward_mode: str = "strict",
 ) -> Export:
     """Write the package, grpo.toml and README.md under ``out``.
 
@@ -539,6 +569,7 @@ def export(
     if ref not in TARGETS:
         raise ValueError(f"unknown prime-rl ref {ref!r}; expected one of {', '.join(TARGETS)}")
     target = TARGETS[ref]
+    check_taskset_settings(shuffle_options, reward_mode)  # before anything is written
     out = Path(out)
     targets = [out / PACKAGE_NAME, out / "grpo.toml", out / "README.md"]
     existing = [str(t) for t in targets if t.exists()]
@@ -555,7 +586,7 @@ def export(
               "node (check `sysctl net.ipv4.ip_local_port_range` there)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     files = copy_package(out / PACKAGE_NAME, scirl_source or DEFAULT_SCIRL_SOURCE)
-    for path, text in ((out / "grpo.toml", grpo_toml(ports, data, model, target)),
+    for path, text in ((out / "grpo.toml", grpo_toml(ports, data, model, target, shuffle_options, reward_mode)),
                        (out / "README.md", readme(ports, data, scirl_source, target))):
         path.write_text(text, encoding="utf-8")
         files.append(path)

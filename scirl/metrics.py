@@ -22,6 +22,9 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
         m[f"reward/{domain}"] = statistics.fmean(r["reward"] for r in rollouts if r["domain"] == domain)
     m["parse_rate/strict"] = sum(r["parsed_strict"] for r in rollouts) / n
     m["parse_rate/lenient"] = sum(r["parsed_lenient"] for r in rollouts) / n
+    # correctness whatever the reward mode: under a control reward (random, format) the reward says nothing of it
+    m["accuracy/strict"] = sum(r["correct_strict"] for r in rollouts) / n
+    m["accuracy/lenient"] = sum(r["correct_lenient"] for r in rollouts) / n
     for name in FILTER_NAMES:
         m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
     m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n

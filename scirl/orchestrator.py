@@ -98,8 +98,8 @@ class Orchestrator:
                     return
                 with self._servers_busy:
                     version = self.version
-                    picked = self.sampler.next(self.cfg.questions_per_step)
-                    batch = generate_batch(step, [self.questions[i] for i in picked], self.generator, self.cfg,
+                    picked = self.sampler.take(self.cfg.questions_per_step, self.questions)
+                    batch = generate_batch(step, picked, self.generator, self.cfg,
                                            vocab_size=self.vocab_size, policy_version=version,
                                            data_position=self.sampler.state())
                 with self._changed:

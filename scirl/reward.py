@@ -1,6 +1,6 @@
 """Answer-letter extraction for multiple-choice replies, and the 0/1 reward.
 
-Two modes. (SciKnowEval's own scorer effectively demands a bare letter: it scores "Answer: B" as A.)
+Two extraction modes (and two control rewards built on strict, at the end of this docstring). (SciKnowEval's own scorer effectively demands a bare letter: it scores "Answer: B" as A.)
 
 - ``strict`` (the training reward): the reply is the letter alone ("B", "(B)", "B.") or its last line
   is "Answer: B" (a final ``\\boxed{B}`` counts as that line). Anything looser is unparsed, so the reward
@@ -22,11 +22,21 @@ Both modes first normalise the reply: drop ``<think>...</think>``, fold full-wid
 turn ``\\boxed{X}`` and ``<answer>X</answer>`` into "answer: X", drop markdown characters ``*_`#$``, drop
 blank lines and turn every run of spaces into one space.
 Only the row's labels are answers: "E", or "C" on a two-option row, is never returned.
+
+Control rewards (``[reward] mode``), independent of correctness, for the spurious-reward control run
+(Shao et al. 2025, "Spurious Rewards: Rethinking Training Signals in RLVR", arXiv 2506.10947):
+
+- ``format``: 1 when the strict parser reads any of the row's letters, whatever the letter;
+- ``random``: 1 with probability 1/2 (the paper's Bernoulli(0.5)), drawn from a key such as
+  ``(seed, step, question id, sample index)`` alone, so a resumed run draws the same, whatever the reply.
+
+Their ``Scored`` still carries the strict answer and its correctness, so the control's real accuracy is logged.
 """
 
 from __future__ import annotations
 
 import functools
+import random
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -35,7 +45,10 @@ from typing import TYPE_CHECKING, Sequence
 if TYPE_CHECKING:
     from scirl.schema import Question
 
-MODES = ("strict", "lenient")
+MODES = ("strict", "lenient")  # how a letter is read
+CONTROL_MODES = ("random", "format")  # rewards that ignore correctness (read with the strict parser)
+REWARD_MODES = (*MODES, *CONTROL_MODES)
+RANDOM_REWARD_P = 0.5
 DEFAULT_LABELS = ("A", "B", "C", "D")
 
 # ---------------------------------------------------------------------------------------------
@@ -397,8 +410,26 @@ class Scored:
     reward: float
 
 
-def score(reply: str | None, question: "Question", mode: str) -> Scored:
-    """Extract, compare with the question's answer key, and say whether anything was parsed at all."""
-    answer = extract_answer(reply, question.labels, mode, question.options)
+def score(reply: str | None, question: "Question", mode: str, *, draw: tuple = ()) -> Scored:
+    """Extract, compare with the question's answer key, and say whether anything was parsed at all.
+
+    ``mode`` is one of ``REWARD_MODES``; the controls read the reply with the strict parser and reward
+    apart from correctness. ``draw``: the key of ``random``'s coin (e.g. ``(seed, step, question id, sample)``)."""
+    if mode not in REWARD_MODES:
+        raise ValueError(f"mode must be one of {REWARD_MODES}, got {mode!r}")
+    answer = extract_answer(reply, question.labels, "strict" if mode in CONTROL_MODES else mode, question.options)
     correct = answer is not None and answer == question.answer_key
-    return Scored(answer=answer, correct=correct, parsed=answer is not None, reward=1.0 if correct else 0.0)
+    if mode == "random":
+        value = random_reward(*draw)
+    elif mode == "format":
+        value = 1.0 if answer is not None else 0.0
+    else:
+        value = 1.0 if correct else 0.0
+    return Scored(answer=answer, correct=correct, parsed=answer is not None, reward=value)
+
+
+def random_reward(*key: object) -> float:
+    """The ``random`` control's reward: 1.0 with probability ``RANDOM_REWARD_P``, from ``key`` alone."""
+    if not key:
+        raise ValueError("the random reward needs a key (seed, step, question id, sample index) to be reproducible")
+    return 1.0 if random.Random("-".join(str(part) for part in ("reward", *key))).random() < RANDOM_REWARD_P else 0.0

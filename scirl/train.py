@@ -254,8 +254,8 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                          push_weights=lambda: push(step, orchestrator))
     else:
         def next_step(step: int) -> StepResult:
-            picked = sampler.next(cfg.questions_per_step)
-            return rl_step(step, [questions[i] for i in picked[dist.rank :: dist.world_size]], generator, trainer,
+            picked = sampler.take(cfg.questions_per_step, questions)
+            return rl_step(step, picked[dist.rank :: dist.world_size], generator, trainer,
                            cfg, pad_id=pad_id, data_position=sampler.state())
 
     # ---- the loop ----
@@ -422,9 +422,7 @@ def free_port() -> int:
 def prompted_questions(splits, cfg, tokenizer, dist, say) -> tuple[list, str]:
     """The split's questions with their prompts, those that fit ``seq_len``, and their digest
     (checkpoints record it: a resume on other questions is refused)."""
-    from scirl.inference.base import encode_messages
-    from scirl.prompt import build_messages, render_prompt
-    from scirl.rollouts import PromptedQuestion
+    from scirl.rollouts import prompt_for
 
     questions = splits.split(cfg.data.split)
     skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
@@ -432,10 +430,9 @@ def prompted_questions(splits, cfg, tokenizer, dist, say) -> tuple[list, str]:
                     if skipped else "")
     kept = []
     for q in questions:
-        messages = build_messages(q)
-        ids = encode_messages(tokenizer, messages)
-        if len(ids) + cfg.max_completion_tokens <= cfg.seq_len:
-            kept.append(PromptedQuestion(q, ids, render_prompt(tokenizer, messages)))
+        item = prompt_for(q, tokenizer)
+        if len(item.prompt_ids) + cfg.max_completion_tokens <= cfg.seq_len:
+            kept.append(item)
     too_long = len(questions) - len(kept)
     too_long_note = (f"; {too_long} left out because prompt + max_completion_tokens ({cfg.max_completion_tokens}) "
                      f"exceeds seq_len ({cfg.seq_len})" if too_long else "")

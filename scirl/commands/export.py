@@ -11,6 +11,8 @@ from scirl.commands.parser import Parser
 
 def build_parser() -> argparse.ArgumentParser:
     from scirl.export_primerl import DEFAULT_MODEL, DEFAULT_TARGET, TARGETS
+    from scirl.options import SHUFFLE_MODES
+    from scirl.reward import REWARD_MODES
 
     parser = Parser(prog="scirl export", description="Export the task for other frameworks.")
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
@@ -34,6 +36,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="where uv finds scirl on the training node (checkout dir or wheel); "
                        "default: deps/scirl in the prime-rl checkout")
     prime.add_argument("--model", default=DEFAULT_MODEL, help=f"model name in grpo.toml (default: {DEFAULT_MODEL})")
+    # every value of scirl's own settings, so one the taskset cannot reproduce gets the export's reason, not argparse's
+    prime.add_argument("--shuffle-options", choices=SHUFFLE_MODES, default="none",
+                       help="scirl's [data] shuffle_options for the taskset: none, or epoch (one order per question); "
+                       "rollout cannot be expressed in prime-rl and is refused")
+    prime.add_argument("--reward-mode", choices=REWARD_MODES, default="strict",
+                       help="scirl's [reward] mode for the taskset: strict, lenient or the format control; the random "
+                       "control cannot be expressed in prime-rl and is refused")
     prime.add_argument("--force", action="store_true", help="overwrite an earlier export in --out")
     return parser
 
@@ -47,7 +56,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         result = export(args.out, data=args.data, base_port=args.base_port, scirl_source=args.scirl_source,
-                        model=args.model, ref=args.prime_rl_ref, force=args.force)
+                        model=args.model, ref=args.prime_rl_ref, force=args.force,
+                        shuffle_options=args.shuffle_options, reward_mode=args.reward_mode)
     except (FileExistsError, ValueError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
         return 2

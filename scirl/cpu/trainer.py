@@ -92,18 +92,22 @@ class SharedPromptBatch:
 
 def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
     """Like ``make_micro_batches``, but each group's prompt is stored once per micro-batch.
-    Samples keep their order (a group's completions are adjacent, so they share a micro-batch)."""
+    Samples keep their order (a group's completions are adjacent, so they share a micro-batch).
+    A group whose completions saw different prompts (options shuffled per completion) stores each
+    distinct prompt once."""
     batches = []
     for start in range(0, len(samples), micro_batch_size):
         chunk = samples[start : start + micro_batch_size]
-        row_of_group: dict[int, int] = {}  # the group index says which completions share a prompt
+        # the group and the tokens, not the group alone: completions of one question may have seen other orders
+        row_of_prompt: dict[tuple, int] = {}
         prompts, rows = [], []
         for s in chunk:
             check_sample(s)
-            if s.group not in row_of_group:
-                row_of_group[s.group] = len(prompts)
+            key = (s.group, tuple(s.prompt_ids))
+            if key not in row_of_prompt:
+                row_of_prompt[key] = len(prompts)
                 prompts.append(s.prompt_ids)
-            rows.append(row_of_group[s.group])
+            rows.append(row_of_prompt[key])
         longest_prompt = max(len(p) for p in prompts)
         prompt_ids = torch.full((len(prompts), longest_prompt), pad_id, dtype=torch.long)
         prompt_mask = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)

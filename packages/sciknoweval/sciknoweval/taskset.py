@@ -10,6 +10,13 @@ Two traps of the verifiers/prime-rl pair shape `load()`:
   question's durable content id (scirl keeps exact duplicates once);
 - the sampler cycles tasks in load order, with no per-epoch shuffle, so
   `load()` shuffles with a fixed seed itself.
+
+Option shuffling: a task's prompt is fixed when it is loaded and shared by its
+whole group, and the env server knows neither the step nor a rollout's index in
+its group. So `shuffle_options = "epoch"` shows each question in the order scirl's
+`shuffle_options = "epoch"` gives it in epoch 0 (`scirl.options.epoch_order` with
+`shuffle_seed`), for every pass; per-rollout orders and the `random` control reward
+(both keyed by step and sample index) cannot be expressed and are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import verifiers.v1 as vf
 from pydantic import field_validator
 
 from scirl import reward as scirl_reward
+from scirl import options
 from scirl.data import (
     DEFAULT_EVAL_PER_DOMAIN,
     DEFAULT_SPLIT_METHOD,
@@ -51,7 +59,9 @@ class SciKnowEvalData(vf.TaskData):
     level: str = ""
     subtask: str = ""
     mcq_type: str = "mcq-4-choices"
-    reward_mode: Literal["strict", "lenient"] = "strict"
+    reward_mode: Literal["strict", "lenient", "format"] = "strict"
+    option_order: list[int] | None = None
+    """Shown position -> the row's position, when the options were shuffled (``answer_key`` is the shown gold label)."""
 
 
 def question_of(data: SciKnowEvalData) -> Question:
@@ -66,6 +76,7 @@ def question_of(data: SciKnowEvalData) -> Question:
         level=data.level,
         subtask=data.subtask,
         type=data.mcq_type,
+        option_order=tuple(data.option_order) if data.option_order is not None else None,
     )
 
 
@@ -88,6 +99,7 @@ def task_data(q: Question, idx: int, reward_mode: str) -> SciKnowEvalData:
         subtask=q.subtask,
         mcq_type=q.type,
         reward_mode=reward_mode,
+        option_order=list(q.option_order) if q.option_order is not None else None,
     )
 
 
@@ -119,6 +131,11 @@ class SciKnowEvalTask(vf.Task[SciKnowEvalData]):
         """Lenient accuracy beside the (usually strict) training reward."""
         return score_reply(trace.last_reply, self.data, mode="lenient").reward
 
+    @vf.metric
+    async def correct_strict(self, trace: vf.Trace) -> float:
+        """Strict accuracy, whatever the reward: under the format control the reward says nothing of it."""
+        return score_reply(trace.last_reply, self.data, mode="strict").reward
+
 
 def score_reply(reply: str, data: SciKnowEvalData, mode: str | None = None) -> scirl_reward.Scored:
     """scirl's reward for one reply, in the task's mode unless ``mode`` is given.
@@ -146,10 +163,16 @@ class SciKnowEvalConfig(vf.TasksetConfig):
     """Held-out questions per domain."""
     split_seed: int = DEFAULT_SPLIT_SEED
     """Seed of the split methods that draw at random."""
-    reward_mode: Literal["strict", "lenient"] = "strict"
-    """strict: the reply is the letter alone or ends with an "Answer: X" line (the training reward)."""
+    reward_mode: Literal["strict", "lenient", "format"] = "strict"
+    """strict: the reply is the letter alone or ends with an "Answer: X" line (the training reward);
+    format: the spurious-reward control, 1 for any letter the strict parser reads. scirl's `random`
+    control needs a step and a sample index the env server does not have, so it is not offered."""
     shuffle_seed: int = 0
-    """Seed of the task order (prime-rl cycles tasks in load order)."""
+    """Seed of the task order (prime-rl cycles tasks in load order) and of the option orders."""
+    shuffle_options: Literal["none", "epoch"] = "none"
+    """none: the row's option order; epoch: each question's options permuted as scirl's epoch 0 would
+    (the gold label follows its text), the same order on every pass. scirl's per-rollout orders need a
+    prompt per rollout, which a task does not have, so "rollout" is not offered."""
 
     @field_validator("split_method")
     @classmethod
@@ -206,4 +229,6 @@ class SciKnowEvalTaskset(vf.Taskset[SciKnowEvalTask, SciKnowEvalConfig]):
             if q.id in seen:
                 raise ValueError(f"duplicate question id {q.id} ({q.source}) in split {cfg.split!r}")
             seen.add(q.id)
+        if cfg.shuffle_options == "epoch":
+            questions = [options.permute(q, options.epoch_order(q, cfg.shuffle_seed, 0)) for q in questions]
         return [SciKnowEvalTask(task_data(q, i, cfg.reward_mode), cfg.task) for i, q in enumerate(questions)]
