@@ -129,6 +129,10 @@ EXPORT_CASES = [
     ["export", "prime-rl", "--out", "{tmp}/x", "--base-port", "99999"],
     ["export", "prime-rl", "--out", "{file}"],  # a plain file
     ["export", "other-target", "--out", "{tmp}/x"],
+    # scirl settings prime-rl's taskset cannot reproduce (a group shares one prompt; no step or sample index)
+    ["export", "prime-rl", "--out", "{tmp}/x", "--shuffle-options", "rollout"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--reward-mode", "random"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--shuffle-options", "always"],
 ]
 
 # `scirl train` and `scirl demo` cases: added with the training-side hardening.
@@ -141,6 +145,8 @@ TRAIN_DEMO_CASES = [
     ["train", "--device", "tpu9"],
     ["train", "--no-such-field", "1"],
     ["train", "--inference.backend", "tensorrt"],
+    ["train", "--data.shuffle-options", "always"],
+    ["train", "--reward.mode", "coin"],
     ["train", "@", "{tmp}/missing.toml"],
     ["train", "@", "{file}"],  # not TOML
     ["train", "--resume", "{tmp}/nowhere"],

@@ -67,6 +67,8 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--data.seed", str(2**64)], "data.seed"),
     (["--output-dir", ""], "output_dir"),
     (["--model", ""], "model"),
+    (["--data.shuffle-options", "always"], "data.shuffle_options"),
+    (["--reward.mode", "coin"], "reward.mode"),
 ])
 def test_bad_values_and_unknown_keys_name_the_field(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.") if "." in fragment else fragment):

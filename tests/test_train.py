@@ -268,6 +268,49 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
         assert torch.equal(w_ref[name], w_got[name]), name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shuffle, reward_mode", [("epoch", "strict"), ("rollout", "random")])
+def test_resume_with_shuffled_options_is_exact(letter_model_dir, tmp_path, one_thread, shuffle, reward_mode):
+    """Shuffled options (and the random control reward) come from seeds alone: a run stopped at checkpoint 2
+    and resumed shows and rewards step 3 exactly as the uninterrupted run. Four train questions, two a
+    step: step 3 opens the second epoch, right after the resume."""
+    from scirl.reward import random_reward
+    from scirl.synthetic import generate_rows, write_jsonl
+
+    data_file = write_jsonl(generate_rows(n_per_domain=2, seed=1, non_mcq=False), tmp_path / "rows.jsonl")
+    extra = ["--data.eval-per-domain", "1", "--data.shuffle-options", shuffle, "--reward.mode", reward_mode]
+    reference = tmp_path / "reference"
+    assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=3, extra=extra)) == 0
+    run_dir = tmp_path / "resumed"
+    assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=extra)) == 0
+    assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "3"], resume=True) == 0
+    assert [m["epoch"] for m in rows(reference)] == [0, 0, 1]
+    assert_same_rows(rows(reference), rows(run_dir))
+    records = {}
+    for step in (1, 2, 3):
+        a = [json.loads(x) for x in (reference / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        b = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert a == b, step  # prompts, orders, completions, rewards, advantages
+        records[step] = a
+    w_ref, w_got = final_weights(reference, 3), final_weights(run_dir, 3)
+    for name in w_ref:
+        assert torch.equal(w_ref[name], w_got[name]), name
+
+    every = [r for step in (1, 2, 3) for r in records[step]]
+    assert any(r["option_order"] != sorted(r["option_order"]) for r in every)  # options really moved
+    by_group = {}
+    for r in every:
+        by_group.setdefault((r["step"], r["group"]), set()).add(tuple(r["option_order"]))
+    if shuffle == "epoch":
+        assert all(len(orders) == 1 for orders in by_group.values())  # a group shares one prompt
+        first = {r["question_id"]: r["option_order"] for r in records[1] + records[2]}
+        later = {r["question_id"]: r["option_order"] for r in records[3]}
+        assert any(first[q] != later[q] for q in later)  # a new epoch, new orders
+    else:
+        assert any(len(orders) > 1 for orders in by_group.values())
+        assert all(r["reward"] == random_reward(3, r["step"], r["question_id"], r["sample"]) for r in every)
+
+
 def read_back_overrides(run_dir: Path) -> list[str]:
     """The saved config as '@ file' (what `scirl train --resume` does)."""
     return ["@", str(run_dir / "config.toml")]
@@ -475,7 +518,7 @@ def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path,
     """With a reward for answering "A", a few steps move the policy there (sign and plumbing of the whole loop)."""
     import scirl.reward
 
-    def reward_for_a(reply, question, mode):
+    def reward_for_a(reply, question, mode, **_):
         ok = reply.strip().startswith("A")
         return scirl.reward.Scored(answer="A" if ok else None, correct=ok, parsed=ok, reward=float(ok))
 
@@ -488,20 +531,25 @@ def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path,
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
 
 
-def grouped_samples(seed=0):
-    """Two prompts (different lengths), 3 and 2 completions each, one completion of a single token."""
+def grouped_samples(seed=0, per_completion_prompts=False):
+    """Two prompts (different lengths), 3 and 2 completions each, one completion of a single token.
+    ``per_completion_prompts``: group 0's completions each see their own prompt (options shuffled per
+    completion), still one group."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for group, (n_prompt, lengths) in enumerate(((9, (4, 1, 6)), (5, (3, 2)))):
         prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
         for n in lengths:
+            if per_completion_prompts and group == 0:
+                prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
             samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
                                   (-torch.rand(n, generator=g) * 5).tolist(), float(torch.randn(1, generator=g)), group))
     return samples
 
 
+@pytest.mark.parametrize("per_completion_prompts", [False, True])
 @pytest.mark.parametrize("micro_batch_size", [3, 5])  # one prompt per micro-batch; two, the shorter left-padded
-def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_size):
+def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_size, per_completion_prompts):
     """Each prompt run once and continued from its KV cache: same logprobs and same update as full sequences."""
     from scirl.config import TrainConfig
     from scirl.cpu.trainer import CPUTrainer, make_shared_prompt_batches
@@ -509,7 +557,9 @@ def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_
     from scirl.trainer import load_model, make_micro_batches
 
     cfg = TrainConfig()
-    samples = grouped_samples()
+    samples = grouped_samples(per_completion_prompts=per_completion_prompts)
+    if per_completion_prompts:  # one stored prompt per distinct prompt, not per group
+        assert len(make_shared_prompt_batches(samples, 5, pad_id=0)[0].prompt_ids) == 4
     results = []
     for build in (make_micro_batches, make_shared_prompt_batches):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
