@@ -198,6 +198,69 @@ def test_env_server_path_rebuilds_the_task_from_wire_data_and_scores_the_same(da
         assert score(rebuilt, reply).reward == score(task, reply).reward
 
 
+def test_epoch_shuffle_permutes_options_as_scirl_does_and_scores_the_shown_order(data_file):
+    from scirl.options import epoch_order, permute
+
+    plain = {t.key: t for t in load(data_file)}
+    shuffled = load(data_file, shuffle_options="epoch", shuffle_seed=3)
+    assert [t.key for t in shuffled] == [t.key for t in load(data_file, shuffle_seed=3)]  # same tasks, same order
+    moved = 0
+    for task in shuffled:
+        row = plain[task.key].data
+        q = question_from_row({"question": row.question, "choices": {"text": row.options, "label": row.labels},
+                               "answerKey": row.answer_key, "type": row.mcq_type, "domain": row.domain})
+        shown = permute(q, epoch_order(q, 3, 0))  # scirl's epoch 0 under seed 3: the same seeding rule
+        assert (task.data.options, task.data.answer_key, task.data.option_order) == (
+            list(shown.options), shown.answer_key, list(shown.option_order))
+        assert task.data.prompt == build_messages(shown)[1]["content"]
+        # the gold label follows its text, and the reward reads the shown letter
+        assert task.data.options[task.data.labels.index(task.data.answer_key)] == row.options[row.labels.index(row.answer_key)]
+        assert score(task, task.data.answer_key).reward == 1.0
+        moved += task.data.answer_key != row.answer_key
+    assert moved >= len(shuffled) // 2
+    # the env server rebuilds the shown question from the wire data
+    wire = json.loads(json.dumps(shuffled[0].data.model_dump(mode="json")))
+    rebuilt = SciKnowEvalTask(SciKnowEvalData.model_validate(wire), vf.TaskConfig())
+    for reply in replies_for(shuffled[0]):
+        assert score(rebuilt, reply).reward == score(shuffled[0], reply).reward
+
+
+def test_format_control_rewards_any_strict_letter_and_logs_strict_accuracy(data_file):
+    task = load(data_file, reward_mode="format")[0]
+    gold = task.data.answer_key
+    wrong = next(label for label in task.data.labels if label != gold)
+    for reply, paid, correct in ((gold, 1.0, 1.0), (wrong, 1.0, 0.0), (f"The answer is {gold}.", 0.0, 0.0)):
+        trace = score(task, reply)
+        assert (trace.reward, trace.metrics["correct_strict"]) == (paid, correct), reply
+
+
+def test_settings_the_taskset_cannot_express_are_refused(data_file, tmp_path, capsys):
+    for bad in ({"shuffle_options": "rollout"}, {"reward_mode": "random"}):
+        with pytest.raises(ValidationError):
+            SciKnowEvalConfig.model_validate({"id": "sciknoweval", **bad})
+    for flags in (["--shuffle-options", "rollout"], ["--reward-mode", "random"]):
+        assert cli_main(["export", "prime-rl", "--out", str(tmp_path / "x"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("scirl export:") and "cannot be exported" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+
+
+def test_export_with_shuffle_and_a_control_reward(data_file, tmp_path):
+    out = tmp_path / "export"
+    assert cli_main(["export", "prime-rl", "--out", str(out), "--data", str(data_file),
+                     "--shuffle-options", "epoch", "--reward-mode", "format"]) == 0
+    cfg = tomllib.loads((out / "grpo.toml").read_text())
+    taskset = cfg["orchestrator"]["train"]["source"][0]["env"]["taskset"]
+    assert taskset == {"id": "sciknoweval", "split": "train", "data": str(data_file.resolve()),
+                       "shuffle_options": "epoch", "reward_mode": "format"}
+    config = SciKnowEvalConfig.model_validate(taskset)
+    tasks = list(vf.load_taskset(config.model_copy(update={"eval_per_domain": EVAL_PER_DOMAIN})))
+    assert tasks and all(t.data.option_order is not None and t.data.reward_mode == "format" for t in tasks)
+    # only the taskset differs from the default export, which prime-rl validated (fixtures)
+    base = cfg["inference"]["server"]["port"]
+    assert without(cfg, ["orchestrator.train.source"]) == without(exported_toml(base, "main"), ["orchestrator.train.source"])
+
+
 # --- the export ---------------------------------------------------------------------------------
 #
 # prime-rl is not on PyPI, so its resolution of the exported grpo.toml is recorded
