@@ -177,7 +177,8 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, cfg, *, 
     are shuffled as ``cfg.data.shuffle_options`` says (with ``generator.tokenizer``). ``policy_version``
     defaults to on-policy (``step - 1``)."""
     version = step - 1 if policy_version is None else policy_version
-    shown = shown_prompts(step, batch, cfg, getattr(generator, "tokenizer", None))
+    # the generator's own tokenizer (the Generator contract): the shown prompts are its token ids
+    shown = shown_prompts(step, batch, cfg, generator.tokenizer if cfg.data.shuffle_options != "none" else None)
     shared = all(len(prompts) == 1 for prompts in shown)
     # one prompt per group: n completions of it; one prompt per completion: each sampled alone
     params = SamplingParams(n=cfg.group_size if shared else 1, temperature=cfg.temperature, top_p=cfg.top_p,
