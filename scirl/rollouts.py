@@ -85,6 +85,15 @@ def prompt_for(q: Question, tokenizer) -> PromptedQuestion:
     return PromptedQuestion(q, encode_messages(tokenizer, messages), render_prompt(tokenizer, messages))
 
 
+def fits(item: PromptedQuestion, cfg) -> bool:
+    """Whether ``item``'s prompt leaves ``max_completion_tokens`` under ``seq_len``, in every order it may
+    be shown in. Byte-level BPE tokenises each option line on its own, so a reordered prompt has the
+    same length (checked for every order of the synthetic questions); other tokenisers may merge across
+    a line break, so a shuffled run keeps one token per option line to spare."""
+    spare = 0 if cfg.data.shuffle_options == "none" else len(item.question.options)
+    return len(item.prompt_ids) + spare + cfg.max_completion_tokens <= cfg.seq_len
+
+
 def shown_prompts(step: int, batch: list[PromptedQuestion], cfg, tokenizer) -> list[list[PromptedQuestion]]:
     """What each group's completions are shown: ``[prompt]`` shared by the whole group (``none``,
     ``epoch``), or ``group_size`` prompts, completion ``k`` seeing the ``k``-th (``rollout``)."""

@@ -422,7 +422,7 @@ def free_port() -> int:
 def prompted_questions(splits, cfg, tokenizer, dist, say) -> tuple[list, str]:
     """The split's questions with their prompts, those that fit ``seq_len``, and their digest
     (checkpoints record it: a resume on other questions is refused)."""
-    from scirl.rollouts import prompt_for
+    from scirl.rollouts import fits, prompt_for
 
     questions = splits.split(cfg.data.split)
     skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
@@ -431,7 +431,7 @@ def prompted_questions(splits, cfg, tokenizer, dist, say) -> tuple[list, str]:
     kept = []
     for q in questions:
         item = prompt_for(q, tokenizer)
-        if len(item.prompt_ids) + cfg.max_completion_tokens <= cfg.seq_len:
+        if fits(item, cfg):
             kept.append(item)
     too_long = len(questions) - len(kept)
     too_long_note = (f"; {too_long} left out because prompt + max_completion_tokens ({cfg.max_completion_tokens}) "

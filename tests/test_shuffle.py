@@ -218,3 +218,19 @@ def test_a_control_run_logs_its_true_accuracy(prompted, tokenizer):
     assert m["accuracy/strict"] == sum(r["correct_strict"] for r in batch.rollouts) / 24
     assert m["reward/mean_all"] == sum(r["reward"] for r in batch.rollouts) / 24
     assert m["accuracy/strict"] != m["reward/mean_all"]
+
+
+def test_a_shuffled_run_keeps_a_token_per_option_line_to_spare(prompted, tokenizer):
+    from scirl.rollouts import fits
+
+    item = next(p for p in prompted if len(p.question.options) == 4)
+    exact = len(item.prompt_ids) + 8
+    for mode, seq_len, kept in (("none", exact, True), ("epoch", exact, False), ("rollout", exact + 3, False),
+                                ("rollout", exact + 4, True)):
+        cfg = TrainConfig(seq_len=seq_len, max_completion_tokens=8, data={"shuffle_options": mode})
+        assert fits(item, cfg) is kept, (mode, seq_len)
+    # byte-level BPE: every order of every question has the row order's length, so the spare is never used up
+    q = item.question
+    lengths = {len(prompt_for(options.permute(q, options.rollout_order(q, 0, 1, k)), tokenizer).prompt_ids)
+               for k in range(24)}
+    assert lengths == {len(item.prompt_ids)}
