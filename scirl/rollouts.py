@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from scirl import options, reward
 from scirl.grpo import apply_filters, group_advantages
