@@ -149,11 +149,15 @@ def test_two_rank_trainer_async_level_1_through_the_filesystem(server, questions
     assert trained != base  # the check above would pass on an unchanged server otherwise
 
 
-def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_path):
+@pytest.mark.parametrize("shuffle", [(), ("--data.shuffle-options", "rollout", "--reward.mode", "random")],
+                         ids=["row-order", "per-completion-orders"])
+def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_path, shuffle):
     """max_async_level 0 through a server is the colocated vLLM loop: same seeds, same samples, same
-    updates. Rewards and counts are compared exactly; losses and norms (other processes) to 1e-5."""
+    updates. Rewards and counts are compared exactly; losses and norms (other processes) to 1e-5.
+    With options shuffled per completion (one prompt each, sampled alone) the orchestrator shows and
+    rewards exactly what the colocated loop does."""
     _, url = server
-    common = ("--max-steps", "2", "--optim.lr", "5e-3", "--seed", "7")
+    common = ("--max-steps", "2", "--optim.lr", "5e-3", "--seed", "7", *shuffle)
     colocated = run_scirl(train_args(questions, tmp_path / "colocated", "--inference.backend", "vllm",
                                      "--inference.kv-cache-gib", "0.25", *common))
     assert colocated.returncode == 0, colocated.stdout[-3000:] + colocated.stderr[-3000:]
@@ -169,8 +173,11 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
             else:
                 assert b[key] == a[key], key
     for step in (1, 2):
-        assert ([r["completion"] for r in rollouts(tmp_path / "colocated", step)]
-                == [r["completion"] for r in rollouts(tmp_path / "servers", step)])
+        assert ([(r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "colocated", step)]
+                == [(r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "servers", step)])
+    if shuffle:
+        orders = {(r["group"], tuple(r["option_order"])) for r in rollouts(tmp_path / "servers", 1)}
+        assert len(orders) > len({group for group, _ in orders})  # a group's completions saw several orders
 
 
 def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, tmp_path):
