@@ -1,8 +1,8 @@
 """The errors scirl reports to a user as one line, without a traceback.
 
 Each names what is wrong and, where there is one, the fix. The CLI maps them to exit codes:
-``ConfigError`` and ``RunDirError`` are usage errors (2); ``DataSourceError`` and ``TrainError``
-are a run that could not go on (1). Everything else is a bug and keeps its traceback.
+``ConfigError``, ``RunDirError`` and ``PreflightError`` are usage errors (2); ``DataSourceError``,
+``TrainError`` and ``DeployError`` are a run that could not go on (1). Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -30,3 +30,12 @@ class TrainError(ScirlError, RuntimeError):
 
 class RunDirError(TrainError):
     """A run directory that holds another run, or is in use by a live process."""
+
+
+class PreflightError(ScirlError):
+    """A deployment that cannot start here (a port taken, GPUs busy, too little disk, a package
+    missing); checked before anything starts, and the message ends with the fix."""
+
+
+class DeployError(ScirlError, RuntimeError):
+    """A deployment's component (an inference server, the trainer) that failed once started."""

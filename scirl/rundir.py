@@ -19,11 +19,20 @@ RESULTS = ("metrics.jsonl", "rollouts", "weights")
 
 
 def prepare(run_dir: Path, *, resume: bool, clean: bool) -> None:
-    """Refuse to mix two runs in one directory: results there need ``--resume`` or ``--clean``.
-    (A config and logs alone are what a run that failed before its first step leaves: no refusal.)
+    """Refuse to mix two runs in one directory (``check``), then make it ready.
 
     ``--clean`` deletes only what ``scirl train`` writes, and only in a directory that holds a scirl
     run (its ``config.toml``); any other file stays where it is."""
+    check(run_dir, resume=resume, clean=clean)
+    if clean and (run_dir / "config.toml").is_file():
+        remove_run_files(run_dir)
+    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+
+def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
+    """Results in ``run_dir`` need ``--resume`` or ``--clean``. (A config and logs alone are what a run
+    that failed before its first step leaves, or a launcher's logs and ports: no refusal.) Changes nothing."""
     results = [name for name in RESULTS if has_content(run_dir / name)]
     is_run = (run_dir / "config.toml").is_file()
     if results and not is_run:
@@ -34,10 +43,6 @@ def prepare(run_dir: Path, *, resume: bool, clean: bool) -> None:
             f"{run_dir} already holds a run ({', '.join(results)}); "
             "pass --resume to continue it, --clean to delete it, or choose another --output-dir"
         )
-    if clean and is_run:
-        remove_run_files(run_dir)
-    (run_dir / "rollouts").mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
 
 def remove_run_files(run_dir: Path) -> None:

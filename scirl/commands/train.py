@@ -14,6 +14,8 @@ kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
 --filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors.
 Every field with its value: --dry-run.
 Multi-GPU: torchrun --nproc-per-node N -m scirl train @ configs/X.toml
+With inference servers (deployment.num_infer_gpus > 0): scirl train @ configs/X.toml starts the
+vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, ports.json).
 """
 
 
@@ -28,15 +30,18 @@ def main(argv: list[str]) -> int:
 
     from scirl.config import ConfigError, load_config, parse_overrides, read_toml, to_toml_dict
 
+    config_args = list(rest)  # as given: a launcher passes them on, and its trainer resolves the same config
     try:
         base = None
         if args.resume:
             from pathlib import Path
 
+            from scirl.deploy.launch import forget_launched_servers
+
             saved = Path(args.resume) / "config.toml"
             if not saved.is_file():
                 raise ConfigError(f"--resume {args.resume}: no config.toml there (is it a run directory?)")
-            base = read_toml(saved)
+            base = forget_launched_servers(read_toml(saved), Path(args.resume))
             asked = parse_overrides(rest)[1].get("output_dir")
             if asked is not None and Path(asked).resolve() != Path(args.resume).resolve():
                 raise ConfigError(f"--resume {args.resume} continues that run in place; drop --output-dir {asked}")
@@ -53,6 +58,9 @@ def main(argv: list[str]) -> int:
 
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
         return 0
+
+    if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
+        return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
 
     from scirl.checkpoint import CheckpointWriteError
     from scirl.errors import DataSourceError, HubUnreachable, RunDirError, TrainError
@@ -73,6 +81,27 @@ def main(argv: list[str]) -> int:
 
         exit_process(status)  # under torchrun: no interpreter finalization (scirl/distributed.py says why)
     return status
+
+
+def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_options) -> int:
+    """Servers plus trainer, started and supervised here (``scirl.deploy.launch``; ``launch_options``
+    replace its programs, as tests do)."""
+    from scirl.errors import DeployError, PreflightError, RunDirError
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        print("scirl train: with deployment.num_infer_gpus > 0, run `scirl train` without torchrun: "
+              "it starts the servers and torchrun itself", file=sys.stderr)
+        return 2
+    from scirl.deploy.launch import launch
+
+    try:
+        return launch(cfg, config_args, resume=resume, clean=clean, **launch_options)
+    except (PreflightError, RunDirError) as exc:
+        print(f"scirl train: {exc}", file=sys.stderr)
+        return 2
+    except DeployError as exc:
+        print(f"scirl train: {exc}", file=sys.stderr)
+        return 1
 
 
 def keep_freed_memory_on_cpu(device: str) -> None:

@@ -1,0 +1,3 @@
+"""The disaggregated deployment: vLLM servers and a torchrun trainer, started and supervised by
+``scirl train`` itself. ``ports`` picks and records every port, ``preflight`` refuses what cannot work
+before anything starts, ``supervisor`` runs and stops child processes, ``launch`` puts them in order."""

@@ -1,0 +1,223 @@
+"""``scirl train`` with ``deployment.num_infer_gpus > 0``: preflight, ports, the vLLM servers, the
+trainer, and supervision, from one command.
+
+Order, and why: every check that can refuse the run comes before anything starts (a refusal after
+the servers spent minutes loading an 8B model wastes them); the servers start before the trainer,
+which needs them from its first step; the launcher then only watches. The first component to fail
+ends the run: every child is stopped and that component's last log lines are shown.
+
+The run directory stays the trainer's: it takes the lock and applies ``--resume`` / ``--clean``
+(``rundir.prepare``). The launcher only adds ``logs/inference_<i>.log``, ``logs/trainer.log`` and
+``ports.json``, none of which makes a directory count as holding a run or is removed by ``--clean``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from scirl import rundir
+from scirl.deploy import ports as ports_lib
+from scirl.deploy import preflight
+from scirl.deploy.supervisor import Child, Supervisor
+from scirl.errors import DeployError, ScirlError
+
+TRAINER = ["-m", "scirl", "train"]  # what torchrun or python runs, before the config arguments
+STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL
+PORTS_FILE = "ports.json"
+
+
+@dataclass(frozen=True)
+class ServerSlot:
+    """One inference server to start: where it listens and what it runs on."""
+
+    index: int
+    host: str
+    port: int
+    gpus: list[str]  # its CUDA_VISIBLE_DEVICES entries; empty on a machine without GPUs
+    data_parallel_size: int  # engines behind this one server (vLLM's --data-parallel-size)
+    cfg: object  # the run's TrainConfig (model, max_model_len, dtype, ...)
+
+
+def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
+    from scirl.inference.vllm_server import server_command
+
+    return server_command(slot.cfg, host=slot.host, port=slot.port, data_parallel_size=slot.data_parallel_size)
+
+
+def vllm_client(url: str, cfg):
+    from scirl.inference.vllm_server import ServerClient
+
+    return ServerClient(url)
+
+
+def weight_sync_mode(setting: str, cuda: bool) -> str:
+    return setting if setting != "auto" else ("nccl" if cuda else "filesystem")
+
+
+def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = False, server_command=None,
+           client=vllm_client, trainer_program: list[str] = TRAINER) -> int:
+    """Run the deployment; return the exit status. ``config_args`` are the ``@ file.toml`` and flag
+    arguments as the user gave them: the trainer resolves the same config from them. ``server_command``
+    (a ``ServerSlot`` -> (argv, env) function), ``client`` and ``trainer_program`` replace vLLM and
+    ``-m scirl train`` (tests stand in small programs for them); without ``server_command``, vLLM's."""
+    deployment = cfg.deployment
+    run_dir = Path(cfg.output_dir)
+    rundir.check(run_dir, resume=resume, clean=clean)
+    rundir.lock(run_dir).close()  # a live run there: refused now, not after the servers have loaded
+    cuda = preflight.on_cuda(cfg.device)
+    n_servers = 1 if cuda else deployment.num_infer_gpus  # on GPUs: one server, vLLM's data parallelism inside
+    ports = ports_lib.allocate(deployment.host, first_server_port=deployment.port, n_servers=n_servers,
+                               nccl_port=deployment.nccl_port, rendezvous=deployment.num_train_gpus > 1)
+    if server_command is None:
+        preflight.check_packages(cuda)
+        server_command = vllm_server_command
+    gpus = preflight.plan_gpus(deployment.num_infer_gpus, deployment.num_train_gpus) if cuda else None
+    mode = weight_sync_mode(deployment.weight_sync, cuda)
+    checkpoint_bytes = preflight.check_disk(cfg, mode)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ports_lib.write(ports, run_dir / PORTS_FILE)
+    fresh = not resume  # a resumed run keeps its earlier logs and appends; any other run starts them over
+    for i in range(n_servers):
+        start_log(logs / f"inference_{i}.log", fresh)
+    start_log(logs / "trainer.log", fresh)
+
+    supervisor = Supervisor()
+    supervisor.install_signal_handlers()
+    try:
+        servers = start_servers(supervisor, cfg, ports, gpus, server_command, logs)
+        clients = wait_until_ready(supervisor, servers, ports, cfg, client)
+        if clients is None:
+            return stopped_status(supervisor)
+        for url, server_client in clients:
+            preflight.check_weight_sync(server_client, url, mode)
+        argv = trainer_argv(cfg, config_args, ports, mode, resume=resume, clean=clean, program=trainer_program)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(gpus.train)} if gpus else {})}
+        say(f"trainer: {shlex.join(argv)}")
+        trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
+                                   signal_ranks=deployment.num_train_gpus > 1)
+        return supervise(supervisor, trainer, preflight.checkpoint_seconds(checkpoint_bytes))
+    finally:
+        supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
+        supervisor.restore_signal_handlers()
+
+
+def start_servers(supervisor: Supervisor, cfg, ports, gpus, server_command, logs: Path) -> list[Child]:
+    """On GPUs, one server over all inference GPUs; on CPUs, one server per port, each pinned to a core
+    of its own where there are enough, with one OpenMP thread (two engines sharing cores run 20-40x slower)."""
+    cores = sorted(os.sched_getaffinity(0))
+    servers = []
+    for i, port in enumerate(ports.servers):
+        slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [],
+                          len(gpus.infer) if gpus else 1, cfg)
+        argv, env = server_command(slot)
+        core = None if gpus else cores[i % len(cores)]
+        placement = ({"CUDA_VISIBLE_DEVICES": ",".join(gpus.infer)} if gpus else
+                     {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)})
+        servers.append(supervisor.start(f"inference server {i}", argv, {**os.environ, **env, **placement},
+                                        logs / f"inference_{i}.log", cpu=core))
+    say(f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} "
+        f"(logs: {logs}/inference_*.log); waiting up to {cfg.deployment.startup_timeout_s:g}s for them")
+    return servers
+
+
+def wait_until_ready(supervisor: Supervisor, servers: list[Child], ports, cfg, client) -> list | None:
+    """Each server's (url, client) once all answer, or None when a stop was requested meanwhile.
+    One deadline for all (they start in parallel); a server that exits ends the wait at once."""
+    started = time.monotonic()
+    deadline = started + cfg.deployment.startup_timeout_s
+
+    def alive() -> bool:
+        return not supervisor.stop_requested.is_set() and supervisor.first_exit() is None
+
+    ready = []
+    for server, url in zip(servers, ports_lib.urls(ports)):
+        server_client = client(url, cfg)
+        try:
+            ok, reason = server_client.wait_ready(max(0.0, deadline - time.monotonic()), alive), ""
+        except (ScirlError, TimeoutError) as exc:
+            ok, reason = False, f" ({exc})"
+        if supervisor.stop_requested.is_set():
+            return None
+        gone = supervisor.first_exit()
+        if gone is not None:
+            raise failure(gone, "before it was ready")
+        if ok is False:
+            raise DeployError(f"{server.name} ({url}) was not ready after deployment.startup_timeout_s = "
+                              f"{cfg.deployment.startup_timeout_s:g}s{reason}; its last log lines ({server.log}):\n{server.tail()}")
+        ready.append((url, server_client))
+    say(f"inference server(s) ready after {time.monotonic() - started:.0f}s")
+    return ready
+
+
+def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float) -> int:
+    """Until the trainer ends: 0 when it finished; a stop request goes to it (it checkpoints and exits);
+    any component's failure raises, naming it."""
+    child = supervisor.wait_for_exit_or_stop()
+    if child is None:
+        say(f"stopping: asked the trainer to checkpoint and exit (up to {checkpoint_grace_s:.0f}s; "
+            "a second Ctrl-C stops at once)")
+        supervisor.request_stop(trainer)
+        if not supervisor.wait_for(trainer, checkpoint_grace_s):
+            say("the trainer did not stop in time; stopping it now")
+        return stopped_status(supervisor)
+    if child is trainer and child.exited() == 0:
+        return 0
+    raise failure(child, "while the run was going" if child is not trainer else "")
+
+
+def failure(child: Child, when: str) -> DeployError:
+    code = child.exited()
+    how = f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
+    return DeployError(f"{child.name} exited with {how}{' ' + when if when else ''}; stopping the run. "
+                       f"Its last log lines ({child.log}):\n{child.tail()}")
+
+
+def stopped_status(supervisor: Supervisor) -> int:
+    return 128 + (supervisor.signum or 15)
+
+
+def trainer_argv(cfg, config_args: list[str], ports, mode: str, *, resume: bool, clean: bool,
+                 program: list[str] = TRAINER) -> list[str]:
+    """The trainer's command: the user's config arguments, plus where the servers are and how weights
+    reach them. One rank: ``python -m scirl train ...``; more: torchrun on the rendezvous port picked here."""
+    args = [*program, *config_args]
+    args += ["--resume", str(cfg.output_dir)] if resume else []
+    args += ["--clean"] if clean else []
+    args += ["--inference.urls", json.dumps(ports_lib.urls(ports)), "--deployment.nccl-port", str(ports.nccl),
+             "--deployment.weight-sync", mode]
+    ranks = cfg.deployment.num_train_gpus
+    if ranks == 1:
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{ports.rendezvous}", *args]
+
+
+def forget_launched_servers(saved: dict, run_dir: Path) -> dict:
+    """A resumed run's saved config without the servers its launcher started last time (their URLs and
+    NCCL port, as ``ports.json`` recorded them): those are gone, and a resume starts new ones."""
+    recorded = ports_lib.read(run_dir / PORTS_FILE)
+    if not recorded:
+        return saved
+    saved = json.loads(json.dumps(saved))  # a copy, nested dicts included
+    inference, deployment = saved.get("inference", {}), saved.get("deployment", {})
+    if inference.get("urls") == recorded.get("urls"):
+        inference.pop("urls", None)
+    if deployment.get("nccl_port") == recorded.get("nccl"):
+        deployment.pop("nccl_port", None)
+    return saved
+
+
+def start_log(path: Path, fresh: bool) -> None:
+    with path.open("w" if fresh else "a", encoding="utf-8") as f:
+        f.write(f"--- scirl train launcher, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+
+
+def say(text: str) -> None:
+    print(f"scirl train: {text}", file=sys.stderr, flush=True)

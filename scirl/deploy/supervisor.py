@@ -1,0 +1,234 @@
+"""Child processes of a deployment: start each in its own process group with its output in a log,
+notice the first one to exit, stop them all (SIGTERM, a grace period, SIGKILL), and turn the
+launcher's own SIGTERM / Ctrl-C into a stop request.
+
+Every wait here has a deadline. A child's whole process tree is stopped, not only the child: a vLLM
+server's engine processes and torchrun's ranks would otherwise outlive it and hold GPUs and ports.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+POLL_S = 0.2  # how often the supervisor looks at its children; a failure stops the run within a few of these
+TAIL_LINES = 20
+
+
+@dataclass
+class Child:
+    name: str  # "inference server 0", "trainer"
+    proc: subprocess.Popen
+    log: Path
+    # where a stop request goes: torchrun's ranks rather than torchrun itself, which would answer a SIGTERM
+    # by signalling its ranks a second time, and a second signal ends a rank without its checkpoint
+    signal_ranks: bool = False
+    tee: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def tail(self, lines: int = TAIL_LINES) -> str:
+        return tail(self.log, lines)
+
+
+class Supervisor:
+    def __init__(self):
+        self.children: list[Child] = []
+        self.stop_requested = threading.Event()
+        self.signum: int | None = None
+        self.signals = 0
+        self._previous: dict = {}
+
+    # ---- starting ----
+
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path, *, echo: bool = False,
+              signal_ranks: bool = False, cpu: int | None = None) -> Child:
+        """Start ``argv`` in a new session (so a terminal's Ctrl-C reaches only the launcher, which decides
+        what each child gets). Its output goes to ``log``, and with ``echo`` to the console as well."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") as sink:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
+                                    preexec_fn=die_with_parent)
+        if cpu is not None:
+            try:  # before the child has imported anything that starts threads, which inherit the mask
+                os.sched_setaffinity(proc.pid, {cpu})
+            except OSError:
+                pass  # already gone (its exit is noticed by the poll) or pinning not allowed: run unpinned
+        child = Child(name, proc, log, signal_ranks)
+        if echo:
+            child.tee = threading.Thread(target=copy_lines, args=(proc.stdout, log), daemon=True)
+            child.tee.start()
+        self.children.append(child)
+        return child
+
+    # ---- signals ----
+
+    def install_signal_handlers(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore_signal_handlers(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        # only flags: the loop acts on them. A second signal cuts every grace period short.
+        self.signals += 1
+        self.signum = self.signum or signum
+        self.stop_requested.set()
+
+    # ---- watching ----
+
+    def first_exit(self) -> Child | None:
+        return next((child for child in self.children if child.exited() is not None), None)
+
+    def wait_for_exit_or_stop(self) -> Child | None:
+        """Block until a child exits (returned) or a stop is requested (None). Polls: a child killed by
+        the kernel (OOM) sends no message."""
+        while True:
+            child = self.first_exit()
+            if child is not None or self.stop_requested.is_set():
+                return child
+            self.stop_requested.wait(POLL_S)
+
+    def wait_for(self, child: Child, timeout_s: float) -> bool:
+        """Whether ``child`` exited within ``timeout_s`` (cut short by a second signal)."""
+        deadline = time.monotonic() + timeout_s
+        while child.exited() is None:
+            if time.monotonic() > deadline or self.signals > 1:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    # ---- stopping ----
+
+    def request_stop(self, child: Child) -> None:
+        """SIGTERM to a child that stops cleanly on it (the trainer checkpoints, then exits)."""
+        pids = children_of(child.pid) if child.signal_ranks else [child.pid]
+        for pid in pids or [child.pid]:
+            send(pid, signal.SIGTERM)
+
+    def stop(self, children: list[Child], grace_s: float) -> None:
+        """Stop each child's whole process tree: SIGTERM to its group and to any descendant that left
+        it, wait up to ``grace_s``, then SIGKILL what is left. Returns once every process is gone."""
+        trees = {child.pid: [child.pid] + descendants(child.pid) for child in children}
+        for child in children:
+            signal_tree(child.pid, trees[child.pid], signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while any(alive(pid) for pids in trees.values() for pid in pids):
+            if time.monotonic() > deadline or self.signals > 1:
+                break
+            for child in children:
+                child.exited()  # reaps a direct child, so it stops counting as alive
+            time.sleep(POLL_S / 2)
+        for child in children:
+            trees[child.pid] += [pid for pid in descendants(child.pid) if pid not in trees[child.pid]]
+            signal_tree(child.pid, trees[child.pid], signal.SIGKILL)
+        for child in children:
+            try:
+                child.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # in uninterruptible sleep (a hung disk): the kernel ends it
+                pass
+            if child.tee is not None:
+                child.tee.join(timeout=5)
+
+
+def signal_tree(group: int, pids: list[int], sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for pid in pids:
+        send(pid, sig)
+
+
+def send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (a zombie has ended; only its exit status waits)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from ``/proc``."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                out[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue  # exited meanwhile
+    return out
+
+
+def children_of(pid: int) -> list[int]:
+    return [child for child, parent in parents().items() if parent == pid]
+
+
+def descendants(pid: int) -> list[int]:
+    table = parents()
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for child, parent in table.items() if parent in frontier]
+        found += frontier
+    return found
+
+
+def die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no server
+    outlives a launcher that could not stop it."""
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own stop is the only one
+
+
+def copy_lines(stream, log: Path) -> None:
+    """The trainer's output, line by line, to the console and to its log (both flushed per line, so
+    a kill leaves everything before it)."""
+    with log.open("ab") as sink:
+        for line in iter(stream.readline, b""):
+            sink.write(line)
+            sink.flush()
+            try:
+                console = getattr(sys.stdout, "buffer", None)
+                console.write(line) if console is not None else sys.stdout.write(line.decode(errors="replace"))
+                sys.stdout.flush()
+            except (OSError, ValueError):
+                pass  # the console is gone (a closed terminal): the log still gets it
+    stream.close()
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    """The last ``lines`` lines of a log (read from its end: a server's log can be large)."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])

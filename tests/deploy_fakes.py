@@ -1,0 +1,155 @@
+"""Stand-ins for the launcher's tests (``tests/test_deploy.py``): real processes, no vLLM, no model.
+
+``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--record DIR]``
+    an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start),
+    which dies (exit 7) once FILE exists, and says whether it supports a weight-sync mode.
+``python deploy_fakes.py trainer --record DIR --behave ok|crash|wait [config args...]``
+    a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
+    finishes, crashes, or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
+``python deploy_fakes.py launch SPEC.json``
+    ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+WAIT_LIMIT_S = 300  # no fake waits forever, even if a test forgets it
+
+
+def record(directory: str | None, name: str, data: dict) -> None:
+    if directory:
+        path = Path(directory) / name
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)  # whole or absent: a test polls for it
+
+
+def server(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--index", type=int, default=0)
+    parser.add_argument("--mode", default="ok")
+    parser.add_argument("--die-when")
+    parser.add_argument("--record")
+    parser.add_argument("--weight-sync", default="filesystem")
+    args = parser.parse_args(argv)
+    record(args.record, f"server_{args.index}.json", {"pid": os.getpid(), "env": dict(os.environ),
+                                                       "affinity": sorted(os.sched_getaffinity(0))})
+    print(f"fake server {args.index}: loading model", flush=True)
+    if args.mode == "exit":
+        print("ValueError: fake model load failed", flush=True)
+        return 3
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's hook
+            if self.path == "/health":
+                self.send_response(200 if args.mode == "ok" else 503)
+            elif self.path.startswith("/weight_sync/"):
+                self.send_response(200 if self.path.rsplit("/", 1)[1] == args.weight_sync else 404)
+            else:
+                self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    print(f"fake server {args.index}: listening on {args.port}", flush=True)
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while time.monotonic() < deadline:
+        if args.die_when and os.path.exists(args.die_when):
+            print("RuntimeError: fake engine core died", flush=True)
+            os._exit(7)
+        time.sleep(0.05)
+    return 0
+
+
+def trainer(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--behave", default="ok")
+    parser.add_argument("--inference.urls", dest="urls", default="[]")
+    args, _ = parser.parse_known_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    urls = json.loads(args.urls)
+    answers = [urllib.request.urlopen(url + "/health", timeout=10).status for url in urls]
+    record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
+                                                 "world_size": os.environ.get("WORLD_SIZE")})
+    print(f"fake trainer rank {rank}: step 1 done", flush=True)
+    if args.behave == "crash":
+        print("Traceback (most recent call last):\ntorch.OutOfMemoryError: fake CUDA out of memory", flush=True)
+        return 1
+    if args.behave == "wait":
+        if not stop.wait(WAIT_LIMIT_S):
+            return 9
+        record(args.record, f"sigterm_{rank}.json", {"pid": os.getpid()})
+        print(f"fake trainer rank {rank}: checkpoint saved after SIGTERM", flush=True)
+        return 128 + signal.SIGTERM
+    return 0
+
+
+class Client:
+    """What the launcher needs of a server client: wait until healthy, and the weight-sync check."""
+
+    def __init__(self, url: str, cfg):
+        self.url = url
+
+    def wait_ready(self, timeout_s: float, alive) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and alive():
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
+                    if response.status == 200:
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.1)
+        return False
+
+    def check_weight_sync_support(self, mode: str) -> None:
+        from scirl.errors import ScirlError
+
+        try:
+            urllib.request.urlopen(f"{self.url}/weight_sync/{mode}", timeout=5)
+        except OSError:
+            raise ScirlError(f"no {mode} weight transfer on this server") from None
+
+
+def launch(spec_path: str) -> int:
+    from scirl.commands.train import deploy
+    from scirl.config import load_config
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_config(spec["args"])
+
+    def server_command(slot):
+        mode = spec.get("server_modes", {}).get(str(slot.index), "ok")
+        argv = [sys.executable, str(HERE), "server", "--port", str(slot.port), "--index", str(slot.index), "--mode", mode,
+                "--record", spec["record"], "--weight-sync", spec.get("server_weight_sync", "filesystem")]
+        if str(slot.index) in spec.get("die_when", {}):
+            argv += ["--die-when", spec["die_when"][str(slot.index)]]
+        return argv, {}
+
+    return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),
+                  server_command=server_command, client=Client,
+                  trainer_program=[str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")])
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parents[1]))
+    command, rest = sys.argv[1], sys.argv[2:]
+    sys.exit({"server": server, "trainer": trainer, "launch": lambda a: launch(a[0])}[command](rest))
