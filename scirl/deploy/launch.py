@@ -60,12 +60,52 @@ def weight_sync_mode(setting: str, cuda: bool) -> str:
     return setting if setting != "auto" else ("nccl" if cuda else "filesystem")
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the checks decided: where each part runs and on which ports."""
+
+    gpus: preflight.GpuPlan | None  # None on a machine without GPUs
+    ports: ports_lib.Ports
+    weight_sync: str  # "nccl" or "filesystem"
+    checkpoint_bytes: int | None  # one checkpoint's size, when the model could be sized
+
+
 def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = False, server_command=None,
            client=vllm_client, trainer_program: list[str] = TRAINER) -> int:
     """Run the deployment; return the exit status. ``config_args`` are the ``@ file.toml`` and flag
     arguments as the user gave them: the trainer resolves the same config from them. ``server_command``
     (a ``ServerSlot`` -> (argv, env) function), ``client`` and ``trainer_program`` replace vLLM and
     ``-m scirl train`` (tests stand in small programs for them); without ``server_command``, vLLM's."""
+    supervisor = Supervisor()
+    supervisor.install_signal_handlers()  # from the start: a Ctrl-C during the checks is a stop, not a traceback
+    try:
+        plan = check(cfg, resume=resume, clean=clean, vllm=server_command is None)
+        logs = write_run_files(cfg, plan.ports, fresh=not resume)
+        if supervisor.stop_requested.is_set():
+            return stopped_status(supervisor)
+        servers = start_servers(supervisor, cfg, plan, server_command or vllm_server_command, logs)
+        clients = wait_until_ready(supervisor, servers, plan.ports, cfg, client)
+        if clients is None:
+            return stopped_status(supervisor)
+        for url, server_client in clients:
+            preflight.check_weight_sync(server_client, url, plan.weight_sync)
+        argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
+                            program=trainer_program)
+        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(plan.gpus.train)} if plan.gpus else {})}
+        if supervisor.stop_requested.is_set():
+            return stopped_status(supervisor)
+        say(f"trainer: {shlex.join(argv)}")
+        trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
+                                   signal_ranks=cfg.deployment.num_train_gpus > 1)
+        return supervise(supervisor, trainer, preflight.checkpoint_seconds(plan.checkpoint_bytes))
+    finally:
+        supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
+        supervisor.restore_signal_handlers()
+
+
+def check(cfg, *, resume: bool, clean: bool, vllm: bool) -> Plan:
+    """Every check that can refuse the run, before anything starts. Ports first: a taken one is
+    reported in well under a second."""
     deployment = cfg.deployment
     run_dir = Path(cfg.output_dir)
     rundir.check(run_dir, resume=resume, clean=clean)
@@ -74,44 +114,31 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
     n_servers = 1 if cuda else deployment.num_infer_gpus  # on GPUs: one server, vLLM's data parallelism inside
     ports = ports_lib.allocate(deployment.host, first_server_port=deployment.port, n_servers=n_servers,
                                nccl_port=deployment.nccl_port, rendezvous=deployment.num_train_gpus > 1)
-    if server_command is None:
+    if vllm:
         preflight.check_packages(cuda)
-        server_command = vllm_server_command
     gpus = preflight.plan_gpus(deployment.num_infer_gpus, deployment.num_train_gpus) if cuda else None
     mode = weight_sync_mode(deployment.weight_sync, cuda)
-    checkpoint_bytes = preflight.check_disk(cfg, mode)
+    return Plan(gpus, ports, mode, preflight.check_disk(cfg, mode))
+
+
+def write_run_files(cfg, ports, *, fresh: bool) -> Path:
+    """``ports.json`` and a header in each log; returns the logs folder. A resumed run appends to its
+    earlier logs; any other run starts them over."""
+    run_dir = Path(cfg.output_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     ports_lib.write(ports, run_dir / PORTS_FILE)
-    fresh = not resume  # a resumed run keeps its earlier logs and appends; any other run starts them over
-    for i in range(n_servers):
-        start_log(logs / f"inference_{i}.log", fresh)
-    start_log(logs / "trainer.log", fresh)
-
-    supervisor = Supervisor()
-    supervisor.install_signal_handlers()
-    try:
-        servers = start_servers(supervisor, cfg, ports, gpus, server_command, logs)
-        clients = wait_until_ready(supervisor, servers, ports, cfg, client)
-        if clients is None:
-            return stopped_status(supervisor)
-        for url, server_client in clients:
-            preflight.check_weight_sync(server_client, url, mode)
-        argv = trainer_argv(cfg, config_args, ports, mode, resume=resume, clean=clean, program=trainer_program)
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(gpus.train)} if gpus else {})}
-        say(f"trainer: {shlex.join(argv)}")
-        trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
-                                   signal_ranks=deployment.num_train_gpus > 1)
-        return supervise(supervisor, trainer, preflight.checkpoint_seconds(checkpoint_bytes))
-    finally:
-        supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
-        supervisor.restore_signal_handlers()
+    header = f"--- scirl train launcher, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n"
+    for name in [f"inference_{i}.log" for i in range(len(ports.servers))] + ["trainer.log"]:
+        with (logs / name).open("w" if fresh else "a", encoding="utf-8") as f:
+            f.write(header)
+    return logs
 
 
-def start_servers(supervisor: Supervisor, cfg, ports, gpus, server_command, logs: Path) -> list[Child]:
+def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs: Path) -> list[Child]:
     """On GPUs, one server over all inference GPUs; on CPUs, one server per port, each pinned to a core
     of its own where there are enough, with one OpenMP thread (two engines sharing cores run 20-40x slower)."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores, gpus, ports = sorted(os.sched_getaffinity(0)), plan.gpus, plan.ports
     servers = []
     for i, port in enumerate(ports.servers):
         slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [],
@@ -212,11 +239,6 @@ def forget_launched_servers(saved: dict, run_dir: Path) -> dict:
     if deployment.get("nccl_port") == recorded.get("nccl"):
         deployment.pop("nccl_port", None)
     return saved
-
-
-def start_log(path: Path, fresh: bool) -> None:
-    with path.open("w" if fresh else "a", encoding="utf-8") as f:
-        f.write(f"--- scirl train launcher, {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
 
 
 def say(text: str) -> None:
