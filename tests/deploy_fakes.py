@@ -88,7 +88,8 @@ def trainer(argv: list[str]) -> int:
     urls = json.loads(args.urls)
     answers = [urllib.request.urlopen(url + "/health", timeout=10).status for url in urls]
     record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
-                                                 "world_size": os.environ.get("WORLD_SIZE")})
+                                                 "world_size": os.environ.get("WORLD_SIZE"),
+                                                 "server_processes": server_processes(urls)})
     print(f"fake trainer rank {rank}: step 1 done", flush=True)
     if args.behave == "crash":
         print("Traceback (most recent call last):\ntorch.OutOfMemoryError: fake CUDA out of memory", flush=True)
@@ -100,6 +101,27 @@ def trainer(argv: list[str]) -> int:
         print(f"fake trainer rank {rank}: checkpoint saved after SIGTERM", flush=True)
         return 128 + signal.SIGTERM
     return 0
+
+
+def server_processes(urls: list[str]) -> list[int]:
+    """Every process of each server's session (a vLLM server's engine processes too): the test checks
+    that none outlives the run."""
+    from scirl.deploy.ports import port_holder
+
+    pids = []
+    for url in urls:
+        holder = port_holder(int(url.rsplit(":", 1)[1]))
+        if holder:
+            session = os.getsid(int(holder.split()[1]))
+            pids += [int(p) for p in os.listdir("/proc") if p.isdigit() and session_of(int(p)) == session]
+    return pids
+
+
+def session_of(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
 
 
 class Client:
@@ -129,6 +151,13 @@ class Client:
             raise ScirlError(f"no {mode} weight transfer on this server") from None
 
 
+class HealthOnlyClient(Client):
+    """For a real vLLM server: its weight-transfer check belongs to the real client, not to these tests."""
+
+    def check_weight_sync_support(self, mode: str) -> None:
+        return None
+
+
 def launch(spec_path: str) -> int:
     from scirl.commands.train import deploy
     from scirl.config import load_config
@@ -137,6 +166,10 @@ def launch(spec_path: str) -> int:
     cfg = load_config(spec["args"])
 
     def server_command(slot):
+        if spec.get("vllm"):  # the real server, as tests/test_vllm_serve.py starts it on a CPU
+            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--host", slot.host,
+                    "--port", str(slot.port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"], \
+                {"VLLM_CPU_KVCACHE_SPACE": "1"}
         mode = spec.get("server_modes", {}).get(str(slot.index), "ok")
         argv = [sys.executable, str(HERE), "server", "--port", str(slot.port), "--index", str(slot.index), "--mode", mode,
                 "--record", spec["record"], "--weight-sync", spec.get("server_weight_sync", "filesystem")]
@@ -145,7 +178,7 @@ def launch(spec_path: str) -> int:
         return argv, {}
 
     return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),
-                  server_command=server_command, client=Client,
+                  server_command=server_command, client=HealthOnlyClient if spec.get("vllm") else Client,
                   trainer_program=[str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")])
 
 
