@@ -100,7 +100,7 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
         return supervise(supervisor, trainer, preflight.checkpoint_seconds(plan.checkpoint_bytes))
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
-        supervisor.restore_signal_handlers()
+        supervisor.close()
 
 
 def check(cfg, *, resume: bool, clean: bool, vllm: bool) -> Plan:

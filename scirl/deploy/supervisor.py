@@ -40,6 +40,8 @@ class Child:
         return self.proc.poll()
 
     def tail(self, lines: int = TAIL_LINES) -> str:
+        if self.tee is not None and self.exited() is not None:
+            self.tee.join(timeout=5)  # its last lines may still be in the pipe
         return tail(self.log, lines)
 
 
@@ -143,8 +145,14 @@ class Supervisor:
                 child.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:  # in uninterruptible sleep (a hung disk): the kernel ends it
                 pass
+
+    def close(self) -> None:
+        """After the last stop: every echoed line reaches the console and the log before the launcher
+        exits (a pipe's end is read after its writer is gone), and the signal handlers are the caller's again."""
+        for child in self.children:
             if child.tee is not None:
                 child.tee.join(timeout=5)
+        self.restore_signal_handlers()
 
 
 def signal_tree(group: int, pids: list[int], sig: int) -> None:
