@@ -38,4 +38,10 @@ class PreflightError(ScirlError):
 
 
 class DeployError(ScirlError, RuntimeError):
-    """A deployment's component (an inference server, the trainer) that failed once started."""
+    """A deployment's component (an inference server, the trainer) that failed once started.
+    ``status`` is the launcher's exit status: the trainer's own when it failed (2: it refused its
+    input), else 1."""
+
+    def __init__(self, message: str, status: int = 1):
+        super().__init__(message)
+        self.status = status

@@ -3,9 +3,9 @@
 ``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--record DIR]``
     an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start),
     which dies (exit 7) once FILE exists, and says whether it supports a weight-sync mode.
-``python deploy_fakes.py trainer --record DIR --behave ok|crash|wait [config args...]``
+``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait [config args...]``
     a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
-    finishes, crashes, or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
+    finishes, crashes, refuses its input (exit 2), or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train``.
 """
@@ -94,6 +94,9 @@ def trainer(argv: list[str]) -> int:
     if args.behave == "crash":
         print("Traceback (most recent call last):\ntorch.OutOfMemoryError: fake CUDA out of memory", flush=True)
         return 1
+    if args.behave == "refuse":  # as scirl train refusing its input
+        print("scirl train: fake refusal of a bad input", flush=True)
+        return 2
     if args.behave == "wait":
         if not stop.wait(WAIT_LIMIT_S):
             return 9

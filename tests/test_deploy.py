@@ -101,11 +101,14 @@ def test_a_finished_run_exits_0_with_every_process_gone_and_its_ports_recorded(t
     assert_all_gone(recorded_pids(record))
 
 
-def test_a_trainer_crash_stops_the_servers_and_shows_its_last_lines(tiny_model_dir, tmp_path):
-    proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave="crash")
+@pytest.mark.parametrize("behave, status, last_line", [("crash", 1, "fake CUDA out of memory"),
+                                                        ("refuse", 2, "fake refusal of a bad input")])
+def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(tiny_model_dir, tmp_path, behave, status,
+                                                                      last_line):
+    proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave=behave)
     code, _, err = finish(proc)
-    assert code == 1
-    assert "trainer exited with exit code 1" in err and "fake CUDA out of memory" in err
+    assert code == status  # the trainer's own: a refused input stays exit 2
+    assert f"trainer exited with exit code {status}" in err and last_line in err
     assert "Traceback" not in err.split("Its last log lines")[0]  # the launcher's own report has none
     assert_all_gone(recorded_pids(record))
 
@@ -189,6 +192,29 @@ def test_a_run_dir_holding_a_run_is_refused_before_the_servers_start(tiny_model_
                           capture_output=True, text=True, timeout=DEADLINE_S)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--resume" in done.stderr
     assert not (out / "ports.json").exists()
+
+
+def test_a_run_dir_in_use_is_refused_before_the_servers_start(tiny_model_dir, tmp_path):
+    from scirl import rundir
+
+    out = tmp_path / "run"
+    held = rundir.lock(out)  # as a live trainer holds it
+    try:
+        done = subprocess.run([sys.executable, "-m", "scirl", "train", *deploy_args(tiny_model_dir, out)], env=env(),
+                              capture_output=True, text=True, timeout=DEADLINE_S)
+    finally:
+        held.close()
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "in use" in done.stderr
+    assert not (out / "ports.json").exists()
+
+
+def test_under_torchrun_the_launcher_refuses_to_start(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    from scirl.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["train", *deploy_args(tiny_model_dir, tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "without torchrun" in err
 
 
 # ---- the parts, in process ----

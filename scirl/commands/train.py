@@ -101,7 +101,7 @@ def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_o
         return 2
     except DeployError as exc:
         print(f"scirl train: {exc}", file=sys.stderr)
-        return 1
+        return exc.status
 
 
 def keep_freed_memory_on_cpu(device: str) -> None:

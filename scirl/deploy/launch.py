@@ -196,14 +196,16 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
         return stopped_status(supervisor)
     if child is trainer and child.exited() == 0:
         return 0
-    raise failure(child, "while the run was going" if child is not trainer else "")
+    if child is trainer:
+        raise failure(child, "", status=child.exited() if child.exited() > 0 else 1)
+    raise failure(child, "while the run was going")
 
 
-def failure(child: Child, when: str) -> DeployError:
+def failure(child: Child, when: str, status: int = 1) -> DeployError:
     code = child.exited()
     how = f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
     return DeployError(f"{child.name} exited with {how}{' ' + when if when else ''}; stopping the run. "
-                       f"Its last log lines ({child.log}):\n{child.tail()}")
+                       f"Its last log lines ({child.log}):\n{child.tail()}", status)
 
 
 def stopped_status(supervisor: Supervisor) -> int:

@@ -63,12 +63,7 @@ class Supervisor:
         with log.open("ab") as sink:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                     stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
-                                    preexec_fn=die_with_parent)
-        if cpu is not None:
-            try:  # before the child has imported anything that starts threads, which inherit the mask
-                os.sched_setaffinity(proc.pid, {cpu})
-            except OSError:
-                pass  # already gone (its exit is noticed by the poll) or pinning not allowed: run unpinned
+                                    preexec_fn=lambda: prepare_child(cpu))
         child = Child(name, proc, log, signal_ranks)
         if echo:
             child.tee = threading.Thread(target=copy_lines, args=(proc.stdout, log), daemon=True)
@@ -205,13 +200,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launcher dies, even by SIGKILL (Linux), so no server
-    outlives a launcher that could not stop it."""
+def prepare_child(cpu: int | None) -> None:
+    """In the child, before exec. SIGTERM when the launcher dies, even by SIGKILL (Linux), so no server
+    outlives a launcher that could not stop it. Pinned to ``cpu`` before any thread exists (threads
+    inherit the mask)."""
     try:
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass  # not Linux: the launcher's own stop is the only one
+    if cpu is not None:
+        try:
+            os.sched_setaffinity(0, {cpu})
+        except OSError:
+            pass  # pinning not allowed here: run unpinned
 
 
 def copy_lines(stream, log: Path) -> None:
