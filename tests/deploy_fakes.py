@@ -1,13 +1,15 @@
 """Stand-ins for the launcher's tests (``tests/test_deploy.py``): real processes, no vLLM, no model.
 
-``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--record DIR]``
-    an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start),
-    which dies (exit 7) once FILE exists, and says whether it supports a weight-sync mode.
+``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--dev-routes yes|no]``
+    an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start)
+    and, unless ``--dev-routes no``, vLLM's dev route the client's weight-sync check asks; it dies
+    (exit 7) once FILE exists.
 ``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait [config args...]``
     a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
     finishes, crashes, refuses its input (exit 2), or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
 ``python deploy_fakes.py launch SPEC.json``
-    ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train``.
+    ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
+    with the real vLLM server: ``"vllm": true`` in SPEC).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def server(argv: list[str]) -> int:
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--die-when")
     parser.add_argument("--record")
-    parser.add_argument("--weight-sync", default="filesystem")
+    parser.add_argument("--dev-routes", default="yes")
     args = parser.parse_args(argv)
     record(args.record, f"server_{args.index}.json", {"pid": os.getpid(), "env": dict(os.environ),
                                                        "affinity": sorted(os.sched_getaffinity(0))})
@@ -55,8 +57,8 @@ def server(argv: list[str]) -> int:
         def do_GET(self):  # noqa: N802 - http.server's hook
             if self.path == "/health":
                 self.send_response(200 if args.mode == "ok" else 503)
-            elif self.path.startswith("/weight_sync/"):
-                self.send_response(200 if self.path.rsplit("/", 1)[1] == args.weight_sync else 404)
+            elif self.path == "/is_sleeping" and args.dev_routes == "yes":  # what the client asks of a dev-mode server
+                self.send_response(200)
             else:
                 self.send_response(404)
             self.end_headers()
@@ -80,12 +82,12 @@ def trainer(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--record", required=True)
     parser.add_argument("--behave", default="ok")
-    parser.add_argument("--inference.urls", dest="urls", default="[]")
+    parser.add_argument("--inference.urls", dest="urls", default="")
     args, _ = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    urls = json.loads(args.urls)
+    urls = [url for url in args.urls.split(",") if url]
     answers = [urllib.request.urlopen(url + "/health", timeout=10).status for url in urls]
     record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
                                                  "world_size": os.environ.get("WORLD_SIZE"),
@@ -127,40 +129,6 @@ def session_of(pid: int) -> int | None:
         return None
 
 
-class Client:
-    """What the launcher needs of a server client: wait until healthy, and the weight-sync check."""
-
-    def __init__(self, url: str, cfg):
-        self.url = url
-
-    def wait_ready(self, timeout_s: float, alive) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and alive():
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as response:
-                    if response.status == 200:
-                        return True
-            except OSError:
-                pass
-            time.sleep(0.1)
-        return False
-
-    def check_weight_sync_support(self, mode: str) -> None:
-        from scirl.errors import ScirlError
-
-        try:
-            urllib.request.urlopen(f"{self.url}/weight_sync/{mode}", timeout=5)
-        except OSError:
-            raise ScirlError(f"no {mode} weight transfer on this server") from None
-
-
-class HealthOnlyClient(Client):
-    """For a real vLLM server: its weight-transfer check belongs to the real client, not to these tests."""
-
-    def check_weight_sync_support(self, mode: str) -> None:
-        return None
-
-
 def launch(spec_path: str) -> int:
     from scirl.commands.train import deploy
     from scirl.config import load_config
@@ -169,19 +137,15 @@ def launch(spec_path: str) -> int:
     cfg = load_config(spec["args"])
 
     def server_command(slot):
-        if spec.get("vllm"):  # the real server, as tests/test_vllm_serve.py starts it on a CPU
-            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model, "--host", slot.host,
-                    "--port", str(slot.port), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager"], \
-                {"VLLM_CPU_KVCACHE_SPACE": "1"}
         mode = spec.get("server_modes", {}).get(str(slot.index), "ok")
         argv = [sys.executable, str(HERE), "server", "--port", str(slot.port), "--index", str(slot.index), "--mode", mode,
-                "--record", spec["record"], "--weight-sync", spec.get("server_weight_sync", "filesystem")]
+                "--record", spec["record"], "--dev-routes", spec.get("dev_routes", "yes")]
         if str(slot.index) in spec.get("die_when", {}):
             argv += ["--die-when", spec["die_when"][str(slot.index)]]
         return argv, {}
 
     return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),
-                  server_command=server_command, client=HealthOnlyClient if spec.get("vllm") else Client,
+                  server_command=None if spec.get("vllm") else server_command,
                   trainer_program=[str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")])
 
 

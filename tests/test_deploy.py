@@ -130,7 +130,7 @@ def test_a_server_that_never_becomes_healthy_is_named_after_the_startup_timeout(
     proc, record = start_launcher(tmp_path, args, server_modes={"1": "never"})
     code, _, err = finish(proc)
     assert code == 1
-    assert "inference server 1" in err and "startup_timeout_s = 2s" in err and "listening" in err
+    assert "inference server 1 was not ready" in err and "startup_timeout_s = 2s" in err and "listening" in err
     assert not (record / "trainer_0.json").exists()  # the trainer never started
     assert_all_gone(recorded_pids(record))
 
@@ -158,13 +158,13 @@ def test_sigterm_to_the_launcher_reaches_every_trainer_rank_then_stops_the_serve
     assert_all_gone(recorded_pids(record))
 
 
-def test_a_server_without_the_weight_transfer_is_refused_with_a_fix(tiny_model_dir, tmp_path):
-    proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), server_weight_sync="nccl")
+def test_a_server_that_cannot_take_new_weights_is_refused_with_a_fix(tiny_model_dir, tmp_path):
+    proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), dev_routes="no")
     code, _, err = finish(proc)
     assert code == 2
     last = err.strip().splitlines()[-1]  # after the launcher's progress lines, the refusal: one line
-    assert last.startswith("scirl train: inference server http://127.0.0.1:")
-    assert "no filesystem weight transfer" in last and "fix:" in last
+    assert last.startswith("scirl train: inference server 0: http://127.0.0.1:")
+    assert "cannot take new weights" in last and "start it with VLLM_SERVER_DEV_MODE=1" in last
     assert not (record / "trainer_0.json").exists()
     assert_all_gone(recorded_pids(record))
 
@@ -236,8 +236,9 @@ def test_the_trainer_command_for_one_rank_and_for_torchrun(tmp_path):
     picked = ports.Ports("0.0.0.0", [8001, 8002], 9000, None)
     argv = launch.trainer_argv(cfg, ["@", "x.toml"], picked, "nccl", resume=True, clean=False)
     assert argv == [sys.executable, "-m", "scirl", "train", "@", "x.toml", "--resume", str(tmp_path), "--inference.urls",
-                    '["http://127.0.0.1:8001", "http://127.0.0.1:8002"]', "--deployment.nccl-port", "9000",
+                    "http://127.0.0.1:8001,http://127.0.0.1:8002", "--deployment.nccl-port", "9000",
                     "--deployment.weight-sync", "nccl"]
+    assert load_config(argv[8:]).inference.urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     cfg = load_config(["--deployment.num-infer-gpus", "6", "--deployment.num-train-gpus", "2"])
     argv = launch.trainer_argv(cfg, [], ports.Ports("127.0.0.1", [8001], 9000, 9001), "nccl", resume=False, clean=True)
     assert argv[:11] == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",

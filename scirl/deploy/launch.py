@@ -25,11 +25,14 @@ from scirl import rundir
 from scirl.deploy import ports as ports_lib
 from scirl.deploy import preflight
 from scirl.deploy.supervisor import Child, Supervisor
-from scirl.errors import DeployError, ScirlError
+from scirl.errors import DeployError, PreflightError
 
 TRAINER = ["-m", "scirl", "train"]  # what torchrun or python runs, before the config arguments
 STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL
 PORTS_FILE = "ports.json"
+
+
+SERVED_MODEL_NAME = "policy"  # the trainer asks a server for its model's name; this one says what it serves
 
 
 @dataclass(frozen=True)
@@ -41,19 +44,23 @@ class ServerSlot:
     port: int
     gpus: list[str]  # its CUDA_VISIBLE_DEVICES entries; empty on a machine without GPUs
     data_parallel_size: int  # engines behind this one server (vLLM's --data-parallel-size)
+    weight_sync: str  # "nccl" or "filesystem": how it will take new weights
     cfg: object  # the run's TrainConfig (model, max_model_len, dtype, ...)
 
 
 def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
+    """A vLLM OpenAI server for the run's model, computing in the trainer's dtype (its sampling
+    logprobs are what the trainer recomputes). The trainer pushes its weights before the first batch,
+    so a resumed run's servers may start from ``model`` too."""
     from scirl.inference.vllm_server import server_command
 
-    return server_command(slot.cfg, host=slot.host, port=slot.port, data_parallel_size=slot.data_parallel_size)
-
-
-def vllm_client(url: str, cfg):
-    from scirl.inference.vllm_server import ServerClient
-
-    return ServerClient(url)
+    cfg, cuda = slot.cfg, bool(slot.gpus)
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    return server_command(cfg.model, port=slot.port, host=slot.host, served_model_name=SERVED_MODEL_NAME, dtype=dtype,
+                          max_model_len=cfg.inference.max_model_len or cfg.seq_len, device="cuda" if cuda else "cpu",
+                          data_parallel_size=slot.data_parallel_size, weight_sync=slot.weight_sync,
+                          gpu_memory_utilization=cfg.inference.gpu_memory_utilization,
+                          enforce_eager=cfg.inference.enforce_eager, kv_cache_gib=cfg.inference.kv_cache_gib, seed=cfg.seed)
 
 
 def weight_sync_mode(setting: str, cuda: bool) -> str:
@@ -71,11 +78,11 @@ class Plan:
 
 
 def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = False, server_command=None,
-           client=vllm_client, trainer_program: list[str] = TRAINER) -> int:
+           trainer_program: list[str] = TRAINER) -> int:
     """Run the deployment; return the exit status. ``config_args`` are the ``@ file.toml`` and flag
     arguments as the user gave them: the trainer resolves the same config from them. ``server_command``
-    (a ``ServerSlot`` -> (argv, env) function), ``client`` and ``trainer_program`` replace vLLM and
-    ``-m scirl train`` (tests stand in small programs for them); without ``server_command``, vLLM's."""
+    (a ``ServerSlot`` -> (argv, env) function) and ``trainer_program`` replace vLLM and ``-m scirl train``
+    (tests stand in small programs for them); without ``server_command``, vLLM's."""
     supervisor = Supervisor()
     supervisor.install_signal_handlers()  # from the start: a Ctrl-C during the checks is a stop, not a traceback
     try:
@@ -84,11 +91,8 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
         if supervisor.stop_requested.is_set():
             return stopped_status(supervisor)
         servers = start_servers(supervisor, cfg, plan, server_command or vllm_server_command, logs)
-        clients = wait_until_ready(supervisor, servers, plan.ports, cfg, client)
-        if clients is None:
+        if not wait_until_ready(supervisor, servers, plan, cfg):
             return stopped_status(supervisor)
-        for url, server_client in clients:
-            preflight.check_weight_sync(server_client, url, plan.weight_sync)
         argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
                             program=trainer_program)
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(plan.gpus.train)} if plan.gpus else {})}
@@ -141,8 +145,8 @@ def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs:
     cores, gpus, ports = sorted(os.sched_getaffinity(0)), plan.gpus, plan.ports
     servers = []
     for i, port in enumerate(ports.servers):
-        slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [],
-                          len(gpus.infer) if gpus else 1, cfg)
+        slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [], len(gpus.infer) if gpus else 1,
+                          plan.weight_sync, cfg)
         argv, env = server_command(slot)
         core = None if gpus else cores[i % len(cores)]
         placement = ({"CUDA_VISIBLE_DEVICES": ",".join(gpus.infer)} if gpus else
@@ -154,33 +158,42 @@ def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs:
     return servers
 
 
-def wait_until_ready(supervisor: Supervisor, servers: list[Child], ports, cfg, client) -> list | None:
-    """Each server's (url, client) once all answer, or None when a stop was requested meanwhile.
-    One deadline for all (they start in parallel); a server that exits ends the wait at once."""
+def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, cfg) -> bool:
+    """Wait until every server answers, then check each takes weights the planned way. False when a
+    stop was requested meanwhile. One deadline for all (they start in parallel); a server that exits
+    ends the wait at once."""
+    from scirl.inference.vllm_server import ServerClient, ServerError
+
     started = time.monotonic()
     deadline = started + cfg.deployment.startup_timeout_s
 
     def alive() -> bool:
         return not supervisor.stop_requested.is_set() and supervisor.first_exit() is None
 
-    ready = []
-    for server, url in zip(servers, ports_lib.urls(ports)):
-        server_client = client(url, cfg)
+    for server, url in zip(servers, ports_lib.urls(plan.ports)):
+        client = ServerClient(url, timeout_s=cfg.deployment.request_timeout_s)
         try:
-            ok, reason = server_client.wait_ready(max(0.0, deadline - time.monotonic()), alive), ""
-        except (ScirlError, TimeoutError) as exc:
-            ok, reason = False, f" ({exc})"
-        if supervisor.stop_requested.is_set():
-            return None
-        gone = supervisor.first_exit()
-        if gone is not None:
-            raise failure(gone, "before it was ready")
-        if ok is False:
-            raise DeployError(f"{server.name} ({url}) was not ready after deployment.startup_timeout_s = "
-                              f"{cfg.deployment.startup_timeout_s:g}s{reason}; its last log lines ({server.log}):\n{server.tail()}")
-        ready.append((url, server_client))
+            try:
+                client.wait_ready(max(0.0, deadline - time.monotonic()), alive)
+            except ServerError as exc:
+                if supervisor.stop_requested.is_set():
+                    return False
+                gone = supervisor.first_exit()
+                if gone is not None:
+                    raise failure(gone, "before it was ready") from None
+                raise DeployError(f"{server.name} was not ready within deployment.startup_timeout_s = "
+                                  f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
+                                  f"{server.tail()}") from None
+            try:
+                problem = client.check_weight_sync_support(plan.weight_sync)
+            except ServerError as exc:
+                raise DeployError(f"{server.name} did not say whether it takes {plan.weight_sync} weight sync: {exc}") from None
+        finally:
+            client.close()
+        if problem:
+            raise PreflightError(f"{server.name}: {problem}")
     say(f"inference server(s) ready after {time.monotonic() - started:.0f}s")
-    return ready
+    return True
 
 
 def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float) -> int:
@@ -219,7 +232,7 @@ def trainer_argv(cfg, config_args: list[str], ports, mode: str, *, resume: bool,
     args = [*program, *config_args]
     args += ["--resume", str(cfg.output_dir)] if resume else []
     args += ["--clean"] if clean else []
-    args += ["--inference.urls", json.dumps(ports_lib.urls(ports)), "--deployment.nccl-port", str(ports.nccl),
+    args += ["--inference.urls", ",".join(ports_lib.urls(ports)), "--deployment.nccl-port", str(ports.nccl),
              "--deployment.weight-sync", mode]
     ranks = cfg.deployment.num_train_gpus
     if ranks == 1:

@@ -1,5 +1,6 @@
-"""Checks made before a deployment starts anything: packages, GPUs, disk; and, once the servers are
-up, their weight-transfer support. Each failure is a ``PreflightError``: one line ending with the fix.
+"""Checks made before a deployment starts anything: packages, GPUs, disk (the servers' weight-transfer
+support is asked once they are up, in ``launch``). Each failure is a ``PreflightError``: one line
+ending with the fix.
 
 A failure found here costs a second; found by the trainer after the servers took minutes to load, or
 by a checkpoint write hours in, it costs the run.
@@ -196,18 +197,6 @@ def check_disk(cfg, weight_sync: str) -> int | None:
 def checkpoint_seconds(checkpoint_bytes: int | None) -> float:
     """A generous time for the trainer to write its checkpoint after a stop request."""
     return 120 + (checkpoint_bytes or 0) / WRITE_BYTES_PER_S
-
-
-def check_weight_sync(client, url: str, weight_sync: str) -> None:
-    """The server at ``url`` can take weights the configured way (asked once it is up)."""
-    from scirl.errors import ScirlError
-
-    try:
-        client.check_weight_sync_support(weight_sync)
-    except ScirlError as exc:
-        fix = "" if "fix" in str(exc) else (f"; fix: a vLLM with {weight_sync} weight transfer, "
-                                            "or another deployment.weight_sync")
-        raise PreflightError(f"inference server {url}: {exc}{fix}") from None
 
 
 def gb(n: float) -> str:
