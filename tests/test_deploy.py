@@ -325,3 +325,16 @@ def test_a_real_vllm_server_is_started_supervised_and_stopped_with_its_engine_pr
     trainer = json.loads((record / "trainer_0.json").read_text())
     assert trainer["health"] == [200] and len(trainer["server_processes"]) >= 2  # the API server and its engine
     assert_all_gone(recorded_pids(record))
+
+
+def test_a_failure_report_leads_with_the_first_error_when_noise_follows_it(tmp_path):
+    log = tmp_path / "inference_0.log"
+    noise = [f" - leaked function f{i}" for i in range(50)]
+    log.write_text("\n".join(["INFO loading", "WARNING quoted `OSError: x` in a warning",
+                              "(Worker pid=9) ERROR [executor.py:10] RuntimeError: Unsupported CPU attention",
+                              "EngineDeadError: engine died", *noise]) + "\n")
+    report = supervisor.Child("inference server 0", None, log).tail().splitlines()
+    assert report[0] == "first error: (Worker pid=9) ERROR [executor.py:10] RuntimeError: Unsupported CPU attention"
+    assert report[2:] == noise[-supervisor.TAIL_LINES:]
+    log.write_text("step 1\nscirl train: generation failed: status 500\n")  # within the tail: shown once
+    assert supervisor.Child("trainer", None, log).tail() == "step 1\nscirl train: generation failed: status 500"

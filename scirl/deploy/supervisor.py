@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,11 @@ from pathlib import Path
 
 POLL_S = 0.2  # how often the supervisor looks at its children; a failure stops the run within a few of these
 TAIL_LINES = 20
+# scirl's own one-line error ("scirl train: ..."), or an exception's message line, bare or behind a logger's
+# prefix: "RuntimeError: ...", "[rank1]: torch.OutOfMemoryError: ...", "(Worker pid=9) ERROR ... [file.py:1063]
+# RuntimeError: ..."; not one quoted inside a warning
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?scirl [a-z-]+: |"
+                            r"^(?!.*\b(WARNING|INFO|DEBUG)\b)(.*(\] |: ))?\s*[A-Za-z_.]*(Error|Exception): ")
 
 
 @dataclass
@@ -40,9 +46,14 @@ class Child:
         return self.proc.poll()
 
     def tail(self, lines: int = TAIL_LINES) -> str:
+        """Its log's last lines, led by the first exception message in the log's end when that is not
+        among them: a dying vLLM server prints its root cause, then pages of shutdown noise."""
         if self.tee is not None and self.exited() is not None:
             self.tee.join(timeout=5)  # its last lines may still be in the pipe
-        return tail(self.log, lines)
+        text = read_end(self.log)
+        last = text.splitlines()[-lines:]
+        first = next((line for line in text.splitlines() if EXCEPTION_LINE.search(line)), None)
+        return "\n".join(([f"first error: {first.strip()}", "..."] if first and first not in last else []) + last)
 
 
 class Supervisor:
@@ -231,13 +242,12 @@ def copy_lines(stream, log: Path) -> None:
     stream.close()
 
 
-def tail(path: Path, lines: int = TAIL_LINES) -> str:
-    """The last ``lines`` lines of a log (read from its end: a server's log can be large)."""
+def read_end(path: Path, size: int = 1 << 20) -> str:
+    """The last ``size`` bytes of a log (a server's log grows over a long run; its end is what matters)."""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
+            f.seek(max(0, f.tell() - size))
+            return f.read().decode("utf-8", errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
