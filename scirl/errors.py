@@ -2,7 +2,8 @@
 
 Each names what is wrong and, where there is one, the fix. The CLI maps them to exit codes:
 ``ConfigError``, ``RunDirError`` and ``PreflightError`` are usage errors (2); ``DataSourceError``,
-``TrainError`` and ``DeployError`` are a run that could not go on (1). Everything else is a bug and keeps its traceback.
+``TrainError`` and ``DeployError`` are a run that could not go on (1). Everything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
