@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from scirl.config import COLOCATED_GPU_SHARE
 from scirl.errors import TrainError
 from scirl.inference.base import Generator
 from scirl.inference.hf import HFGenerator
@@ -63,7 +64,7 @@ def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.devi
     return VLLMGenerator(
         local_model_dir(model_source), tokenizer=tokenizer, dtype=str(dtype).removeprefix("torch."),
         max_model_len=cfg.inference.max_model_len or cfg.seq_len,
-        gpu_memory_utilization=cfg.inference.gpu_memory_utilization, enforce_eager=cfg.inference.enforce_eager,
+        gpu_memory_utilization=cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE, enforce_eager=cfg.inference.enforce_eager,
         seed=cfg.seed, enable_sleep_mode=device.type == "cuda" and cfg.inference.sleep_level > 0,
         sleep_level=cfg.inference.sleep_level, kv_cache_gib=cfg.inference.kv_cache_gib, **extra)
 

@@ -162,7 +162,9 @@ class InferenceConfig(Section):
 
     backend: Literal["auto", "hf", "vllm"] = Field(
         "auto", description="hf: transformers in-process; vllm: an in-process vLLM engine; auto: vllm where installed")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vllm: fraction of the GPU for weights + KV cache")
+    gpu_memory_utilization: float | None = Field(
+        None, gt=0, le=1, description="vllm: fraction of the GPU for weights + KV cache (None: 0.5 beside the "
+        "trainer, 0.9 on a server's own GPUs)")
     max_model_len: int | None = Field(None, ge=2, description="vllm: longest prompt + completion (None: seq_len)")
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs / compilation (faster start, slower decode)")
     sleep_level: Literal[0, 1, 2] = Field(
@@ -195,6 +197,10 @@ class InferenceConfig(Section):
     def _level_from_flag(cls, value):
         # a command-line value arrives as text, and a Literal of ints does not take "1"
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
+COLOCATED_GPU_SHARE = 0.5  # vLLM beside the trainer on one GPU: the trainer takes the rest while the engine sleeps
+DEDICATED_GPU_SHARE = 0.9  # a server on GPUs of its own: vLLM's default
 
 
 class DeploymentConfig(Section):

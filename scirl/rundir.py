@@ -46,7 +46,8 @@ def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
 
 
 def remove_run_files(run_dir: Path) -> None:
-    """Delete a run's own files: its config, metrics, rollouts, log and checkpoints, not their neighbours."""
+    """Delete a run's own files: its config, metrics, rollouts, log, checkpoints and weight broadcasts,
+    not their neighbours."""
     from scirl.checkpoint import LATEST, STALE_DIR, STEP_DIR
 
     for path in (run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / "logs" / "train.log"):
@@ -60,7 +61,12 @@ def remove_run_files(run_dir: Path) -> None:
                 shutil.rmtree(path)
             elif path.name in (LATEST, LATEST + ".tmp"):
                 path.unlink()
-    for folder in ("rollouts", "logs", "weights"):
+    broadcasts = run_dir / "broadcasts"  # the policy versions a filesystem weight sync handed the servers
+    if broadcasts.is_dir():
+        for path in broadcasts.iterdir():
+            if path.is_dir() and (path.name.startswith("step_") or path.name.startswith(".step_")):
+                shutil.rmtree(path)
+    for folder in ("rollouts", "logs", "weights", "broadcasts"):
         if (run_dir / folder).is_dir() and not any((run_dir / folder).iterdir()):
             (run_dir / folder).rmdir()
 

@@ -143,7 +143,7 @@ def test_inference_section_parses_from_flags_and_round_trips(tmp_path):
     assert (inf.gpu_memory_utilization, inf.kv_cache_gib) == (0.3, 0.5)
     assert validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).inference == inf
     defaults = TrainConfig().inference
-    assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == ("auto", None, 2, 0.5)
+    assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == ("auto", None, 2, None)
 
 
 @pytest.mark.parametrize("argv, fragment", [

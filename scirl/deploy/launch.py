@@ -24,6 +24,7 @@ from pathlib import Path
 from scirl import rundir
 from scirl.deploy import ports as ports_lib
 from scirl.deploy import preflight
+from scirl.config import DEDICATED_GPU_SHARE
 from scirl.deploy.supervisor import Child, Supervisor
 from scirl.errors import DeployError, PreflightError
 
@@ -59,7 +60,7 @@ def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
     return server_command(cfg.model, port=slot.port, host=slot.host, served_model_name=SERVED_MODEL_NAME, dtype=dtype,
                           max_model_len=cfg.inference.max_model_len or cfg.seq_len, device="cuda" if cuda else "cpu",
                           data_parallel_size=slot.data_parallel_size, weight_sync=slot.weight_sync,
-                          gpu_memory_utilization=cfg.inference.gpu_memory_utilization,
+                          gpu_memory_utilization=cfg.inference.gpu_memory_utilization or DEDICATED_GPU_SHARE,
                           enforce_eager=cfg.inference.enforce_eager, kv_cache_gib=cfg.inference.kv_cache_gib, seed=cfg.seed)
 
 
