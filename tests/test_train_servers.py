@@ -113,19 +113,19 @@ def greedy_texts(generate, prompts: list[list[int]]) -> list[str]:
     return [group[0].text for group in generate(prompts, SamplingParams(n=1, temperature=0.0, max_tokens=8, seed=0))]
 
 
-def test_two_rank_trainer_async_level_1_through_the_filesystem(server, questions, tmp_path):
-    """2 gloo trainer ranks + the orchestrator + a real server: batch n+1 is sampled by the weights of
-    step n-1 while step n trains (lag 1), the weights reach the server through broadcasts/, and the
-    server then answers as the trained checkpoint does."""
+def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_filesystem(questions, tmp_path):
+    """``scirl train`` with ``[deployment] num_infer_gpus = 1, num_train_gpus = 2`` on a CPU machine:
+    the launcher starts a real vLLM server and 2 gloo trainer ranks. Batch n+1 is sampled by the
+    weights of step n-1 while step n trains (lag 1), the weights reach the server through broadcasts/,
+    and the server then answers as the trained checkpoint does. Everything is gone afterwards."""
     from transformers import AutoTokenizer
 
     from scirl.backends import hf_generator
-    from scirl.inference.vllm_server import RemoteGenerator
 
-    _, url = server
     run = tmp_path / "run"
-    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "3", "--max-async-level", "1",
-                                "--optim.lr", "5e-3", "--deployment.weight-sync", "filesystem"), nproc=2)
+    done = run_scirl(train_args(questions, run, "--deployment.num-infer-gpus", "1", "--deployment.num-train-gpus", "2",
+                                "--max-steps", "3", "--max-async-level", "1", "--optim.lr", "5e-3",
+                                "--inference.kv-cache-gib", "0.25"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = rows(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -136,6 +136,32 @@ def test_two_rank_trainer_async_level_1_through_the_filesystem(server, questions
     assert "Off-policy 1" in done.stdout
     assert sorted(p.name for p in (run / "broadcasts").glob("step_*")) == ["step_2", "step_3"]  # the newest two
 
+    # the last version the server took is step 3's: a server started on it answers as the checkpoint does
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
+    prompts = [tokenizer.encode(text) for text in ("Question: what is 2+2?\nAnswer:", "The capital of France is")]
+    trained = greedy_texts(hf_generator(str(run / "weights" / "step_3"), tokenizer=tokenizer).generate, prompts)
+    broadcast = greedy_texts(hf_generator(str(run / "broadcasts" / "step_3"), tokenizer=tokenizer).generate, prompts)
+    base = greedy_texts(hf_generator(str(DEMO_BASE), tokenizer=tokenizer).generate, prompts)
+    assert broadcast == trained
+    assert trained != base
+    ports = json.loads((run / "ports.json").read_text())
+    for url in ports["urls"]:  # the launcher stopped its server
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=2).close()
+
+
+def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path):
+    """A run through inference.urls leaves the server holding its last version: the server's greedy
+    answers equal the trained checkpoint's under transformers, and differ from the base model's."""
+    from transformers import AutoTokenizer
+
+    from scirl.backends import hf_generator
+    from scirl.inference.vllm_server import RemoteGenerator
+
+    _, url = server
+    run = tmp_path / "run"
+    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
     prompts = [tokenizer.encode(text) for text in ("Question: what is 2+2?\nAnswer:", "The capital of France is")]
     remote = RemoteGenerator([url], tokenizer, model_name="policy", timeout_s=60)
@@ -143,10 +169,10 @@ def test_two_rank_trainer_async_level_1_through_the_filesystem(server, questions
         served = greedy_texts(remote.generate, prompts)
     finally:
         remote.close()
-    trained = greedy_texts(hf_generator(str(run / "weights" / "step_3"), tokenizer=tokenizer).generate, prompts)
+    trained = greedy_texts(hf_generator(str(run / "weights" / "step_2"), tokenizer=tokenizer).generate, prompts)
     base = greedy_texts(hf_generator(str(DEMO_BASE), tokenizer=tokenizer).generate, prompts)
     assert served == trained
-    assert trained != base  # the check above would pass on an unchanged server otherwise
+    assert trained != base
 
 
 @pytest.mark.parametrize("shuffle", [(), ("--data.shuffle-options", "rollout", "--reward.mode", "random")],
@@ -210,3 +236,26 @@ def wait_for(condition, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"condition not met within {timeout_s}s")
         time.sleep(0.2)
+
+
+def test_a_killed_server_ends_the_run_quickly(server, questions, tmp_path):
+    """The module's last test: the server dies (kill -9) mid-run; the trainer stops with a one-line
+    error naming it, not a hang, and the last checkpoint stays usable."""
+    proc, url = server
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
+                                                       "--ckpt.interval", "1")]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
+        assert trainer.poll() is None, trainer.communicate()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        out, err = trainer.communicate(timeout=60)  # a refused connection fails at once: no deadline to wait out
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert trainer.returncode not in (0, None)
+    assert url in err and "Traceback" not in err, err[-3000:]
+    assert (run / "weights" / "step_1" / "manifest.json").is_file()
