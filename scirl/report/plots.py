@@ -109,8 +109,9 @@ def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
         ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
     else:
         ax, ax_parse = fig.subplots(), None
-    styles = {"eval/accuracy": dict(color="black", linewidth=2, label="overall"),
-              "eval/accuracy_strict": dict(color="black", linestyle="--", linewidth=1, label="overall, strict parser")}
+    # the overall curves on top of the domains' (zorder), which often run close to them
+    styles = {"eval/accuracy": dict(color="black", linewidth=2, zorder=3, label="overall"),
+              "eval/accuracy_strict": dict(color="black", linestyle="--", linewidth=1, zorder=3, label="overall, strict parser")}
     for key, (steps, values) in drawn.items():
         style = styles.get(key, dict(linewidth=1, markersize=3, label=key.rsplit("/", 1)[1]))
         ax.plot(steps, values, marker=_marker(steps), **style)
