@@ -154,8 +154,14 @@ class RewardConfig(Section):
 class EvalConfig(Section):
     """Greedy accuracy on a fixed subset of the held-out split while training (``scirl/eval/during_training.py``)."""
 
-    interval: int = Field(0, ge=0, description="evaluate every N steps and at the last step (0: off)")
+    interval: int | None = Field(None, ge=0, description="evaluate every N steps and at the last step (None or 0: off)")
     questions: int = Field(200, ge=1, description="held-out questions evaluated, the same ones every time")
+
+    @field_validator("interval")
+    @classmethod
+    def _zero_is_off(cls, interval: int | None) -> int | None:
+        # one spelling of "off" (like ckpt.interval), while `--eval.interval 0` still turns a resumed run's eval off
+        return interval or None
 
 
 class WandbConfig(Section):

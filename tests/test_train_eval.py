@@ -38,7 +38,8 @@ def question(domain: str, i: int) -> Question:
 
 def test_eval_is_off_by_default_and_its_keys_validate():
     cfg = load_config([])
-    assert cfg.eval.interval == 0 and cfg.eval.questions == 200
+    assert cfg.eval.interval is None and cfg.eval.questions == 200
+    assert load_config(["--eval.interval", "0"]).eval.interval is None  # 0 is off too
     assert load_config(EVAL).eval.interval == INTERVAL
     for bad, field in ((["--eval.interval", "-1"], "eval.interval"), (["--eval.questions", "0"], "eval.questions"),
                        (["--eval.intervall", "2"], "eval.intervall")):
@@ -124,7 +125,7 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     m = evaluate(3)
     assert m["eval/accuracy"] == 0.5 and m["eval/parse_rate"] == 1.0 and m["eval/questions"] == 8
     assert all(m[f"eval/accuracy/{d}"] == 0.5 for d in DOMAINS)
-    assert not during_training.TrainingEval(questions, generator, Dist(), interval=0, last_step=7, max_tokens=5,
+    assert not during_training.TrainingEval(questions, generator, Dist(), interval=None, last_step=7, max_tokens=5,
                                             seed=1, split_across_ranks=True)(7)  # eval off
 
 

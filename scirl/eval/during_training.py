@@ -80,7 +80,7 @@ class TrainingEval:
     """``evaluate(step)``: the ``eval/*`` metrics (and ``time/eval``) on rank 0 when an eval is due
     after ``step``, else ``{}``. Every rank calls it after every step."""
 
-    def __init__(self, questions: list[Question], generator, dist, *, interval: int, last_step: int,
+    def __init__(self, questions: list[Question], generator, dist, *, interval: int | None, last_step: int,
                  max_tokens: int, seed: int, split_across_ranks: bool):
         self.questions, self.generator, self.dist = questions, generator, dist
         self.interval, self.last_step, self.max_tokens, self.seed = interval, last_step, max_tokens, seed
@@ -110,7 +110,7 @@ class TrainingEval:
 
 
 def training_eval(cfg, splits, tokenizer, generator, dist, *, split_across_ranks: bool, say) -> TrainingEval:
-    """The run's ``TrainingEval`` (one that never evaluates when ``eval.interval`` is 0)."""
+    """The run's ``TrainingEval`` (one that never evaluates when ``eval.interval`` is off)."""
     chosen: list[Question] = []
     if cfg.eval.interval:
         from scirl.inference.base import encode_messages
