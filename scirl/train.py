@@ -212,7 +212,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
     if generator is None and not remote:
         generator = make_generator(trainer, model_source, tokenizer)
-    evaluate = training_eval(cfg, splits, tokenizer, generator, dist, split_across_ranks=not remote, say=say)
+    evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not remote, say=say)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     wandb_run = start_wandb(cfg) if dist.is_main else None
 

@@ -94,7 +94,10 @@ class DrawingGenerator:
     """Answers "A" to everything, and draws from every global RNG while it does, as an engine might."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.params = tokenizer, []
+        self.tokenizer, self.params, self.cache_resets = tokenizer, [], 0
+
+    def reset_prefix_cache(self):
+        self.cache_resets += 1
 
     def generate(self, prompts, params):
         import numpy as np
@@ -116,17 +119,18 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     questions = [q if i % 2 else Question(**{**q.__dict__, "answer_key": "B"}) for i, q in enumerate(questions)]
     generator = DrawingGenerator(AutoTokenizer.from_pretrained(tiny_model_dir))
     evaluate = during_training.TrainingEval(questions, generator, Dist(), interval=3, last_step=7, max_tokens=5, seed=1,
-                                            split_across_ranks=True)
+                                            colocated=True)
     before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     assert [step for step in range(1, 8) if evaluate(step)] == [3, 6, 7]
     assert (random.getstate(), torch.get_rng_state().tolist()) == (before[0], before[2].tolist())
     assert (np.random.get_state()[1] == before[1]).all()
     assert all(p.temperature == 0 and p.n == 1 and p.max_tokens == 5 for p in generator.params)
+    assert generator.cache_resets == 3  # the next step prefills as if no eval had run
     m = evaluate(3)
     assert m["eval/accuracy"] == 0.5 and m["eval/parse_rate"] == 1.0 and m["eval/questions"] == 8
     assert all(m[f"eval/accuracy/{d}"] == 0.5 for d in DOMAINS)
     assert not during_training.TrainingEval(questions, generator, Dist(), interval=None, last_step=7, max_tokens=5,
-                                            seed=1, split_across_ranks=True)(7)  # eval off
+                                            seed=1, colocated=True)(7)  # eval off
 
 
 # ---- a run ----
@@ -263,3 +267,27 @@ def test_two_ranks_split_the_eval_questions_and_rank_0_logs_them_all(letter_mode
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["eval/questions"] == 5 and 0 <= m["eval/accuracy"] <= 1 for m in metrics)
+
+
+@pytest.mark.slow
+def test_with_an_in_process_vllm_engine_eval_leaves_the_run_bit_for_bit_the_same(tmp_path):
+    """The engine that samples the rollouts also answers the eval: the same completions, losses and weights
+    as with eval off (its prefix cache is emptied again, as the weight update leaves it)."""
+    pytest.importorskip("vllm")
+    from scirl.demo.run import write_questions
+    from test_train_vllm import run_in_process as run_vllm
+    from test_train_vllm import vllm_args
+
+    data = write_questions(tmp_path / "q.jsonl", 20, 4, 0)
+    for name, extra in (("off", []), ("on", ["--eval.interval", "1", "--eval.questions", "16"])):
+        assert run_vllm(vllm_args(data, tmp_path / name, extra=extra)) == 0
+    off, on = rows(tmp_path / "off"), rows(tmp_path / "on")
+    for want, have in zip(off, on, strict=True):
+        for key in (*EXACT_KEYS, *COMPUTED_KEYS):
+            assert have.get(key) == want.get(key), (want["step"], key)
+        assert have["eval/questions"] == 16 and 0 <= have["eval/accuracy"] <= 1
+    for step in (1, 2, 3):
+        assert (tmp_path / "on" / "rollouts" / f"step_{step}.jsonl").read_text() == \
+            (tmp_path / "off" / "rollouts" / f"step_{step}.jsonl").read_text()
+    w_off, w_on = final_weights(tmp_path / "off", 3), final_weights(tmp_path / "on", 3)
+    assert all(torch.equal(w_on[k], w_off[k]) for k in w_off)

@@ -78,25 +78,26 @@ def eval_metrics(records: list[dict], seconds: float) -> dict:
 
 class TrainingEval:
     """``evaluate(step)``: the ``eval/*`` metrics (and ``time/eval``) on rank 0 when an eval is due
-    after ``step``, else ``{}``. Every rank calls it after every step."""
+    after ``step``, else ``{}``. Every rank calls it after every step. ``colocated``: every rank holds
+    its own in-process generator (else only rank 0 holds one, a client of the servers)."""
 
     def __init__(self, questions: list[Question], generator, dist, *, interval: int | None, last_step: int,
-                 max_tokens: int, seed: int, split_across_ranks: bool):
+                 max_tokens: int, seed: int, colocated: bool):
         self.questions, self.generator, self.dist = questions, generator, dist
         self.interval, self.last_step, self.max_tokens, self.seed = interval, last_step, max_tokens, seed
-        self.split_across_ranks = split_across_ranks
+        self.colocated = colocated
 
     def due(self, step: int) -> bool:
         return bool(self.interval) and (step % self.interval == 0 or step == self.last_step)
 
     def __call__(self, step: int) -> dict:
-        if not self.due(step) or not (self.split_across_ranks or self.dist.is_main):
+        if not self.due(step) or not (self.colocated or self.dist.is_main):
             return {}
         from scirl.checkpoint import capture_rng_state, restore_rng_state
         from scirl.eval.local import evaluate_generator
 
         started = time.perf_counter()
-        mine = self.questions[self.dist.rank :: self.dist.world_size] if self.split_across_ranks else self.questions
+        mine = self.questions[self.dist.rank :: self.dist.world_size] if self.colocated else self.questions
         rng = capture_rng_state()
         try:
             # one call: the generator batches by its own memory bounds
@@ -104,12 +105,16 @@ class TrainingEval:
                                          seed=self.seed, batch_size=len(mine))["records"] if mine else []
         finally:
             restore_rng_state(rng)
-        if self.split_across_ranks:
+        if self.colocated and mine and hasattr(self.generator, "reset_prefix_cache"):
+            # an in-process vLLM engine starts each step with an empty prefix cache (the weight update
+            # resets it); the eval prompts' cached K/V would otherwise change how the next step prefills
+            self.generator.reset_prefix_cache()
+        if self.colocated:
             records = distributed.gather_objects(records, self.dist)
         return eval_metrics(records, time.perf_counter() - started) if self.dist.is_main else {}
 
 
-def training_eval(cfg, splits, tokenizer, generator, dist, *, split_across_ranks: bool, say) -> TrainingEval:
+def training_eval(cfg, splits, tokenizer, generator, dist, *, colocated: bool, say) -> TrainingEval:
     """The run's ``TrainingEval`` (one that never evaluates when ``eval.interval`` is off)."""
     chosen: list[Question] = []
     if cfg.eval.interval:
@@ -129,4 +134,4 @@ def training_eval(cfg, splits, tokenizer, generator, dist, *, split_across_ranks
         say(f"Eval: {len(chosen)} held-out questions{short}, greedy, every {cfg.eval.interval} steps and at the last; "
             f"the subset is seeded by data.seed ({cfg.data.seed})")
     return TrainingEval(chosen, generator, dist, interval=cfg.eval.interval, last_step=cfg.max_steps,
-                        max_tokens=cfg.max_completion_tokens, seed=cfg.seed, split_across_ranks=split_across_ranks)
+                        max_tokens=cfg.max_completion_tokens, seed=cfg.seed, colocated=colocated)
