@@ -130,7 +130,8 @@ def training_eval(cfg, splits, tokenizer, generator, dist, *, colocated: bool, s
         if not chosen:
             raise TrainError(f"eval.interval is set but none of the {len(held_out)} held-out questions can be evaluated "
                              f"(none held out, or every prompt + max_completion_tokens exceeds seq_len {cfg.seq_len})")
-        short = f" (all that fit seq_len; {cfg.eval.questions} asked)" if len(chosen) < cfg.eval.questions else ""
+        short = (f" (of {cfg.eval.questions} asked: every held-out question that fits seq_len)"
+                 if len(chosen) < cfg.eval.questions else "")
         say(f"Eval: {len(chosen)} held-out questions{short}, greedy, every {cfg.eval.interval} steps and at the last; "
             f"the subset is seeded by data.seed ({cfg.data.seed})")
     return TrainingEval(chosen, generator, dist, interval=cfg.eval.interval, last_step=cfg.max_steps,
