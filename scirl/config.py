@@ -151,6 +151,19 @@ class RewardConfig(Section):
         "reads any letter)")
 
 
+class EvalConfig(Section):
+    """Greedy accuracy on a fixed subset of the held-out split while training (``scirl/eval/during_training.py``)."""
+
+    interval: int | None = Field(None, ge=0, description="evaluate every N steps and at the last step (None or 0: off)")
+    questions: int = Field(200, ge=1, description="held-out questions evaluated, the same ones every time")
+
+    @field_validator("interval")
+    @classmethod
+    def _zero_is_off(cls, interval: int | None) -> int | None:
+        # one spelling of "off" (like ckpt.interval), while `--eval.interval 0` still turns a resumed run's eval off
+        return interval or None
+
+
 class WandbConfig(Section):
     enabled: bool = False
     project: str = "scirl"
@@ -271,6 +284,7 @@ class TrainConfig(Section):
     ckpt: CkptConfig = CkptConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    eval: EvalConfig = EvalConfig()
     wandb: WandbConfig = WandbConfig()
     inference: InferenceConfig = InferenceConfig()
     lora: LoraSettings = LoraSettings()
@@ -286,6 +300,11 @@ class TrainConfig(Section):
         if self.share_prompts and self.activation_checkpointing:
             raise ValueError("share_prompts needs the KV cache in the training forward, which activation "
                              "checkpointing turns off: set share_prompts = false with activation_checkpointing")
+        if self.eval.interval and self.data.split == "eval":
+            raise ValueError("eval.interval evaluates on the held-out split, which data.split = 'eval' trains on: "
+                             "train on data.split = 'train', or set eval.interval = 0")
+        if self.eval.interval and self.data.eval_per_domain == 0:
+            raise ValueError("eval.interval needs held-out questions, and data.eval_per_domain = 0 holds out none")
         if self.max_completion_tokens >= self.seq_len:
             raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) must be below seq_len ({self.seq_len})")
         return self

@@ -63,6 +63,8 @@ def step_line(m: dict) -> str:
     flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]
     if flagged:  # a monitoring filter only flags: those rollouts are still trained on
         parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
+    if m.get("eval/accuracy") is not None:  # greedy, on the held-out subset (eval.interval)
+        parts.append(f"Eval {100 * m['eval/accuracy']:.1f}%")
     if m.get("async/lag_max"):
         parts.append(f"Off-policy {m['async/lag_max']}")
     parts.append(f"{m['tokens_per_s']:.0f} tok/s")

@@ -16,6 +16,8 @@ Each step (``rl_step``), in order:
    (vLLM: loaded in place, prefix cache reset);
 6. the step's metrics, from every rank's rollouts.
 
+Every ``eval.interval`` steps the loop adds the greedy accuracy on a fixed held-out subset to the step's
+row (``scirl/eval/during_training.py``; it leaves the RNG and the data position as they were).
 The loop then writes the step's line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and,
 every ``ckpt.interval`` steps and at the end, a checkpoint. The metrics row of step N is written
 before checkpoint N, so a checkpoint always has its rows; resuming from checkpoint N drops rows
@@ -144,6 +146,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     from scirl.backends import inference_backend, make_generator, make_trainer, make_vllm_generator
     from scirl.config import write_config
     from scirl.data import load_splits
+    from scirl.eval.during_training import training_eval
     from scirl.trainer import compute_dtype, load_model
 
     transformers.utils.logging.disable_progress_bar()  # per-file bars would drown the step lines
@@ -209,6 +212,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0))
     if generator is None and not remote:
         generator = make_generator(trainer, model_source, tokenizer)
+    evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not remote, say=say)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     wandb_run = start_wandb(cfg) if dist.is_main else None
 
@@ -270,11 +274,13 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         with progress:
             for step in range(start_step + 1, cfg.max_steps + 1):
                 result = next_step(step)
+                evaluated = evaluate(step)  # {} unless due; the numbers on rank 0
                 empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
                 nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0
                 if dist.is_main:
-                    metrics = {**result.metrics, "epoch": result.data_position["epoch"], "time/checkpoint": checkpoint_seconds}
-                    metrics["time/step"] += checkpoint_seconds
+                    metrics = {**result.metrics, **evaluated, "epoch": result.data_position["epoch"],
+                               "time/checkpoint": checkpoint_seconds}
+                    metrics["time/step"] += checkpoint_seconds + evaluated.get("time/eval", 0.0)
                     rundir.write_rollouts(run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
                     rundir.append_line(run_dir / "metrics.jsonl", metrics)
                     line = step_line(metrics)

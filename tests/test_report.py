@@ -19,7 +19,8 @@ from scirl.report.page import rollout_samples
 DOMAINS = ("Biology", "Chemistry", "Material", "Physics")
 STEPS = 12
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-PLOTS = ("reward.png", "filters.png", "training.png", "timing.png", "accuracy.png", "letters.png")
+PLOTS = ("reward.png", "filters.png", "training.png", "timing.png", "eval.png", "accuracy.png", "letters.png")
+EVAL_EVERY = 4  # the run below evaluated during training every 4 steps
 
 
 def metrics_row(step: int) -> dict:
@@ -35,7 +36,16 @@ def metrics_row(step: int) -> dict:
         "mismatch_kl": 1e-4 * step, "tokens_per_s": 4000.0 + 100 * step,
         "time/step": 30.0, "time/generate": 18.0, "time/train": 8.0, "time/weight_sync": 1.5,
         "time/checkpoint": 2.0 if step % 5 == 0 else 0.0, "memory/peak_mb": 20000.0,
+        **(eval_keys(step) if step % EVAL_EVERY == 0 else {}),
     }
+
+
+def eval_keys(step: int) -> dict:
+    """What eval during training (``eval.interval``) adds to a step's row."""
+    accuracy = 0.4 + 0.02 * step
+    return {"eval/accuracy": accuracy, "eval/accuracy_strict": accuracy - 0.1,
+            **{f"eval/accuracy/{d}": accuracy + 0.01 * i for i, d in enumerate(DOMAINS)},
+            "eval/parse_rate": 0.9, "eval/questions": 200, "time/eval": 3.0}
 
 
 def eval_results(accuracy_by_domain: dict[str, float], n_per_domain: int = 40, with_ci: bool = True) -> dict:
@@ -124,6 +134,26 @@ def test_plotted_series_match_metrics_jsonl(run_dir, tmp_path):
     assert len(timing["time/checkpoint"][0]) == STEPS
     filters = plots.plot_filters(run.metrics, tmp_path / "filters.png")
     assert filters["trainable/fraction"][1] == pytest.approx([90 / 128] * STEPS)
+
+
+def test_eval_during_training_is_plotted_at_the_steps_that_evaluated(run_dir, report_page, tmp_path):
+    run = gather(run_dir)
+    drawn = plots.plot_eval(run.metrics, tmp_path / "eval.png")
+    evaluated = [s for s in range(1, STEPS + 1) if s % EVAL_EVERY == 0]
+    assert drawn["eval/accuracy"] == (evaluated, pytest.approx([eval_keys(s)["eval/accuracy"] for s in evaluated]))
+    assert set(drawn) == {"eval/accuracy", "eval/accuracy_strict", "eval/parse_rate"} | {f"eval/accuracy/{d}" for d in DOMAINS}
+    assert plots.plot_timing(run.metrics, tmp_path / "timing.png")["time/eval"][0] == evaluated
+    last = eval_keys(evaluated[-1])["eval/accuracy"]
+    assert "held-out accuracy" in report_page.read_text() and f"{100 * last:.1f}%" in report_page.read_text()
+
+
+def test_a_run_without_eval_during_training_has_no_eval_plot_and_no_note_about_it(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.4, "loss": 0.1}) + "\n")
+    text = write_report(run).read_text()
+    assert not (run / "report" / "eval.png").exists()
+    assert "eval.png" not in text and "held-out accuracy" not in text
 
 
 def test_a_metric_logged_on_some_steps_only_is_plotted_on_those_steps(tmp_path):

@@ -108,6 +108,11 @@ def domain_reward_keys(metrics: list[dict[str, Any]]) -> list[str]:
     return sorted(keys - REWARD_STAT_KEYS)
 
 
+def eval_domain_keys(metrics: list[dict[str, Any]]) -> list[str]:
+    """The ``eval/accuracy/<Domain>`` keys (eval during training) present in any row, sorted."""
+    return sorted({k for row in metrics for k in row if k.startswith("eval/accuracy/")})
+
+
 def read_config(path: Path, notes: list[str]) -> dict[str, Any]:
     try:
         with path.open("rb") as f:

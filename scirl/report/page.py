@@ -102,6 +102,11 @@ def key_numbers(run: RunInputs, comparison: dict[str, Any] | None) -> list[tuple
         p = comparison["mcnemar"]["p_value"]
         cards.append(("accuracy change", f"{100 * comparison['difference']:+.1f} pts",
                       f"paired on {comparison['common_questions']} questions; 95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"))
+    eval_steps, eval_accuracy = series(metrics, "eval/accuracy")
+    if eval_accuracy:
+        cards.append(("held-out accuracy", pct(eval_accuracy[-1]),
+                      f"greedy at step {int(eval_steps[-1])}, during training; first {pct(eval_accuracy[0])} "
+                      f"at step {int(eval_steps[0])}"))
     seconds, how = wall_time(metrics)
     cards.append(("wall time", duration(seconds), how))
     _, tps = series(metrics, "tokens_per_s")

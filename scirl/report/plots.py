@@ -16,12 +16,13 @@ from typing import Any
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from scirl.report.inputs import domain_reward_keys, series
+from scirl.report.inputs import domain_reward_keys, eval_domain_keys, series
 
 Series = dict[str, tuple[list[float], list[float]]]
 FILTER_KEYS = ("filters/gibberish", "filters/repetition", "filters/zero_advantage")
-TIME_KEYS = ("time/generate", "time/train", "time/weight_sync", "time/checkpoint")
-TIME_LABELS = {"time/generate": "generation", "time/train": "training", "time/weight_sync": "weight sync", "time/checkpoint": "checkpoint"}
+TIME_KEYS = ("time/generate", "time/train", "time/weight_sync", "time/eval", "time/checkpoint")
+TIME_LABELS = {"time/generate": "generation", "time/train": "training", "time/weight_sync": "weight sync", "time/eval": "eval",
+               "time/checkpoint": "checkpoint"}
 TRAINING_KEYS = ("loss", "mismatch_kl", "entropy", "grad_norm")
 DPI = 100
 
@@ -90,6 +91,41 @@ def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
         ax_parse.set_ylim(-0.05, 1.05)
         ax_parse.grid(alpha=0.3)
         ax_parse.legend(fontsize=8)
+        drawn.update(parse)
+    (ax_parse or ax).set_xlabel("step")
+    _save(fig, path)
+    return drawn
+
+
+def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
+    """Greedy accuracy on the held-out subset at the steps that evaluated it (``eval.interval``): overall
+    (lenient, as ``scirl eval``), strict and per domain; the parse rate below."""
+    drawn = _present(metrics, ["eval/accuracy", "eval/accuracy_strict", *eval_domain_keys(metrics)])
+    if not drawn:
+        return {}
+    parse = _present(metrics, ["eval/parse_rate"])
+    fig = Figure(figsize=(9, 5.5 if parse else 4.5), layout="constrained")
+    if parse:
+        ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+    else:
+        ax, ax_parse = fig.subplots(), None
+    # the overall curves on top of the domains' (zorder), which often run close to them
+    styles = {"eval/accuracy": dict(color="black", linewidth=2, zorder=3, label="overall"),
+              "eval/accuracy_strict": dict(color="black", linestyle="--", linewidth=1, zorder=3, label="overall, strict parser")}
+    for key, (steps, values) in drawn.items():
+        style = styles.get(key, dict(linewidth=1, markersize=3, label=key.rsplit("/", 1)[1]))
+        ax.plot(steps, values, marker=_marker(steps), **style)
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title("Held-out accuracy during training (greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncols=3)
+    if ax_parse is not None:
+        steps, values = parse["eval/parse_rate"]
+        ax_parse.plot(steps, values, marker=_marker(steps), markersize=3, color="tab:purple")
+        ax_parse.set_ylabel("parse rate")
+        ax_parse.set_ylim(-0.05, 1.05)
+        ax_parse.grid(alpha=0.3)
         drawn.update(parse)
     (ax_parse or ax).set_xlabel("step")
     _save(fig, path)
