@@ -718,7 +718,9 @@ def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, cap
     from scirl.commands.train import main
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"question": "no options, no answer"}\n' * 3)
+    # SciKnowEval's columns (so the format is known), but no domain
+    row = {"question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A", "type": "mcq-2-choices"}
+    bad.write_text((json.dumps(row) + "\n") * 3)
     assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 1
     assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err
 
