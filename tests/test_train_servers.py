@@ -205,6 +205,34 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
     assert len(orders) > len({group for group, _ in orders})  # a group's completions saw several orders
 
 
+def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server, questions, tmp_path):
+    """kill -9 while checkpoint 4 is being written (checkpoints every 2 steps): the resume starts from
+    checkpoint 2 and redoes steps 3 and 4 on the same questions, step 3 now sampled by version 2
+    (on-policy: the run goes on from a consistent version), and every step appears exactly once."""
+    _, url = server
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "4",
+                                                       "--ckpt.interval", "2", "--max-async-level", "1")]
+    trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    try:
+        wait_for(lambda: (run / "weights" / ".step_4.tmp" / "trainer_state").exists() or trainer.poll() is not None, 300)
+        trainer.kill()
+        trainer.wait(timeout=30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert not (run / "weights" / "step_4").exists() and (run / "weights" / "step_2" / "manifest.json").is_file()
+    killed = {step: [r["question_id"] for r in rollouts(run, step)] for step in (3, 4)}
+
+    done = run_scirl(["train", "--resume", str(run)])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [m["step"] for m in rows(run)] == [1, 2, 3, 4]
+    assert {step: [r["question_id"] for r in rollouts(run, step)] for step in (3, 4)} == killed
+    versions = {step: {(r["policy_version"], r["lag"]) for r in rollouts(run, step)} for step in (1, 2, 3, 4)}
+    assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(2, 0)}, 4: {(2, 1)}}
+
+
 def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, tmp_path):
     """A server that stops answering (SIGSTOP) fails the run once a request passes its deadline,
     naming the server, and the last checkpoint stays usable."""
