@@ -36,8 +36,9 @@ setup-vllm: $(VENV)/.vllm
 demo: setup
 	$(BIN)/scirl demo
 
+# two workers, each a whole test file at a time: a file's module-scoped vLLM server or engine starts once
 test: setup-vllm
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache
