@@ -76,10 +76,12 @@ def main(argv: list[str]) -> int:
     except DataSourceError as exc:  # a --data.source that cannot be read
         print(f"scirl train: {exc}", file=sys.stderr)
         status = 2
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.inference.urls:
         from scirl.distributed import exit_process
 
-        exit_process(status)  # under torchrun: no interpreter finalization (scirl/distributed.py says why)
+        # under torchrun: no interpreter finalization (scirl/distributed.py says why); with servers, requests
+        # still in flight to a failed server would otherwise hold the exit up to their own deadline
+        exit_process(status)
     return status
 
 
