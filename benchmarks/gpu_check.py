@@ -339,11 +339,10 @@ def disaggregated(args, model_dir: Path, data: Path, out: Path, settings: dict) 
     ``gpu_memory_utilization`` share); two or more: the server on the first, the trainer on the second."""
     import torch
 
+    from scirl.deploy.ports import pick
     from scirl.inference.vllm_server import ServerClient, server_command
 
-    with __import__("socket").socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = pick("127.0.0.1", 0, "a server port", "")
     argv, server_env = server_command(str(model_dir), port=port, served_model_name="policy", dtype=args.dtype,
                                       max_model_len=args.seq_len, device=args.device,
                                       weight_sync="nccl" if args.device == "cuda" else "filesystem",

@@ -232,6 +232,10 @@ class DeploymentConfig(Section):
     request_timeout_s: float = Field(600, gt=0, description="longest wait for one generation request")
     weight_sync_timeout_s: float = Field(600, gt=0, description="longest wait for servers to take new weights")
 
+    def weight_sync_on(self, cuda: bool) -> str:
+        """``weight_sync`` with ``auto`` resolved: NCCL between GPUs, the filesystem elsewhere."""
+        return self.weight_sync if self.weight_sync != "auto" else ("nccl" if cuda else "filesystem")
+
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # every linear of a Qwen3 layer
 

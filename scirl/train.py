@@ -348,25 +348,23 @@ def make_remote_generator(cfg, tokenizer):
                            timeout_s=cfg.deployment.request_timeout_s)
 
 
-def weight_sync_kind(cfg, device) -> str:
-    if cfg.deployment.weight_sync != "auto":
-        return cfg.deployment.weight_sync
-    return "nccl" if device.type == "cuda" else "filesystem"
-
-
 def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
     """``push(version, orchestrator)``: every trainer rank gathers the full weights; rank 0 hands them
     to the servers between two batches. Pushes the start's weights at once, so the first batch comes
     from version ``start_step`` whatever the servers held."""
     from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient, ServerError
 
-    dist, kind = trainer.dist, weight_sync_kind(cfg, trainer.device)
+    dist, kind = trainer.dist, cfg.deployment.weight_sync_on(trainer.device.type == "cuda")
     sync = None
     if dist.is_main:
         clients = [ServerClient(url, timeout_s=cfg.deployment.weight_sync_timeout_s) for url in cfg.inference.urls]
         if kind == "nccl":
-            sync = NCCLWeightSync(clients, master_address=nccl_master_address(cfg.inference.urls),
-                                  master_port=cfg.deployment.nccl_port or free_port(),
+            from scirl.deploy.ports import pick
+
+            address = nccl_master_address(cfg.inference.urls)
+            port = pick(address, cfg.deployment.nccl_port, "deployment.nccl_port",  # the launcher's, or a free one
+                        "set deployment.nccl_port = 0 (a free port) or free it")
+            sync = NCCLWeightSync(clients, master_address=address, master_port=port,
                                   timeout_s=cfg.deployment.weight_sync_timeout_s)
             sync.init()
         else:
@@ -411,14 +409,6 @@ def nccl_master_address(urls: list[str]) -> str:
     if all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in urls):
         return "127.0.0.1"
     return socket.gethostbyname(socket.gethostname())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -386,6 +386,14 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
         assert torch.allclose(got["state"][name], value, atol=1e-6), name
 
 
+def train_two_ranks(argv: list[str]) -> None:
+    """``scirl train`` on 2 gloo ranks under torchrun, one thread each; it must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "scirl", "train", *argv], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 @pytest.mark.slow
 def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir, data_file, tmp_path, one_thread):
     """The multi-rank loop end to end (each rank its share of the groups, rollouts gathered on rank 0,
@@ -394,10 +402,7 @@ def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir
     run_dir = tmp_path / "ddp"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2)
     argv = [a for a in argv if a != "--filters.zero-advantage.no-enforce"]  # enforce: ranks get uneven work
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "scirl", "train", *argv], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train_two_ranks(argv)
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["trainable/total"] == 16 for m in metrics)

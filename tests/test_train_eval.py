@@ -4,12 +4,9 @@ row, questions never trained on, training itself unchanged, the same subset afte
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,8 @@ from scirl.config import load_config
 from scirl.errors import ConfigError
 from scirl.eval import during_training, local
 from scirl.schema import DOMAINS, Question
-from test_train import COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows, run_in_process, train_args
+from test_train import (COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows,  # noqa: F401
+                        run_in_process, train_args, train_two_ranks)
 
 __all__ = ["data_file", "letter_model_dir"]  # fixtures, used by name
 
@@ -260,10 +258,7 @@ def test_two_ranks_split_the_eval_questions_and_rank_0_logs_them_all(letter_mode
     run_dir = tmp_path / "ddp"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=["--eval.interval", "1",
                                                                                   "--eval.questions", "5"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "scirl", "train", *argv], env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    train_two_ranks(argv)
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["eval/questions"] == 5 and 0 <= m["eval/accuracy"] <= 1 for m in metrics)

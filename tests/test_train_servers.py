@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import scirl
+from server_process import free_port  # tests/server_process.py
 
 pytest.importorskip("vllm")
 
@@ -29,12 +30,6 @@ DEMO_CONFIG = Path(scirl.__file__).parent / "configs" / "demo.toml"
 SERVER_START_DEADLINE_S = 240
 RUN_DEADLINE_S = 420
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -233,28 +228,42 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(2, 0)}, 4: {(2, 1)}}
 
 
-def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, tmp_path):
-    """A server that stops answering (SIGSTOP) fails the run once a request passes its deadline,
-    naming the server, and the last checkpoint stays usable."""
-    proc, url = server
-    run = tmp_path / "run"
+def run_until_checkpoint_1(questions, run: Path, url: str, *extra: str) -> subprocess.Popen:
+    """A long run on ``url``, returned once its first checkpoint is there (the server is warm by then)."""
     cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
-                                                       "--ckpt.interval", "1", "--deployment.request-timeout-s", "8",
-                                                       "--deployment.weight-sync-timeout-s", "8")]
+                                                       "--ckpt.interval", "1", *extra)]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
         assert trainer.poll() is None, trainer.communicate()
+    except BaseException:
+        trainer.kill()
+        raise
+    return trainer
+
+
+def assert_failed_naming(trainer: subprocess.Popen, err: str, url: str, run: Path) -> None:
+    assert trainer.returncode not in (0, None)
+    assert url in err and "Traceback" not in err, err[-3000:]
+    assert (run / "weights" / "step_1" / "manifest.json").is_file()
+
+
+def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, tmp_path):
+    """A server that stops answering (SIGSTOP) fails the run once a request passes its deadline,
+    naming the server, and the last checkpoint stays usable."""
+    proc, url = server
+    run = tmp_path / "run"
+    trainer = run_until_checkpoint_1(questions, run, url, "--deployment.request-timeout-s", "8",
+                                     "--deployment.weight-sync-timeout-s", "8")
+    try:
         os.killpg(proc.pid, signal.SIGSTOP)
-        out, err = trainer.communicate(timeout=120)  # the 8 s deadlines, plus the trainer's own exit
+        _, err = trainer.communicate(timeout=120)  # the 8 s deadlines, plus the trainer's own exit
     finally:
         os.killpg(proc.pid, signal.SIGCONT)
         if trainer.poll() is None:
             trainer.kill()
-    assert trainer.returncode not in (0, None)
-    assert url in err and "Traceback" not in err, err[-3000:]
-    assert (run / "weights" / "step_1" / "manifest.json").is_file()
+    assert_failed_naming(trainer, err, url, run)
 
 
 def wait_for(condition, timeout_s: float) -> None:
@@ -270,19 +279,12 @@ def test_a_killed_server_ends_the_run_quickly(server, questions, tmp_path):
     error naming it, not a hang, and the last checkpoint stays usable."""
     proc, url = server
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
-                                                       "--ckpt.interval", "1")]
-    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    trainer = run_until_checkpoint_1(questions, run, url)
     try:
-        wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
-        assert trainer.poll() is None, trainer.communicate()
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
-        out, err = trainer.communicate(timeout=60)  # a refused connection fails at once: no deadline to wait out
+        _, err = trainer.communicate(timeout=60)  # a refused connection fails at once: no deadline to wait out
     finally:
         if trainer.poll() is None:
             trainer.kill()
-    assert trainer.returncode not in (0, None)
-    assert url in err and "Traceback" not in err, err[-3000:]
-    assert (run / "weights" / "step_1" / "manifest.json").is_file()
+    assert_failed_naming(trainer, err, url, run)

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
 
     from scirl.checkpoint import CheckpointWriteError
-    from scirl.errors import DataSourceError, HubUnreachable, RunDirError, TrainError
+    from scirl.errors import DataSourceError, HubUnreachable, PreflightError, RunDirError, TrainError
     from scirl.train import train
 
     keep_freed_memory_on_cpu(cfg.device)
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         # a run that could not go on (RunDirError, a TrainError, is bad input: exit 2)
         print(f"scirl train: {exc}", file=sys.stderr)
         status = 2 if isinstance(exc, RunDirError) else 1
-    except DataSourceError as exc:  # a --data.source that cannot be read
+    except (DataSourceError, PreflightError) as exc:  # a --data.source that cannot be read, a taken nccl_port
         print(f"scirl train: {exc}", file=sys.stderr)
         status = 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.inference.urls:

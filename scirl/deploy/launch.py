@@ -64,10 +64,6 @@ def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
                           enforce_eager=cfg.inference.enforce_eager, kv_cache_gib=cfg.inference.kv_cache_gib, seed=cfg.seed)
 
 
-def weight_sync_mode(setting: str, cuda: bool) -> str:
-    return setting if setting != "auto" else ("nccl" if cuda else "filesystem")
-
-
 @dataclass(frozen=True)
 class Plan:
     """What the checks decided: where each part runs and on which ports."""
@@ -122,7 +118,7 @@ def check(cfg, *, resume: bool, clean: bool, vllm: bool) -> Plan:
     if vllm:
         preflight.check_packages(cuda)
     gpus = preflight.plan_gpus(deployment.num_infer_gpus, deployment.num_train_gpus) if cuda else None
-    mode = weight_sync_mode(deployment.weight_sync, cuda)
+    mode = deployment.weight_sync_on(cuda)
     return Plan(gpus, ports, mode, preflight.check_disk(cfg, mode))
 
 

@@ -46,6 +46,12 @@ def allocate(host: str, *, first_server_port: int, n_servers: int, nccl_port: in
     return Ports(host, ports[:n_servers], ports[n_servers], ports[n_servers + 1] if rendezvous else None)
 
 
+def pick(host: str, port: int, what: str, fix: str) -> int:
+    """``port`` checked free on ``host``, or (0) a free one; a PreflightError names a taken one."""
+    with claim(host, port, what, fix) as sock:
+        return sock.getsockname()[1]
+
+
 def claim(host: str, port: int, what: str, fix: str) -> socket.socket:
     """A socket bound to ``host:port`` (0: a free port), or a PreflightError naming the port and its holder."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
