@@ -228,6 +228,12 @@ class DeploymentConfig(Section):
     weight_sync: Literal["auto", "filesystem", "nccl"] = Field(
         "auto", description="how new weights reach the servers: auto = nccl on GPUs, filesystem elsewhere")
     nccl_port: int = Field(0, ge=0, le=65535, description="the NCCL weight broadcast's rendezvous port; 0: a free one")
+    nccl_address: str | None = Field(None, min_length=1, description="the address the servers reach trainer rank 0 at "
+                                     "for the NCCL weight broadcast (None: loopback when every server is local, else "
+                                     "this machine's address on the interface that routes to them)")
+    verify_interval: int = Field(10, ge=0, description="check that the sampler holds the trainer's weights (logprobs "
+                                 "of a fixed sequence, and checksums where offered) on the first push and every N "
+                                 "steps; 0: never (servers still confirm every push's version)")
     startup_timeout_s: float = Field(900, gt=0, description="longest wait for a server to become healthy")
     request_timeout_s: float = Field(600, gt=0, description="longest wait for one generation request")
     weight_sync_timeout_s: float = Field(600, gt=0, description="longest wait for servers to take new weights")

@@ -49,7 +49,9 @@ def setup(device_name: str) -> tuple[Dist, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_name == "cuda" and world_size > 1:
+    if device_name == "cuda":
+        # always an index: torch.cuda.set_device refuses an index-less device, and one process is
+        # local rank 0 (the first visible GPU); under torchrun each rank takes its own
         device_name = f"cuda:{local_rank}"
     device = torch.device(device_name)
     if device.type == "cuda":

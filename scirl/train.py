@@ -41,14 +41,17 @@ import hashlib
 import logging
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from scirl import distributed, lora, rundir
 from scirl.errors import TrainError
 from scirl.metrics import peak_memory_mb, step_line, step_metrics
 from scirl.rollouts import QuestionSampler, generate_batch, generation_seed  # noqa: F401 - generation_seed: the recipe's API
+from scirl.weight_check import Replica, WeightCheck, probe_sequence
 
 log = logging.getLogger("scirl.train")
 
@@ -68,29 +71,43 @@ class StepResult:
     data_position: dict  # what a checkpoint after this step saves: where the next batch's questions start
 
 
-def rl_step(step: int, batch: list, generator, trainer, cfg, *, pad_id: int, data_position: dict | None = None) -> StepResult:
+def rl_step(step: int, batch: list, generator, trainer, cfg, *, pad_id: int, data_position: dict | None = None,
+            weight_check: WeightCheck | None = None) -> StepResult:
     """One colocated GRPO step on this rank's ``batch`` (``PromptedQuestion``s): the orchestrator's half
     (generate -> score -> advantages -> filters) then the trainer's (train step -> weights to the sampler
     -> metrics). Every rank calls it (it syncs)."""
     rollout_batch = generate_batch(step, batch, generator, cfg, vocab_size=trainer.model.config.vocab_size,
                                    rank=trainer.dist.rank, data_position=data_position)
-    return learn(rollout_batch, trainer, cfg, pad_id=pad_id, push_weights=lambda: push_in_process(generator, trainer),
+    return learn(rollout_batch, trainer, cfg, pad_id=pad_id,
+                 push_weights=lambda: push_in_process(generator, trainer, step, weight_check),
                  before_train=generator.sleep)
 
 
-def push_in_process(generator, trainer) -> None:
+def push_in_process(generator, trainer, version: int, weight_check: WeightCheck | None = None) -> dict:
     """New weights to an in-process sampler that does not share the trainer's module (vLLM: loaded in
-    place, prefix cache reset; a per-rank transformers copy under FSDP)."""
-    if generator.needs_weight_updates:
-        generator.update_weights(trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype).items())
+    place, prefix cache reset; a per-rank transformers copy under FSDP), checked when due. Returns the
+    check's metrics."""
+    if not generator.needs_weight_updates:
+        return {}
+    generator.update_weights(trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype).items())
+    if weight_check is None or not weight_check.due(version):
+        return {}
+    return weight_check.run(version, [in_process_replica(generator, trainer.dist)])
+
+
+def in_process_replica(generator, dist) -> Replica:
+    kind = "vLLM engine" if hasattr(generator, "weight_checksums") else "transformers copy"
+    name = f"the in-process {kind}" + (f" of rank {dist.rank}" if dist.world_size > 1 else "")
+    return Replica(name, generator.prompt_logprobs, getattr(generator, "weight_checksums", lambda: None))
 
 
 def learn(rollout_batch, trainer, cfg, *, pad_id: int, push_weights, before_train=None,
           time_before: float | None = None) -> StepResult:
     """The trainer's half of a step, in either deployment: one optimizer step on this rank's samples
-    (skipped when the loss or the gradients are not finite), then ``push_weights()``, then the metrics
-    from every rank's rollouts. ``before_train``: a colocated vLLM engine gives the GPU to the trainer.
-    ``time_before``: the step's time before this call (default: the batch's generation)."""
+    (skipped when the loss or the gradients are not finite), then ``push_weights()`` (which returns the
+    weight check's metrics, if one ran), then the metrics from every rank's rollouts. ``before_train``: a
+    colocated vLLM engine gives the GPU to the trainer. ``time_before``: the step's time before this call
+    (default: the batch's generation)."""
     dist, started = trainer.dist, time.perf_counter()
     t = time.perf_counter()
     if before_train is not None:
@@ -100,8 +117,8 @@ def learn(rollout_batch, trainer, cfg, *, pad_id: int, push_weights, before_trai
     stats = trainer.train_step(trainer.make_batches(rollout_batch.samples, cfg.micro_batch_size, pad_id))
     time_train = time.perf_counter() - t
     t = time.perf_counter()
-    push_weights()
-    time_sync += time.perf_counter() - t
+    checked = push_weights() or {}
+    time_sync += time.perf_counter() - t - checked.get("time/weight_check", 0.0)
 
     rollouts = distributed.gather_objects(rollout_batch.rollouts, dist)
     before = rollout_batch.time_generate if time_before is None else time_before
@@ -110,7 +127,7 @@ def learn(rollout_batch, trainer, cfg, *, pad_id: int, push_weights, before_trai
                "memory/peak_mb": peak_memory_mb(trainer.device)}
     if time_before is not None:  # servers: how long the trainer waited for its batch (0 when generation fully overlapped)
         timings["time/wait_for_batch"] = time_before
-    metrics = step_metrics(rollout_batch.step, rollouts, stats, timings)
+    metrics = {**step_metrics(rollout_batch.step, rollouts, stats, timings), **checked}
     if stats.get("nonfinite"):
         metrics["skipped/nonfinite"] = 1
     return StepResult(rollouts, stats, metrics, rollout_batch.data_position)
@@ -213,6 +230,9 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     if generator is None and not remote:
         generator = make_generator(trainer, model_source, tokenizer)
     evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not remote, say=say)
+    room = min(cfg.seq_len, cfg.inference.max_model_len or cfg.seq_len)
+    weight_check = WeightCheck(trainer, probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size),
+                                                       room), interval=cfg.deployment.verify_interval)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     wandb_run = start_wandb(cfg) if dist.is_main else None
 
@@ -242,7 +262,9 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     # ---- the step: colocated, or the trainer's half against servers ----
     orchestrator = None
     if remote:
-        push = make_server_push(cfg, trainer, tokenizer, run_dir, start_step)
+        replicas = [Replica(client.url, client.prompt_logprobs, client.weight_checksums)
+                    for client in generator.clients] if dist.is_main else []
+        push = make_server_push(cfg, trainer, tokenizer, run_dir, start_step, weight_check, replicas)
         if dist.is_main:
             from scirl.orchestrator import Orchestrator
 
@@ -260,7 +282,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         def next_step(step: int) -> StepResult:
             picked = sampler.take(cfg.questions_per_step, questions)
             return rl_step(step, picked[dist.rank :: dist.world_size], generator, trainer,
-                           cfg, pad_id=pad_id, data_position=sampler.state())
+                           cfg, pad_id=pad_id, data_position=sampler.state(), weight_check=weight_check)
 
     # ---- the loop ----
     stop = distributed.StopRequest()
@@ -348,10 +370,12 @@ def make_remote_generator(cfg, tokenizer):
                            timeout_s=cfg.deployment.request_timeout_s)
 
 
-def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
+def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int, weight_check: WeightCheck,
+                     replicas: list[Replica]):
     """``push(version, orchestrator)``: every trainer rank gathers the full weights; rank 0 hands them
-    to the servers between two batches. Pushes the start's weights at once, so the first batch comes
-    from version ``start_step`` whatever the servers held."""
+    to the servers between two batches; then, when due, every rank checks them (``replicas``: the
+    servers, on rank 0) and the check's metrics are returned. Pushes the start's weights at once, so
+    the first batch comes from version ``start_step`` whatever the servers held."""
     from scirl.inference.vllm_server import FilesystemWeightSync, NCCLWeightSync, ServerClient, ServerError
 
     dist, kind = trainer.dist, cfg.deployment.weight_sync_on(trainer.device.type == "cuda")
@@ -361,12 +385,18 @@ def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
         if kind == "nccl":
             from scirl.deploy.ports import pick
 
-            address = nccl_master_address(cfg.inference.urls)
+            address = nccl_master_address(cfg.inference.urls, cfg.deployment.nccl_address)
             port = pick(address, cfg.deployment.nccl_port, "deployment.nccl_port",  # the launcher's, or a free one
                         "set deployment.nccl_port = 0 (a free port) or free it")
+            # the wire carries the trainer's compute dtype, which the servers compute in (launch.py): a
+            # float32 run's servers get float32, not a bf16 rounding of it
             sync = NCCLWeightSync(clients, master_address=address, master_port=port,
-                                  timeout_s=cfg.deployment.weight_sync_timeout_s)
-            sync.init()
+                                  timeout_s=cfg.deployment.weight_sync_timeout_s,
+                                  dtype=str(trainer.dtype).removeprefix("torch."))
+            try:
+                sync.init()
+            except (ServerError, RuntimeError, TimeoutError) as exc:
+                raise TrainError(f"the NCCL weight group with the servers did not form: {exc}") from exc
         else:
             sync = FilesystemWeightSync(clients, run_dir / "broadcasts", timeout_s=cfg.deployment.weight_sync_timeout_s)
 
@@ -376,20 +406,21 @@ def make_server_push(cfg, trainer, tokenizer, run_dir: Path, start_step: int):
             return
         try:
             if kind == "nccl":
-                sync.push(state.items(), version)
+                sync.push(state.items(), version, model_config=trainer.model.config)
             else:
                 sync.push(state.items(), version, model_config=trainer.model.config, tokenizer=tokenizer)
-        except ServerError as exc:
+        except (ServerError, RuntimeError, TimeoutError) as exc:  # RuntimeError: NCCL's own, after an abort
             raise TrainError(f"weights of step {version} did not reach the servers: {exc}") from exc
 
-    def push(version: int, orchestrator) -> None:
+    def push(version: int, orchestrator) -> dict:
         if orchestrator is None:  # ranks > 0: their part is the gather
             send(version)
         else:
             orchestrator.push_weights(version, lambda: send(version))
+        return weight_check.run(version, replicas) if weight_check.due(version) else {}
 
     # always: a server reports the model it started on, not what an earlier run (or a crash mid-push) left in it
-    send(start_step)
+    push(start_step, None)
     return push
 
 
@@ -401,14 +432,33 @@ def my_share(batch, dist):
     return replace(batch, samples=samples, rollouts=batch.rollouts if dist.is_main else [])
 
 
-def nccl_master_address(urls: list[str]) -> str:
-    """Where the servers reach trainer rank 0: loopback when they all run here, else this host's address."""
-    import socket
-    from urllib.parse import urlparse
+def nccl_master_address(urls: list[str], configured: str | None = None) -> str:
+    """Where the servers reach trainer rank 0: ``deployment.nccl_address`` when set; loopback when they
+    all run here; else this machine's address on the interface that routes to them.
 
-    if all(urlparse(url).hostname in ("127.0.0.1", "localhost", "::1") for url in urls):
+    Not ``gethostbyname(gethostname())``: on stock Debian/Ubuntu the hostname resolves to 127.0.1.1,
+    which no other machine can reach. A UDP socket ``connect``ed to a server sends nothing, but makes
+    the kernel pick the route to it, whose source address ``getsockname`` then gives."""
+    if configured:
+        return configured
+    hosts = [urlparse(url).hostname for url in urls]
+    if all(host in ("127.0.0.1", "localhost", "::1") for host in hosts):
         return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
+    addresses = {}
+    for url, host in zip(urls, hosts):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((host, urlparse(url).port or 80))
+            except OSError as exc:
+                raise TrainError(f"no route from this machine to the server {url} ({exc}); set "
+                                 "deployment.nccl_address to this machine's address the servers can reach") from exc
+            addresses[url] = probe.getsockname()[0]
+    if len(set(addresses.values())) > 1:
+        raise TrainError("the servers are reached through different interfaces of this machine ("
+                         + ", ".join(f"{url} via {address}" for url, address in addresses.items())
+                         + "); set deployment.nccl_address to the one address every server can reach")
+    return next(iter(addresses.values()))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class Trainer:
         copy = dist.world_size == 1 and dtype != torch.float32 and not is_lora(model)
         self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
+        self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         if self.dist.world_size == 1:
@@ -233,6 +234,16 @@ class Trainer:
                                     logits_to_keep=length - first + 1).logits
         logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature, self.top_p)
         return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
+
+    @torch.no_grad()
+    def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
+        """This trainer's logprob of each token after the first of one fixed sequence, at temperature 1,
+        computed as the training forward computes (the compute copy, in the compute dtype): what a
+        sampler holding the same weights must reproduce (``scirl.weight_check``). Under FSDP every
+        rank must call it, with the same ids (the forward's all-gathers are collectives)."""
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        logits = self.compute_model(input_ids=ids, use_cache=False).logits[:, :-1]
+        return token_logprobs(logits, ids[:, 1:])[0][0].tolist()
 
     # ---- the step ----
 
@@ -297,6 +308,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             return {"stepped": False, "nonfinite": True, "loss_tokens": int(global_tokens)}
         self.optimizer.step()
+        self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
         if self.compute_copy is not None:
             self.compute_copy.refresh()

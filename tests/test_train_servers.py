@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -186,8 +187,10 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
                                   *common))
     assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
     for a, b in zip(rows(tmp_path / "colocated"), rows(tmp_path / "servers"), strict=True):
-        keys = {k for k in a if not k.startswith(("time", "memory", "tokens_per_s"))}
-        assert keys == {k for k in b if not k.startswith(("time", "memory", "tokens_per_s"))}
+        # the weight checks measure two different samplers (and the server's first one runs before step 1)
+        measured = ("time", "memory", "tokens_per_s", "weight_check")
+        keys = {k for k in a if not k.startswith(measured)}
+        assert keys == {k for k in b if not k.startswith(measured)}
         for key in sorted(keys):
             if isinstance(a[key], float):
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), key
@@ -226,6 +229,46 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     assert {step: [r["question_id"] for r in rollouts(run, step)] for step in (3, 4)} == killed
     versions = {step: {(r["policy_version"], r["lag"]) for r in rollouts(run, step)} for step in (1, 2, 3, 4)}
     assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(2, 0)}, 4: {(2, 1)}}
+
+
+# ---- pushes that go wrong on purpose: each ends the run in one line naming the server ----
+
+def run_scirl_patched(patch: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``scirl`` with ``patch`` (Python) applied in its process first: a fault put into the push."""
+    code = f"{patch}\nfrom scirl.cli import main\nraise SystemExit(main({args!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_DEADLINE_S,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+PUSH_FAULT = """
+import torch
+import scirl.inference.vllm_server as server
+write_weights = server.write_weights
+def faulty(named_tensors, out_dir, **kwargs):
+    return write_weights(({fault}), out_dir, **kwargs)
+server.write_weights = faulty
+"""
+
+
+@pytest.mark.parametrize("fault", [
+    # one tensor left out of the push: the server keeps its old copy of it
+    "(name, tensor) for name, tensor in named_tensors if name != 'model.layers.0.mlp.down_proj.weight'",
+    # weights rounded to bf16 on the way to a float32 server
+    "(name, tensor.to(torch.bfloat16).float()) for name, tensor in named_tensors",
+], ids=["one-tensor-left-out", "bf16-rounded"])
+def test_a_push_that_goes_wrong_ends_the_run_naming_the_server(server, questions, tmp_path, fault):
+    _, url = server
+    run = tmp_path / "run"
+    done = run_scirl_patched(PUSH_FAULT.format(fault=fault),
+                             train_args(questions, run, "--inference.urls", url, "--max-steps", "3",
+                                        "--optim.lr", "5e-3", "--deployment.verify-interval", "1"))
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    # version 0 already fails where the server held another run's weights (the module's server is shared)
+    assert re.match(rf"scirl train: {re.escape(url)} does not hold the trainer's weights after the push of "
+                    r"version [01]: ", last), last
+    assert "tolerance 0.001 for float32" in last and "Traceback" not in done.stderr
+    assert not (run / "metrics.jsonl").exists()  # step 1's row comes after its push and check: none was written
 
 
 def run_until_checkpoint_1(questions, run: Path, url: str, *extra: str) -> subprocess.Popen:

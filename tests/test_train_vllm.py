@@ -106,3 +106,18 @@ def test_torchrun_two_ranks_each_with_an_engine(questions, tmp_path):
     assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)
     ranks = {json.loads(x)["rank"] for x in (run_dir / "rollouts" / "step_2.jsonl").read_text().splitlines()}
     assert ranks == {0, 1}
+
+
+def test_an_engine_that_never_takes_the_new_weights_ends_the_run(questions, tmp_path):
+    """An in-process engine whose weight update does nothing (sleep mode that kept stale weights, an
+    adapter that never arrived): the check after the first push ends the run naming the engine."""
+    patch = ("from scirl.inference.vllm import VLLMGenerator\n"
+             "VLLMGenerator.update_weights = lambda self, named_tensors: self.reset_prefix_cache()\n")
+    args = ["train", *vllm_args(questions, tmp_path / "run", max_steps=2, extra=["--deployment.verify-interval", "1"])]
+    done = subprocess.run([sys.executable, "-c", f"{patch}from scirl.cli import main\nraise SystemExit(main({args!r}))"],
+                          env=ONE_THREAD, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("scirl train: the in-process vLLM engine does not hold the trainer's weights after the "
+                           "push of version 1: "), last
+    assert "Traceback" not in done.stderr

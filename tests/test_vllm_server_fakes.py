@@ -33,11 +33,16 @@ from scirl.inference.vllm_server import (
 
 
 def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
-              fail: dict[str, int] | None = None, gate: threading.Event | None = None):
+              fail: dict[str, int] | None = None, gate: threading.Event | None = None, on_init=None,
+              keeps_version: bool = True, checksums=None):
     """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body).
-    ``gate``: completions wait until it is set (a server still generating)."""
+    ``gate``: completions wait until it is set (a server still generating). ``on_init(init_info)``: runs
+    in ``/init_weight_transfer_engine`` (a worker joining the group); an exception it raises is a 500.
+    ``keeps_version``: False for a server that forgets the weight version it is given (restarted).
+    ``checksums()``: what ``/weight_checker`` answers (None: the route is missing)."""
     app = FastAPI()
     app.state.calls = []
+    app.state.version = "default"
     fail = fail or {}
 
     async def record(request: Request):
@@ -65,12 +70,41 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
         async def get_world_size():
             return {"world_size": world_size}
 
-        for route in ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
-                      "/finish_weight_update", "/shutdown_weight_transfer_engine", "/collective_rpc"):
+        for route in ("/start_weight_update", "/update_weights", "/shutdown_weight_transfer_engine", "/collective_rpc"):
             async def handler(request: Request):
                 return await record(request) or {"message": "ok"}
 
             app.post(route)(handler)
+
+        @app.post("/init_weight_transfer_engine")
+        async def init_weight_transfer_engine(request: Request):
+            refused = await record(request)
+            if refused is None and on_init is not None:
+                try:
+                    await asyncio.to_thread(on_init, app.state.calls[-1][1]["init_info"])
+                except Exception as exc:  # noqa: BLE001 - a worker's failure is the server's 500
+                    return JSONResponse({"error": str(exc)}, status_code=500)
+            return refused or {"message": "ok"}
+
+        for route, field in (("/finish_weight_update", "weight_version"), ("/update_weight_version", "new_version")):
+            def sets_version(field: str):  # both routes set the version /weight_info reports
+                async def handler(request: Request):
+                    refused = await record(request)
+                    if refused is None and keeps_version:
+                        app.state.version = app.state.calls[-1][1][field]
+                    return refused or {"success": True}
+                return handler
+
+            app.post(route)(sets_version(field))
+
+        @app.get("/weight_info")
+        async def weight_info():
+            return {"weight_version": app.state.version}
+
+        if checksums is not None:
+            @app.post("/weight_checker")
+            async def weight_checker(request: Request):
+                return await record(request) or {"checksums": checksums()}
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request):
@@ -151,6 +185,7 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
             assert routes(app)[1:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
                                        "/reset_prefix_cache"]
             assert body(app, "/finish_weight_update") == [{"weight_version": "7"}]
+            assert app.state.version == "7"  # and the push checked that every server reports it
         info = body(a, "/update_weights")[0]["update_info"]
         assert info == body(b, "/update_weights")[0]["update_info"]
         # HF names in the trainer's order, then the tied head; everything in bf16, as declared
@@ -184,7 +219,7 @@ def test_nccl_sync_failures_name_the_server_and_route():
     with running(fake_vllm()) as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=refuse)
-        with pytest.raises(ConnectionError, match="rendezvous refused"):
+        with pytest.raises(RuntimeError, match="did not form .ConnectionError: rendezvous refused.*filesystem"):
             sync.init()
 
 
@@ -332,7 +367,8 @@ def test_server_command_cpu_gpu_and_bad_combinations():
     argv, env = server_command("m", port=8001, served_model_name="pol", dtype="float32", max_model_len=512,
                                device="cpu", kv_cache_gib=0.5)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    assert env == {"VLLM_SERVER_DEV_MODE": "1"}
+    # dev routes; no usage report to vLLM's stats server; "m" is no local directory, so the hub stays reachable
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     flags = " ".join(argv)
     assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
     assert f"--kv-cache-memory-bytes {1 << 29}" in flags and "--no-enable-chunked-prefill" in flags
@@ -355,3 +391,132 @@ def test_client_urls_with_or_without_v1():
     assert ServerClient("http://h:1/v1/").url == ServerClient("http://h:1").url == "http://h:1"
     assert str(ServerError("http://h:1", "/x", "status 500", "line one\nline two")) == \
         "http://h:1/x: status 500: line one line two"
+
+
+# ---------------------------------------------------------------------------------------------
+# stand-ins that keep NCCL's and CUDA's contracts (read from torch's and vLLM's source): what the
+# GPU path does when it goes wrong, checked on a CPU
+
+HANG_GUARD_S = 30  # a stand-in that would wait forever on real hardware gives up after this, failing the test
+
+
+class FakeNCCLGroup:
+    """One weight-broadcast group as NCCL forms it: each rank joins on a device and waits for the
+    others (ncclCommInitRank blocks until all ranks have joined); two ranks on one device are refused
+    ("Duplicate GPU detected", reported as invalid usage) and every waiting rank then fails too."""
+
+    def __init__(self, world_size: int):
+        self.world_size, self.devices, self.failed = world_size, {}, None
+        self.changed = threading.Condition()
+
+    def join(self, rank: int, device: str) -> None:
+        with self.changed:
+            if device in self.devices.values():
+                self.failed = f"NCCL error: invalid usage (Duplicate GPU detected: rank {rank} and another on {device})"
+                self.changed.notify_all()
+                raise RuntimeError(self.failed)
+            self.devices[rank] = device
+            self.changed.notify_all()
+            if not self.changed.wait_for(lambda: self.failed or len(self.devices) == self.world_size, HANG_GUARD_S):
+                raise AssertionError("the stand-in NCCL group waited past its guard: something hangs")
+            if self.failed:
+                raise RuntimeError("NCCL error: invalid usage")
+
+
+class BlockingCommunicator(FakeCommunicator):
+    """A broadcast that waits for its receivers, as NCCL's does (the sender's stream does not finish
+    until every rank has joined the collective); ``destroy`` aborts it, as ncclCommAbort does."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.receivers_arrived, self.aborted = threading.Event(), threading.Event()
+
+    def broadcast(self, tensor, src):
+        if not self.receivers_arrived.wait(0) and not self.aborted.wait(HANG_GUARD_S):
+            raise AssertionError("the broadcast waited past its guard: nothing aborted it")
+        if self.aborted.is_set():
+            raise RuntimeError("NCCL error: remote process exited or there was a network error (aborted)")
+        super().broadcast(tensor, src)
+
+    def destroy(self):
+        super().destroy()
+        self.aborted.set()
+
+
+def test_a_failed_update_weights_aborts_the_broadcast_and_names_the_server():
+    """The workers never arrive when /update_weights fails: without an abort the trainer's broadcast
+    would wait for them forever (PyNccl has no watchdog)."""
+    opened = []
+
+    def factory(*args):
+        opened.append(BlockingCommunicator(*args))
+        opened[-1].receivers_arrived.set()  # the rendezvous itself is fine
+        return opened[-1]
+
+    with running(fake_vllm()) as good, running(fake_vllm(fail={"/update_weights": 500})) as bad:
+        sync = NCCLWeightSync([ServerClient(good.url, timeout_s=10), ServerClient(bad.url, timeout_s=10)],
+                              master_address="127.0.0.1", master_port=1, timeout_s=10, communicator_factory=factory,
+                              packed=False)
+        sync.init()
+        opened[0].receivers_arrived.clear()  # from now on the broadcast waits for workers that never come
+        with pytest.raises(ServerError, match=r"/update_weights: status 500") as info:
+            sync.push([("w", torch.ones(2))], 1)
+        assert info.value.url == bad.url.removesuffix("/v1")
+        assert opened[0].aborted.is_set() and sync.communicator is None
+        with pytest.raises(RuntimeError, match="before init"):  # a later push cannot use the aborted group
+            sync.push([("w", torch.ones(2))], 2)
+
+
+def test_the_group_refused_on_a_shared_gpu_names_the_fix():
+    """One GPU shared by a server and the trainer: NCCL refuses two ranks of one communicator on it."""
+    group = FakeNCCLGroup(world_size=2)
+
+    def factory(address, port, rank, world_size):
+        group.join(rank, "cuda:0")
+        return FakeCommunicator(address, port, rank, world_size)
+
+    server = fake_vllm(on_init=lambda info: group.join(info["rank_offset"], "cuda:0"))
+    with running(server) as srv:
+        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
+                              timeout_s=10, communicator_factory=factory)
+        with pytest.raises(RuntimeError) as info:
+            sync.init()
+    message = str(info.value)
+    assert 'deployment.weight_sync = "filesystem"' in message and "\n" not in message
+
+
+def test_the_gathered_weights_are_complete_before_the_packed_producer_reads_them(monkeypatch):
+    """vLLM's packed producer reads the tensors on its own side streams; they were gathered on the
+    current stream, and only a wait for that stream orders the two."""
+    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+
+    pending: set[int] = set()  # tensors whose producing work is still queued on the current stream
+
+    def side_stream_producer(iterator, group, src, post_iter_func, **_):
+        for item in iterator:
+            tensor = post_iter_func(item)
+            assert tensor.data_ptr() not in pending, f"{item[0]} read on a side stream before its gather finished"
+            group.broadcast(tensor, src=src)
+
+    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", side_stream_producer)
+    opened = []
+    with running(fake_vllm()) as srv:
+        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
+                              timeout_s=10, communicator_factory=lambda *a: opened.append(FakeCommunicator(*a))
+                              or opened[-1], packed=True, dtype="float32", stream_sync=pending.clear)
+        sync.init()
+        gathered = [("a", torch.ones(3)), ("b", torch.zeros(2))]
+        pending.update(t.data_ptr() for _, t in gathered)  # enqueued, as FSDP's full_tensor() leaves them
+        sync.push(gathered, 1)
+    assert [t.tolist() for _, _, t in opened[0].sent] == [[1.0, 1.0, 1.0], [0.0, 0.0]]
+
+
+def test_every_push_ends_with_every_server_reporting_its_version(tmp_path):
+    model = small_model()
+    with running(fake_vllm()) as good, running(fake_vllm(keeps_version=False)) as restarted:
+        clients = [ServerClient(good.url, timeout_s=10), ServerClient(restarted.url, timeout_s=10)]
+        with pytest.raises(ServerError, match=r"/weight_info: reports weight version 'default' after the push of "
+                                              r"version 3") as info:
+            FilesystemWeightSync(clients, tmp_path, timeout_s=10).push(model.named_parameters(), 3,
+                                                                       model_config=model.config)
+        assert info.value.url == restarted.url.removesuffix("/v1")

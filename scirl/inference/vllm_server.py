@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import sys
 import threading
@@ -36,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams
+from scirl.inference.vllm import OFFLINE_ENV
 
 HEALTH_TIMEOUT_S = 5.0  # one /health probe: a live server answers in milliseconds
 POLL_INTERVAL_S = 0.5  # between /health probes while a server starts
@@ -101,8 +103,12 @@ def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_mod
             argv += ["--data-parallel-size", str(data_parallel_size)]
     if weight_sync == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
-    # the dev routes: /collective_rpc (filesystem reload), /reset_prefix_cache, the weight-transfer routes
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    # the dev routes: /collective_rpc (filesystem reload), /reset_prefix_cache, the weight-transfer routes,
+    # /weight_info and /weight_checker (the push checks); no usage report (OFFLINE_ENV); a model in a local
+    # directory never sends the hub a request (an offline machine would wait on it)
+    env = {"VLLM_SERVER_DEV_MODE": "1", **OFFLINE_ENV}
+    if Path(model).is_dir():
+        env["HF_HUB_OFFLINE"] = "1"
     return argv, env
 
 
@@ -296,6 +302,48 @@ class ServerClient:
         """A dev/weight-transfer route that answers nothing we need (the NCCL weight path)."""
         self._request("POST", route, json=payload, timeout_s=timeout_s)
 
+    def prompt_logprobs(self, token_ids: Sequence[int]) -> list[float]:
+        """The server's logprob of each token after the first, given those before it, at temperature 1
+        (``prompt_logprobs: 0`` on ``/v1/completions``): what its weights make of a fixed sequence."""
+        route = "/v1/completions"
+        payload = {"model": self.model, "prompt": list(token_ids), "n": 1, "max_tokens": 1, "temperature": 1.0,
+                   "top_p": 1.0, "top_k": 0, "prompt_logprobs": 0}
+        body = self._json("POST", route, json=payload)
+        choices = body.get("choices") if isinstance(body, dict) else None
+        positions = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
+        if not isinstance(positions, list) or len(positions) != len(token_ids):
+            raise ServerError(self.url, route, "no prompt logprobs in the answer", json.dumps(body)[:BODY_SNIPPET])
+        logprobs = []
+        for position, token in zip(positions[1:], token_ids[1:]):
+            entry = (position or {}).get(str(token))  # keyed by token id; prompt_logprobs 0 gives just that one
+            if not isinstance(entry, dict) or entry.get("logprob") is None:
+                raise ServerError(self.url, route, f"no prompt logprob for token {token}", json.dumps(position))
+            logprobs.append(float(entry["logprob"]))
+        return logprobs
+
+    def weight_version(self) -> str | None:
+        """The version the server says its weights are (``GET /weight_info``; set by a weight push)."""
+        body = self._json("GET", "/weight_info")
+        return body.get("weight_version") if isinstance(body, dict) else None
+
+    def set_weight_version(self, version: str, *, timeout_s: float | None = None) -> None:
+        """Record ``version`` as the server's weight version (a filesystem reload sets none itself)."""
+        self._request("POST", "/update_weight_version", json={"new_version": version}, timeout_s=timeout_s)
+
+    def weight_checksums(self) -> dict[str, str] | None:
+        """Every worker's sha256 per weight tensor (``POST /weight_checker``: keys ``dp<i>:pp..:tp..:<name>``),
+        or None where the server has no such route."""
+        try:
+            body = self._json("POST", "/weight_checker", json={"action": "checksum"})
+        except ServerError as exc:
+            if "status 404" in exc.problem:
+                return None
+            raise
+        checksums = body.get("checksums") if isinstance(body, dict) else None
+        if not isinstance(checksums, dict):
+            raise ServerError(self.url, "/weight_checker", "no checksums in the answer", json.dumps(body)[:BODY_SNIPPET])
+        return checksums
+
     def close(self) -> None:
         self._http.close()
 
@@ -468,32 +516,47 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
 
 def _on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], object], timeout_s: float,
                      route: str) -> list:
-    """``call(client)`` on every server at once; the results in order, or the first failure raised.
+    """``call(client)`` on every server at once; the results in order, or the first failure raised as
+    soon as it happens, whichever server it is (the others may be waiting for the one that failed,
+    as the workers of a weight broadcast wait for every rank).
 
     Each HTTP call has its own timeout; ``timeout_s`` (a call's, twice over: some calls make two
     requests) only catches a call that never returns. Daemon threads, not a pool joined at exit: such
     a call must not keep the trainer alive."""
     results: list = [None] * len(clients)
-    errors: list[BaseException | None] = [None] * len(clients)
-    finished = [threading.Event() for _ in clients]
+    finished: queue.Queue = queue.Queue()
 
     def run(i: int) -> None:
         try:
             results[i] = call(clients[i])
+            finished.put((i, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-            errors[i] = exc
-        finally:
-            finished[i].set()
+            finished.put((i, exc))
 
     for i in range(len(clients)):
         threading.Thread(target=run, args=(i,), daemon=True, name=f"server-call-{i}").start()
     deadline = time.monotonic() + 2 * timeout_s
-    for i, event in enumerate(finished):
-        if not event.wait(max(deadline - time.monotonic(), 0)):
-            raise ServerError(clients[i].url, route, f"no answer within {2 * timeout_s:g}s")
-        if errors[i] is not None:
-            raise errors[i]
+    pending = set(range(len(clients)))
+    while pending:
+        try:
+            i, error = finished.get(timeout=max(deadline - time.monotonic(), 0))
+        except queue.Empty:
+            raise ServerError(clients[min(pending)].url, route, f"no answer within {2 * timeout_s:g}s") from None
+        if error is not None:
+            raise error
+        pending.discard(i)
     return results
+
+
+def _confirm_version(clients: list[ServerClient], version: int, timeout_s: float) -> None:
+    """Every server reports ``version`` as its weight version (``GET /weight_info``), or a ServerError
+    naming the one that does not: a restarted server, or a push that never reached it."""
+    expected = str(version)
+    answers = _on_every_server(clients, lambda c: c.weight_version(), timeout_s, "/weight_info")
+    for client, answer in zip(clients, answers):
+        if answer != expected:
+            raise ServerError(client.url, "/weight_info", f"reports weight version {answer!r} after the push of "
+                              f"version {expected}")
 
 
 class FilesystemWeightSync:
@@ -507,10 +570,16 @@ class FilesystemWeightSync:
         self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root), keep, timeout_s
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
-        """Write version ``version`` and load it on every server; returns its directory."""
+        """Write version ``version`` and load it on every server, which then reports it as its weight
+        version (checked); returns its directory."""
         path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config, tokenizer=tokenizer)
-        _on_every_server(self.clients, lambda c: c.reload_weights(path, timeout_s=self.timeout_s), self.timeout_s,
-                         "/collective_rpc")
+
+        def reload(client: ServerClient) -> None:
+            client.reload_weights(path, timeout_s=self.timeout_s)
+            client.set_weight_version(str(version), timeout_s=self.timeout_s)  # only after a reload that worked
+
+        _on_every_server(self.clients, reload, self.timeout_s, "/collective_rpc")
+        _confirm_version(self.clients, version, self.timeout_s)
         self.prune(protect=path)
         return path
 
@@ -540,6 +609,32 @@ def _open_nccl_endpoint(master_address: str, master_port: int, rank: int, world_
                         rank=rank)
 
 
+def _synchronize_current_stream() -> None:
+    """Wait until the work queued on the current CUDA stream is done (nothing to wait for without CUDA).
+
+    The full weights are gathered (FSDP all-gathers) and cast on the current stream, while vLLM's packed
+    producer copies them into its staging buffers on side streams of its own: nothing else orders the
+    two, so without this a broadcast could send memory the gather has not written yet."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
+def _abort(communicator) -> None:
+    """End a broadcast group at once (PyNccl's ``destroy`` is ``ncclCommAbort``): NCCL calls waiting in it
+    for peers that will never come return, instead of waiting forever (PyNccl has no watchdog)."""
+    for name in ("abort", "destroy"):
+        end = getattr(communicator, name, None)
+        if end is not None:
+            end()
+            return
+
+
+NCCL_SHARED_GPU_HINT = ("if a server runs on one of this trainer's GPUs, NCCL cannot put both in one group (one rank "
+                        "per GPU): use deployment.weight_sync = \"filesystem\", or give the servers GPUs of their own")
+
+
 class NCCLWeightSync:
     """vLLM's weight-transfer API over NCCL: trainer rank 0 broadcasts every tensor to every worker of
     every server.
@@ -548,22 +643,39 @@ class NCCLWeightSync:
     ``1 + (workers of servers 0..i-1)``, so world size = 1 + all workers (each server's worker count
     from ``/get_world_size``). Per push: ``/start_weight_update`` on every server, ``/update_weights``
     with the names/dtypes/shapes (run concurrently with the broadcast: the workers receive inside it),
-    ``/finish_weight_update`` with the version, then ``/reset_prefix_cache``.
+    ``/finish_weight_update`` with the version, then ``/reset_prefix_cache``; every server must then
+    report the version (``/weight_info``).
 
-    Tensors go out with HF names, cast to ``dtype`` (the trainer's compute dtype), in the order of the
-    metadata sent. ``packed``: vLLM's packed transfer (a few large broadcasts through double-buffered
-    staging; CUDA only) or one broadcast per tensor. ``communicator_factory(master_address,
-    master_port, rank, world_size)`` returns an object with ``broadcast(tensor, src)`` (and optionally
-    ``destroy()``); the default opens vLLM's PyNccl endpoint. Tests pass a fake."""
+    Tensors go out with HF names, cast to ``dtype`` (the trainer's compute dtype: the servers compute
+    in it too, so nothing is rounded on the way), in the order of the metadata sent. ``packed``: vLLM's
+    packed transfer (a few large broadcasts through double-buffered staging on side streams; CUDA only)
+    or one broadcast per tensor on the current stream.
+
+    Failures never hang the trainer: a server whose ``/update_weights`` fails while the broadcast waits
+    for its workers aborts the group (the run then ends naming that server); a rendezvous that a server
+    refuses fails at once, with the fix for the usual cause (a server on the trainer's GPU).
+
+    Why not vLLM's own trainer side (0.33's ``NCCLTrainerWeightTransferEngine``): it checks a failed
+    ``/update_weights`` only once, before broadcasting, so a server that fails during the broadcast
+    leaves the sender waiting in NCCL forever; and its worker payload puts every server at rank offset 1,
+    where scirl's servers (one per CPU replica or per node) each need their own. This class keeps its
+    patterns instead: the gather ordered before the side streams, the metadata sent equal to what is
+    broadcast, every stream drained before returning.
+
+    ``communicator_factory(master_address, master_port, rank, world_size)`` returns an object with
+    ``broadcast(tensor, src)`` (and ``destroy()``, which aborts); the default opens vLLM's PyNccl
+    endpoint. ``stream_sync()`` orders the caller's queued work before the broadcast (default: the
+    current CUDA stream's). Tests pass stand-ins for both."""
 
     def __init__(self, clients: list[ServerClient], *, master_address: str, master_port: int, timeout_s: float,
-                 communicator_factory: Callable | None = None, dtype: str = "bfloat16", packed: bool = True):
+                 communicator_factory: Callable | None = None, dtype: str = "bfloat16", packed: bool = True,
+                 stream_sync: Callable[[], None] = _synchronize_current_stream):
         if not clients:
             raise ValueError("NCCLWeightSync needs at least one server")
         self.clients, self.timeout_s = list(clients), timeout_s
         self.master_address, self.master_port = master_address, master_port
         self.communicator_factory = communicator_factory or _open_nccl_endpoint
-        self.dtype, self.packed = dtype, packed
+        self.dtype, self.packed, self.stream_sync = dtype, packed, stream_sync
         self.communicator = None
         self.world_size: int | None = None
         self.rank_offsets: list[int] = []
@@ -578,21 +690,26 @@ class NCCLWeightSync:
 
     def init(self) -> None:
         """Form the broadcast group: every server's workers join (their HTTP calls block until the
-        rendezvous completes) while this process opens rank 0."""
+        rendezvous completes) while this process opens rank 0. Whichever side fails first ends it:
+        the other may be waiting for a peer that will never come."""
         counts = _on_every_server(self.clients, lambda c: c.world_size(), self.timeout_s, "/get_world_size")
         payloads = self.init_payloads(counts)
         self.world_size = payloads[0]["world_size"]
         self.rank_offsets = [p["rank_offset"] for p in payloads]
         by_client = dict(zip(map(id, self.clients), payloads))
-        joined = ThreadPoolExecutor(max_workers=1)
+        route = "/init_weight_transfer_engine"
+        joining = _in_thread(lambda: _on_every_server(self.clients, lambda c: c.post(
+            route, {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s), self.timeout_s, route))
+        opening = _in_thread(lambda: self.communicator_factory(self.master_address, self.master_port, 0,
+                                                               self.world_size))
         try:
-            route = "/init_weight_transfer_engine"
-            joining = joined.submit(_on_every_server, self.clients, lambda c: c.post(
-                route, {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s), self.timeout_s, route)
-            self.communicator = self.communicator_factory(self.master_address, self.master_port, 0, self.world_size)
-            joining.result()  # bounded: _on_every_server has a deadline
-        finally:
-            joined.shutdown(wait=False)  # a failed rendezvous leaves the servers' calls to their own timeouts
+            _first_failure([joining, opening], 2 * self.timeout_s + 1, "the NCCL weight group's rendezvous")
+        except ServerError as exc:
+            raise ServerError(exc.url, exc.route, f"{exc.problem}; {NCCL_SHARED_GPU_HINT}", exc.body) from exc
+        except Exception as exc:  # noqa: BLE001 - NCCL's own error ("invalid usage") does not say why
+            raise RuntimeError(f"the NCCL weight group did not form ({type(exc).__name__}: {exc}); "
+                               f"{NCCL_SHARED_GPU_HINT}") from exc
+        self.communicator = opening.result()
 
     def update_info(self, tensors: list[tuple[str, object]]) -> dict:
         return {"names": [n for n, _ in tensors],
@@ -607,7 +724,7 @@ class NCCLWeightSync:
         from scirl.inference.vllm import with_tied_lm_head
 
         if self.communicator is None:
-            raise RuntimeError("NCCLWeightSync.push before init()")
+            raise RuntimeError("NCCLWeightSync.push before init() (or after a failed push aborted the group)")
         dtype = getattr(torch, self.dtype)
         tensors = list(with_tied_lm_head(named_tensors, model_config is not None and _ties_embeddings(model_config)))
         info = self.update_info(tensors)
@@ -615,18 +732,24 @@ class NCCLWeightSync:
         wire = ((name, tensor.detach().to(device=device, dtype=dtype).contiguous()) for name, tensor in tensors)
 
         self._post_all("/start_weight_update")
-        receiving = ThreadPoolExecutor(max_workers=1)
+        self.stream_sync()  # the gathered weights are complete before any side stream reads them
+        receiving = _in_thread(lambda: self._post_all("/update_weights", {"update_info": info}))
+        communicator = self.communicator
+        # a server that fails while its workers should be receiving leaves this broadcast waiting for
+        # them: end the group, so the broadcast returns and the server's error is what the caller sees
+        receiving.add_done_callback(lambda done: done.exception() is not None and _abort(communicator))
         try:
-            received = receiving.submit(self._post_all, "/update_weights", {"update_info": info})
             self._broadcast(wire)
-            received.result()  # bounded: _on_every_server has a deadline
-        finally:
-            # never join here: after a failed broadcast the workers wait inside NCCL and their calls end
-            # only at their timeout
-            receiving.shutdown(wait=False)
+            _first_failure([receiving], 2 * self.timeout_s + 1, "/update_weights")
+        except BaseException:
+            self.communicator = None  # aborted, or in a state no later push can trust
+            if receiving.done() and receiving.exception() is not None:
+                raise receiving.exception() from None  # the server's refusal: the cause of what NCCL did next
+            raise
         self._post_all("/finish_weight_update", {"weight_version": str(version)})
         _on_every_server(self.clients, lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s), self.timeout_s,
                          "/reset_prefix_cache")
+        _confirm_version(self.clients, version, self.timeout_s)
 
     def _post_all(self, route: str, payload: dict | None = None) -> None:
         _on_every_server(self.clients, lambda c: c.post(route, payload, timeout_s=self.timeout_s), self.timeout_s, route)
@@ -635,16 +758,14 @@ class NCCLWeightSync:
         if self.packed:
             from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
 
+            # drains its own side streams before it returns
             packed_nccl_broadcast_producer(iterator=iter(pairs), group=self.communicator, src=0,
                                            post_iter_func=lambda item: item[1], buffer_size_bytes=PACKED_BUFFER_BYTES,
                                            num_buffers=PACKED_NUM_BUFFERS)
         else:
-            import torch
-
             for _, tensor in pairs:
                 self.communicator.broadcast(tensor, src=0)
-            if torch.cuda.is_available():  # the broadcasts are only enqueued: the caller may change the weights next
-                torch.cuda.current_stream().synchronize()
+            self.stream_sync()  # the broadcasts are only enqueued: the caller may change the weights next
 
     def close(self) -> None:
         """Leave the group: the servers drop their end, then this process its own."""
@@ -657,3 +778,30 @@ class NCCLWeightSync:
             self.communicator = None
             if destroy is not None:
                 destroy()
+
+
+def _in_thread(call: Callable[[], object]) -> Future:
+    """``call()`` in a daemon thread of its own, as a Future: a call stuck in NCCL or a TCP store must
+    never keep the process alive, nor be joined."""
+    future: Future = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever reads the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="weight-sync").start()
+    return future
+
+
+def _first_failure(futures: list[Future], timeout_s: float, what: str) -> None:
+    """Wait until every future is done, raising the first failure as soon as it happens."""
+    done, pending = wait(futures, timeout=timeout_s, return_when=FIRST_EXCEPTION)
+    for future in done:
+        if future.exception() is not None:
+            raise future.exception()
+    if pending:
+        raise TimeoutError(f"{what}: not done within {timeout_s:g}s")
