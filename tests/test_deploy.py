@@ -131,6 +131,8 @@ def test_a_server_that_never_becomes_healthy_is_named_after_the_startup_timeout(
     code, _, err = finish(proc)
     assert code == 1
     assert "inference server 1 was not ready" in err and "startup_timeout_s = 2s" in err and "listening" in err
+    assert "its last answer: status 503" in err  # what it answered, not only that it was not ready
+    assert "scirl train: waiting for inference server(s): http://127.0.0.1:" in err  # the wait said what it waits for
     assert not (record / "trainer_0.json").exists()  # the trainer never started
     assert_all_gone(recorded_pids(record))
 
