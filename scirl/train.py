@@ -306,8 +306,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                     checkpoint_seconds = save(step, result.data_position)
                     stop_now = stop.agreed(dist)  # a signal during the write: it finished, now stop
                 if stop_now and step < cfg.max_steps:
-                    say(f"Stopped by {signal.Signals(stop.signum).name if stop.signum else 'a signal'} after step {step}; "
-                        f"resume with: scirl train --resume {run_dir}")
+                    say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step, run_dir))
                     status = 128 + (stop.signum or signal.SIGTERM)
                     break
         if status == 0:

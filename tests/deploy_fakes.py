@@ -6,7 +6,8 @@
     (exit 7) once FILE exists.
 ``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait [config args...]``
     a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
-    finishes, crashes, refuses its input (exit 2), or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
+    finishes, crashes, refuses its input (exit 2), or waits for SIGTERM (recorded), says it stopped after step 1 and
+    exits 143 as ``scirl train`` does.
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
     with the real vLLM server: ``"vllm": true`` in SPEC).
@@ -83,6 +84,7 @@ def trainer(argv: list[str]) -> int:
     parser.add_argument("--record", required=True)
     parser.add_argument("--behave", default="ok")
     parser.add_argument("--inference.urls", dest="urls", default="")
+    parser.add_argument("--output-dir", default="")
     args, _ = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     stop = threading.Event()
@@ -104,6 +106,10 @@ def trainer(argv: list[str]) -> int:
             return 9
         record(args.record, f"sigterm_{rank}.json", {"pid": os.getpid()})
         print(f"fake trainer rank {rank}: checkpoint saved after SIGTERM", flush=True)
+        if rank == 0:  # as scirl train's rank 0 ends a stop
+            from scirl.rundir import stopped_line
+
+            print(stopped_line("SIGTERM", 1, Path(args.output_dir)), flush=True)
         return 128 + signal.SIGTERM
     return 0
 

@@ -97,7 +97,7 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
             return stopped_status(supervisor)
         say(f"trainer: {shlex.join(argv)}")
         trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
-                                   signal_ranks=cfg.deployment.num_train_gpus > 1)
+                                   signal_ranks=cfg.deployment.num_train_gpus > 1, stop_line=rundir.STOPPED_LINE)
         return supervise(supervisor, trainer, preflight.checkpoint_seconds(plan.checkpoint_bytes))
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
@@ -207,6 +207,11 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
         supervisor.request_stop(trainer)
         if not supervisor.wait_for(trainer, checkpoint_grace_s):
             say("the trainer did not stop in time; stopping it now")
+            return stopped_status(supervisor)
+        trainer.drain()
+        if trainer.stop_confirmed is None:  # killed before its loop began, or failed while stopping
+            say(f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
+                f"its log: {trainer.log}")
         return stopped_status(supervisor)
     if child is trainer and child.exited() == 0:
         return 0
@@ -216,10 +221,12 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
 
 
 def failure(child: Child, when: str, status: int = 1) -> DeployError:
-    code = child.exited()
-    how = f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
-    return DeployError(f"{child.name} exited with {how}{' ' + when if when else ''}; stopping the run. "
-                       f"Its last log lines ({child.log}):\n{child.tail()}", status)
+    return DeployError(f"{child.name} exited with {exit_text(child.exited())}{' ' + when if when else ''}; stopping "
+                       f"the run. Its last log lines ({child.log}):\n{child.tail()}", status)
+
+
+def exit_text(code: int) -> str:
+    return f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
 
 
 def stopped_status(supervisor: Supervisor) -> int:
