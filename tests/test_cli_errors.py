@@ -165,6 +165,7 @@ TRAIN_DEMO_CASES = [
     ["demo", "--output-dir", "{file}"],  # a plain file
     ["demo", "--train-per-domain", "-3"],
     ["demo", "--eval-per-domain", "0"],
+    ["demo", "--deployment.num-train-gpus", "2"],  # trainer ranks without servers: the demo trains in one process
 ]
 
 ALL_CASES = DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES

