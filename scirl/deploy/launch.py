@@ -158,7 +158,8 @@ def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, c
     """Wait until every server answers, then check each takes weights the planned way. False when a
     stop was requested meanwhile. One deadline for all (they start in parallel), a line every few
     seconds naming those not ready yet; a server that exits ends the wait at once."""
-    from scirl.inference.vllm_server import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready as wait_for_servers
+    from scirl.inference.vllm_server import HEALTH_TIMEOUT_S, ServerClient, ServerError
+    from scirl.inference.vllm_server import wait_until_ready as wait_for_servers  # this function's name is taken
 
     started = time.monotonic()
 

@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 
 from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams
 
-HEALTH_TIMEOUT_S = 5.0  # one readiness probe (/health, then /v1/models): a live server answers in milliseconds
+HEALTH_TIMEOUT_S = 5.0  # one quick question at start (/health, /v1/models, ...): a live server answers in milliseconds
 POLL_INTERVAL_S = 0.5  # between /health probes while a server starts
 READY_REPORT_S = 15.0  # while servers start: how often a line names those not ready yet
 BODY_SNIPPET = 300  # characters of an error body quoted in a ServerError
