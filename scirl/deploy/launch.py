@@ -210,6 +210,8 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
             say("the trainer did not stop in time; stopping it now")
             return stopped_status(supervisor)
         trainer.drain()
+        if trainer.exited() == 0:  # the signal came during the last step: the run finished, checkpoint and all
+            return 0
         if trainer.stop_confirmed is None:  # killed before its loop began, or failed while stopping
             say(f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
                 f"its log: {trainer.log}")
