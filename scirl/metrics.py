@@ -11,7 +11,10 @@ from scirl.grpo import FILTER_NAMES
 def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: dict) -> dict:
     effective = [r for r in rollouts if not r["dropped"]]
     rewards = [r["reward"] for r in effective]
-    trainable = [r for r in effective if r["advantage"] != 0]
+    # what the optimizer step learned from: every rollout no enforcing filter dropped (a monitoring filter
+    # only flags; a zero advantage still adds its KL term and its tokens), none when the update was skipped
+    trained = effective if train_stats.get("stepped") else []
+    with_signal = [r for r in effective if r["advantage"] != 0]  # those with a policy-gradient term
     n = len(rollouts)
     m: dict = {"step": step, "time": time.time()}
     if rewards:  # absent (not null) when an enforcing filter dropped every rollout
@@ -28,9 +31,11 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     for name in FILTER_NAMES:
         m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
     m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n
-    m["trainable/count"] = len(trainable)
+    m["trainable/count"] = len(trained)
     m["trainable/total"] = n
-    m["trainable/fraction"] = len(trainable) / n
+    m["trainable/fraction"] = len(trained) / n
+    m["advantage/nonzero_count"] = len(with_signal)
+    m["advantage/nonzero_fraction"] = len(with_signal) / n
     if train_stats.get("stepped"):
         for key in ("loss", "entropy", "grad_norm", "mismatch_kl", "masked_fraction"):
             m[key] = train_stats[key]
@@ -49,15 +54,20 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
 
 
 def step_line(m: dict) -> str:
-    """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 64/128 (50.0%) | ...``."""
+    """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 128/128 (100.0%) | Nonzero advantage 64/128 | ...``.
+    Trainable: the rollouts the optimizer step used; Nonzero advantage: the batch's rollouts with a policy-gradient term."""
     parts = [
         f"Step {m['step']}",
         f"{m['time/step']:.1f}s",
         f"Reward {m['reward/mean']:.4f}" if m.get("reward/mean") is not None else "Reward -",
         f"Trainable {m['trainable/count']}/{m['trainable/total']} ({100 * m['trainable/fraction']:.1f}%)",
     ]
+    if "advantage/nonzero_count" in m:
+        parts.append(f"Nonzero advantage {m['advantage/nonzero_count']}/{m['trainable/total']}")
     if "loss" in m:
         parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
+    elif m.get("skipped/nonfinite"):
+        parts.append("loss or gradient not finite: update skipped")
     else:
         parts.append("no trainable tokens: step skipped")
     flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]

@@ -10,12 +10,20 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 
 from scirl.errors import RunDirError
 
 RESULTS = ("metrics.jsonl", "rollouts", "weights")
+# the last line of a run stopped on request (``stopped_line``): a launcher knows from it that the stop went well
+STOPPED_LINE = re.compile(r"^Stopped by .+ after step \d+; resume with: scirl train --resume ")
+
+
+def stopped_line(signal_name: str, step: int, run_dir: Path) -> str:
+    """What a run stopped by a signal says last: where it stopped and the command that continues it."""
+    return f"Stopped by {signal_name} after step {step}; resume with: scirl train --resume {run_dir}"
 
 
 def prepare(run_dir: Path, *, resume: bool, clean: bool) -> None:

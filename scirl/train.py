@@ -212,7 +212,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     backend = "servers" if remote else inference_backend(cfg, device)
     generator = None
     if remote and dist.is_main:  # first: a server that is down fails the run before a model is loaded
-        generator = make_remote_generator(cfg, tokenizer)
+        generator = make_remote_generator(cfg, tokenizer, say)
     if backend == "vllm":  # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
     if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
@@ -328,8 +328,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                     checkpoint_seconds = save(step, result.data_position)
                     stop_now = stop.agreed(dist)  # a signal during the write: it finished, now stop
                 if stop_now and step < cfg.max_steps:
-                    say(f"Stopped by {signal.Signals(stop.signum).name if stop.signum else 'a signal'} after step {step}; "
-                        f"resume with: scirl train --resume {run_dir}")
+                    say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step, run_dir))
                     status = 128 + (stop.signum or signal.SIGTERM)
                     break
         if status == 0:
@@ -349,19 +348,23 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 # the trainer's side of a disaggregated run (``docs/architecture.md``, "Deployment")
 
 
-def make_remote_generator(cfg, tokenizer):
-    """The orchestrator's client over the servers of ``inference.urls``: every one healthy, or a clear error."""
-    from scirl.inference.vllm_server import RemoteGenerator, ServerClient, ServerError
+def make_remote_generator(cfg, tokenizer, say=lambda text: None):
+    """The orchestrator's client over the servers of ``inference.urls``: every one healthy, or a clear error.
+    While they are not, ``say`` gets a line every few seconds naming them and what they answered."""
+    from scirl.inference.vllm_server import HEALTH_TIMEOUT_S, RemoteGenerator, ServerClient, ServerError, wait_until_ready
 
-    served = []
-    for url in cfg.inference.urls:
-        client = ServerClient(url, timeout_s=cfg.deployment.request_timeout_s)
-        try:
-            client.wait_ready(cfg.deployment.startup_timeout_s)
-            served.append(client.served_model())
-        except ServerError as exc:
-            raise TrainError(f"inference server {url} is not usable: {exc}") from exc
-        finally:
+    # short questions, each bounded by seconds: a server that accepts connections but never answers is named
+    # within deployment.startup_timeout_s, not after a generation request's timeout
+    clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, cfg.deployment.request_timeout_s))
+               for url in cfg.inference.urls]
+    try:
+        wait_until_ready(clients, cfg.deployment.startup_timeout_s, say=say)
+        served = [client.served_model() for client in clients]
+    except ServerError as exc:
+        knob = f" (deployment.startup_timeout_s = {cfg.deployment.startup_timeout_s:g}s)" if exc.route == "/health" else ""
+        raise TrainError(f"inference server {exc.url} is not usable: {str(exc).removeprefix(exc.url)}{knob}") from exc
+    finally:
+        for client in clients:
             client.close()
     if len({model["id"] for model in served}) > 1:
         raise TrainError("the servers of inference.urls serve different models: "

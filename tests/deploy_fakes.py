@@ -1,12 +1,14 @@
-"""Stand-ins for the launcher's tests (``tests/test_deploy.py``): real processes, no vLLM, no model.
+"""Stand-ins for the launcher's tests (``tests/test_deploy.py``, the demo's in ``tests/test_demo.py``): real
+processes, no vLLM, no model.
 
 ``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--dev-routes yes|no]``
     an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start)
     and, unless ``--dev-routes no``, vLLM's dev route the client's weight-sync check asks; it dies
     (exit 7) once FILE exists.
-``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait [config args...]``
+``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait|demo [config args...]``
     a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
-    finishes, crashes, refuses its input (exit 2), or waits for SIGTERM (recorded) and exits 143 as ``scirl train`` does.
+    finishes, crashes, refuses its input (exit 2), waits for SIGTERM (recorded), says it stopped after step 1 and
+    exits 143 as ``scirl train`` does, or (``demo``) leaves the weights and metrics a finished run leaves.
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
     with the real vLLM server: ``"vllm": true`` in SPEC).
@@ -83,7 +85,8 @@ def trainer(argv: list[str]) -> int:
     parser.add_argument("--record", required=True)
     parser.add_argument("--behave", default="ok")
     parser.add_argument("--inference.urls", dest="urls", default="")
-    args, _ = parser.parse_known_args(argv)
+    parser.add_argument("--output-dir", default="")
+    args, config_args = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -99,13 +102,35 @@ def trainer(argv: list[str]) -> int:
     if args.behave == "refuse":  # as scirl train refusing its input
         print("scirl train: fake refusal of a bad input", flush=True)
         return 2
+    if args.behave == "demo":
+        if rank == 0:
+            leave_a_run(config_args + ["--output-dir", args.output_dir])
+        return 0
     if args.behave == "wait":
         if not stop.wait(WAIT_LIMIT_S):
             return 9
         record(args.record, f"sigterm_{rank}.json", {"pid": os.getpid()})
         print(f"fake trainer rank {rank}: checkpoint saved after SIGTERM", flush=True)
+        if rank == 0:  # as scirl train's rank 0 ends a stop
+            from scirl.rundir import stopped_line
+
+            print(stopped_line("SIGTERM", 1, Path(args.output_dir)), flush=True)
         return 128 + signal.SIGTERM
     return 0
+
+
+def leave_a_run(config_args: list[str]) -> None:
+    """What ``scirl train`` leaves for the demo's last evaluation: the last step's weights (here the base
+    model's, unchanged) and one metrics row per step."""
+    import shutil
+
+    from scirl.config import load_config
+
+    cfg = load_config(config_args)
+    out = Path(cfg.output_dir)
+    shutil.copytree(cfg.model, out / "weights" / f"step_{cfg.max_steps}")
+    with (out / "metrics.jsonl").open("w") as f:
+        f.writelines(json.dumps({"step": step, "reward/mean": 0.5}) + "\n" for step in range(1, cfg.max_steps + 1))
 
 
 def server_processes(urls: list[str]) -> list[int]:
@@ -129,12 +154,9 @@ def session_of(pid: int) -> int | None:
         return None
 
 
-def launch(spec_path: str) -> int:
-    from scirl.commands.train import deploy
-    from scirl.config import load_config
-
-    spec = json.loads(Path(spec_path).read_text())
-    cfg = load_config(spec["args"])
+def launch_options(spec: dict) -> dict:
+    """The launcher's ``server_command`` and ``trainer_program``: the fakes above, as ``spec`` sets them up
+    (``record``, and optionally ``behave``, ``server_modes``, ``dev_routes``, ``die_when``, ``vllm``)."""
 
     def server_command(slot):
         mode = spec.get("server_modes", {}).get(str(slot.index), "ok")
@@ -144,9 +166,18 @@ def launch(spec_path: str) -> int:
             argv += ["--die-when", spec["die_when"][str(slot.index)]]
         return argv, {}
 
+    return {"server_command": None if spec.get("vllm") else server_command,
+            "trainer_program": [str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")]}
+
+
+def launch(spec_path: str) -> int:
+    from scirl.commands.train import deploy
+    from scirl.config import load_config
+
+    spec = json.loads(Path(spec_path).read_text())
+    cfg = load_config(spec["args"])
     return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),
-                  server_command=None if spec.get("vllm") else server_command,
-                  trainer_program=[str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")])
+                  **launch_options(spec))
 
 
 if __name__ == "__main__":

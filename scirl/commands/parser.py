@@ -49,8 +49,8 @@ def finite_float(text: str) -> float:
     return value
 
 
-def unwritable_parent(path, out: str) -> str | None:
-    """Why ``--out`` cannot be created where it points (None when it can): its nearest existing
+def unwritable_parent(path, out: str, flag: str = "--out") -> str | None:
+    """Why ``flag``'s path cannot be created where it points (None when it can): its nearest existing
     ancestor must be a directory this process may write in."""
     import os
 
@@ -58,9 +58,9 @@ def unwritable_parent(path, out: str) -> str | None:
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        return f"--out {out}: {parent} is not a directory"
+        return f"{flag} {out}: {parent} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--out {out}: cannot write in {parent} (permission denied)"
+        return f"{flag} {out}: cannot write in {parent} (permission denied)"
     return None
 
 

@@ -5,7 +5,9 @@ science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that
 ``scirl.data.load_splits`` reads and splits exactly as ``scirl train`` does, so
 the held-out questions are ones the RL phase never sees. The base model is the
 one shipped in ``scirl/assets/demo-base`` (built by ``scirl.demo.pretrain``).
-Training is scirl's own trainer (``scirl.train.train``) with ``configs/demo.toml``.
+Training is scirl's own trainer (``scirl.train.train``) with ``configs/demo.toml``, in this process; with
+``--deployment.num-infer-gpus N`` it is ``scirl train``'s launcher (``scirl.deploy.launch``) instead: N vLLM
+servers and ``deployment.num_train_gpus`` trainer ranks, the guide's layout, on a CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class DemoOptions:
     overrides: list[str] = field(default_factory=list)  # extra dotted config flags, e.g. ["--max-steps", "5"]
     report: bool = True
     progress: bool = True
+    # with inference servers: stand-ins for the launcher's programs (``scirl.deploy.launch.launch``'s
+    # ``server_command`` and ``trainer_program``), as tests pass them
+    launch_options: dict = field(default_factory=dict)
 
 
 def fresh_output_dir(root: str | Path = "outputs") -> Path:
@@ -100,12 +105,26 @@ BACKEND_NAMES = {"hf": "transformers", "vllm": "vLLM"}
 
 
 def sampling_backend(cfg) -> str:
-    """``hf`` or ``vllm``: what samples the rollouts (the demo trains on the CPU, where ``auto`` is ``hf``)."""
+    """``hf`` or ``vllm``: what samples the rollouts (the demo trains on the CPU, where ``auto`` is ``hf``;
+    inference servers are vLLM's)."""
     import torch
 
     from scirl.backends import inference_backend
 
+    if uses_servers(cfg):
+        return "vllm"
     return inference_backend(cfg, torch.device(cfg.device if cfg.device != "auto" else "cpu"))
+
+
+def uses_servers(cfg) -> bool:
+    return cfg.deployment.num_infer_gpus > 0
+
+
+def layout(cfg) -> str:
+    """Where the demo's training ran, in words (servers and ranks: started by scirl train's launcher)."""
+    if uses_servers(cfg):
+        return f"{cfg.deployment.num_infer_gpus} vLLM server(s) + {cfg.deployment.num_train_gpus} trainer rank(s)"
+    return f"colocated: one process samples with {BACKEND_NAMES[sampling_backend(cfg)]} and trains"
 
 
 def run_demo(opts: DemoOptions) -> dict:
@@ -135,14 +154,22 @@ def run_demo(opts: DemoOptions) -> dict:
     # inference backend is one of them: `--inference.backend vllm` samples with an in-process vLLM
     # engine. Eager by default: compiling buys the tiny model no decode speed on a CPU and costs
     # 20-60 s of start-up (`--inference.no-enforce-eager` to compile anyway).
-    cfg = load_config(["@", str(opts.config), "--model", fixed["model"], "--output-dir", fixed["output_dir"],
-                       "--data.source", fixed["data.source"], "--data.eval-per-domain", str(opts.eval_per_domain),
-                       "--data.split", "train", "--seed", str(opts.seed), "--inference.enforce-eager", *opts.overrides])
+    config_args = ["@", str(opts.config), "--model", fixed["model"], "--output-dir", fixed["output_dir"],
+                   "--data.source", fixed["data.source"], "--data.eval-per-domain", str(opts.eval_per_domain),
+                   "--data.split", "train", "--seed", str(opts.seed), "--inference.enforce-eager", *opts.overrides]
+    cfg = load_config(config_args)
     for key, value in fixed.items():  # an override of these would train one thing and evaluate another
         section, _, name = key.rpartition(".")
         if str(getattr(getattr(cfg, section) if section else cfg, name)) != value:
             raise ConfigError(f"the demo sets --{key.replace('_', '-')} itself; use --base-model, --output-dir "
                               "(or scirl train for other data)")
+    if cfg.deployment.num_train_gpus > 1 and not uses_servers(cfg):
+        raise ConfigError("the demo trains colocated in one process: --deployment.num-train-gpus needs "
+                          "--deployment.num-infer-gpus N (N vLLM servers beside the trainer ranks)")
+    if uses_servers(cfg) and "server_command" not in opts.launch_options:
+        from scirl.deploy.preflight import check_packages
+
+        check_packages(cuda=False)  # now, not after the base model's evaluation
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
 
@@ -164,10 +191,16 @@ def run_demo(opts: DemoOptions) -> dict:
     before = evaluate(opts.base_model, held_out, out / "eval_base.json", opts.eval_max_tokens, opts.progress)
     console.print(f"base held-out accuracy: {100 * before['overall_accuracy']:.1f}%")
 
-    # 3. cold-start GRPO with scirl's trainer
+    # 3. cold-start GRPO with scirl's trainer: in this process, or scirl train's launcher with its servers and ranks
     backend = sampling_backend(cfg)
-    console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
-    status = train(cfg, show_progress=opts.progress)
+    if uses_servers(cfg):
+        from scirl.deploy.launch import launch
+
+        console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, {layout(cfg)}")
+        status = launch(cfg, config_args, **opts.launch_options)
+    else:
+        console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
+        status = train(cfg, show_progress=opts.progress)
     if status != 0:
         raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
                          f"Its logs and checkpoints are in {out}")
@@ -193,6 +226,7 @@ def run_demo(opts: DemoOptions) -> dict:
         "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
         "steps": cfg.max_steps,
         "inference_backend": backend,
+        "layout": layout(cfg),
         "held_out_questions": len(held_out),
         "train_questions": len(splits.train),
         "seconds": round(time.perf_counter() - started, 1),

@@ -97,7 +97,7 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
             return stopped_status(supervisor)
         say(f"trainer: {shlex.join(argv)}")
         trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
-                                   signal_ranks=cfg.deployment.num_train_gpus > 1)
+                                   signal_ranks=cfg.deployment.num_train_gpus > 1, stop_line=rundir.STOPPED_LINE)
         return supervise(supervisor, trainer, preflight.checkpoint_seconds(plan.checkpoint_bytes))
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
@@ -150,45 +150,50 @@ def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs:
                      {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)})
         servers.append(supervisor.start(f"inference server {i}", argv, {**os.environ, **env, **placement},
                                         logs / f"inference_{i}.log", cpu=core))
-    say(f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} "
-        f"(logs: {logs}/inference_*.log); waiting up to {cfg.deployment.startup_timeout_s:g}s for them")
+    say(f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} (logs: {logs}/inference_*.log)")
     return servers
 
 
 def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, cfg) -> bool:
     """Wait until every server answers, then check each takes weights the planned way. False when a
-    stop was requested meanwhile. One deadline for all (they start in parallel); a server that exits
-    ends the wait at once."""
-    from scirl.inference.vllm_server import ServerClient, ServerError
+    stop was requested meanwhile. One deadline for all (they start in parallel), a line every few
+    seconds naming those not ready yet; a server that exits ends the wait at once."""
+    from scirl.inference.vllm_server import HEALTH_TIMEOUT_S, ServerClient, ServerError
+    from scirl.inference.vllm_server import wait_until_ready as wait_for_servers  # this function's name is taken
 
     started = time.monotonic()
-    deadline = started + cfg.deployment.startup_timeout_s
 
     def alive() -> bool:
         return not supervisor.stop_requested.is_set() and supervisor.first_exit() is None
 
-    for server, url in zip(servers, ports_lib.urls(plan.ports)):
-        client = ServerClient(url, timeout_s=cfg.deployment.request_timeout_s)
+    # only short questions go to these clients: each bounded by seconds, not by a generation request's timeout
+    clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, cfg.deployment.request_timeout_s))
+               for url in ports_lib.urls(plan.ports)]
+    by_url = {client.url: server for client, server in zip(clients, servers)}
+    try:
         try:
-            try:
-                client.wait_ready(max(0.0, deadline - time.monotonic()), alive)
-            except ServerError as exc:
-                if supervisor.stop_requested.is_set():
-                    return False
-                gone = supervisor.first_exit()
-                if gone is not None:
-                    raise failure(gone, "before it was ready") from None
-                raise DeployError(f"{server.name} was not ready within deployment.startup_timeout_s = "
-                                  f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
-                                  f"{server.tail()}") from None
+            wait_for_servers(clients, cfg.deployment.startup_timeout_s, alive=alive, say=say)
+        except ServerError as exc:
+            if supervisor.stop_requested.is_set():
+                return False
+            gone = supervisor.first_exit()
+            if gone is not None:
+                raise failure(gone, "before it was ready") from None
+            server = by_url[exc.url]
+            raise DeployError(f"{server.name} was not ready within deployment.startup_timeout_s = "
+                              f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
+                              f"{server.tail()}") from None
+        for client in clients:
+            server = by_url[client.url]
             try:
                 problem = client.check_weight_sync_support(plan.weight_sync)
             except ServerError as exc:
                 raise DeployError(f"{server.name} did not say whether it takes {plan.weight_sync} weight sync: {exc}") from None
-        finally:
+            if problem:
+                raise PreflightError(f"{server.name}: {problem}")
+    finally:
+        for client in clients:
             client.close()
-        if problem:
-            raise PreflightError(f"{server.name}: {problem}")
     say(f"inference server(s) ready after {time.monotonic() - started:.0f}s")
     return True
 
@@ -203,6 +208,13 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
         supervisor.request_stop(trainer)
         if not supervisor.wait_for(trainer, checkpoint_grace_s):
             say("the trainer did not stop in time; stopping it now")
+            return stopped_status(supervisor)
+        trainer.drain()
+        if trainer.exited() == 0:  # the signal came during the last step: the run finished, checkpoint and all
+            return 0
+        if trainer.stop_confirmed is None:  # killed before its loop began, or failed while stopping
+            say(f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
+                f"its log: {trainer.log}")
         return stopped_status(supervisor)
     if child is trainer and child.exited() == 0:
         return 0
@@ -212,10 +224,12 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
 
 
 def failure(child: Child, when: str, status: int = 1) -> DeployError:
-    code = child.exited()
-    how = f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
-    return DeployError(f"{child.name} exited with {how}{' ' + when if when else ''}; stopping the run. "
-                       f"Its last log lines ({child.log}):\n{child.tail()}", status)
+    return DeployError(f"{child.name} exited with {exit_text(child.exited())}{' ' + when if when else ''}; stopping "
+                       f"the run. Its last log lines ({child.log}):\n{child.tail()}", status)
+
+
+def exit_text(code: int) -> str:
+    return f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
 
 
 def stopped_status(supervisor: Supervisor) -> int:

@@ -36,6 +36,12 @@ class Child:
     # where a stop request goes: torchrun's ranks rather than torchrun itself, which would answer a SIGTERM
     # by signalling its ranks a second time, and a second signal ends a rank without its checkpoint
     signal_ranks: bool = False
+    # the line that ends a requested stop well (echoed children): once the child prints it after
+    # ``request_stop``, the rest of its output goes to its log only. That rest is torchrun's report that its
+    # ranks exited non-zero, which they do on purpose after a stop, and which reads like a crash.
+    stop_line: re.Pattern | None = None
+    stop_confirmed: str | None = None  # that line, once seen
+    stopping: threading.Event = field(default_factory=threading.Event, repr=False)
     tee: threading.Thread | None = field(default=None, repr=False)
 
     @property
@@ -45,11 +51,15 @@ class Child:
     def exited(self) -> int | None:
         return self.proc.poll()
 
+    def drain(self) -> None:
+        """Once the child has exited: wait until its last lines, still in the pipe, reach the log and console."""
+        if self.tee is not None and self.exited() is not None:
+            self.tee.join(timeout=5)
+
     def tail(self, lines: int = TAIL_LINES) -> str:
         """Its log's last lines, led by the first exception message in the log's end when that is not
         among them: a dying vLLM server prints its root cause, then pages of shutdown noise."""
-        if self.tee is not None and self.exited() is not None:
-            self.tee.join(timeout=5)  # its last lines may still be in the pipe
+        self.drain()
         text = read_end(self.log)
         last = text.splitlines()[-lines:]
         first = next((line for line in text.splitlines() if EXCEPTION_LINE.search(line)), None)
@@ -67,17 +77,18 @@ class Supervisor:
     # ---- starting ----
 
     def start(self, name: str, argv: list[str], env: dict[str, str], log: Path, *, echo: bool = False,
-              signal_ranks: bool = False, cpu: int | None = None) -> Child:
+              signal_ranks: bool = False, stop_line: re.Pattern | None = None, cpu: int | None = None) -> Child:
         """Start ``argv`` in a new session (so a terminal's Ctrl-C reaches only the launcher, which decides
-        what each child gets). Its output goes to ``log``, and with ``echo`` to the console as well."""
+        what each child gets). Its output goes to ``log``, and with ``echo`` to the console as well (after a
+        requested stop, up to ``stop_line``)."""
         log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") as sink:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
                                     stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
                                     preexec_fn=lambda: prepare_child(cpu))
-        child = Child(name, proc, log, signal_ranks)
+        child = Child(name, proc, log, signal_ranks, stop_line)
         if echo:
-            child.tee = threading.Thread(target=copy_lines, args=(proc.stdout, log), daemon=True)
+            child.tee = threading.Thread(target=copy_lines, args=(child, proc.stdout), daemon=True)
             child.tee.start()
         self.children.append(child)
         return child
@@ -126,6 +137,7 @@ class Supervisor:
 
     def request_stop(self, child: Child) -> None:
         """SIGTERM to a child that stops cleanly on it (the trainer checkpoints, then exits)."""
+        child.stopping.set()
         pids = children_of(child.pid) if child.signal_ranks else [child.pid]
         for pid in pids or [child.pid]:
             send(pid, signal.SIGTERM)
@@ -226,13 +238,20 @@ def prepare_child(cpu: int | None) -> None:
             pass  # pinning not allowed here: run unpinned
 
 
-def copy_lines(stream, log: Path) -> None:
-    """The trainer's output, line by line, to the console and to its log (both flushed per line, so
-    a kill leaves everything before it)."""
-    with log.open("ab") as sink:
+def copy_lines(child: Child, stream) -> None:
+    """The trainer's output, line by line, to its log and to the console (both flushed per line, so
+    a kill leaves everything before it); after a requested stop's ``stop_line``, to the log only."""
+    quiet = False
+    with child.log.open("ab") as sink:
         for line in iter(stream.readline, b""):
             sink.write(line)
             sink.flush()
+            if quiet:
+                continue
+            if child.stopping.is_set() and child.stop_line is not None:
+                text = line.decode(errors="replace").strip()
+                if child.stop_line.search(text):
+                    child.stop_confirmed, quiet = text, True
             try:
                 console = getattr(sys.stdout, "buffer", None)
                 console.write(line) if console is not None else sys.stdout.write(line.decode(errors="replace"))

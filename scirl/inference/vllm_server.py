@@ -39,8 +39,9 @@ from typing import Callable, Iterable, Sequence
 from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams
 from scirl.inference.vllm import OFFLINE_ENV
 
-HEALTH_TIMEOUT_S = 5.0  # one /health probe: a live server answers in milliseconds
+HEALTH_TIMEOUT_S = 5.0  # one quick question at start (/health, /v1/models, ...): a live server answers in milliseconds
 POLL_INTERVAL_S = 0.5  # between /health probes while a server starts
+READY_REPORT_S = 15.0  # while servers start: how often a line names those not ready yet
 BODY_SNIPPET = 300  # characters of an error body quoted in a ServerError
 SHARD_BYTES = 2 << 30  # safetensors file size cap in a weights dir: bounds the writer's extra memory
 # vLLM's packed NCCL transfer: staging buffers per side (its defaults), sent explicitly so both sides agree
@@ -157,25 +158,25 @@ class ServerClient:
         except ValueError as exc:
             raise ServerError(self.url, route, "the answer is not JSON", response.text) from exc
 
+    def health_answer(self, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+        """None when ``GET /health`` answers 200 within ``timeout_s``; else what it did, in a few words
+        (``connection refused``, ``no answer within 5s``, ``status 503``). Never raises."""
+        try:
+            self._request("GET", "/health", timeout_s=timeout_s)
+        except ServerError as exc:
+            if "refused" in str(exc.__cause__).lower():
+                return "connection refused"
+            return exc.problem.split(" (")[0] if exc.problem.startswith("no answer") else exc.problem
+        return None
+
     def is_healthy(self) -> bool:
         """Whether ``GET /health`` answers 200 within a few seconds; never raises."""
-        try:
-            return self._request("GET", "/health", timeout_s=min(HEALTH_TIMEOUT_S, self.timeout_s)).status_code == 200
-        except ServerError:
-            return False
+        return self.health_answer(min(HEALTH_TIMEOUT_S, self.timeout_s)) is None
 
-    def wait_ready(self, timeout_s: float, alive: Callable[[], bool] | None = None) -> None:
-        """Poll ``/health`` until it answers. ``alive``: whether the server's process still runs; once
-        it says False, or ``timeout_s`` passes, raise ServerError instead of waiting on."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if alive is not None and not alive():
-                raise ServerError(self.url, "/health", "the server's process exited before it was ready; see its log")
-            if self.is_healthy():
-                return
-            if time.monotonic() >= deadline:
-                raise ServerError(self.url, "/health", f"not ready after {timeout_s:g}s")
-            time.sleep(POLL_INTERVAL_S)
+    def wait_ready(self, timeout_s: float, alive: Callable[[], bool] | None = None, *,
+                   say: Callable[[str], None] | None = None) -> None:
+        """``wait_until_ready`` for this one server."""
+        wait_until_ready([self], timeout_s, alive=alive, say=say)
 
     def served_model(self) -> dict:
         """The first entry of ``GET /v1/models`` (``id``, ``root``, ``max_model_len``, ...)."""
@@ -346,6 +347,50 @@ class ServerClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def wait_until_ready(clients: list[ServerClient], timeout_s: float, *, alive: Callable[[], bool] | None = None,
+                     say: Callable[[str], None] | None = None, report_every_s: float = READY_REPORT_S,
+                     probe_timeout_s: float = HEALTH_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> None:
+    """Probe every server's ``/health`` until each has answered 200, all within one deadline (they start
+    in parallel). Each probe waits at most ``probe_timeout_s``: a server that accepts connections but
+    never answers (a hung one, another program on that port) costs seconds per probe, not a request's
+    timeout. ``say`` gets a line at the first round that finds a server not ready, then every
+    ``report_every_s``: each URL not ready yet, what it last answered, and the time left.
+
+    Raises ServerError naming the first server still not ready after ``timeout_s`` with its last
+    answer, or at once when ``alive()`` says False (a server's process exited)."""
+    deadline = clock() + timeout_s
+    answers = {client.url: "not asked yet" for client in clients}  # the servers not ready yet
+    next_report = clock()
+    while True:
+        if alive is not None and not alive():
+            raise ServerError(next(iter(answers), ""), "/health", "the server's process exited before it was ready; "
+                              "see its log")
+        for client in clients:
+            if client.url in answers:
+                answer = client.health_answer(probe_timeout_s)
+                if answer is None:
+                    del answers[client.url]
+                else:
+                    answers[client.url] = answer
+        if not answers:
+            return
+        now = clock()
+        if now >= deadline:
+            (url, answer), *others = answers.items()
+            raise ServerError(url, "/health", f"not ready after {timeout_s:g}s; its last answer: {answer}"
+                              + (f"; not ready either: {listing(others)}" if others else ""))
+        if say is not None and now >= next_report:
+            say(f"waiting for inference server(s): {listing(answers.items())}; {deadline - now:.0f}s of {timeout_s:g}s left")
+            next_report = now + report_every_s
+        sleep(POLL_INTERVAL_S)
+
+
+def listing(answers) -> str:
+    """``http://a:1 (connection refused), http://b:2 (status 503)`` from (url, answer) pairs."""
+    return ", ".join(f"{url} ({answer})" for url, answer in answers)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,18 +133,22 @@ def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
 
 
 def plot_filters(metrics: list[dict[str, Any]], path: Path) -> Series:
-    """Fraction of completions that still train, and the fraction each filter flagged."""
-    trainable = _present(metrics, ["trainable/fraction"])
+    """Fraction of completions the optimizer step used and of those with a nonzero advantage, and the
+    fraction each filter flagged."""
+    trainable = _present(metrics, ["trainable/fraction", "advantage/nonzero_fraction"])
     filters = _present(metrics, FILTER_KEYS)
     if not trainable and not filters:
         return {}
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     ax_top, ax_bottom = fig.subplots(2, 1, sharex=True)
     for key, (steps, values) in trainable.items():
-        ax_top.plot(steps, values, marker=_marker(steps), color="black")
-    if not trainable:
+        ax_top.plot(steps, values, marker=_marker(steps), color="black", linestyle="-" if key.startswith("trainable") else "--",
+                    label={"trainable/fraction": "trained on", "advantage/nonzero_fraction": "nonzero advantage"}[key])
+    if trainable:
+        ax_top.legend(fontsize=8)
+    else:
         ax_top.text(0.5, 0.5, "trainable/fraction not logged", ha="center", va="center", transform=ax_top.transAxes)
-    ax_top.set_ylabel("trainable fraction")
+    ax_top.set_ylabel("fraction of completions")
     ax_top.set_ylim(-0.05, 1.05)
     ax_top.set_title("Trainable completions and filter detections per step")
     ax_top.grid(alpha=0.3)
