@@ -253,6 +253,7 @@ class Check:
         ctx_path = stage_dir / "context.json"
         write_json_atomic(ctx_path, ctx)
         say(f"[{stage}] started (estimate ~{estimate:.0f}s, timeout {timeout:.0f}s; log {log_path})")
+        self.record(stage, {"status": "running", "estimate_s": estimate, "timeout_s": round(timeout)})
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         started = time.monotonic()
         with open(log_path, "w") as log:
@@ -296,6 +297,9 @@ class Check:
         return self.record(stage, entry)
 
     def interrupt(self, signum) -> None:
+        for entry in self.result["stages"].values():
+            if entry["status"] == "running":
+                entry["status"] = "interrupted"
         self.result["status"] = f"interrupted ({signal.Signals(signum).name})"
         self.save()
 
@@ -470,8 +474,7 @@ def worker(stage: str, ctx_path: Path) -> int:
     REPORT = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     ctx = json.loads(ctx_path.read_text())
-    out = Path(ctx["out"])
-    result_path = out / "stages" / f"{stage}.json"
+    result_path = stage_result(ctx, stage)
 
     def on_term(signum, frame):  # a timeout: unwind, so the finally blocks stop what this stage started
         raise SystemExit(128 + signum)
@@ -488,6 +491,11 @@ def worker(stage: str, ctx_path: Path) -> int:
         return 1
     write_json_atomic(result_path, data)
     return 0
+
+
+def stage_result(ctx: dict, stage: str) -> Path:
+    """Where a stage leaves its figures for the orchestrator (a stage may leave some early: a timeout keeps them)."""
+    return Path(ctx["out"]) / "stages" / f"{stage}.json"
 
 
 def probe_stage(ctx: dict) -> dict:
@@ -786,6 +794,7 @@ def step_tokens(run_dir: Path, model_dir: str) -> dict[int, tuple[int, int]]:
 def a_resume_stage(ctx: dict) -> dict:
     """The reference run again, killed in a checkpoint's write, resumed; its final weights against a_train's."""
     out = Path(ctx["out"])
+    os.environ.update(stage_a_env(ctx))  # the determinism timing below runs in this process
     run_dir = out / "a-resumed"
     shutil.rmtree(run_dir, ignore_errors=True)
     k = KILL_AT_CHECKPOINT
@@ -820,7 +829,11 @@ def a_resume_stage(ctx: dict) -> dict:
               "partial_left": partial_left, "resumed_from": int(from_step.group(1)) if from_step else None,
               "resumed_wall_s": resumed["wall_s"], "compare": compare, "same_completions": rollouts}
     if ctx["device"] == "cuda":
-        result["determinism_cost"] = determinism_cost(ctx)
+        write_json_atomic(stage_result(ctx, "a_resume"), result)  # the verdict is in, whatever the timing does
+        try:
+            result["determinism_cost"] = determinism_cost(ctx)
+        except Exception as e:  # out of memory, say: the timing is a side figure, the verdict stands
+            result["determinism_cost"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
     if not ctx["keep_weights"]:  # GBs each on a GPU; the figures are taken
         for d in (run_dir / "weights", Path(ctx["reference"]["run_dir"]) / "weights"):
             shutil.rmtree(d, ignore_errors=True)
@@ -943,7 +956,9 @@ def print_a_resume(f: dict) -> None:
     same = [step for step, equal in f["same_completions"].items() if not equal]
     say("completions: the same at every step" if not same else f"completions differ at steps {', '.join(same)}")
     d = f.get("determinism_cost")
-    if d:
+    if d and "error" in d:
+        say(f"determinism costs: not measured ({d['error']})")
+    elif d:
         say(f"determinism costs: a training forward + backward of {d['tokens']} tokens {d['deterministic_s']:.3f}s vs "
             f"{d['default_s']:.3f}s with the default kernels ({d['ratio']:.2f}x)")
 

@@ -115,12 +115,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert "Traceback" not in done.stderr
 
 
-def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_path):
+def import_gpu_check():
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import gpu_check
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+    return gpu_check
+
+
+def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_path):
+    gpu_check = import_gpu_check()
     _, args = gpu_check.parse_args(["--cpu", "--budget-s", "100", "--out", str(tmp_path)])
     check = gpu_check.Check(args, tmp_path)
     check.deadline = time.monotonic() + 30  # 30 s left, minus the reserve: the stage's estimate is 45 s
@@ -129,3 +134,13 @@ def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_
     assert not (tmp_path / "stages" / "a_resume.log").exists()  # never started
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["stages"]["a_resume"] == entry
+
+
+def test_the_deterministic_launch_runs_scirl_train():
+    """On a GPU, stage A launches ``scirl train`` through a prelude that sets the deterministic kernels: the same CLI."""
+    gpu_check = import_gpu_check()
+    cmd = gpu_check.scirl_command(["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "max_steps = 3" in done.stdout and 'backend = "hf"' in done.stdout
