@@ -305,11 +305,14 @@ class Check:
 
 
 def tee_lines(stream, log) -> None:
-    for line in stream:
-        log.write(line)
-        log.flush()
-        sys.stdout.write(line)
-        sys.stdout.flush()
+    try:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except ValueError:  # the log was closed: a process forked by the stage kept the pipe open after it ended
+        pass
 
 
 def end_stage(proc: subprocess.Popen, stage_dir: Path) -> None:
@@ -354,7 +357,12 @@ def orchestrate(parser, args) -> int:
             return finish(check, "failed")
         info = probe["figures"]
         gpu = info["cuda_available"] and not args.cpu
-        ctx = settle(parser, args, info, gpu, out)
+        try:
+            ctx = settle(parser, args, info, gpu, out)
+        except SystemExit:  # a flag that does not suit this device: one line, exit 2, and the JSON says so
+            check.result["status"] = "bad input"
+            check.save()
+            raise
         check.result.update(device=ctx["device"], dtype=ctx["dtype"], shape=ctx["shape"],
                             settings={k: ctx[k] for k in ("steps", "questions", "group_size", "max_tokens", "seq_len")})
         say(f"gpu_check: {ctx['shape']} shapes on {'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, "
@@ -415,6 +423,8 @@ def orchestrate(parser, args) -> int:
         resume = stages.get("a_resume", {}).get("figures", {}).get("compare")
         if resume is not None and not resume["pass"]:
             failed.append("a_resume (weights differ)")
+        if args.stage == "b" and b["status"] == "skipped":  # asked for B alone and got nothing measured
+            failed.append("stage B (skipped)")
         return finish(check, "failed: " + ", ".join(failed) if failed else "ok")
     except Interrupted as e:
         check.interrupt(e.signum)
@@ -525,7 +535,7 @@ def probe_stage(ctx: dict) -> dict:
         import scirl.train  # noqa: F401
 
         info["scirl_imports"] = True
-    except ImportError as e:
+    except Exception as e:  # a missing package, or one of another build than its neighbours expect
         info["scirl_imports"], info["scirl_error"] = False, f"{type(e).__name__}: {e}"
     say(f"  python {info['python']}, torch {info['torch']}, "
         + (f"{info['gpu_count']} x {info['gpu_name']} ({info['gpu_memory_gb']} GB)" if info["cuda_available"] else "no CUDA")
