@@ -25,6 +25,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM logs to stderr; a long run keeps them in the per-run log instead of the terminal
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
+# everything it loads is local: a hub lookup would only wait on a machine without network
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
 budget=400
 previous=""
 for arg in "$@"; do
