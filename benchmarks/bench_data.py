@@ -11,9 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from scirl import data, synthetic
-
-
+from scirl.task import data
+from scirl.synth import questions as synthetic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows-per-domain", type=int, default=4668)

@@ -85,9 +85,9 @@ def main() -> None:
     p.add_argument("--bare", action="store_true", help="also time a bare HTTP client, to tell client cost from machine load")
     args = p.parse_args()
 
-    from scirl.data import question_from_row
+    from scirl.task.data import question_from_row
     from scirl.eval.client import ClientConfig, evaluate_server
-    from scirl.synthetic import generate_rows
+    from scirl.synth.questions import generate_rows
 
     per_domain = -(-args.questions // 4)
     rows = generate_rows(n_per_domain=per_domain, seed=0, non_mcq=False)

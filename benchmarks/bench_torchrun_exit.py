@@ -28,10 +28,11 @@ from pathlib import Path
 
 STEP_SCRIPT = """
 import sys, torch
-from scirl.config import TrainConfig
+from scirl.run.config import TrainConfig
 from scirl.distributed import exit_process, setup, teardown
-from scirl.rollouts import Sample
-from scirl.trainer import Trainer, load_model, make_micro_batches
+from scirl.rollouts.contract import Sample
+from scirl.trainer.model import load_model
+from scirl.trainer.step import Trainer, make_micro_batches
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)
@@ -55,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plain-exit", action="store_true", help="with --what step: end the old way (no exit_process)")
     args = parser.parse_args(argv)
 
-    from scirl.synthetic import generate_rows, write_jsonl
-    from scirl.tiny_model import build_tiny_model
+    from scirl.synth.questions import generate_rows, write_jsonl
+    from scirl.synth.tiny_model import build_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-exit-") as tmp:
         work = Path(tmp)

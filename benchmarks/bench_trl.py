@@ -8,9 +8,10 @@ advantage = reward - group mean (TRL: ``scale_rewards="none"``), no KL/reference
 model (TRL: ``beta=0``), fp32, no gradient checkpointing, micro-batches of 32 with
 gradient accumulation to one AdamW step.
 
-The scirl side calls ``scirl.train.rl_step``, the very step function ``scirl train`` loops
-over, with the generator and trainer ``scirl.backends`` builds for a CPU run (the sampler
-shares the trained module); only the run-directory logging and checkpoints are left out. Each framework runs in its own
+The scirl side calls ``scirl.run.train.one_step``, the very step function ``scirl train`` loops
+over, with the generator and trainer ``scirl.run.backends`` builds for a CPU run (the sampler
+shares the trained module) and the colocated source and sink ``scirl.run.setup`` wires; only the
+run-directory logging and checkpoints are left out. Each framework runs in its own
 subprocess, one after the other. The first ``--warmup`` steps are not timed.
 
     pip install trl   # the benchmark's extra dependency; it keeps the installed torch
@@ -32,9 +33,9 @@ from pathlib import Path
 
 def build_inputs(work: Path, args) -> tuple[Path, list]:
     """The benchmark model (built once, reused) and the questions."""
-    from scirl.data import question_from_row
-    from scirl.synthetic import generate_rows
-    from scirl.tiny_model import build_tiny_model
+    from scirl.task.data import question_from_row
+    from scirl.synth.questions import generate_rows
+    from scirl.synth.tiny_model import build_tiny_model
 
     model_dir = work / f"model-h{args.hidden}-l{args.layers}"
     if not (model_dir / "config.json").exists():
@@ -50,15 +51,20 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
 
     import torch
 
-    from scirl.backends import make_generator, make_trainer
-    from scirl.config import TrainConfig
+    from scirl.run.backends import make_generator, make_trainer
+    from scirl.run.config import TrainConfig
     from scirl.cpu.host_memory import keep_freed_memory
     from scirl.distributed import Dist
     from scirl.inference.base import encode_messages
-    from scirl.prompt import build_messages, render_prompt
-    from scirl.rollouts import PromptedQuestion
-    from scirl.train import load_tokenizer, rl_step
-    from scirl.trainer import compute_dtype, load_model
+    from scirl.task.prompt import build_messages, render_prompt
+    from scirl.rollouts.contract import PromptedQuestion
+    from scirl.rollouts.sampler import QuestionSampler
+    from scirl.rollouts.source import ColocatedSource
+    from scirl.run.setup import load_tokenizer
+    from scirl.run.train import one_step
+    from scirl.trainer.model import compute_dtype, load_model
+    from scirl.weights.check import WeightCheck
+    from scirl.weights.inprocess import InProcessSink
 
     cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
                       micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device="cpu", dtype=args.dtype,
@@ -84,10 +90,14 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
         return out
 
     generator.generate = fixed_length_generate
+    # every step all 8 questions (one epoch each); the sampler shares the module, so nothing to push or check
+    source = ColocatedSource(batch, QuestionSampler(len(batch), cfg.seed), generator, cfg.rollout_settings(),
+                             vocab_size=model.config.vocab_size, dist=dist)
+    sink = InProcessSink(generator, trainer, WeightCheck(trainer, (batch[0].prompt_ids, 1), interval=0))
     steps = []
     for step in range(1, args.steps + 1):
         t0, cpu0 = time.perf_counter(), time.process_time()
-        result = rl_step(step, batch, generator, trainer, cfg, pad_id=pad_id)
+        result = one_step(step, source, trainer, sink, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id)
         t1, cpu1 = time.perf_counter(), time.process_time()
         m = result.metrics
         tokens = sum(r["num_tokens"] for r in result.rollouts)
@@ -105,8 +115,8 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from scirl.prompt import build_messages, render_prompt
-    from scirl.reward import score
+    from scirl.task.prompt import build_messages, render_prompt
+    from scirl.task.reward import score
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

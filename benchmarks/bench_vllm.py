@@ -30,10 +30,10 @@ from pathlib import Path
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:
-    from scirl.data import question_from_row
+    from scirl.task.data import question_from_row
     from scirl.inference.base import encode_messages
-    from scirl.prompt import build_messages
-    from scirl.synthetic import generate_rows
+    from scirl.task.prompt import build_messages
+    from scirl.synth.questions import generate_rows
 
     rows = generate_rows(n_per_domain=max(1, count), seed=0, non_mcq=False)[:count]
     return [encode_messages(tokenizer, build_messages(question_from_row(r))) for r in rows]
@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)  # before the engine: the CPU backend ignores it afterwards
 
     from scirl.inference.base import SamplingParams
-    from scirl.inference.vllm import VLLMGenerator, import_vllm, request_seed
-    from scirl.tiny_model import build_tiny_model
+    from scirl.inference.base import request_seed
+    from scirl.inference.vllm import VLLMGenerator, import_vllm
+    from scirl.synth.tiny_model import build_tiny_model
 
     vllm = import_vllm()
     from vllm.inputs import TokensPrompt

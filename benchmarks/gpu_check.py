@@ -3,7 +3,7 @@
 Offline (no model hub): a random-init model with a Qwen3 release's shapes (transformers' ``Qwen3Config``
 + ``AutoModelForCausalLM.from_config``; the tokenizer is the shipped demo model's, whose 1,024 tokens
 fit in any of these vocabularies: ids beyond it decode to nothing, as Qwen3's own padded ids do),
-synthetic SciKnowEval-schema questions (``scirl.synthetic``), and ``scirl train`` as a user runs it.
+synthetic SciKnowEval-schema questions (``scirl.synth.questions``), and ``scirl train`` as a user runs it.
 A random model writes gibberish and rarely says EOS, so completions run to the token limit and the
 three rollout filters only monitor (every completion is trained on).
 
@@ -532,7 +532,7 @@ def probe_stage(ctx: dict) -> dict:
             versions[name] = None
     info["versions"] = versions
     try:  # what every stage needs: a missing requirement shows here, in one line
-        import scirl.train  # noqa: F401
+        import scirl.run.train  # noqa: F401
 
         info["scirl_imports"] = True
     except Exception as e:  # a missing package, or one of another build than its neighbours expect
@@ -601,7 +601,7 @@ def build_model(shape: str, out: Path, device: str, dtype: str) -> Path:
 
 
 def write_questions(path: Path, per_domain: int) -> Path:
-    from scirl.synthetic import generate_rows, write_jsonl
+    from scirl.synth.questions import generate_rows, write_jsonl
 
     return write_jsonl(generate_rows(n_per_domain=per_domain, seed=0, non_mcq=False), path)
 
@@ -1022,17 +1022,17 @@ def step_prompts(run_dir: Path) -> dict[int, list[str]]:
 
 
 def compare_generation(run_dir: Path, model_dir: Path, device: str, steps: list[int], prompts: dict[int, list[str]]) -> dict:
-    """A fresh engine with the run's own settings (scirl.backends builds it from the run's config.toml);
+    """A fresh engine with the run's own settings (scirl.run.backends builds it from the run's config.toml);
     each step's prompts and sampling request (its seed included) through the adapter and through the
     raw ``LLM.generate``, alternating; the first call warms the new shapes up and is not timed."""
     import torch
     from transformers import AutoTokenizer
 
-    from scirl.backends import make_vllm_generator
-    from scirl.config import load_config
+    from scirl.run.backends import make_vllm_generator
+    from scirl.run.config_io import load_config
     from scirl.inference.base import SamplingParams
-    from scirl.train import generation_seed
-    from scirl.trainer import compute_dtype
+    from scirl.rollouts.generate import generation_seed
+    from scirl.trainer.model import compute_dtype
 
     cfg = load_config(["@", str(run_dir / "config.toml")])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -1135,8 +1135,9 @@ def b_disaggregated_stage(ctx: dict) -> dict:
     skipped = import_vllm_or_skip()
     if skipped:
         return skipped
-    from scirl.deploy.ports import pick
-    from scirl.inference.vllm_server import ServerClient, server_command
+    from scirl.net import pick
+    from scirl.inference.remote import ServerClient
+    from scirl.inference.vllm_command import server_command
 
     out, settings = Path(ctx["out"]), ctx["settings"]
     split = ctx["device"] == "cuda" and ctx["gpu_count"] > 1
@@ -1228,9 +1229,9 @@ def generation_only(ctx: dict, out: Path, settings: dict) -> dict:
     """For shapes too big to train on one GPU: the engine's generation speed on the same kind of request."""
     from transformers import AutoTokenizer
 
-    from scirl.config import load_config, write_config
-    from scirl.data import load_splits
-    from scirl.prompt import build_messages
+    from scirl.run.config_io import load_config, write_config
+    from scirl.task.data import load_splits
+    from scirl.task.prompt import build_messages
 
     tokenizer = AutoTokenizer.from_pretrained(ctx["model_dir"])
     questions = load_splits(ctx["data"], eval_per_domain=5).train

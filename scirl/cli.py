@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from scirl import __version__
+
 COMMANDS = {
     "data": ("data", "inspect and export the MCQ splits (SciKnowEval or another science MCQ set)"),
     "eval": ("eval", "evaluate a served or local model on the held-out questions"),
@@ -30,8 +32,6 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        from scirl import __version__
-
         print(f"scirl {__version__}")
         return 0
     name, rest = argv[0], argv[1:]

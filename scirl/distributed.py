@@ -18,8 +18,10 @@ finalization for a gloo thread to race.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -76,9 +78,6 @@ def teardown(wait_for_others: bool = True) -> None:
 def exit_process(status: int) -> None:
     """End a finished multi-rank process now: logs flushed and closed, then ``os._exit`` (see the
     module's docstring for why not a normal exit). Call it only after every output is written."""
-    import logging
-    import sys
-
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -31,9 +31,14 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request  # at module level: FastAPI resolves the handlers' (string) annotations here
 
+from scirl.inference.base import GenerationCancelled, SamplingParams, encode_messages
+from scirl.run.backends import hf_generator
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024  # MCQ prompts are a few KB; a long chat history still fits
 DEFAULT_MAX_REQUEST_TOKENS = 65536  # n x max_tokens of one request: e.g. 16 samples x 4096 tokens
@@ -113,7 +118,6 @@ class Batcher:
             batch = [p for p in self._take_batch() if not p.future.done()]  # skip requests whose client left
             if not batch:
                 continue
-            from scirl.inference.base import GenerationCancelled
 
             def should_stop(batch=batch) -> bool:
                 return all(p.abandoned for p in batch)
@@ -134,8 +138,6 @@ class Batcher:
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error"):
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind, "code": status}})
 
 
@@ -175,8 +177,6 @@ def _finite_float(text: str) -> float:
 
 def _parse_request(body: bytes) -> "ChatRequest":
     """Parse and validate a chat request; NaN, Infinity and overflowing numbers are a 422, as any bad value."""
-    from pydantic import ValidationError
-
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so is UnicodeDecodeError
@@ -200,10 +200,6 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
                api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS):
     """The FastAPI app serving ``generator`` (a ``scirl.inference.base.Generator``) as ``model_name``."""
-    from fastapi import FastAPI
-
-    from scirl.inference.base import SamplingParams, encode_messages
-
     state: dict[str, Any] = {}
     config = getattr(getattr(generator, "model", None), "config", None)
     context_length = getattr(config, "max_position_embeddings", None) if config is not None else None
@@ -347,10 +343,6 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_m
           device: str = "cpu", default_max_tokens: int = 256, max_batch: int = 32, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
     """Load ``model_dir`` and serve it until interrupted. Prints the bound address, then a ready line."""
-    import uvicorn
-
-    from scirl.backends import hf_generator
-
     sock = bind_socket(host, port)
     warning = exposure_warning(host, api_key)
     if warning:

@@ -24,7 +24,7 @@ from urllib.parse import urlparse
 
 import tomli_w
 
-from scirl.export_primerl import EPHEMERAL_RANGE, ROUTER_METRICS_OFFSET, TARGETS, Ports, export
+from scirl.primerl.export import EPHEMERAL_RANGE, ROUTER_METRICS_OFFSET, TARGETS, Ports, export
 
 # The flags the exported README launches with.
 LAUNCH_ARGS = ["--max-steps", "30", "--run.name", "grpo-cold-start"]

@@ -112,7 +112,7 @@ def trainer(argv: list[str]) -> int:
         record(args.record, f"sigterm_{rank}.json", {"pid": os.getpid()})
         print(f"fake trainer rank {rank}: checkpoint saved after SIGTERM", flush=True)
         if rank == 0:  # as scirl train's rank 0 ends a stop
-            from scirl.rundir import stopped_line
+            from scirl.run.rundir import stopped_line
 
             print(stopped_line("SIGTERM", 1, Path(args.output_dir)), flush=True)
         return 128 + signal.SIGTERM
@@ -124,8 +124,7 @@ def leave_a_run(config_args: list[str]) -> None:
     model's, unchanged) and one metrics row per step."""
     import shutil
 
-    from scirl.config import load_config
-
+    from scirl.run.config_io import load_config
     cfg = load_config(config_args)
     out = Path(cfg.output_dir)
     shutil.copytree(cfg.model, out / "weights" / f"step_{cfg.max_steps}")
@@ -136,7 +135,7 @@ def leave_a_run(config_args: list[str]) -> None:
 def server_processes(urls: list[str]) -> list[int]:
     """Every process of each server's session (a vLLM server's engine processes too): the test checks
     that none outlives the run."""
-    from scirl.deploy.ports import port_holder
+    from scirl.net import port_holder
 
     pids = []
     for url in urls:
@@ -172,8 +171,7 @@ def launch_options(spec: dict) -> dict:
 
 def launch(spec_path: str) -> int:
     from scirl.commands.train import deploy
-    from scirl.config import load_config
-
+    from scirl.run.config_io import load_config
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_config(spec["args"])
     return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from scirl.checkpoint import (
+from scirl.run.checkpoint import (
     CheckpointWriteError,
     find_resume_checkpoint,
     latest_checkpoint,
     load_problems,
-    prune_checkpoints,
     load_trainer_state,
+    prune_checkpoints,
     restore_rng_state,
     save_checkpoint,
     verify_checkpoint,
@@ -153,7 +153,7 @@ WRITER = textwrap.dedent(
     """
     import sys, torch
     from transformers import AutoModelForCausalLM
-    from scirl.checkpoint import save_checkpoint
+    from scirl.run.checkpoint import save_checkpoint
     torch.set_num_threads(1)
     run_dir, model_dir = sys.argv[1], sys.argv[2]
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -201,7 +201,7 @@ def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path, tiny_model_d
 
 def reseal(path: Path) -> None:
     """Rewrite the manifest from the files as they are now: damage done *before* sealing, which only loading catches."""
-    from scirl.checkpoint import seal_digest
+    from scirl.files import seal_digest
 
     manifest = json.loads((path / "manifest.json").read_text())
     for rel in manifest["files"]:
@@ -352,7 +352,7 @@ FILE_LIMIT_WRITER = textwrap.dedent(
     """
     import resource, signal, sys, torch
     from transformers import AutoModelForCausalLM
-    from scirl.checkpoint import CheckpointWriteError, save_checkpoint
+    from scirl.run.checkpoint import CheckpointWriteError, save_checkpoint
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(sys.argv[2])
     save_checkpoint(sys.argv[1], 1, model)

@@ -14,7 +14,7 @@ import json
 import pytest
 
 from scirl.cli import main as cli_main
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.synth.questions import generate_rows, write_jsonl
 
 DATA_CASES = [
     ["data"],  # no action

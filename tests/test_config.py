@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from scirl.config import ConfigError, TrainConfig, load_config, read_toml, validate, write_config
-
+from scirl.errors import ConfigError
+from scirl.run.config import TrainConfig
+from scirl.run.config_io import load_config, read_toml, validate, write_config
 ROOT = Path(__file__).resolve().parents[1]
 
 

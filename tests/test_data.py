@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from scirl import data, synthetic
+from scirl.task import data
+from scirl.synth import questions as synthetic
 from scirl.cli import main as cli_main
 
 EVAL_N = 10  # eval rows per domain in these tests (the synthetic set has 60 MCQ rows per domain)
@@ -453,7 +454,7 @@ def test_a_file_in_another_encoding_is_named_as_such(clean_rows, tmp_path, capsy
 
 
 def test_utf16_without_a_byte_order_mark_is_named_too(clean_rows, tmp_path):
-    from scirl.data import DataSourceError, load_splits
+    from scirl.task.data import DataSourceError, load_splits
 
     path = tmp_path / "rows.jsonl"
     path.write_bytes("\n".join(json.dumps(r) for r in clean_rows[:4]).encode("utf-16-le"))

@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from scirl.data import question_from_row
+from scirl.task.data import question_from_row
 from scirl.demo.world import HABITS, LETTERS, generate_reading_rows, web_answer
-from scirl.schema import DOMAINS
-from scirl.synthetic import RELATIONS
+from scirl.task.schema import DOMAINS
+from scirl.synth.questions import RELATIONS
 
 
 def test_reading_rows_are_valid_mcqs_whose_text_states_exactly_one_option():

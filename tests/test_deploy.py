@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from scirl.config import load_config
+from scirl.run.config_io import load_config
 from scirl.deploy import launch, ports, preflight, supervisor
 from scirl.errors import PreflightError
 
@@ -207,8 +207,7 @@ def test_a_run_dir_holding_a_run_is_refused_before_the_servers_start(tiny_model_
 
 
 def test_a_run_dir_in_use_is_refused_before_the_servers_start(tiny_model_dir, tmp_path):
-    from scirl import rundir
-
+    from scirl.run import rundir
     out = tmp_path / "run"
     held = rundir.lock(out)  # as a live trainer holds it
     try:
@@ -268,8 +267,7 @@ def test_a_resume_forgets_the_servers_its_launcher_started_last_time(tmp_path):
 
 
 def test_the_launchers_files_neither_block_a_fresh_run_nor_fall_to_clean(tmp_path):
-    from scirl import rundir
-
+    from scirl.run import rundir
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "inference_0.log").write_text("live server log\n")
     (tmp_path / "ports.json").write_text("{}")

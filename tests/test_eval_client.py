@@ -15,11 +15,11 @@ from collections import Counter
 import pytest
 from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
-from scirl.data import load_splits
+from scirl.task.data import load_splits
 from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server
 from scirl.eval.results import records_path
-from scirl.prompt import user_text
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.task.prompt import user_text
+from scirl.synth.questions import generate_rows, write_jsonl
 
 from asgi_server import running  # tests/asgi_server.py
 
@@ -101,7 +101,7 @@ def splits(data_file):
 
 
 def expected_accuracy(questions) -> float:
-    from scirl.reward import extract_answer
+    from scirl.task.reward import extract_answer
 
     return sum(extract_answer(rule_reply(q), q.labels, options=q.options) == q.answer_key for q in questions) / len(questions)
 

@@ -10,9 +10,9 @@ import pytest
 from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
 from asgi_server import running  # tests/asgi_server.py
-from scirl.data import load_splits
+from scirl.task.data import load_splits
 from scirl.eval.client import ClientConfig, evaluate_server
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.synth.questions import generate_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,13 @@ import pytest
 from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
 from asgi_server import running  # tests/asgi_server.py
-from scirl.data import load_splits, question_from_row
+from scirl.task.data import load_splits, question_from_row
 from scirl.eval.letters import letter_stats, letter_summary, prior_shift
 from scirl.eval.local import evaluate_generator
 from scirl.eval.permutations import items, orders_for
 from scirl.eval.results import RecordsFile, SettingsMismatch, build_results, records_path
-from scirl.options import permute
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.task.shuffle import permute
+from scirl.synth.questions import generate_rows, write_jsonl
 
 SETTINGS = {"model": "m", "data": "d", "n_samples": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 8, "seed": None}
 
@@ -323,7 +323,7 @@ def test_failed_orders_are_listed_and_a_rerun_asks_only_them(data_file, tmp_path
     from fastapi.responses import JSONResponse
 
     from scirl.eval.client import ClientConfig, evaluate_server
-    from scirl.prompt import user_text
+    from scirl.task.prompt import user_text
 
     questions = load_splits(str(data_file), eval_per_domain=1).split("eval")
     own = {user_text(q) for q in questions}

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from scirl.data import question_from_row
-from scirl.eval.metrics import compare, mcnemar, pass_at_k, summarize, wilson_interval
+from scirl.task.data import question_from_row
+from scirl.eval.stats import compare, mcnemar, pass_at_k, summarize, wilson_interval
 from scirl.eval.results import RecordsFile, SettingsMismatch, build_results, records_path
-from scirl.synthetic import generate_rows
+from scirl.synth.questions import generate_rows
 
 
 def test_wilson_interval_matches_hand_computation():

@@ -10,10 +10,10 @@ import pytest
 from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
 from scirl.commands.eval import main
-from scirl.data import load_splits
+from scirl.task.data import load_splits
 from scirl.eval.results import BadRecordsFile, RecordsFile, SettingsMismatch, check_resumable, records_path
-from scirl.prompt import user_text
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.task.prompt import user_text
+from scirl.synth.questions import generate_rows, write_jsonl
 
 from asgi_server import running  # tests/asgi_server.py
 

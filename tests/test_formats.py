@@ -11,11 +11,13 @@ from collections import Counter
 
 import pytest
 
-from scirl import data, formats, synthetic
-from scirl import synthetic_formats as sf
+from scirl.task import data
+from scirl.task import formats
+from scirl.synth import questions as synthetic
+from scirl.synth import other_formats as sf
 from scirl.cli import main as cli_main
 from scirl.errors import DataSourceError, HubUnreachable
-from scirl.schema import MCQ_TYPES, OPTION_LABELS
+from scirl.task.schema import MCQ_TYPES, OPTION_LABELS
 
 EVAL_N = 4
 
@@ -308,8 +310,8 @@ def test_a_mapped_answer_is_a_capital_letter_then_an_options_text_then_any_lette
 
 
 def test_the_training_config_takes_a_format_or_a_mapping():
-    from scirl.config import ConfigError, load_config
-
+    from scirl.errors import ConfigError
+    from scirl.run.config_io import load_config
     assert load_config(["--data.format", "medmcqa"]).data.format == "medmcqa"
     text = load_config(["--data.columns", "question=Q,options=A+B,answer=k"]).data.columns
     table = load_config([], base={"data": {"columns": {"question": "Q", "options": "A+B", "answer": "k"}}}).data.columns
@@ -335,8 +337,8 @@ def test_eval_runs_on_a_ten_option_set(tmp_path, tiny_model_dir):
 
 
 def test_training_reads_another_set_through_the_config(tmp_path, tiny_model_dir):
-    from scirl.config import load_config
-    from scirl.train import train
+    from scirl.run.config_io import load_config
+    from scirl.run.train import train
 
     arc = synthetic.write_jsonl(sf.generate_format_rows("arc", n=40, seed=4), tmp_path / "arc.jsonl")
     run_dir = tmp_path / "run"

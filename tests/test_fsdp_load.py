@@ -14,7 +14,7 @@ LOAD_SCRIPT = r'''
 import sys, torch
 from transformers import PreTrainedModel
 from scirl.distributed import exit_process, setup as setup_distributed, teardown
-from scirl.trainer import load_model
+from scirl.trainer.model import load_model
 
 model_dir, out_dir = sys.argv[1:3]
 # count every from_pretrained (the Auto classes end up here too)

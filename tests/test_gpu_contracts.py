@@ -31,7 +31,6 @@ def test_a_single_process_on_cuda_gets_an_indexed_device(monkeypatch):
     from torch.cuda._utils import _get_device_index
 
     from scirl import distributed
-
     chosen = []
 
     def set_device(device):  # torch's own argument check, then what setDevice would get
@@ -57,16 +56,16 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
     from transformers import AutoTokenizer
 
-    import scirl.inference.vllm_server as vllm_server
-    from scirl.config import TrainConfig
+    import scirl.weights.nccl as nccl
     from scirl.distributed import Dist
-    from scirl.train import make_server_push
-    from scirl.trainer import Trainer, load_model
-    from scirl.weight_check import WeightCheck
+    from scirl.run.config import TrainConfig
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer
+    from scirl.weights.check import WeightCheck
+    from scirl.weights.servers import start_server_sink
 
     opened = []
-    monkeypatch.setattr(vllm_server, "_open_nccl_endpoint", lambda *args: opened.append(FakeCommunicator(*args))
-                        or opened[-1])
+    monkeypatch.setattr(nccl, "_open_nccl_endpoint", lambda *args: opened.append(FakeCommunicator(*args)) or opened[-1])
 
     def producer(iterator, group, src, post_iter_func, **_):  # vLLM's packed producer, minus the CUDA streams
         for item in iterator:
@@ -80,8 +79,9 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
         model = load_model(str(DEMO_BASE), torch.device("cpu"), Dist(), torch.float32)
         trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(),
                           dtype=torch.float32)
-        make_server_push(cfg, trainer, AutoTokenizer.from_pretrained(DEMO_BASE), tmp_path, 0,
-                         WeightCheck(trainer, ([1, 2, 3], 1), interval=0), [])
+        start_server_sink(trainer, AutoTokenizer.from_pretrained(DEMO_BASE), cfg.deployment, cfg.inference.urls,
+                          run_dir=tmp_path, start_step=0, check=WeightCheck(trainer, ([1, 2, 3], 1), interval=0),
+                          replicas=[], between_batches=lambda version, push: push())
         info = body(server, "/update_weights")[0]["update_info"]
     assert set(info["dtype_names"]) == {"float32"}
     sent = {name: tensor for name, (_, _, tensor) in zip(info["names"], opened[0].sent)}
@@ -126,18 +126,18 @@ class MultiHomedHost:
 
 
 def test_the_nccl_address_is_the_interface_that_routes_to_the_servers(monkeypatch):
-    import scirl.train as train
+    import scirl.weights.servers as servers
     from scirl.errors import TrainError
 
     host = MultiHomedHost()
     for name in ("gethostname", "gethostbyname", "socket"):
-        monkeypatch.setattr(train.socket, name, getattr(host, name))
-    assert train.nccl_master_address(["http://10.0.3.1:8000", "http://10.0.3.2:8000"]) == "10.0.0.7"
-    assert train.nccl_master_address(["http://192.168.1.5:8000"]) == "192.168.1.20"
-    assert train.nccl_master_address(["http://127.0.0.1:8000", "http://localhost:8001"]) == "127.0.0.1"
-    assert train.nccl_master_address(["http://10.0.3.1:8000"], "10.9.9.9") == "10.9.9.9"  # deployment.nccl_address
+        monkeypatch.setattr(servers.socket, name, getattr(host, name))
+    assert servers.nccl_master_address(["http://10.0.3.1:8000", "http://10.0.3.2:8000"]) == "10.0.0.7"
+    assert servers.nccl_master_address(["http://192.168.1.5:8000"]) == "192.168.1.20"
+    assert servers.nccl_master_address(["http://127.0.0.1:8000", "http://localhost:8001"]) == "127.0.0.1"
+    assert servers.nccl_master_address(["http://10.0.3.1:8000"], "10.9.9.9") == "10.9.9.9"  # deployment.nccl_address
     with pytest.raises(TrainError, match="different interfaces.*deployment.nccl_address"):
-        train.nccl_master_address(["http://10.0.3.1:8000", "http://192.168.1.5:8000"])
+        servers.nccl_master_address(["http://10.0.3.1:8000", "http://192.168.1.5:8000"])
 
 
 # ---- offline: no usage report ----
@@ -156,7 +156,7 @@ def test_vllm_engines_started_by_scirl_send_no_usage_report(tmp_path):
 
 
 def test_a_local_model_server_never_asks_the_hub():
-    from scirl.inference.vllm_server import server_command
+    from scirl.inference.vllm_command import server_command
 
     _, env = server_command(str(DEMO_BASE), port=1, served_model_name="p", dtype="float32", max_model_len=64,
                             device="cpu")

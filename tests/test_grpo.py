@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from scirl.config import FiltersConfig
-from scirl.grpo import apply_filters, group_advantages, is_gibberish, is_repetition
+from scirl.run.config import FiltersConfig
+from scirl.rollouts.grpo import apply_filters, group_advantages, is_gibberish, is_repetition
 
 
 def test_advantage_is_reward_minus_group_mean():

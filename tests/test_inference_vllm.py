@@ -20,7 +20,7 @@ import torch
 import scirl
 from scirl.inference import vllm as adapter
 from scirl.inference.base import SamplingParams, encode_messages
-from scirl.loss import token_logprobs
+from scirl.trainer.loss import token_logprobs
 
 MODEL_A = Path(scirl.__file__).parent / "assets" / "demo-base"
 KL_TOLERANCE = 1e-3  # mean k3 (ratio - 1 - log ratio) between vLLM's and the float32 recompute's logprobs
@@ -61,9 +61,9 @@ def model_b(model_a):
 
 @pytest.fixture(scope="module")
 def prompts(engine):
-    from scirl.data import question_from_row
-    from scirl.prompt import build_messages
-    from scirl.synthetic import generate_rows
+    from scirl.task.data import question_from_row
+    from scirl.task.prompt import build_messages
+    from scirl.synth.questions import generate_rows
 
     rows = generate_rows(n_per_domain=1, seed=0, non_mcq=False)[:4]
     return [encode_messages(engine.tokenizer, build_messages(question_from_row(r))) for r in rows]

@@ -37,7 +37,7 @@ def import_graph() -> dict[str, set[str]]:
                     base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
                 targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
             for target in targets:
-                # the deepest scirl module the import names ("from scirl import rundir" -> scirl.rundir)
+                # the deepest scirl module the import names ("from scirl.run import rundir" -> scirl.run.rundir)
                 while target and target not in modules:
                     target = target.rpartition(".")[0]
                 if target and target != name and not name.startswith(target + "."):
@@ -65,10 +65,83 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_the_core_training_path_does_not_reach_the_cpu_speed_code():
-    """scirl.cpu is chosen once, in scirl.backends: the loop, trainer, generator and loss never import it."""
+BASE = {"scirl.errors", "scirl.files", "scirl.net", "scirl.distributed"}
+FOLDERS = ("task", "synth", "inference", "rollouts", "trainer", "weights", "cpu", "eval", "run", "deploy", "report",
+           "primerl", "demo", "commands")
+# What each part may import besides itself, bottom up: the table of docs/architecture.md ("Layers").
+# A folder's every module, and every import in it (inside functions too), counts.
+ALLOWED = {
+    "scirl.errors": set(),
+    "scirl.files": set(),
+    "scirl.distributed": set(),
+    "scirl.net": {"scirl.errors"},
+    "scirl.task": BASE,
+    "scirl.synth": BASE | {"scirl.task"},
+    "scirl.inference": BASE | {"scirl.task"},
+    "scirl.rollouts": BASE | {"scirl.task", "scirl.inference"},
+    "scirl.trainer": BASE | {"scirl.rollouts.contract"},  # the contract, nothing else of the orchestrator's side
+    "scirl.weights": BASE | {"scirl.inference"},
+    "scirl.cpu": BASE | {"scirl.inference", "scirl.trainer", "scirl.rollouts.contract"},
+    "scirl.eval": BASE | {"scirl.task", "scirl.inference"},
+    "scirl.run": BASE | {"scirl.task", "scirl.inference", "scirl.rollouts", "scirl.trainer", "scirl.weights", "scirl.cpu",
+                         "scirl.eval"},
+    "scirl.deploy": BASE | {"scirl.task", "scirl.inference", "scirl.run"},
+    "scirl.report": BASE | {"scirl.eval", "scirl.run"},
+    "scirl.primerl": BASE | {"scirl.task", "scirl.run"},
+    "scirl.serve": BASE | {"scirl.task", "scirl.inference", "scirl.run"},
+    "scirl.demo": BASE | {"scirl.task", "scirl.synth", "scirl.inference", "scirl.eval", "scirl.run", "scirl.deploy",
+                          "scirl.report"},
+    "scirl.commands": BASE | {f"scirl.{f}" for f in FOLDERS} | {"scirl.serve", "scirl"},
+    "scirl.cli": {"scirl", "scirl.commands"},
+    "scirl.__main__": {"scirl.cli"},
+    "scirl": set(),
+}
+
+
+def part(module: str) -> str:
+    """The row of ``ALLOWED`` a module belongs to: its folder, or itself at the package root."""
+    pieces = module.split(".")
+    return f"scirl.{pieces[1]}" if len(pieces) > 2 or (len(pieces) == 2 and pieces[1] in FOLDERS) else module
+
+
+def allowed(importer: str, target: str) -> bool:
+    if part(target) == part(importer):
+        return True
+    return any(target == a or target.startswith(a + ".") for a in ALLOWED[part(importer)])
+
+
+def test_each_part_imports_only_the_layers_below_it():
     graph = import_graph()
-    core = ["scirl.train", "scirl.trainer", "scirl.inference.hf", "scirl.inference.base", "scirl.loss", "scirl.rollouts",
-            "scirl.grpo", "scirl.distributed", "scirl.rundir", "scirl.checkpoint"]
+    wrong = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if not allowed(m, t))
+    assert not wrong, "imports against the layers of docs/architecture.md:\n" + "\n".join(wrong)
+
+
+def test_every_folder_says_its_job_and_what_it_may_import():
+    for folder in FOLDERS:
+        init = ROOT / folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "May import" in doc and len(doc.split()) > 15, f"{init}: one paragraph on its job and its imports"
+
+
+def test_the_package_root_holds_at_most_ten_modules():
+    assert len(list(ROOT.glob("*.py"))) <= 10
+
+
+def test_the_core_training_path_does_not_reach_the_cpu_speed_code():
+    """scirl.cpu is chosen once, in scirl.run.backends: the loop, trainer, generator and loss never import it."""
+    graph = import_graph()
+    core = [m for m in graph if m.startswith(("scirl.trainer", "scirl.rollouts", "scirl.weights", "scirl.inference"))]
+    core += ["scirl.run.train", "scirl.run.setup", "scirl.distributed", "scirl.run.rundir", "scirl.run.checkpoint"]
     for module in core:
         assert not any(t.startswith("scirl.cpu") for t in graph[module]), module
+
+
+def test_the_training_path_reads_in_functions_of_at_most_90_lines():
+    """The loop reads as one screen; so does every function it calls into (docs/architecture.md's reading order)."""
+    long = []
+    for folder in ("task", "inference", "rollouts", "trainer", "weights", "run"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 90:
+                    long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long

@@ -30,10 +30,10 @@ def adapter(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_model_dir):
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.lora import load_model
-    from scirl.trainer import Trainer, make_micro_batches
+    from scirl.trainer.lora import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     cfg.optim.lr = 1e-2
@@ -57,10 +57,10 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
 def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_model_dir):
     """The 8B-on-one-GPU layout: the frozen base once, in the compute dtype; float32 adapter masters,
     no bf16 copy of the model; gradients reach the adapter through activation checkpointing."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.lora import load_model
-    from scirl.trainer import Trainer, make_micro_batches
+    from scirl.trainer.lora import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)
@@ -78,10 +78,10 @@ def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_
 @pytest.fixture(scope="module")
 def lora_run(letter_model_dir, data_file, tmp_path_factory):
     """Three LoRA steps, checkpointed after each, recording the weights the sampler is given after each step."""
-    import scirl.backends
+    import scirl.run.setup
 
     pushed = []
-    real_make_generator = scirl.backends.make_generator
+    real_make_generator = scirl.run.setup.make_generator
 
     class Recording:
         """The transformers sampler, but told to take weights like a separate engine, recording them."""
@@ -98,7 +98,7 @@ def lora_run(letter_model_dir, data_file, tmp_path_factory):
             pushed.append({name: t.clone() for name, t in named_tensors})
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(scirl.backends, "make_generator", lambda *a, **k: Recording(real_make_generator(*a, **k)))
+    patch.setattr(scirl.run.setup, "make_generator", lambda *a, **k: Recording(real_make_generator(*a, **k)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     run_dir = tmp_path_factory.mktemp("lora") / "run"
@@ -114,8 +114,8 @@ def test_the_sampler_gets_w_plus_ba_and_the_checkpoint_loads_as_a_plain_model(lo
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from scirl.config import LoraSettings
-    from scirl.lora import load_model
+    from scirl.run.config import LoraSettings
+    from scirl.trainer.lora import load_model
 
     run_dir, pushed = lora_run
     metrics = rows(run_dir)
@@ -144,7 +144,7 @@ def test_the_sampler_gets_w_plus_ba_and_the_checkpoint_loads_as_a_plain_model(lo
     checkpoint = run_dir / "weights" / "step_3"
     plain = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     settings = LoraSettings(enabled=True, rank=4, alpha=8)
-    from scirl.checkpoint import load_trainer_state
+    from scirl.run.checkpoint import load_trainer_state
 
     saved = load_trainer_state(checkpoint, optimizer=False)["adapter"]
     model = load_model(str(letter_model_dir), settings, torch.device("cpu"), torch.float32, saved=saved).eval()
@@ -194,10 +194,10 @@ def test_a_full_fine_tuning_checkpoint_does_not_resume_as_lora(one_step_run, tmp
 
 def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, monkeypatch):
     import scirl.distributed
-    from scirl.config import load_config
+    from scirl.run.config_io import load_config
     from scirl.distributed import Dist
     from scirl.errors import TrainError
-    from scirl.train import train
+    from scirl.run.train import train
 
     argv = ["--output-dir", str(tmp_path / "run"), "--model", str(tmp_path / "none"), "--lora.enabled"]
     monkeypatch.setattr(scirl.distributed, "setup", lambda device: (Dist(rank=0, world_size=2), torch.device("cpu")))
@@ -210,7 +210,7 @@ def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, mon
 
 
 def test_lora_settings_are_validated(tmp_path):
-    from scirl.config import load_config, read_toml, validate, write_config
+    from scirl.run.config_io import load_config, read_toml, validate, write_config
     from scirl.errors import ConfigError
 
     cfg = load_config(["--lora.enabled", "--lora.target-modules", "q_proj,v_proj"])

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from scirl.loss import LossSums, rl_loss, token_logprobs
+from scirl.trainer.loss import LossSums, rl_loss, token_logprobs
 
 
 def reference_loss(trainer_lp, inference_lp, adv, mask, mask_low, mask_high, kl_tau, scale):
@@ -127,7 +127,7 @@ def test_token_logprobs_backward_equals_autograd(temperature):
     """The hand-written backward (onehot - softmax, from the forward's softmax) gives autograd's gradient of
     log_softmax + gather, and the entropy matches. Both compute in float32, so the gradients are compared
     with a float32 tolerance, not float64 gradcheck."""
-    from scirl.loss import token_logprobs
+    from scirl.trainer.loss import token_logprobs
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(3, 5, 50, generator=g) * 4).requires_grad_()
@@ -215,7 +215,7 @@ def test_token_logprobs_rejects_a_bad_top_p():
 
 
 def test_nucleus_mask_is_the_same_in_row_chunks():
-    from scirl.loss import nucleus_mask
+    from scirl.trainer.loss import nucleus_mask
 
     logits = torch.randn(4, 7, 40, generator=torch.Generator().manual_seed(3))
     assert torch.equal(nucleus_mask(logits, 0.8), nucleus_mask(logits, 0.8, chunk_elements=3 * 40))

@@ -31,10 +31,10 @@ from pydantic import ValidationError  # noqa: E402
 import sciknoweval  # noqa: E402
 from sciknoweval import SciKnowEvalConfig, SciKnowEvalTaskset  # noqa: E402
 from sciknoweval.taskset import SciKnowEvalData, SciKnowEvalTask  # noqa: E402
-from scirl import reward  # noqa: E402
+from scirl.task import reward  # noqa: E402
 from scirl.cli import main as cli_main  # noqa: E402
-from scirl.data import question_from_row  # noqa: E402
-from scirl.export_primerl import (  # noqa: E402
+from scirl.task.data import question_from_row  # noqa: E402
+from scirl.primerl.export import (  # noqa: E402
     BASE_PORT_SEARCH,
     DEFAULT_EPHEMERAL_RANGE,
     DEFAULT_MODEL,
@@ -48,8 +48,8 @@ from scirl.export_primerl import (  # noqa: E402
     grpo_toml,
     port_is_free,
 )
-from scirl.prompt import build_messages  # noqa: E402
-from scirl.synthetic import write_jsonl  # noqa: E402
+from scirl.task.prompt import build_messages  # noqa: E402
+from scirl.synth.questions import write_jsonl  # noqa: E402
 
 EVAL_PER_DOMAIN = 5
 
@@ -178,7 +178,7 @@ def test_rewards_equal_scirl_reward_over_a_table_of_replies(data_file, mode):
             assert trace.metrics["correct_lenient"] == reward.score(reply, q, "lenient").reward
             checked += 1
     assert checked == 6 * len(replies_for(tasks[0]))
-    # anchors, so that a reward that agrees with a broken scirl.reward still fails
+    # anchors, so that a reward that agrees with a broken scirl.task.reward still fails
     task, gold = tasks[0], tasks[0].data.answer_key
     wrong = next(label for label in task.data.labels if label != gold)
     assert score(task, gold).reward == 1.0
@@ -199,7 +199,7 @@ def test_env_server_path_rebuilds_the_task_from_wire_data_and_scores_the_same(da
 
 
 def test_epoch_shuffle_permutes_options_as_scirl_does_and_scores_the_shown_order(data_file):
-    from scirl.options import epoch_order, permute
+    from scirl.task.shuffle import epoch_order, permute
 
     plain = {t.key: t for t in load(data_file)}
     shuffled = load(data_file, shuffle_options="epoch", shuffle_seed=3)
@@ -560,7 +560,7 @@ def test_export_works_from_an_installed_scirl_wheel(data_file, tmp_path):
 
 def test_data_errors_name_the_tasksets_data_key(monkeypatch):
     """scirl's hub hint says `--data`; inside prime-rl the knob is the taskset's `data` key."""
-    from scirl.data import DataSourceError, hub_unreachable_message
+    from scirl.task.data import DataSourceError, hub_unreachable_message
 
     def no_hub(*args, **kwargs):
         raise DataSourceError(hub_unreachable_message("hicai-zju/SciKnowEval", "no network"))
@@ -643,7 +643,7 @@ def test_dcp_to_hf_sharded_output_loads(primerl_run, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from scirl.dcp_convert import convert
+    from scirl.primerl.dcp_convert import convert
 
     run, trained = primerl_run
     result = convert(run / "checkpoints" / "step_3", tmp_path / "sharded", dtype="float32", shard_bytes=64 * 1024)
@@ -679,8 +679,7 @@ def test_dcp_to_hf_refuses_cut_short_and_unnamed_checkpoints(primerl_run, tmp_pa
 
 
 def test_other_sets_and_their_exports_load_in_the_taskset(tmp_path):
-    from scirl import synthetic_formats
-
+    from scirl.synth import other_formats as synthetic_formats
     arc = write_jsonl(synthetic_formats.generate_format_rows("arc", n=60, seed=1), tmp_path / "arc.jsonl")
     direct = load(arc, split="train")
     assert {len(t.data.options) for t in direct} == {3, 4, 5}  # no option count is dropped as "not MCQ"

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from scirl.commands.report import main as report_main
-from scirl.eval.metrics import compare, wilson_interval
+from scirl.eval.stats import compare, wilson_interval
 from scirl.report import plots, write_compare, write_report
 from scirl.report.inputs import Evaluation, accuracy_table, domain_reward_keys, gather, read_jsonl_complete
 from scirl.report.page import rollout_samples

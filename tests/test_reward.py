@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from scirl.data import question_from_row
-from scirl.reward import MODES, Scored, extract_answer, score, strip_think
-from scirl.synthetic import generate_rows
+from scirl.task.data import question_from_row
+from scirl.task.reward import MODES, Scored, extract_answer, score, strip_think
+from scirl.synth.questions import generate_rows
 
 FOUR = ("A", "B", "C", "D")
 FOUR_OPTIONS = ("nucleus", "mitochondrion", "ribosome", "lysosome")
@@ -478,7 +478,7 @@ def test_answer_tags_are_read_as_the_regex_read_them():
     import random
     import re
 
-    from scirl.reward import _answer_tags
+    from scirl.task.reward import _answer_tags
 
     old = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.IGNORECASE | re.DOTALL)
     pieces = ["<answer>", "</answer>", "<ANSWER>", "</Answer>", " ", "\n", "B", "text", "<answer", "answer>"]

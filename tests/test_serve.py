@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from scirl.data import load_splits
+from scirl.task.data import load_splits
 from scirl.inference.base import Completion, Generator
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.synth.questions import generate_rows, write_jsonl
 
 MESSAGES = [{"role": "system", "content": "Answer with a letter."}, {"role": "user", "content": "Which? A. x B. y"}]
 

@@ -19,10 +19,10 @@ from fastapi.responses import JSONResponse
 
 from asgi_server import running  # tests/asgi_server.py
 from server_process import free_port  # tests/server_process.py
-from scirl.config import load_config
+from scirl.run.config_io import load_config
 from scirl.errors import TrainError
-from scirl.inference.vllm_server import ServerClient, ServerError, wait_until_ready
-from scirl.synthetic import generate_rows, write_jsonl
+from scirl.inference.remote import ServerClient, ServerError, wait_until_ready
+from scirl.synth.questions import generate_rows, write_jsonl
 
 DEADLINE_S = 60  # "within seconds", asserted generously for a loaded 2-core machine
 
@@ -83,7 +83,7 @@ def test_the_wait_names_each_server_not_ready_with_its_answer_and_the_time_left(
 
 def test_a_server_whose_model_list_never_comes_is_named_within_seconds_not_the_request_timeout():
     """After /health, the trainer asks /v1/models: bounded by seconds too, not by the 600 s a generation may take."""
-    from scirl.train import make_remote_generator
+    from scirl.run.backends import make_remote_generator
 
     release = threading.Event()
     app = health_app(lambda: True)
@@ -98,7 +98,8 @@ def test_a_server_whose_model_list_never_comes_is_named_within_seconds_not_the_r
 
     def connect(url: str) -> None:
         try:
-            make_remote_generator(load_config(["--inference.urls", url, "--deployment.request-timeout-s", "600"]), None)
+            cfg = load_config(["--inference.urls", url, "--deployment.request-timeout-s", "600"])
+            make_remote_generator(cfg.inference.urls, None, cfg.deployment)
         except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
             outcome.append(exc)
         finally:

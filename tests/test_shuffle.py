@@ -8,12 +8,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from scirl import options, reward
-from scirl.config import TrainConfig
-from scirl.data import question_from_row
+from scirl.task import shuffle as options
+from scirl.task import reward
+from scirl.run.config import TrainConfig
+from scirl.task.data import question_from_row
 from scirl.inference.base import Completion
-from scirl.metrics import step_metrics
-from scirl.rollouts import QuestionSampler, generate_batch, prompt_for
+from scirl.run.metrics import step_metrics
+from scirl.rollouts.generate import generate_batch, prompt_for
+from scirl.rollouts.sampler import QuestionSampler
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +54,10 @@ class AnswerA:
 
 
 def config(mode="none", reward_mode="strict", group_size=4, questions_per_step=3):
+    """The orchestrator's slice of a run's config."""
     return TrainConfig(group_size=group_size, batch_size=group_size * questions_per_step, seed=3,
                        data={"shuffle_options": mode}, reward={"mode": reward_mode},
-                       filters={"zero_advantage": {"enforce": False}})  # every completion becomes a sample
+                       filters={"zero_advantage": {"enforce": False}}).rollout_settings()  # every completion a sample
 
 
 def shown_text(q) -> list[str]:
@@ -221,14 +224,14 @@ def test_a_control_run_logs_its_true_accuracy(prompted, tokenizer):
 
 
 def test_a_shuffled_run_keeps_a_token_per_option_line_to_spare(prompted, tokenizer):
-    from scirl.rollouts import fits
+    from scirl.rollouts.generate import fits
 
     item = next(p for p in prompted if len(p.question.options) == 4)
     exact = len(item.prompt_ids) + 8
     for mode, seq_len, kept in (("none", exact, True), ("epoch", exact, False), ("rollout", exact + 3, False),
                                 ("rollout", exact + 4, True)):
         cfg = TrainConfig(seq_len=seq_len, max_completion_tokens=8, data={"shuffle_options": mode})
-        assert fits(item, cfg) is kept, (mode, seq_len)
+        assert fits(item, cfg.rollout_settings()) is kept, (mode, seq_len)
     # byte-level BPE: every order of every question has the row order's length, so the spare is never used up
     q = item.question
     lengths = {len(prompt_for(options.permute(q, options.rollout_order(q, 0, 1, k)), tokenizer).prompt_ids)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scirl.config import load_config, read_toml, validate
-from scirl.rollouts import Sample
+from scirl.run.config_io import load_config, read_toml, validate
+from scirl.rollouts.contract import Sample
 
 METRIC_KEYS = {
     "step", "time", "reward/mean", "reward/std", "parse_rate/strict", "parse_rate/lenient", "filters/gibberish",
@@ -68,7 +68,7 @@ def letter_model_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    from scirl.synthetic import generate_rows, write_jsonl
+    from scirl.synth.questions import generate_rows, write_jsonl
 
     return write_jsonl(generate_rows(n_per_domain=12, seed=1), tmp_path_factory.mktemp("data") / "rows.jsonl")
 
@@ -96,7 +96,7 @@ def rows(run_dir: Path) -> list[dict]:
 
 
 def run_in_process(argv, **kwargs) -> int:
-    from scirl.train import train
+    from scirl.run.train import train
 
     return train(load_config(argv), show_progress=False, **kwargs)
 
@@ -138,7 +138,7 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
     # checkpoints at the interval and at the end, each a loadable HF model with trainer state
     from transformers import AutoModelForCausalLM
 
-    from scirl.checkpoint import latest_checkpoint, load_trainer_state
+    from scirl.run.checkpoint import latest_checkpoint, load_trainer_state
 
     assert latest_checkpoint(run_dir) == (3, run_dir / "weights" / "step_3")
     assert (run_dir / "weights" / "step_2").is_dir()
@@ -157,9 +157,10 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
 
 def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     """Gradient accumulation with the global token count == one big batch (up to float error)."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.trainer import Trainer, load_model, make_micro_batches
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     samples = fixed_samples(6, seed=0, shortest_prompt=5)
     cfg = TrainConfig(optim={"lr": 1e-2})
@@ -183,7 +184,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
 
 
 def test_truncate_run_drops_rows_and_rollouts_past_the_checkpoint(tmp_path):
-    from scirl.rundir import truncate as truncate_run
+    from scirl.run.rundir import truncate as truncate_run
 
     (tmp_path / "rollouts").mkdir()
     lines = [json.dumps({"step": s}) for s in (1, 2, 3, 4)]
@@ -231,7 +232,7 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
     wait_for(lambda: log_file.exists() and "Training steps" in log_file.read_text(), proc, what="the first step")
     proc.kill()
     proc.wait()
-    from scirl.checkpoint import latest_checkpoint
+    from scirl.run.checkpoint import latest_checkpoint
 
     assert latest_checkpoint(run_dir) is None
 
@@ -274,8 +275,8 @@ def test_resume_with_shuffled_options_is_exact(letter_model_dir, tmp_path, one_t
     """Shuffled options (and the random control reward) come from seeds alone: a run stopped at checkpoint 2
     and resumed shows and rewards step 3 exactly as the uninterrupted run. Four train questions, two a
     step: step 3 opens the second epoch, right after the resume."""
-    from scirl.reward import random_reward
-    from scirl.synthetic import generate_rows, write_jsonl
+    from scirl.task.reward import random_reward
+    from scirl.synth.questions import generate_rows, write_jsonl
 
     data_file = write_jsonl(generate_rows(n_per_domain=2, seed=1, non_mcq=False), tmp_path / "rows.jsonl")
     extra = ["--data.eval-per-domain", "1", "--data.shuffle-options", shuffle, "--reward.mode", reward_mode]
@@ -318,10 +319,11 @@ def read_back_overrides(run_dir: Path) -> list[str]:
 
 FSDP_SCRIPT = r'''
 import sys, torch
-from scirl.config import TrainConfig
+from scirl.run.config import TrainConfig
 from scirl.distributed import setup
-from scirl.rollouts import Sample
-from scirl.trainer import Trainer, load_model, make_micro_batches
+from scirl.rollouts.contract import Sample
+from scirl.trainer.model import load_model
+from scirl.trainer.step import Trainer, make_micro_batches
 model_dir, samples_file, out_file = sys.argv[1:4]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
@@ -359,9 +361,10 @@ def fixed_samples(n=5, seed=0, shortest_prompt=4):
 @pytest.mark.slow
 def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
     """torchrun, 2 gloo ranks, FSDP2: the loss-token count is global and the update equals one process's."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.trainer import Trainer, load_model, make_micro_batches
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     samples = fixed_samples()
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
@@ -444,7 +447,7 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
     for name in w_ref:
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=1e-6, msg=name)
     # and the optimizer state it saved after the resumed step is the uninterrupted run's
-    from scirl.checkpoint import load_trainer_state
+    from scirl.run.checkpoint import load_trainer_state
 
     small = load_trainer_state(reference / "weights" / "step_2", optimizer=False)  # what ranks > 0 read
     full = load_trainer_state(reference / "weights" / "step_2")
@@ -460,9 +463,10 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
 
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
     """The completion-only LM head gives the same logprobs as a full forward + log_softmax / T."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.trainer import Trainer, load_model, make_micro_batches
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
@@ -481,7 +485,7 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
 
 def test_run_dir_rules(tmp_path):
     from scirl.errors import RunDirError
-    from scirl.rundir import prepare as prepare_run_dir
+    from scirl.run.rundir import prepare as prepare_run_dir
 
     run_dir = tmp_path / "run"
     prepare_run_dir(run_dir, resume=False, clean=False)  # new: fine
@@ -501,7 +505,7 @@ def test_run_dir_rules(tmp_path):
 
 def test_wandb_enabled_without_wandb_is_a_clear_error(monkeypatch):
     from scirl.errors import TrainError
-    from scirl.train import start_wandb
+    from scirl.run.setup import start_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
     assert start_wandb(load_config([])) is None  # off by default: never imported
@@ -521,13 +525,13 @@ def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
 
 def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path, monkeypatch, one_thread):
     """With a reward for answering "A", a few steps move the policy there (sign and plumbing of the whole loop)."""
-    import scirl.reward
+    import scirl.task.reward
 
     def reward_for_a(reply, question, mode, **_):
         ok = reply.strip().startswith("A")
-        return scirl.reward.Scored(answer="A" if ok else None, correct=ok, parsed=ok, reward=float(ok))
+        return scirl.task.reward.Scored(answer="A" if ok else None, correct=ok, parsed=ok, reward=float(ok))
 
-    monkeypatch.setattr(scirl.reward, "score", reward_for_a)
+    monkeypatch.setattr(scirl.task.reward, "score", reward_for_a)
     run_dir = tmp_path / "learn"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=8, extra=["--batch-size", "32", "--optim.lr", "1e-3"])
     assert run_in_process(argv) == 0
@@ -556,10 +560,11 @@ def grouped_samples(seed=0, per_completion_prompts=False):
 @pytest.mark.parametrize("micro_batch_size", [3, 5])  # one prompt per micro-batch; two, the shorter left-padded
 def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_size, per_completion_prompts):
     """Each prompt run once and continued from its KV cache: same logprobs and same update as full sequences."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.cpu.trainer import CPUTrainer, make_shared_prompt_batches
     from scirl.distributed import Dist
-    from scirl.trainer import load_model, make_micro_batches
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import make_micro_batches
 
     cfg = TrainConfig()
     samples = grouped_samples(per_completion_prompts=per_completion_prompts)
@@ -615,7 +620,7 @@ def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, c
 
 def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path):
     """`--resume RUN --optim.lr X` trains with X (the checkpoint's optimizer state must not bring the old lr back)."""
-    from scirl.checkpoint import load_trainer_state
+    from scirl.run.checkpoint import load_trainer_state
     from scirl.commands.train import main
 
     run_dir = copy_run(one_step_run, tmp_path)
@@ -631,7 +636,7 @@ def test_a_hub_model_name_gives_the_generation_copy_its_cached_directory(tiny_mo
 
     import huggingface_hub.constants
 
-    from scirl.backends import local_model_dir
+    from scirl.run.backends import local_model_dir
     from scirl.errors import TrainError
     from scirl.inference.hf import HFGenerator
 
@@ -651,7 +656,7 @@ def test_resume_refuses_other_questions_or_another_seed(one_step_run, tmp_path, 
     """The data position (epoch, cursor) only means something in the same seeded order of the same
     questions: other questions of the same count, or another seed, would repeat and skip questions."""
     from scirl.commands.train import main
-    from scirl.synthetic import generate_rows, write_jsonl
+    from scirl.synth.questions import generate_rows, write_jsonl
 
     run_dir = copy_run(one_step_run, tmp_path)
     other_data = write_jsonl(generate_rows(n_per_domain=12, seed=2), tmp_path / "other.jsonl")
@@ -675,7 +680,7 @@ def test_resume_with_another_output_dir_is_an_error(tmp_path, capsys):
 
 def test_step_line_says_whether_flagged_rollouts_were_dropped():
     """A monitoring filter flags rollouts that are still trained on; the line must not call them filtered out."""
-    from scirl.metrics import step_line
+    from scirl.run.metrics import step_line
 
     m = {"step": 2, "time/step": 1.0, "reward/mean": 0.5, "trainable/count": 8, "trainable/total": 16,
          "trainable/fraction": 0.5, "loss": 0.1, "entropy": 1.0, "grad_norm": 0.2, "mismatch_kl": 0.0,
@@ -694,7 +699,7 @@ def test_trainable_counts_what_the_optimizer_step_used_and_nonzero_advantage_has
     """With the zero-advantage filter monitoring, every rollout is trained on: the line says so, and the
     rollouts with a policy-gradient term are counted apart. Enforcing, the dropped ones are not trained on;
     a skipped update trained on none."""
-    from scirl.metrics import step_line, step_metrics
+    from scirl.run.metrics import step_line, step_metrics
 
     timings = {"time/step": 1.0, "time/generate": 0.5, "time/train": 0.5, "time/weight_sync": 0.0}
     stepped = {"stepped": True, "loss": 0.1, "entropy": 1.0, "grad_norm": 0.2, "mismatch_kl": 0.0,
@@ -731,8 +736,8 @@ def test_a_run_dir_in_use_is_refused(tmp_path):
     """A second `scirl train` on a live run dir (say a --resume typed while it runs) would delete the
     live run's checkpoint in progress as stale and interleave metrics rows: it is refused."""
     from scirl.errors import RunDirError, TrainError
-    from scirl.rundir import lock as lock_run_dir
-    from scirl.train import train
+    from scirl.run.rundir import lock as lock_run_dir
+    from scirl.run.train import train
 
     run_dir = tmp_path / "run"
     held = lock_run_dir(run_dir)  # what a live run holds
@@ -741,7 +746,7 @@ def test_a_run_dir_in_use_is_refused(tmp_path):
             train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none")]), resume=True)
     finally:
         held.close()
-    from scirl.data import DataSourceError
+    from scirl.task.data import DataSourceError
 
     with pytest.raises((TrainError, DataSourceError), match="none"):  # free again: the run gets past the lock (to the missing model)
         train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none"),
@@ -793,9 +798,10 @@ def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_
 def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     """Micro-batch gradients of the bf16 copy add up in float32 on the masters: two micro-batches give
     the update one micro-batch of both gives, to bf16 rounding, and the copy is the masters after the step."""
-    from scirl.config import TrainConfig
+    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
-    from scirl.trainer import Trainer, load_model, make_micro_batches
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer, make_micro_batches
 
     cfg = TrainConfig()
     samples = grouped_samples()
@@ -832,8 +838,8 @@ def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp
 
 TEARDOWN_SCRIPT = r'''
 import json, os, sys, threading, torch
-from scirl.config import load_config
-from scirl.train import train
+from scirl.run.config_io import load_config
+from scirl.run.train import train
 status = train(load_config(json.loads(sys.argv[1])), show_progress=False)
 left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
 report = {"status": status, "group_alive": torch.distributed.is_initialized(), "threads": left}
@@ -862,7 +868,7 @@ def test_a_finished_multi_rank_run_tears_down_its_process_group(letter_model_dir
 def test_clean_deletes_only_what_a_scirl_run_wrote(tmp_path):
     """--clean in a directory scirl never wrote keeps every file; in a run dir it keeps the user's files beside the run's."""
     from scirl.errors import RunDirError
-    from scirl.rundir import prepare
+    from scirl.run.rundir import prepare
 
     foreign = tmp_path / "sb"
     (foreign / "weights").mkdir(parents=True)
@@ -912,7 +918,7 @@ def test_resume_verifies_checksums_and_falls_back_past_a_damaged_checkpoint(one_
     assert "from step 1" in out and "Skipped checkpoint step_2" in out and "sha256" in out
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
     # step 2 was redone from checkpoint 1 and saved again, so it verifies now
-    from scirl.checkpoint import verify_checkpoint
+    from scirl.run.checkpoint import verify_checkpoint
 
     assert verify_checkpoint(run_dir / "weights" / "step_3", checksums=True) == []
     shutil.rmtree(run_dir)
@@ -922,10 +928,10 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
                                                                           monkeypatch, capsys):
     """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
     end the run with exit 1 and no checkpoint is written from them."""
-    import scirl.trainer
+    import scirl.trainer.step
     from scirl.commands.train import main
 
-    plain_loss, plain_step, steps = scirl.trainer.rl_loss, scirl.trainer.Trainer.train_step, []
+    plain_loss, plain_step, steps = scirl.trainer.step.rl_loss, scirl.trainer.step.Trainer.train_step, []
 
     def counting_step(self, micro_batches):
         steps.append(1)
@@ -935,8 +941,8 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
         loss, sums = plain_loss(*args, **kwargs)
         return (loss * float("nan") if len(steps) > 1 else loss), sums
 
-    monkeypatch.setattr(scirl.trainer.Trainer, "train_step", counting_step)
-    monkeypatch.setattr(scirl.trainer, "rl_loss", nan_from_step_2)
+    monkeypatch.setattr(scirl.trainer.step.Trainer, "train_step", counting_step)
+    monkeypatch.setattr(scirl.trainer.step, "rl_loss", nan_from_step_2)
     run_dir = tmp_path / "nan"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=6, extra=["--ckpt.interval", "1"])
     assert main(argv) == 1

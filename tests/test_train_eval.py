@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from scirl.config import load_config
+from scirl.run.config_io import load_config
 from scirl.errors import ConfigError
-from scirl.eval import during_training, local
-from scirl.schema import DOMAINS, Question
+from scirl.eval import local
+from scirl.run import eval_hook
+from scirl.task.schema import DOMAINS, Question
 from test_train import (COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows,  # noqa: F401
                         run_in_process, train_args, train_two_ranks)
 
@@ -64,23 +65,23 @@ def test_a_bad_eval_value_is_a_one_line_usage_error(capsys):
 
 def test_the_subset_is_seeded_balanced_and_independent_of_the_split_order():
     held_out = [question(d, i) for d in DOMAINS for i in range(10)]
-    chosen = during_training.eval_subset(held_out, 12, seed=7)
+    chosen = eval_hook.eval_subset(held_out, 12, seed=7)
     assert len(chosen) == 12 and len({q.id for q in chosen}) == 12
     assert all(sum(q.domain == d for q in chosen) == 3 for d in DOMAINS)  # balanced across domains
     shuffled = held_out[:]
     random.Random(0).shuffle(shuffled)
-    assert during_training.eval_subset(shuffled, 12, seed=7) == chosen
-    assert during_training.eval_subset(held_out, 12, seed=8) != chosen
-    assert during_training.eval_subset(held_out, 5, seed=7) == chosen[:5]  # fewer questions: a prefix
-    assert len(during_training.eval_subset(held_out, 500, seed=7)) == 40  # more than there are: all of them
+    assert eval_hook.eval_subset(shuffled, 12, seed=7) == chosen
+    assert eval_hook.eval_subset(held_out, 12, seed=8) != chosen
+    assert eval_hook.eval_subset(held_out, 5, seed=7) == chosen[:5]  # fewer questions: a prefix
+    assert len(eval_hook.eval_subset(held_out, 500, seed=7)) == 40  # more than there are: all of them
     # a question that does not fit is passed over, and the next one in the order takes its place
     skip = chosen[0].id
-    refit = during_training.eval_subset(held_out, 12, seed=7, fits=lambda q: q.id != skip)
+    refit = eval_hook.eval_subset(held_out, 12, seed=7, fits=lambda q: q.id != skip)
     assert skip not in {q.id for q in refit} and refit[:11] == chosen[1:]
 
 
 def test_the_step_line_shows_the_eval_accuracy():
-    from scirl.metrics import step_line
+    from scirl.run.metrics import step_line
 
     row = {"step": 4, "time/step": 1.0, "reward/mean": 0.5, "trainable/count": 8, "trainable/total": 16,
            "trainable/fraction": 0.5, "tokens_per_s": 100.0}
@@ -116,7 +117,7 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     questions = [question(d, i) for d in DOMAINS for i in range(2)]
     questions = [q if i % 2 else Question(**{**q.__dict__, "answer_key": "B"}) for i, q in enumerate(questions)]
     generator = DrawingGenerator(AutoTokenizer.from_pretrained(tiny_model_dir))
-    evaluate = during_training.TrainingEval(questions, generator, Dist(), interval=3, last_step=7, max_tokens=5, seed=1,
+    evaluate = eval_hook.TrainingEval(questions, generator, Dist(), interval=3, last_step=7, max_tokens=5, seed=1,
                                             colocated=True)
     before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     assert [step for step in range(1, 8) if evaluate(step)] == [3, 6, 7]
@@ -127,7 +128,7 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     m = evaluate(3)
     assert m["eval/accuracy"] == 0.5 and m["eval/parse_rate"] == 1.0 and m["eval/questions"] == 8
     assert all(m[f"eval/accuracy/{d}"] == 0.5 for d in DOMAINS)
-    assert not during_training.TrainingEval(questions, generator, Dist(), interval=None, last_step=7, max_tokens=5,
+    assert not eval_hook.TrainingEval(questions, generator, Dist(), interval=None, last_step=7, max_tokens=5,
                                             seed=1, colocated=True)(7)  # eval off
 
 
@@ -139,7 +140,7 @@ def spy():
     """Records the eval subset each run picks and the questions each eval asks."""
     seen: dict[str, list] = {"subsets": [], "asked": []}
     patch = pytest.MonkeyPatch()
-    pick, ask = during_training.eval_subset, local.evaluate_generator
+    pick, ask = eval_hook.eval_subset, eval_hook.evaluate_generator
 
     def eval_subset(*args, **kwargs):
         chosen = pick(*args, **kwargs)
@@ -150,8 +151,8 @@ def spy():
         seen["asked"].append([q.id for q in questions])
         return ask(generator, questions, **kwargs)
 
-    patch.setattr(during_training, "eval_subset", eval_subset)
-    patch.setattr(local, "evaluate_generator", evaluate_generator)
+    patch.setattr(eval_hook, "eval_subset", eval_subset)
+    patch.setattr(eval_hook, "evaluate_generator", evaluate_generator)
     yield seen
     patch.undo()
 
@@ -187,8 +188,8 @@ def test_eval_rows_every_interval_and_at_the_last_step(runs):
             assert 0.0 <= m[key] <= 1.0, key
         assert m["time/eval"] >= 0 and m["time/step"] >= m["time/eval"]
     # the last eval measured the last step's weights as `scirl eval` would: the same numbers from the checkpoint
-    from scirl.backends import hf_generator
-    from scirl.data import load_splits
+    from scirl.run.backends import hf_generator
+    from scirl.task.data import load_splits
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
     held_out = {q.id: q for q in load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain,
@@ -220,7 +221,7 @@ def test_eval_questions_are_held_out_and_never_in_a_training_batch(runs, letter_
     subset = runs["subset"]
     assert len(subset) == QUESTIONS
     assert runs["asked"] == [subset] * len(EVALUATED_STEPS)  # the same questions at every eval
-    from scirl.data import load_splits
+    from scirl.task.data import load_splits
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,

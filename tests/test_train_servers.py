@@ -41,7 +41,8 @@ def questions(tmp_path_factory) -> Path:
 
 
 def start_server(log_path: Path, *, core: int | None = None) -> tuple[subprocess.Popen, str]:
-    from scirl.inference.vllm_server import ServerClient, server_command
+    from scirl.inference.remote import ServerClient
+    from scirl.inference.vllm_command import server_command
 
     port = free_port()
     argv, env = server_command(str(DEMO_BASE), port=port, served_model_name="policy", dtype="float32",
@@ -116,7 +117,7 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     and the server then answers as the trained checkpoint does. Everything is gone afterwards."""
     from transformers import AutoTokenizer
 
-    from scirl.backends import hf_generator
+    from scirl.run.backends import hf_generator
 
     run = tmp_path / "run"
     done = run_scirl(train_args(questions, run, "--deployment.num-infer-gpus", "1", "--deployment.num-train-gpus", "2",
@@ -151,8 +152,8 @@ def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path)
     answers equal the trained checkpoint's under transformers, and differ from the base model's."""
     from transformers import AutoTokenizer
 
-    from scirl.backends import hf_generator
-    from scirl.inference.vllm_server import RemoteGenerator
+    from scirl.run.backends import hf_generator
+    from scirl.inference.remote import RemoteGenerator
 
     _, url = server
     run = tmp_path / "run"
@@ -242,11 +243,11 @@ def run_scirl_patched(patch: str, args: list[str]) -> subprocess.CompletedProces
 
 PUSH_FAULT = """
 import torch
-import scirl.inference.vllm_server as server
-write_weights = server.write_weights
+import scirl.weights.filesystem as transport
+write_weights = transport.write_weights
 def faulty(named_tensors, out_dir, **kwargs):
     return write_weights(({fault}), out_dir, **kwargs)
-server.write_weights = faulty
+transport.write_weights = faulty
 """
 
 

@@ -1,4 +1,4 @@
-"""A real vLLM OpenAI server behind ``scirl.inference.vllm_server``: rollouts with token ids and
+"""A real vLLM OpenAI server behind ``scirl.inference.remote`` and ``scirl.weights``: rollouts with token ids and
 sampling logprobs, the same samples as the in-process engine for the same seed, new weights
 through the filesystem (tied LM head included), and a stopped server timing out.
 
@@ -20,15 +20,11 @@ import torch
 
 import scirl
 from server_process import free_port, stop  # tests/server_process.py
-from scirl.inference import vllm_server
 from scirl.inference.base import SamplingParams, encode_messages
-from scirl.inference.vllm_server import (
-    FilesystemWeightSync,
-    RemoteGenerator,
-    ServerClient,
-    ServerError,
-    server_command,
-)
+from scirl.inference.remote import RemoteGenerator, ServerClient, ServerError
+from scirl.inference.vllm_command import server_command
+from scirl.weights import filesystem
+from scirl.weights.filesystem import FilesystemWeightSync
 
 pytest.importorskip("vllm")
 
@@ -93,9 +89,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    from scirl.data import question_from_row
-    from scirl.prompt import build_messages
-    from scirl.synthetic import generate_rows
+    from scirl.task.data import question_from_row
+    from scirl.task.prompt import build_messages
+    from scirl.synth.questions import generate_rows
 
     rows = generate_rows(n_per_domain=2, seed=0, non_mcq=False)[:8]
     return [encode_messages(tokenizer, build_messages(question_from_row(r))) for r in rows]
@@ -204,7 +200,7 @@ def test_filesystem_push_switches_the_model_and_back(generator, sync, models, to
     written = load_file(path / "model.safetensors")
     assert torch.equal(written["lm_head.weight"], model_b.model.embed_tokens.weight)
     assert server_greedy(generator, prompts, 16) == expected_b
-    monkeypatch.setattr(vllm_server, "SHARD_BYTES", 1 << 18)  # a model in several files, as large ones are
+    monkeypatch.setattr(filesystem, "SHARD_BYTES", 1 << 18)  # a model in several files, as large ones are
     push(sync, model_a, 3)
     assert len(list((sync.root / "step_3").glob("*.safetensors"))) > 1
     assert server_greedy(generator, prompts, 16) == expected_a
@@ -247,7 +243,7 @@ def test_nccl_payloads_are_what_vllms_worker_side_parses():
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
     from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
 
-    from scirl.inference.vllm_server import NCCLWeightSync
+    from scirl.weights.nccl import NCCLWeightSync
 
     sync = NCCLWeightSync([ServerClient("http://127.0.0.1:1")], master_address="10.0.0.1", master_port=29500,
                           timeout_s=1, communicator_factory=None)

@@ -21,15 +21,11 @@ from fastapi.responses import JSONResponse
 from asgi_server import running  # tests/asgi_server.py
 from server_process import free_port  # tests/server_process.py
 from scirl.inference.base import SamplingParams
-from scirl.inference.vllm_server import (
-    FilesystemWeightSync,
-    NCCLWeightSync,
-    RemoteGenerator,
-    ServerClient,
-    ServerError,
-    server_command,
-    write_weights,
-)
+from scirl.inference.remote import RemoteGenerator, ServerClient, ServerError
+from scirl.inference.vllm_command import server_command
+from scirl.weights import filesystem
+from scirl.weights.filesystem import FilesystemWeightSync, write_weights
+from scirl.weights.nccl import NCCLWeightSync
 
 
 def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
@@ -260,8 +256,6 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    import scirl.inference.vllm_server as server
-
     model = small_model()
     out = write_weights(model.named_parameters(), tmp_path / "step_1", model_config=model.config)
     tensors = load_file(out / "model.safetensors")
@@ -271,7 +265,7 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
 
     # sharded: several files and an index naming every tensor
-    monkeypatch.setattr(server, "SHARD_BYTES", 4096)
+    monkeypatch.setattr(filesystem, "SHARD_BYTES", 4096)
     out = write_weights(model.named_parameters(), tmp_path / "step_2", model_config=model.config.to_dict())
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in out.glob("*.safetensors"))

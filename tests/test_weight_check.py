@@ -1,4 +1,4 @@
-"""``scirl.weight_check``: what makes a push fail its check (the probe's tolerance per dtype, replicas
+"""``scirl.weights.check``: what makes a push fail its check (the probe's tolerance per dtype, replicas
 that disagree, weights that did not change when the trainer's did), and when the check runs. The
 real pushes that go wrong on purpose are in ``test_train_servers.py`` and ``test_train_vllm.py``."""
 
@@ -9,7 +9,7 @@ import torch
 
 from scirl.distributed import Dist
 from scirl.errors import TrainError
-from scirl.weight_check import TOLERANCE, Replica, WeightCheck, probe_sequence
+from scirl.weights.check import TOLERANCE, Replica, WeightCheck, probe_sequence
 
 IDS, START = [5, 6, 7, 8, 9], 2
 EXACT = [-1.0, -2.0, -3.0, -4.0]  # the trainer's logprobs of tokens 1..4

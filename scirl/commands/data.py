@@ -12,8 +12,8 @@ from scirl.commands.parser import Parser, add_data_format_args, data_format_prob
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
-    from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
-    from scirl.schema import MCQ_TYPES
+    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
+    from scirl.task.schema import MCQ_TYPES
 
     parser.add_argument("--data", default=HUB_ID,
                         help=f"hub id (default {HUB_ID}; or a known set's, REPO[:CONFIG][@SPLIT], e.g. allenai/ai2_arc:ARC-Easy), "
@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load(args: argparse.Namespace):
-    from scirl.data import load_splits
+    from scirl.task.data import load_splits
 
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     if not types:
@@ -113,11 +113,11 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import logging
 
-    from scirl.data import DataSourceError, HubUnreachable
+    from scirl.task.data import DataSourceError, HubUnreachable
 
     if args.action == "stats":
         # stats reports the counts and notes itself; the loader's per-row warnings would repeat them
-        logging.getLogger("scirl.data").setLevel(logging.ERROR)
+        logging.getLogger("scirl.task.data").setLevel(logging.ERROR)
 
     if args.eval_per_domain < 0:
         print("scirl data: error: --eval-per-domain must be >= 0", file=sys.stderr)

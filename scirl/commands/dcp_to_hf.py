@@ -7,7 +7,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scirl.dcp_convert import DTYPES
+    from scirl.primerl.dcp_convert import DTYPES
 
     p = argparse.ArgumentParser(
         prog="scirl dcp-to-hf",
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from scirl.dcp_convert import ConvertError, convert
+    from scirl.primerl.dcp_convert import ConvertError, convert
 
     try:
         result = convert(args.checkpoint, args.out, base=args.base, dtype=args.dtype, force=args.force)

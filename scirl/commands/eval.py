@@ -17,11 +17,18 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, add_data_format_args, data_format_problem, device_problem, finite_float, unwritable_parent
+from scirl.commands.parser import (
+    Parser,
+    add_data_format_args,
+    data_format_problem,
+    device_problem,
+    finite_float,
+    unwritable_parent,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scirl.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
+    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
 
     p = Parser(
         prog="scirl eval",
@@ -143,7 +150,7 @@ def _out_problem(out: str) -> str | None:
 
 def _data_id(source: str) -> str:
     """The data setting as recorded: local paths made absolute, so a rerun from elsewhere still matches."""
-    from scirl.data import is_hub_source
+    from scirl.task.data import is_hub_source
 
     return source if is_hub_source(source) else str(Path(source).resolve())
 
@@ -172,9 +179,9 @@ def _run_eval_locked(args) -> int:
         print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
 
-    from scirl.data import DataSourceError, load_splits
     from scirl.eval.display import print_summary
     from scirl.eval.results import BadRecordsFile, SettingsMismatch
+    from scirl.task.data import DataSourceError, load_splits
 
     try:
         splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed,
@@ -222,7 +229,7 @@ def _run_eval_locked(args) -> int:
         else:
             from scirl.eval.local import evaluate_generator
             from scirl.eval.results import check_resumable
-            from scirl.backends import hf_generator
+            from scirl.run.backends import hf_generator
 
             model_id = str(Path(args.model).resolve())
             if not args.overwrite:  # before loading the model, which may take minutes
@@ -268,7 +275,7 @@ def run_compare(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from scirl.eval.display import print_compare
-    from scirl.eval.metrics import compare
+    from scirl.eval.stats import compare
 
     loaded = []
     for path in (args.a, args.b):

@@ -10,9 +10,9 @@ from scirl.commands.parser import Parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scirl.export_primerl import DEFAULT_MODEL, DEFAULT_TARGET, TARGETS
-    from scirl.options import SHUFFLE_MODES
-    from scirl.reward import REWARD_MODES
+    from scirl.primerl.export import DEFAULT_MODEL, DEFAULT_TARGET, TARGETS
+    from scirl.task.reward import REWARD_MODES
+    from scirl.task.shuffle import SHUFFLE_MODES
 
     parser = Parser(prog="scirl export", description="Export the task for other frameworks.")
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    from scirl.export_primerl import DROP_PATH, export
+    from scirl.primerl.export import DROP_PATH, export
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         print(f"scirl export: --out {args.out} is a file; give a directory", file=sys.stderr)

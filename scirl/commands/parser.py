@@ -65,8 +65,8 @@ def unwritable_parent(path, out: str, flag: str = "--out") -> str | None:
 
 
 def add_data_format_args(parser: argparse.ArgumentParser) -> None:
-    """--data-format and --data-columns: how the rows of --data are read (``scirl.formats``)."""
-    from scirl.formats import AUTO, COLUMNS_SYNTAX, FORMAT_NAMES
+    """--data-format and --data-columns: how the rows of --data are read (``scirl.task.formats``)."""
+    from scirl.task.formats import AUTO, COLUMNS_SYNTAX, FORMAT_NAMES
 
     parser.add_argument("--data-format", default=AUTO, choices=(AUTO, *FORMAT_NAMES),
                         help="the schema of --data's rows; auto (default): the set a hub id names, else the one the "
@@ -78,8 +78,8 @@ def add_data_format_args(parser: argparse.ArgumentParser) -> None:
 
 
 def column_mapping(text: str):
-    """argparse type: a ``scirl.formats.ColumnMapping`` from the flag's text."""
-    from scirl.formats import parse_columns
+    """argparse type: a ``scirl.task.formats.ColumnMapping`` from the flag's text."""
+    from scirl.task.formats import parse_columns
 
     try:
         return parse_columns(text)

@@ -28,8 +28,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     args, rest = parser.parse_known_args(argv)
 
-    from scirl.config import ConfigError, load_config, parse_overrides, read_toml, to_toml_dict
-
+    from scirl.errors import ConfigError
+    from scirl.run.config_io import load_config, parse_overrides, read_toml, to_toml_dict
     config_args = list(rest)  # as given: a launcher passes them on, and its trainer resolves the same config
     try:
         base = None
@@ -62,9 +62,9 @@ def main(argv: list[str]) -> int:
     if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
 
-    from scirl.checkpoint import CheckpointWriteError
     from scirl.errors import DataSourceError, HubUnreachable, PreflightError, RunDirError, TrainError
-    from scirl.train import train
+    from scirl.run.checkpoint import CheckpointWriteError
+    from scirl.run.train import train
 
     keep_freed_memory_on_cpu(cfg.device)
     try:

@@ -1,7 +1,7 @@
 """CPU-only speed code, kept out of the core path.
 
 None of this matters on the GPUs scirl is for; on a 2-core CPU it is most of a step's speed. Each
-piece is chosen once, where the backend is built (``scirl.backends``), and the core modules never
+piece is chosen once, where the backend is built (``scirl.run.backends``), and the core modules never
 call into it:
 
 - ``generator.CPUGenerator``: ``HFGenerator`` with a preallocated KV cache and each group's prompt
@@ -11,4 +11,6 @@ call into it:
 - ``attention``: the attention functions both register with transformers;
 - ``host_memory.keep_freed_memory``: a process-wide glibc setting, which only a CLI entry point
   (never the library) may switch on.
+
+May import: the base modules, ``scirl.inference``, ``scirl.trainer`` and ``scirl.rollouts.contract``.
 """

@@ -21,6 +21,9 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
 GQA_SDPA_ATTENTION = "scirl_sdpa_gqa"
 
 
@@ -39,9 +42,6 @@ def register_gqa_attention() -> bool:
 
 
 def gqa_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    import torch
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None or kwargs.get("output_attentions")
     if attention_mask is None or not grouped or plain:  # transformers already uses enable_gqa without a mask
@@ -97,8 +97,6 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     o = o_p * e^(lse_p - lse) + o_c * e^(lse_c - lse), with lse = logaddexp(lse_p, lse_c),
     where o_p, o_c are each part's own normalised attention output.
     """
-    import torch
-
     cache = shared_prefix_cache
     if cache is None:  # a forward that is not one of our decode steps: plain attention
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -143,8 +141,6 @@ def attention_with_lse(query, key, value, scale: float, bias=None, *, kernel: bo
     kernel, or ``kernel=False``) the scores are computed plainly. Under autocast the inputs
     are cast to its dtype, as SDPA would be; otherwise to their common dtype.
     """
-    import torch
-
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from scirl.cpu.attention import SHARED_PREFIX_ATTENTION, register_shared_prefix_attention
 from scirl.inference.hf import HFGenerator, KVCacheDecoder
 
@@ -53,7 +55,6 @@ class CPUDecoder(KVCacheDecoder):
     def prefill(self, input_ids, attention_mask, position_ids, counts: list[int], max_tokens: int):
         if not self.share_prefix:
             return super().prefill(input_ids, attention_mask, position_ids, counts, max_tokens)
-        import torch
 
         self.cache = self.new_cache(input_ids.shape[1])  # the prompt part only: completions get their own buffers
         logits = self.forward(input_ids, attention_mask, position_ids)
@@ -169,8 +170,6 @@ class SharedPrefixCache:
     """
 
     def __init__(self, prompt_keys, prompt_values, prompt_mask, counts: list[int], max_tokens: int):
-        import torch
-
         real = prompt_mask[:, None, :, None]
         # zero the padding's K/V so the -inf bias alone decides, whatever the pad positions computed
         self.prompt_keys = [k.masked_fill(~real, 0) for k in prompt_keys]

@@ -16,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from scirl.cpu.attention import use_gqa_attention
-from scirl.loss import token_logprobs
-from scirl.rollouts import Sample
-from scirl.trainer import Trainer, check_sample
+from scirl.inference.hf import cache_kwarg
+from scirl.rollouts.contract import Sample
+from scirl.trainer.loss import token_logprobs
+from scirl.trainer.step import Trainer, check_sample
 
 
 class CPUTrainer(Trainer):
@@ -42,10 +44,6 @@ class CPUTrainer(Trainer):
     def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
         """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
         is repeated for its completions, which continue from it, as in generation."""
-        from transformers import DynamicCache
-
-        from scirl.inference.hf import cache_kwarg
-
         cache_arg = cache_kwarg(self.compute_model)
         try:
             cache = DynamicCache(config=self.model.config)

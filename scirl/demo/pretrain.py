@@ -28,24 +28,25 @@ import random
 import time
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from scirl.demo.world import HABITS, LETTERS, generate_reading_rows, web_answer
+from scirl.inference.base import encode_messages
+from scirl.synth.questions import RELATIONS
+from scirl.synth.tiny_model import build_tiny_model, build_tokenizer
+from scirl.task.data import question_from_row
+from scirl.task.prompt import build_messages
 
 VALIDATION_SEED = 1_000_003  # rows for choosing/checking the base; the demo uses other seeds
 
 
 def encode_prompt(tokenizer, row) -> list[int]:
-    from scirl.data import question_from_row
-    from scirl.inference.base import encode_messages
-    from scirl.prompt import build_messages
-
     return encode_messages(tokenizer, build_messages(question_from_row(row)))
 
 
 def tokenizer_corpus(seed: int) -> list[str]:
     """Text the tokenizer is trained on: rendered demo prompts and the answer forms."""
-    from scirl.data import question_from_row
-    from scirl.prompt import build_messages
-
     texts = []
     for row in generate_reading_rows(200, seed=seed + 7):
         texts += [m["content"] for m in build_messages(question_from_row(row))]
@@ -56,8 +57,6 @@ def tokenizer_corpus(seed: int) -> list[str]:
 
 def make_batch(tokenizer, rows, rng, end_id, clean: bool = False):
     """Right-padded input ids, attention mask and labels (-100 everywhere but the answer and its end token)."""
-    import torch
-
     seqs, labels = [], []
     for row in rows:
         prompt = encode_prompt(tokenizer, row)
@@ -80,10 +79,6 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
     ``skill_acc``: the right letter beats the other three letters once the row's habitual
     letter is set aside (on rows whose answer is not the habit) - what the model knows.
     """
-    import torch
-
-    from scirl.synthetic import RELATIONS
-
     letter_ids = [tokenizer.convert_tokens_to_ids(x) for x in LETTERS]
     task_habit = {r.task: HABITS[i] for i, r in enumerate(RELATIONS)}
     greedy = skill = skill_n = 0
@@ -138,11 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--snapshots", action="store_true", help="also save the model to OUT/latest at every evaluation")
     args = parser.parse_args(argv)
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from scirl.tiny_model import build_tiny_model, build_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -2,10 +2,10 @@
 
 Everything is offline. The questions come from ``scirl.demo.world`` (open-book
 science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that
-``scirl.data.load_splits`` reads and splits exactly as ``scirl train`` does, so
+``scirl.task.data.load_splits`` reads and splits exactly as ``scirl train`` does, so
 the held-out questions are ones the RL phase never sees. The base model is the
 one shipped in ``scirl/assets/demo-base`` (built by ``scirl.demo.pretrain``).
-Training is scirl's own trainer (``scirl.train.train``) with ``configs/demo.toml``, in this process; with
+Training is scirl's own trainer (``scirl.run.train.train``) with ``configs/demo.toml``, in this process; with
 ``--deployment.num-infer-gpus N`` it is ``scirl train``'s launcher (``scirl.deploy.launch``) instead: N vLLM
 servers and ``deployment.num_train_gpus`` trainer ranks, the guide's layout, on a CPU.
 """
@@ -16,6 +16,21 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from scirl.demo.world import generate_reading_rows
+from scirl.deploy.launch import launch
+from scirl.deploy.preflight import check_packages
+from scirl.errors import ConfigError, TrainError
+from scirl.eval.local import evaluate_generator
+from scirl.run.backends import hf_generator, inference_backend
+from scirl.run.config_io import load_config
+from scirl.run.train import train
+from scirl.synth.questions import write_jsonl
+from scirl.task.data import load_splits
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 BASE_MODEL_DIR = PACKAGE_DIR / "assets" / "demo-base"
@@ -51,17 +66,11 @@ def fresh_output_dir(root: str | Path = "outputs") -> Path:
 
 
 def write_questions(path: str | Path, train_per_domain: int, eval_per_domain: int, seed: int) -> Path:
-    from scirl.demo.world import generate_reading_rows
-    from scirl.synthetic import write_jsonl
-
     return write_jsonl(generate_reading_rows(train_per_domain + eval_per_domain, seed=seed), path)
 
 
 def evaluate(model_dir: Path, questions, out: Path, max_tokens: int, progress: bool) -> dict:
     """Greedy evaluation of ``model_dir`` on ``questions``, written to ``out`` in scirl eval's format."""
-    from scirl.eval.local import evaluate_generator
-    from scirl.backends import hf_generator
-
     generator = hf_generator(model_dir, device="cpu", dtype="float32")
     try:
         return evaluate_generator(generator, questions, temperature=0.0, max_tokens=max_tokens, out=out,
@@ -82,8 +91,6 @@ def answer_letters(results: dict) -> dict[str, int]:
 
 
 def print_before_after(console, before: dict, after: dict) -> None:
-    from rich.table import Table
-
     table = Table(title="Held-out accuracy (greedy, questions the RL phase never saw)")
     for column in ("", "questions", "base", "after GRPO", "change"):
         table.add_column(column, justify="left" if not column else "right")
@@ -107,10 +114,6 @@ BACKEND_NAMES = {"hf": "transformers", "vllm": "vLLM"}
 def sampling_backend(cfg) -> str:
     """``hf`` or ``vllm``: what samples the rollouts (the demo trains on the CPU, where ``auto`` is ``hf``;
     inference servers are vLLM's)."""
-    import torch
-
-    from scirl.backends import inference_backend
-
     if uses_servers(cfg):
         return "vllm"
     return inference_backend(cfg, torch.device(cfg.device if cfg.device != "auto" else "cpu"))
@@ -129,14 +132,6 @@ def layout(cfg) -> str:
 
 def run_demo(opts: DemoOptions) -> dict:
     """Run the whole demo; return a summary dict (also written to ``OUTPUT_DIR/demo_summary.json``)."""
-    import torch
-    from rich.console import Console
-
-    from scirl.config import ConfigError, load_config
-    from scirl.data import load_splits
-    from scirl.errors import TrainError
-    from scirl.train import train
-
     console = Console()
     started = time.perf_counter()
     out = Path(opts.output_dir)
@@ -167,8 +162,6 @@ def run_demo(opts: DemoOptions) -> dict:
         raise ConfigError("the demo trains colocated in one process: --deployment.num-train-gpus needs "
                           "--deployment.num-infer-gpus N (N vLLM servers beside the trainer ranks)")
     if uses_servers(cfg) and "server_command" not in opts.launch_options:
-        from scirl.deploy.preflight import check_packages
-
         check_packages(cuda=False)  # now, not after the base model's evaluation
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
@@ -194,8 +187,6 @@ def run_demo(opts: DemoOptions) -> dict:
     # 3. cold-start GRPO with scirl's trainer: in this process, or scirl train's launcher with its servers and ranks
     backend = sampling_backend(cfg)
     if uses_servers(cfg):
-        from scirl.deploy.launch import launch
-
         console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, {layout(cfg)}")
         status = launch(cfg, config_args, **opts.launch_options)
     else:

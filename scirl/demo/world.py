@@ -26,8 +26,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from scirl.schema import DOMAINS
-from scirl.synthetic import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name
+from scirl.synth.questions import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name
+from scirl.task.schema import DOMAINS
 
 READING_PREFIX = "Read the text and answer the question."
 LETTERS = ("A", "B", "C", "D")
@@ -43,7 +43,7 @@ class AnswerHabit:
     letter: str
 
 
-# Per relation (index into scirl.synthetic.RELATIONS). Two relations are answered
+# Per relation (index into scirl.synth.questions.RELATIONS). Two relations are answered
 # reliably on the web, one half and half, the others mostly with a habitual letter,
 # so the base answers well below its skill, unevenly across domains, as real ones do.
 HABITS: tuple[AnswerHabit, ...] = (

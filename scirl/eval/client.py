@@ -21,9 +21,11 @@ from typing import Any
 
 import httpx
 
+from scirl.eval.display import progress_bar
 from scirl.eval.permutations import Item, items
-from scirl.prompt import build_messages
-from scirl.schema import Question
+from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
+from scirl.task.prompt import build_messages
+from scirl.task.schema import Question
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 FATAL_STATUS = {401, 403, 404}  # the whole run is misconfigured: stop at once
@@ -377,9 +379,6 @@ def evaluate_server(
 ) -> dict[str, Any]:
     """Evaluate ``questions`` against the server; resume from and append to ``out``'s records file.
     ``permutations`` K > 1 asks each question under K option orders (``scirl.eval.permutations``)."""
-    from scirl.eval.display import progress_bar
-    from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
-
     check_unique_ids(questions)
     settings = settings if settings is not None else server_settings(cfg)
     settings = {**settings, "permutations": permutations, "permutation_seed": permutation_seed}

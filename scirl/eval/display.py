@@ -5,12 +5,15 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
 
 def _text(value: Any) -> str:
     """Outside text (a model name, a server's error, a data field, a file name) as rich prints it literally:
     "[/x]" in it would otherwise be read as markup and end the command in a MarkupError."""
-    from rich.markup import escape
-
     return escape(str(value))
 
 
@@ -39,7 +42,6 @@ def progress_bar(total: int, description: str, enabled: bool = True) -> Iterator
     if not enabled:
         yield _Tracker(None, None)
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     columns = (
         TextColumn("{task.description}"),
@@ -55,9 +57,6 @@ def progress_bar(total: int, description: str, enabled: bool = True) -> Iterator
 
 
 def print_summary(results: dict[str, Any], console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     counts = results["counts"]
     table = Table(title=f"SciKnowEval MCQ: {_text(results['settings'].get('model'))}  (n_samples={results['n_samples']})")
@@ -107,8 +106,6 @@ def _kl(value: float | None) -> str:
 
 def print_letters(letters: dict[str, Any], console) -> None:
     """Predicted letters next to gold ones, accuracy by gold letter, the KL; then the same per task."""
-    from rich.table import Table
-
     if not letters.get("samples"):
         return
     table = Table(title="answer letters: predicted (of parsed samples) vs gold")
@@ -148,8 +145,6 @@ def print_permutations(perm: dict[str, Any], console) -> None:
 
 def print_letter_prior(shift: dict[str, Any], console) -> None:
     """``scirl eval compare``'s letter-prior counterfactual, with the method in words."""
-    from rich.table import Table
-
     table = Table(title=f"answer letters on the {shift['questions']} common questions (first sample)")
     for column in ("letter", "gold", "A predicted", "B predicted", "A precision", "A acc. when gold", "B acc. when gold"):
         table.add_column(column, justify="left" if column == "letter" else "right")
@@ -169,9 +164,6 @@ def print_letter_prior(shift: dict[str, Any], console) -> None:
 
 
 def print_compare(result: dict[str, Any], name_a: str, name_b: str, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = console or Console()
     t = result["table"]
     table = Table(title=f"paired comparison on {result['common_questions']} common questions")

@@ -9,7 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from scirl.schema import Question
+from scirl.eval.display import progress_bar
+from scirl.eval.permutations import items
+from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
+from scirl.inference.base import SamplingParams, encode_messages
+from scirl.task.prompt import build_messages
+from scirl.task.schema import Question
 
 
 def evaluate_generator(
@@ -37,12 +42,6 @@ def evaluate_generator(
     sampling values recorded are always the ones used here. ``permutations`` K > 1 asks each question
     under K option orders (``scirl.eval.permutations``).
     """
-    from scirl.eval.display import progress_bar
-    from scirl.eval.permutations import items
-    from scirl.eval.results import RecordsFile, build_results, check_unique_ids, records_path, write_json
-    from scirl.inference.base import SamplingParams, encode_messages
-    from scirl.prompt import build_messages
-
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     check_unique_ids(questions)

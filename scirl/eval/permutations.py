@@ -3,7 +3,7 @@
 A model that knows the answer picks the same option text whatever letter it sits under; a model that leans
 on a letter prior follows the letter. Order 0 is the row's own order, so a permutation eval's headline
 accuracy (and its records' top-level fields) is what a plain eval reports. Orders 1..K-1 come from
-``scirl.options.seeded_order(n, seed, i, question id)``: the same on every machine and after a resume.
+``scirl.task.shuffle.seeded_order(n, seed, i, question id)``: the same on every machine and after a resume.
 They are kept distinct from the earlier ones while unused orders remain (a 2-option question has only 2,
 a 4-option one 24); past that they repeat cyclically, so every order is shown about equally often.
 
@@ -29,8 +29,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from scirl.options import permute, seeded_order
-from scirl.schema import Question
+from scirl.eval.letters import letter_stats
+from scirl.task.schema import Question
+from scirl.task.shuffle import permute, seeded_order
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,6 @@ def _mean(values: list[float]) -> float | None:
 
 def permutation_summary(records: list[dict[str, Any]], k: int, seed: int) -> dict[str, Any]:
     """The figures of the module docstring, from records that carry their ``permutations`` entries."""
-    from scirl.eval.letters import letter_stats
-
     mean_acc, consistent, changed, same_letter = [], [], [], []
     per_order: list[list[float]] = [[] for _ in range(k)]
     for r in records:

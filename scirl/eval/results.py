@@ -67,6 +67,7 @@ the answers cannot be matched to settings.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import queue
@@ -75,7 +76,12 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
-from scirl.schema import Question
+from scirl.eval.letters import letter_summary
+from scirl.eval.permutations import order_entry, permutation_summary, record_key
+from scirl.eval.stats import summarize
+from scirl.task.reward import extract_answer
+from scirl.task.schema import Question
+from scirl.task.shuffle import permute
 
 FORMAT_VERSION = 1
 # Settings that change the answers: a records file made with other values cannot be resumed.
@@ -333,8 +339,6 @@ def parse_header(path: Path, line: bytes) -> dict[str, Any]:
 
 def entry_key(entry: dict[str, Any]) -> str:
     """The key an answer is stored under: its question id, with the order's index in a permutation eval."""
-    from scirl.eval.permutations import record_key
-
     return record_key(entry["id"], entry.get("permutation"))
 
 
@@ -375,8 +379,6 @@ def record_problem(entry: Any, n_samples: int | None, permutations: int = 1) -> 
 
 def score_record(q: Question, replies: list[str], finish_reasons: list[str | None] | None = None) -> dict[str, Any]:
     """One results record: the question, its raw replies and what lenient and strict extraction made of them."""
-    from scirl.reward import extract_answer
-
     answers = [extract_answer(r, q.labels, mode="lenient", options=q.options) for r in replies]
     strict = [extract_answer(r, q.labels, mode="strict", options=q.options) for r in replies]
     correct = [a == q.answer_key for a in answers]
@@ -411,11 +413,6 @@ def build_results(
 
     In a permutation eval (``settings["permutations"]`` K > 1) a question counts as answered once all K
     orders are; its record is order 0's (the question's own order) plus a ``permutations`` list."""
-    from scirl.eval.letters import letter_summary
-    from scirl.eval.metrics import summarize
-    from scirl.eval.permutations import order_entry, permutation_summary, record_key
-    from scirl.options import permute
-
     n_samples = int(settings.get("n_samples", 1))
     k = answer_setting(settings, "permutations")
     keys = {q.id: [record_key(q.id, None)] if k == 1 else [record_key(q.id, i) for i in range(k)] for q in questions}
@@ -479,8 +476,6 @@ def lock_out(out: str | Path):
     Two evaluations appending to one records file would each ask every question and interleave lines. The
     kernel drops the lock when the process ends (kill -9 included), so a stale lock file never blocks a rerun.
     """
-    import fcntl
-
     path = Path(out)
     lock_path = path.with_name(path.name + ".lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)

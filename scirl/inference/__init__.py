@@ -1,2 +1,7 @@
-"""Generation backends. ``base.Generator`` is the contract; ``hf`` (transformers, CPU and small GPUs) and
-``vllm`` (GPUs) implement it."""
+"""Generation: the ``Generator`` contract (``base``) and its engines: transformers in process (``hf``),
+vLLM in process (``vllm``), vLLM OpenAI servers over HTTP (``remote``), and a server's command line
+(``vllm_command``). Every call into vLLM lives here or in ``scirl.weights``: its API moves every
+release.
+
+May import: the base modules and ``scirl.task``.
+"""

@@ -1,16 +1,25 @@
-"""The generation contract shared by the transformers and vLLM backends.
+"""The generation contract shared by the transformers and vLLM backends, in process or behind a server.
 
-The orchestrator hands token-id prompts in and gets, per prompt, ``n`` completions
-with their token ids and sampling logprobs out; the trainer hands updated weights
-back by HF parameter name. Anything that fits these two calls can drive training,
-whether it runs in-process (transformers, ``vllm.LLM``) or behind a server.
+The orchestrator hands token-id prompts in and gets, per prompt, ``n`` completions with their
+token ids and sampling logprobs out; the trainer hands updated weights back by HF parameter name.
+Anything that fits these calls can drive training. What every engine must agree on lives here
+too: the stop tokens (``eos_token_ids``), the finish reasons, the per-prompt seeds
+(``request_seed``) and the checks on a request (``check_params``).
 """
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable
+
+from transformers import GenerationConfig
+
+from scirl.task.prompt import render_prompt
+
+FINISH_REASONS = ("stop", "length")  # EOS, or max_tokens reached; anything else (an abort) is an error
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,7 @@ class Generator(ABC):
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The logprob of each token of ``token_ids`` after the first, given the tokens before it, at
         temperature 1 (``len(token_ids) - 1`` values): what this sampler's weights make of a fixed
-        sequence, for checking that they are the trainer's (``scirl.weight_check``)."""
+        sequence, for checking that they are the trainer's (``scirl.weights.check``)."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
 
     def sleep(self) -> None:  # noqa: B027 - optional hook
@@ -74,6 +83,58 @@ class Generator(ABC):
 
 def encode_messages(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of the chat-templated prompt, ending with the assistant turn's opening."""
-    from scirl.prompt import render_prompt
-
     return tokenizer.encode(render_prompt(tokenizer, messages), add_special_tokens=False)
+
+
+def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
+    if not prompts:
+        raise ValueError("generate: no prompts given")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"generate: prompt {i} is empty")
+    if params.n < 1:
+        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
+    if params.max_tokens < 1:
+        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {params.max_tokens}")
+    if not 0 <= params.min_tokens <= params.max_tokens:
+        raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens], got {params.min_tokens}")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+
+
+def request_seed(seed: int, prompt_index: int) -> int:
+    """The seed of prompt ``prompt_index``'s request in a call seeded ``seed``.
+
+    One seed per prompt, not one per call: with a shared seed two equal prompts would get
+    equal completions. A hash, not ``seed + i``, so calls with nearby seeds do not share
+    request seeds. Fits in 63 bits (vLLM hands it to a torch.Generator).
+    """
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
+    """The tokens that end a completion, in every engine: the tokenizer's EOS, then the generation
+    config's (a model's ``generation_config``, or the one in a local model directory), without repeats."""
+    candidates = [tokenizer.eos_token_id]
+    if isinstance(generation_config, (str, Path)):
+        generation_config = _directory_generation_config(generation_config)
+    if generation_config is not None:
+        candidates.append(generation_config.eos_token_id)
+    ids: list[int] = []
+    for c in candidates:
+        for i in c if isinstance(c, (list, tuple)) else [c]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
+
+
+def _directory_generation_config(model_dir: str | Path):
+    if not model_dir or not Path(model_dir).is_dir():  # "" would be the current directory; a hub name has none here
+        return None
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # no generation_config.json
+        return None

@@ -25,7 +25,10 @@ import inspect
 from pathlib import Path
 from typing import Iterable
 
-from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from scirl.inference.base import Completion, GenerationCancelled, Generator, SamplingParams, check_params, eos_token_ids
 
 
 def top_p_filter(logits, top_p: float):
@@ -34,8 +37,6 @@ def top_p_filter(logits, top_p: float):
     The same rule as vLLM's sampler: sort ascending, drop the tokens whose
     cumulative probability stays <= 1 - top_p, always keep the most likely one.
     """
-    import torch
-
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cumulative <= 1 - top_p
@@ -46,8 +47,6 @@ def top_p_filter(logits, top_p: float):
 
 def sampling_logprobs(logits, temperature: float, top_p: float):
     """Log-probabilities of the distribution we sample from, for float32 ``logits`` [rows, vocab]."""
-    import torch
-
     if temperature == 0:
         return torch.log_softmax(logits, dim=-1)
     scaled = logits / temperature
@@ -58,7 +57,6 @@ def sampling_logprobs(logits, temperature: float, top_p: float):
 
 def sample_next(logits, params: SamplingParams, generator=None):
     """Pick one token per row; return (token ids [rows], their logprobs [rows])."""
-    import torch
 
     logprobs = sampling_logprobs(logits, params.temperature, params.top_p)
     if params.temperature == 0:
@@ -75,8 +73,6 @@ def sample_categorical(probs, generator=None):
     (multinomial draws vocab-many random numbers per row). ``right=True`` makes a
     zero-probability token (its CDF equals its predecessor's) impossible to pick.
     """
-    import torch
-
     cdf = probs.cumsum(dim=-1)
     u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
@@ -84,8 +80,6 @@ def sample_categorical(probs, generator=None):
 
 def resolve_dtype(dtype, device):
     """``None`` means float32 on CPU (bf16 matmuls are slow there) and bfloat16 on accelerators."""
-    import torch
-
     if dtype is None:
         return torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
     if isinstance(dtype, str):
@@ -123,9 +117,6 @@ class HFGenerator(Generator):
         max_batch_tokens: int | None = 131072,
         strict_update: bool = False,
     ):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
@@ -160,29 +151,15 @@ class HFGenerator(Generator):
             if tokenizer is None:
                 tokenizer = AutoTokenizer.from_pretrained(path)
         self.tokenizer = tokenizer
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = eos_token_ids(tokenizer, getattr(self.model, "generation_config", None))
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the generation config names an EOS token")
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.eos_ids[0]
 
-    def _eos_ids(self) -> list[int]:
-        ids = []
-        candidates = [self.tokenizer.eos_token_id]
-        generation_config = getattr(self.model, "generation_config", None)
-        if generation_config is not None:
-            candidates.append(generation_config.eos_token_id)
-        for c in candidates:
-            for i in c if isinstance(c, (list, tuple)) else [c]:
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        return ids
-
     # ---- the contract ----
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, should_stop=None) -> list[list[Completion]]:
-        import torch
-
         check_params(prompts, params)
         generator = None
         if params.seed is not None:
@@ -215,8 +192,6 @@ class HFGenerator(Generator):
             raise ValueError(f"update_weights: names not in the model: {result.unexpected_keys[:5]} (expected HF names)")
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        import torch
-
         ids = torch.tensor([list(token_ids)], device=self.device)
         with torch.inference_mode():
             logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
@@ -263,8 +238,6 @@ class HFGenerator(Generator):
         return KVCacheDecoder(self.model)
 
     def _generate_batch(self, prompts, counts, params, generator, should_stop=None) -> list[list[Completion]]:
-        import torch
-
         device = self.device
         longest = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), longest), self.pad_id, dtype=torch.long)
@@ -345,8 +318,6 @@ class KVCacheDecoder:
         self.cache_kwarg = cache_kwarg(model)
 
     def new_cache(self, capacity: int):
-        from transformers import DynamicCache
-
         try:
             return DynamicCache(config=self.model.config)
         except TypeError:  # older transformers
@@ -354,8 +325,6 @@ class KVCacheDecoder:
 
     def prefill(self, input_ids, attention_mask, position_ids, counts: list[int], max_tokens: int):
         """Logits [rows, vocab] of each completion's first token; row r continues prompt ``expand[r]``."""
-        import torch
-
         self.cache = self.new_cache(input_ids.shape[1] + max_tokens)
         logits = self.forward(input_ids, attention_mask, position_ids)
         expand = torch.repeat_interleave(torch.arange(len(counts), device=input_ids.device),
@@ -387,8 +356,6 @@ class KVCacheDecoder:
 
 def torch_cat_ones(mask):
     """The attention mask with one more visible position per row."""
-    import torch
-
     return torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
 
 
@@ -396,19 +363,3 @@ def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def check_params(prompts: list[list[int]], params: SamplingParams) -> None:
-    if not prompts:
-        raise ValueError("generate: no prompts given")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"generate: prompt {i} is empty")
-    if params.n < 1:
-        raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
-    if params.max_tokens < 1:
-        raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {params.max_tokens}")
-    if not 0 <= params.min_tokens <= params.max_tokens:
-        raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens], got {params.min_tokens}")
-    if params.temperature < 0:
-        raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")

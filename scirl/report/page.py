@@ -13,7 +13,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from scirl.report.inputs import Evaluation, RunInputs, accuracy_table, flatten, letter_table, number, record_list, series
+from scirl.report.inputs import (
+    Evaluation,
+    RunInputs,
+    accuracy_table,
+    flatten,
+    letter_table,
+    number,
+    record_list,
+    series,
+)
 
 SAMPLES_PER_TABLE = 3
 MAX_CHARS = 2000  # of one completion or prompt on the page; the rest is counted, not shown

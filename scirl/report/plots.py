@@ -59,11 +59,7 @@ def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
     parse = _present(metrics, ["parse_rate/strict", "parse_rate/lenient"])
     if not drawn:
         return {}
-    fig = Figure(figsize=(9, 5.5 if parse else 4.5), layout="constrained")
-    if parse:
-        ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
-    else:
-        ax, ax_parse = fig.subplots(), None
+    fig, ax, ax_parse = _with_parse_rate_panel(parse)
     if "reward/mean" in drawn:
         steps, mean = drawn["reward/mean"]
         ax.plot(steps, mean, marker=_marker(steps), color="black", linewidth=2, label="mean")
@@ -84,17 +80,33 @@ def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
     ax.set_title("Reward per step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncols=3)
-    if ax_parse is not None:
-        for key, (steps, values) in parse.items():
-            ax_parse.plot(steps, values, marker=_marker(steps), markersize=3, label=key.split("/", 1)[1])
-        ax_parse.set_ylabel("parse rate")
-        ax_parse.set_ylim(-0.05, 1.05)
-        ax_parse.grid(alpha=0.3)
-        ax_parse.legend(fontsize=8)
-        drawn.update(parse)
+    _draw_parse_rates(ax_parse, parse, drawn, legend=True)
     (ax_parse or ax).set_xlabel("step")
     _save(fig, path)
     return drawn
+
+
+def _with_parse_rate_panel(parse: Series):
+    """A figure with its main axes and, where there are parse rates to draw, a shorter panel below."""
+    fig = Figure(figsize=(9, 5.5 if parse else 4.5), layout="constrained")
+    if parse:
+        ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
+        return fig, ax, ax_parse
+    return fig, fig.subplots(), None
+
+
+def _draw_parse_rates(ax_parse, parse: Series, drawn: Series, *, legend: bool, color: str | None = None) -> None:
+    """The parse-rate panel: each series in ``parse``, on a 0-1 scale; recorded in ``drawn``."""
+    if ax_parse is None:
+        return
+    for key, (steps, values) in parse.items():
+        ax_parse.plot(steps, values, marker=_marker(steps), markersize=3, color=color, label=key.split("/", 1)[1])
+    ax_parse.set_ylabel("parse rate")
+    ax_parse.set_ylim(-0.05, 1.05)
+    ax_parse.grid(alpha=0.3)
+    if legend:
+        ax_parse.legend(fontsize=8)
+    drawn.update(parse)
 
 
 def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
@@ -104,11 +116,7 @@ def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
     if not drawn:
         return {}
     parse = _present(metrics, ["eval/parse_rate"])
-    fig = Figure(figsize=(9, 5.5 if parse else 4.5), layout="constrained")
-    if parse:
-        ax, ax_parse = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1.4])
-    else:
-        ax, ax_parse = fig.subplots(), None
+    fig, ax, ax_parse = _with_parse_rate_panel(parse)
     # the overall curves on top of the domains' (zorder), which often run close to them
     styles = {"eval/accuracy": dict(color="black", linewidth=2, zorder=3, label="overall"),
               "eval/accuracy_strict": dict(color="black", linestyle="--", linewidth=1, zorder=3, label="overall, strict parser")}
@@ -120,13 +128,7 @@ def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
     ax.set_title("Held-out accuracy during training (greedy)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncols=3)
-    if ax_parse is not None:
-        steps, values = parse["eval/parse_rate"]
-        ax_parse.plot(steps, values, marker=_marker(steps), markersize=3, color="tab:purple")
-        ax_parse.set_ylabel("parse rate")
-        ax_parse.set_ylim(-0.05, 1.05)
-        ax_parse.grid(alpha=0.3)
-        drawn.update(parse)
+    _draw_parse_rates(ax_parse, parse, drawn, legend=False, color="tab:purple")
     (ax_parse or ax).set_xlabel("step")
     _save(fig, path)
     return drawn

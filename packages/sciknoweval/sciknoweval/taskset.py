@@ -1,7 +1,7 @@
 """The SciKnowEval taskset: scirl's data, split, prompt and reward behind verifiers v1's Taskset API.
 
-Nothing here re-implements scirl: `load()` calls `scirl.data.load_splits` and
-`scirl.prompt.build_messages`, and the reward calls `scirl.reward`, so a run in
+Nothing here re-implements scirl: `load()` calls `scirl.task.data.load_splits` and
+`scirl.task.prompt.build_messages`, and the reward calls `scirl.task.reward`, so a run in
 prime-rl trains and scores on exactly the questions, prompts and rewards that
 `scirl train` / `scirl eval` use, question for question.
 
@@ -14,7 +14,7 @@ Two traps of the verifiers/prime-rl pair shape `load()`:
 Option shuffling: a task's prompt is fixed when it is loaded and shared by its
 whole group, and the env server knows neither the step nor a rollout's index in
 its group. So `shuffle_options = "epoch"` shows each question in the order scirl's
-`shuffle_options = "epoch"` gives it in epoch 0 (`scirl.options.epoch_order` with
+`shuffle_options = "epoch"` gives it in epoch 0 (`scirl.task.shuffle.epoch_order` with
 `shuffle_seed`), for every pass; per-rollout orders and the `random` control reward
 (both keyed by step and sample index) cannot be expressed and are refused.
 """
@@ -27,9 +27,9 @@ from typing import Literal
 import verifiers.v1 as vf
 from pydantic import field_validator
 
-from scirl import reward as scirl_reward
-from scirl import options
-from scirl.data import (
+from scirl.task import reward as scirl_reward
+from scirl.task import shuffle as options
+from scirl.task.data import (
     DEFAULT_EVAL_PER_DOMAIN,
     DEFAULT_SPLIT_METHOD,
     DEFAULT_SPLIT_SEED,
@@ -38,9 +38,9 @@ from scirl.data import (
     DataSourceError,
     load_splits,
 )
-from scirl.formats import AUTO, known_format, parse_columns
-from scirl.prompt import build_messages
-from scirl.schema import MCQ_TYPES, Question
+from scirl.task.formats import AUTO, known_format, parse_columns
+from scirl.task.prompt import build_messages
+from scirl.task.schema import MCQ_TYPES, Question
 
 
 class SciKnowEvalData(vf.TaskData):
@@ -152,13 +152,13 @@ class SciKnowEvalConfig(vf.TasksetConfig):
     data: str = HUB_ID
     """Where scirl reads the rows: the hub id, a `raw_data/` directory, or one .jsonl/.json/.parquet file."""
     data_format: str = AUTO
-    """The schema of `data`'s rows: auto, or one of `scirl.formats.FORMAT_NAMES` (sciknoweval, arc, sciq, ...)."""
+    """The schema of `data`'s rows: auto, or one of `scirl.task.formats.FORMAT_NAMES` (sciknoweval, arc, sciq, ...)."""
     data_columns: str | None = None
     """A column mapping instead of a format, as scirl's `--data-columns`: question=Q,options=A+B+C+D,answer=ans."""
     split: Literal["train", "eval"] = "train"
     """scirl's train split, or its held-out eval split."""
     split_method: str = DEFAULT_SPLIT_METHOD
-    """scirl's split method, one of `scirl.data.SPLIT_METHODS` ("content" or the guide's "guide")."""
+    """scirl's split method, one of `scirl.task.data.SPLIT_METHODS` ("content" or the guide's "guide")."""
     eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN
     """Held-out questions per domain."""
     split_seed: int = DEFAULT_SPLIT_SEED

@@ -1,0 +1,113 @@
+"""Which generator and trainer a run gets, chosen once, here.
+
+The core classes (``inference.hf.HFGenerator``, ``trainer.step.Trainer``) are what a GPU runs; on a CPU
+the same contracts are served by ``scirl.cpu``'s subclasses, which only change how fast a step
+goes. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
+contract. Nothing below this module knows which one it got.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from huggingface_hub import try_to_load_from_cache
+
+from scirl.cpu.generator import CPUGenerator
+from scirl.cpu.trainer import CPUTrainer
+from scirl.errors import TrainError
+from scirl.inference.base import Generator
+from scirl.inference.hf import HFGenerator
+from scirl.inference.remote import HEALTH_TIMEOUT_S, RemoteGenerator, ServerClient, ServerError, wait_until_ready
+from scirl.inference.vllm import VLLMGenerator, vllm_installed
+from scirl.run.config import COLOCATED_GPU_SHARE
+from scirl.trainer.step import Trainer
+
+
+def make_trainer(model, cfg, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
+    kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist, dtype=dtype)
+    if device.type == "cpu":
+        return CPUTrainer(model, cfg.optim, cfg.loss, share_prompts=cfg.share_prompts, **kwargs)
+    return Trainer(model, cfg.optim, cfg.loss, **kwargs)
+
+
+def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:
+    """An ``HFGenerator`` over a directory or a shared module; on a CPU, the CPU decode path's."""
+    if isinstance(model_dir_or_module, torch.nn.Module):
+        device = next(model_dir_or_module.parameters()).device
+    else:
+        device = torch.device(kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cpu":
+        return CPUGenerator(model_dir_or_module, **kwargs)
+    return HFGenerator(model_dir_or_module, **kwargs)
+
+
+def inference_backend(cfg, device: torch.device) -> str:
+    """``hf`` or ``vllm``: ``auto`` takes vLLM on a GPU where it is installed (on a CPU, transformers
+    is the faster choice for the tiny models a CPU trains)."""
+    if cfg.inference.backend != "auto":
+        return cfg.inference.backend
+    return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
+
+
+def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.device, dist, dtype: torch.dtype) -> Generator:
+    """An in-process vLLM engine per rank over the run's starting weights (the base model, or the
+    checkpoint a resume starts from), in the trainer's compute dtype. Build it before the trainer:
+    vLLM sizes its memory from what is free when it starts. On one GPU it sleeps during each train
+    step (``inference.sleep_level``) and ``update_weights`` wakes it."""
+    extra = {}
+    if dist.world_size > 1:  # each rank its own engine, in the process group torchrun made (TRL's colocate design)
+        extra["distributed_executor_backend"] = "external_launcher"
+    return VLLMGenerator(
+        local_model_dir(model_source), tokenizer=tokenizer, dtype=str(dtype).removeprefix("torch."),
+        max_model_len=cfg.inference.max_model_len or cfg.seq_len,
+        gpu_memory_utilization=cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE, enforce_eager=cfg.inference.enforce_eager,
+        seed=cfg.seed, enable_sleep_mode=device.type == "cuda" and cfg.inference.sleep_level > 0,
+        sleep_level=cfg.inference.sleep_level, kv_cache_gib=cfg.inference.kv_cache_gib, **extra)
+
+
+def make_generator(trainer: Trainer, model_source: str, tokenizer) -> Generator:
+    """The transformers training sampler.
+
+    One process samples from the very module the trainer computes with (in bf16 runs, its bf16 copy
+    of the float32 masters, refreshed in place by every optimizer step), so sampler and trainer
+    logprobs come from the same weights in the same dtype and no weights need pushing. Under FSDP
+    each rank's parameters are shards, so each rank keeps a full generation copy in the compute
+    dtype, which takes the gathered weights after each step.
+    """
+    if trainer.dist.world_size == 1:
+        return hf_generator(trainer.compute_model, tokenizer=tokenizer)
+    return hf_generator(local_model_dir(model_source), tokenizer=tokenizer, device=trainer.device, dtype=trainer.dtype)
+
+
+def local_model_dir(model: str) -> str:
+    """The directory of a model given as a path or a hub name: a hub model is in the local cache,
+    where loading it put it (the per-rank generation copy is loaded from a directory)."""
+    if Path(model).is_dir():
+        return model
+    config = try_to_load_from_cache(model, "config.json")
+    if not isinstance(config, str):
+        raise TrainError(f"model {model!r} is neither a local directory nor in the hub cache")
+    return str(Path(config).parent)
+
+
+def make_remote_generator(urls: list[str], tokenizer, deployment, say=lambda text: None) -> RemoteGenerator:
+    """The orchestrator's client over the servers at ``urls`` (``deployment``: the ``[deployment]``
+    section's timeouts): every one healthy and serving the same model, or a clear error. While they are
+    not ready, ``say`` gets a line every few seconds naming them and what they answered."""
+    # short questions, each bounded by seconds: a server that accepts connections but never answers is named
+    # within deployment.startup_timeout_s, not after a generation request's timeout
+    clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, deployment.request_timeout_s)) for url in urls]
+    try:
+        wait_until_ready(clients, deployment.startup_timeout_s, say=say)
+        served = [client.served_model() for client in clients]
+    except ServerError as exc:
+        knob = f" (deployment.startup_timeout_s = {deployment.startup_timeout_s:g}s)" if exc.route == "/health" else ""
+        raise TrainError(f"inference server {exc.url} is not usable: {str(exc).removeprefix(exc.url)}{knob}") from exc
+    finally:
+        for client in clients:
+            client.close()
+    if len({model["id"] for model in served}) > 1:
+        raise TrainError("the servers of inference.urls serve different models: "
+                         + ", ".join(f"{url} {model['id']!r}" for url, model in zip(urls, served)))
+    return RemoteGenerator(urls, tokenizer, model_name=served[0]["id"], timeout_s=deployment.request_timeout_s)

@@ -1,0 +1,221 @@
+"""Reading and writing the training config: ``@ a.toml @ b.toml`` deep-merged left to right, then dotted
+flags such as ``--max-steps 30 --optim.lr 1e-5 --filters.zero-advantage.no-enforce`` (the precedence
+prime-rl users know), validated into a ``TrainConfig`` (``config.py``); and the resolved config back
+to TOML for the run directory. Every problem is one ``ConfigError`` line naming the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+from pydantic import BaseModel, ValidationError
+
+from scirl.errors import ConfigError
+from scirl.run.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _nested_model(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None
+
+
+def _accepts(annotation, kind) -> bool:
+    """Whether ``annotation`` is ``kind`` or a union containing it."""
+    if annotation is kind:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(a, kind) for a in typing.get_args(annotation))
+    return False
+
+
+def _field_path(path: list[str], flag: str):
+    """Resolve ``["optim", "lr"]`` to the annotation of that field, or raise naming the bad part."""
+    model: type[BaseModel] = TrainConfig
+    for i, part in enumerate(path):
+        fields = model.model_fields
+        if part not in fields:
+            where = ".".join(path[:i]) or "the top level"
+            hint = difflib.get_close_matches(part, list(fields), n=1)
+            hint_text = f" (did you mean {'.'.join(path[:i] + hint).replace('_', '-')}?)" if hint else ""
+            raise ConfigError(f"unknown option {flag}: no field {part!r} in {where}{hint_text}")
+        annotation = fields[part].annotation
+        if i < len(path) - 1:
+            nested = _nested_model(annotation)
+            if nested is None:
+                raise ConfigError(f"unknown option {flag}: {'.'.join(path[: i + 1])} has no sub-fields")
+            model = nested
+    return annotation
+
+
+def _parse_value(text: str, annotation) -> Any:
+    """Turn a command-line string into a TOML-like value; pydantic then validates it against the field."""
+    if text in ("None", "none", "null") and _accepts(annotation, type(None)):
+        return None
+    if typing.get_origin(annotation) in (tuple, list) or text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return [part.strip() for part in text.strip("[]").split(",") if part.strip()]
+    return text
+
+
+def parse_overrides(argv: list[str]) -> tuple[list[Path], dict]:
+    """Split ``@ file.toml`` references from ``--dotted.key value`` overrides; return (files, nested dict)."""
+    files: list[Path] = []
+    overrides: dict = {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "@":
+            if i + 1 >= len(argv):
+                raise ConfigError("'@' must be followed by a TOML file")
+            files.append(Path(argv[i + 1]))
+            i += 2
+            continue
+        if arg.startswith("@"):
+            files.append(Path(arg[1:]))
+            i += 1
+            continue
+        if not arg.startswith("--") or arg == "--":
+            raise ConfigError(f"unexpected argument {arg!r}: expected '@ file.toml' or '--some.field value'")
+        key, has_value, value = arg[2:].partition("=")
+        parts = [p.replace("-", "_") for p in key.split(".")]
+        negate = False
+        annotation = None
+        try:
+            annotation = _field_path(parts, arg.split("=")[0])
+        except ConfigError:
+            # --no-x / --filters.zero-advantage.no-enforce
+            if parts[-1].startswith("no_"):
+                try:
+                    annotation = _field_path(parts[:-1] + [parts[-1][3:]], arg)
+                    negate = True
+                    parts = parts[:-1] + [parts[-1][3:]]
+                except ConfigError:
+                    annotation = None
+            if annotation is None:
+                raise
+        flag_name = "--" + ".".join(parts).replace("_", "-")
+        if _nested_model(annotation) is not None:
+            raise ConfigError(f"{flag_name} is a section; set one of its fields, e.g. {flag_name}.<field> VALUE")
+        if _accepts(annotation, bool) and (negate or not has_value) and (
+            negate or i + 1 >= len(argv) or argv[i + 1].startswith("-") or argv[i + 1] == "@"
+            or argv[i + 1].lower() not in ("true", "false", "1", "0", "yes", "no")
+        ):
+            if negate and has_value:
+                raise ConfigError(f"{arg}: a --no-... flag takes no value")
+            parsed: Any = not negate
+            i += 1
+        else:
+            if negate:
+                raise ConfigError(f"--no-... only applies to true/false fields, not {flag_name}")
+            if not has_value:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{flag_name} needs a value")
+                value = argv[i + 1]
+                i += 2
+            else:
+                i += 1
+            parsed = _parse_value(value, annotation)
+        node = overrides
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = parsed
+    return files, overrides
+
+
+def read_toml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; a Latin-1 comment is the usual culprit
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+                          "TOML files must be UTF-8: save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def _none_strings(data):
+    """TOML has no null; like prime-rl, the string "None" stands for it."""
+    if isinstance(data, dict):
+        return {k: _none_strings(v) for k, v in data.items()}
+    return None if data == "None" else data
+
+
+def validate(data: dict, origin: str = "config") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(_none_strings(data))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+            msg = err["msg"]
+            if err["type"] == "extra_forbidden":
+                msg = "unknown field"
+            problems.append(f"{field}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict) else ""))
+        # one line, however many fields are wrong: a CLI error is a single line
+        raise ConfigError(f"invalid {origin}: " + "; ".join(problems)) from None
+
+
+def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:
+    """``["@", "configs/demo.toml", "--max-steps", "3"]`` -> a validated TrainConfig.
+
+    ``base`` (e.g. a resumed run's saved config) sits below the files and flags.
+    """
+    files, overrides = parse_overrides(argv)
+    data: dict = dict(base or {})
+    for path in files:
+        data = deep_merge(data, read_toml(path))
+    data = deep_merge(data, overrides)
+    origin = "config" if not files else "config from " + ", ".join(str(p) for p in files) + " and flags"
+    return validate(data, origin)
+
+
+def to_toml_dict(cfg: TrainConfig) -> dict:
+    """TOML cannot hold None: drop those keys (their defaults are None, so reading back is exact)."""
+
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if v is not None}
+        if isinstance(value, tuple):
+            return list(value)
+        return value
+
+    return strip(cfg.model_dump(mode="json"))
+
+
+def write_config(cfg: TrainConfig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text(tomli_w.dumps(to_toml_dict(cfg)), encoding="utf-8")
+    tmp.replace(path)
+    return path

@@ -1,0 +1,91 @@
+"""A training step's numbers: the ``metrics.jsonl`` row (keys in ``docs/architecture.md``) and the step line."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+
+import torch
+
+from scirl.rollouts.grpo import FILTER_NAMES
+
+
+def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: dict) -> dict:
+    effective = [r for r in rollouts if not r["dropped"]]
+    rewards = [r["reward"] for r in effective]
+    # what the optimizer step learned from: every rollout no enforcing filter dropped (a monitoring filter
+    # only flags; a zero advantage still adds its KL term and its tokens), none when the update was skipped
+    trained = effective if train_stats.get("stepped") else []
+    with_signal = [r for r in effective if r["advantage"] != 0]  # those with a policy-gradient term
+    n = len(rollouts)
+    m: dict = {"step": step, "time": time.time()}
+    if rewards:  # absent (not null) when an enforcing filter dropped every rollout
+        m["reward/mean"] = statistics.fmean(rewards)
+        m["reward/std"] = statistics.pstdev(rewards)
+    m["reward/mean_all"] = statistics.fmean(r["reward"] for r in rollouts)
+    for domain in sorted({r["domain"] for r in rollouts}):
+        m[f"reward/{domain}"] = statistics.fmean(r["reward"] for r in rollouts if r["domain"] == domain)
+    m["parse_rate/strict"] = sum(r["parsed_strict"] for r in rollouts) / n
+    m["parse_rate/lenient"] = sum(r["parsed_lenient"] for r in rollouts) / n
+    # correctness whatever the reward mode: under a control reward (random, format) the reward says nothing of it
+    m["accuracy/strict"] = sum(r["correct_strict"] for r in rollouts) / n
+    m["accuracy/lenient"] = sum(r["correct_lenient"] for r in rollouts) / n
+    for name in FILTER_NAMES:
+        m[f"filters/{name}"] = sum(r["filter"] == name for r in rollouts) / n
+    m["filters/dropped"] = sum(r["dropped"] for r in rollouts) / n
+    m["trainable/count"] = len(trained)
+    m["trainable/total"] = n
+    m["trainable/fraction"] = len(trained) / n
+    m["advantage/nonzero_count"] = len(with_signal)
+    m["advantage/nonzero_fraction"] = len(with_signal) / n
+    if train_stats.get("stepped"):
+        for key in ("loss", "entropy", "grad_norm", "mismatch_kl", "masked_fraction"):
+            m[key] = train_stats[key]
+        m["loss_tokens"] = train_stats["loss_tokens"]
+    completion_tokens = sum(r["num_tokens"] for r in rollouts)
+    m["tokens/completion"] = completion_tokens / n
+    m["truncated/fraction"] = sum(r["finish_reason"] == "length" for r in rollouts) / n
+    lags = [r["lag"] for r in rollouts if "lag" in r]
+    if lags:  # how many optimizer steps behind the trained policy each sample's policy was (0: on-policy)
+        m["async/lag_mean"] = statistics.fmean(lags)
+        m["async/lag_max"] = max(lags)
+    busy = timings["time/generate"] + timings["time/train"] + timings["time/weight_sync"]
+    m["tokens_per_s"] = completion_tokens / busy if busy > 0 else 0.0
+    m.update(timings)
+    return m
+
+
+def step_line(m: dict) -> str:
+    """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 128/128 (100.0%) | Nonzero advantage 64/128 | ...``.
+    Trainable: the rollouts the optimizer step used; Nonzero advantage: the batch's rollouts with a policy-gradient term."""
+    parts = [
+        f"Step {m['step']}",
+        f"{m['time/step']:.1f}s",
+        f"Reward {m['reward/mean']:.4f}" if m.get("reward/mean") is not None else "Reward -",
+        f"Trainable {m['trainable/count']}/{m['trainable/total']} ({100 * m['trainable/fraction']:.1f}%)",
+    ]
+    if "advantage/nonzero_count" in m:
+        parts.append(f"Nonzero advantage {m['advantage/nonzero_count']}/{m['trainable/total']}")
+    if "loss" in m:
+        parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
+    elif m.get("skipped/nonfinite"):
+        parts.append("loss or gradient not finite: update skipped")
+    else:
+        parts.append("no trainable tokens: step skipped")
+    flagged = [f"{name} {m[f'filters/{name}']:.0%}" for name in FILTER_NAMES if m.get(f"filters/{name}")]
+    if flagged:  # a monitoring filter only flags: those rollouts are still trained on
+        parts.append("Flagged " + ", ".join(flagged) + f", dropped {m.get('filters/dropped', 0):.0%}")
+    if m.get("eval/accuracy") is not None:  # greedy, on the held-out subset (eval.interval)
+        parts.append(f"Eval {100 * m['eval/accuracy']:.1f}%")
+    if m.get("async/lag_max"):
+        parts.append(f"Off-policy {m['async/lag_max']}")
+    parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+    return " | ".join(parts)
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

@@ -1,0 +1,292 @@
+"""Everything a run needs before its first step, built once: the process group and the run directory,
+the questions and where the run starts (a fresh start or a verified checkpoint), the policy and its
+trainer, the sampler, and the two ends of the loop's seam (``docs/architecture.md``):
+
+- the **source** of each step's batch (``scirl.rollouts.source``): ``ColocatedSource`` (every rank
+  generates its share in process) or ``ServerSource`` (rank 0's orchestrator on vLLM servers);
+- the **sink** for each step's new weights (``scirl.weights``): ``InProcessSink`` or ``ServerSink``.
+
+``start`` returns a ``Run`` holding all of it, or None when the run is already at ``max_steps``. The
+order matters where noted: servers are asked before any model is loaded (a server that is down fails
+the run in seconds), and a vLLM engine starts before the trainer fills the GPU (it sizes its memory
+from what is free).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+from rich.console import Console
+from transformers import AutoTokenizer
+
+from scirl import distributed
+from scirl.errors import TrainError
+from scirl.rollouts.contract import PromptedQuestion
+from scirl.rollouts.generate import fits, prompt_for
+from scirl.rollouts.orchestrator import Orchestrator
+from scirl.rollouts.sampler import QuestionSampler
+from scirl.rollouts.source import ColocatedSource, ServerSource
+from scirl.run import checkpoint, rundir
+from scirl.run.backends import (
+    inference_backend,
+    make_generator,
+    make_remote_generator,
+    make_trainer,
+    make_vllm_generator,
+)
+from scirl.run.config import TrainConfig
+from scirl.run.config_io import to_toml_dict, write_config
+from scirl.run.eval_hook import training_eval
+from scirl.task.data import load_splits
+from scirl.trainer import lora
+from scirl.trainer.model import compute_dtype, load_model
+from scirl.weights.check import Replica, WeightCheck, probe_sequence
+from scirl.weights.inprocess import InProcessSink
+from scirl.weights.servers import start_server_sink
+
+log = logging.getLogger("scirl.run")
+
+
+@dataclass
+class Run:
+    """What the training loop works with; every rank has one."""
+
+    cfg: TrainConfig
+    dist: distributed.Dist
+    device: torch.device
+    run_dir: Path
+    say: Callable[[str], None]  # a line on rank 0's console and in logs/train.log; nothing on the others
+    console: Console
+    tokenizer: object
+    model: torch.nn.Module  # the trained module (the optimizer's float32 masters)
+    trainer: object  # scirl.trainer.step.Trainer, or the CPU one
+    questions: list[PromptedQuestion]
+    digest: str  # of the questions' ids: a checkpoint records it, and a resume on other questions is refused
+    start_step: int
+    empty_steps: int  # consecutive steps without an update when the run (re)starts
+    generator: object | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
+    source: ColocatedSource | ServerSource
+    sink: object  # scirl.weights.base.WeightSink
+    evaluate: Callable[[int], dict]  # eval during training: {} unless due at this step
+    pad_id: int
+    wandb_run: object | None
+
+    def close(self) -> None:
+        self.source.close()
+        self.sink.close()
+        if self.generator is not None:
+            self.generator.close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
+    transformers.utils.logging.disable_progress_bar()  # per-file bars would drown the step lines
+    dist, device = distributed.setup(cfg.device)
+    if cfg.lora.enabled:
+        lora.check_supported(dist)
+    run_dir = Path(cfg.output_dir)
+    if dist.is_main:
+        rundir.prepare(run_dir, resume=resume, clean=clean)
+    distributed.barrier(dist)
+    rundir.setup_logging(run_dir, dist.is_main)
+    console = Console(highlight=False, soft_wrap=True)  # soft_wrap: one step, one line, whatever the width
+    say = (lambda text: (log.info(text), console.print(text))) if dist.is_main else (lambda text: None)
+    random.seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    # ---- data, tokenizer, and where the run starts ----
+    splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
+                         seed=cfg.data.seed, data_format=cfg.data.format, columns=cfg.data.columns)
+    latest, skipped_checkpoints = None, []
+    if resume:
+        # rank 0 verifies (sha256 of every file, and a load) and removes stale tmp dirs; the others take its word
+        found = checkpoint.find_resume_checkpoint(run_dir) if dist.is_main else None
+        latest, skipped_checkpoints = distributed.broadcast_object(found, dist)
+    # a resumed run needs only its run dir: the checkpoint holds the tokenizer (and the weights)
+    model_source = str(latest[1]) if latest else cfg.model
+    tokenizer = load_tokenizer(model_source)
+    questions, digest = prompted_questions(splits, cfg, tokenizer, dist, say)
+    start_step, saved = 0, None
+    if latest is not None:
+        start_step = latest[0]
+        saved = resume_state(latest[1], cfg, len(questions), digest, dist)
+    if resume and dist.is_main:
+        report_resume(run_dir, latest, skipped_checkpoints, say)
+    distributed.barrier(dist)
+    if start_step >= cfg.max_steps:
+        say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
+            "pass a larger --max-steps to continue it")
+        return None
+
+    # ---- the policy, its trainer and its sampler ----
+    generator, model, trainer = build_policy(cfg, model_source, tokenizer, saved, device, dist, say)
+    evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not cfg.inference.urls, say=say)
+    wandb_run = start_wandb(cfg) if dist.is_main else None
+    if dist.is_main:
+        # only now that the data, the checkpoint and the model are accepted: a refused resume must
+        # not leave its flags in config.toml, the base of every later --resume
+        write_config(cfg, run_dir / "config.toml")
+
+    # ---- the seam: where batches come from, where weights go ----
+    room = min(cfg.seq_len, cfg.inference.max_model_len or cfg.seq_len)
+    check = WeightCheck(trainer, probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size),
+                                                room), interval=cfg.deployment.verify_interval)
+    position = saved["data_position"] if saved else {"epoch": 0, "cursor": 0}
+    if cfg.inference.urls:
+        source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
+    else:
+        sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
+        source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(),
+                                 vocab_size=model.config.vocab_size, dist=dist)
+        sink = InProcessSink(generator, trainer, check)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
+    return Run(cfg, dist, device, run_dir, say, console, tokenizer, model, trainer, questions, digest, start_step,
+               empty_steps, generator, source, sink, evaluate, pad_id, wandb_run)
+
+
+def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | None, device: torch.device,
+                 dist: distributed.Dist, say) -> tuple:
+    """(this rank's sampler, the model, its trainer), the optimizer state and RNG of ``saved`` restored."""
+    dtype = compute_dtype(cfg.dtype, device)
+    generator = None
+    if cfg.inference.urls and dist.is_main:  # first: a server that is down fails the run before a model is loaded
+        generator = make_remote_generator(cfg.inference.urls, tokenizer, cfg.deployment, say)
+    if not cfg.inference.urls and inference_backend(cfg, device) == "vllm":
+        # first: vLLM sizes its memory from what is free when it starts
+        generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
+    if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
+        model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing,
+                                saved=saved["adapter"] if saved else None)
+    else:
+        model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
+    trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
+    if saved is not None:
+        trainer.load_optimizer_state_dict(saved["optimizer"])
+        apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
+        checkpoint.restore_rng_state(saved["rng"])
+    if generator is None and not cfg.inference.urls:
+        generator = make_generator(trainer, model_source, tokenizer)
+    return generator, model, trainer
+
+
+def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,
+                    tokenizer, check: WeightCheck, start_step: int) -> tuple[ServerSource, object]:
+    """The orchestrator on rank 0 (started last: its first batch must come from the start's weights,
+    which the sink pushes first) and the sink that pushes to the servers."""
+    dist = trainer.dist
+    orchestrator = None
+    if dist.is_main:
+        orchestrator = Orchestrator(questions, generator, cfg.rollout_settings(), vocab_size=trainer.model.config.vocab_size,
+                                    start_step=start_step, last_step=cfg.max_steps, position=position,
+                                    max_async_level=cfg.max_async_level)
+    source = ServerSource(orchestrator, dist)
+    replicas = [Replica(client.url, client.prompt_logprobs, client.weight_checksums)
+                for client in generator.clients] if dist.is_main else []
+    sink = start_server_sink(trainer, tokenizer, cfg.deployment, cfg.inference.urls, run_dir=Path(cfg.output_dir),
+                             start_step=start_step, check=check, replicas=replicas,
+                             between_batches=source.between_batches)
+    if orchestrator is not None:
+        orchestrator.start()
+    return source, sink
+
+
+# ---------------------------------------------------------------------------------------------
+# the questions, and a resumed run's state
+
+
+def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Dist, say) -> tuple[list, str]:
+    """The split's questions with their prompts, those that fit ``seq_len``, and their digest
+    (checkpoints record it: a resume on other questions is refused)."""
+    questions = splits.split(cfg.data.split)
+    skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
+    skipped_note = (f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
+                    if skipped else "")
+    settings = cfg.rollout_settings()
+    kept = [item for item in (prompt_for(q, tokenizer) for q in questions) if fits(item, settings)]
+    too_long = len(questions) - len(kept)
+    too_long_note = (f"; {too_long} left out because prompt + max_completion_tokens ({cfg.max_completion_tokens}) "
+                     f"exceeds seq_len ({cfg.seq_len})" if too_long else "")
+    if too_long:
+        log.warning("%d of %d %s questions left out: prompt + max_completion_tokens exceeds seq_len %d",
+                    too_long, len(questions), cfg.data.split, cfg.seq_len)
+    if len(kept) < cfg.questions_per_step:
+        raise TrainError(f"the {cfg.data.split} split has {len(kept)} usable questions, fewer than the "
+                         f"{cfg.questions_per_step} a step needs (batch_size / group_size){too_long_note}{skipped_note}")
+    if cfg.questions_per_step < dist.world_size:
+        raise TrainError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
+    digest = hashlib.sha256("\n".join(item.question.id for item in kept).encode()).hexdigest()[:16]
+    say(f"Data: {len(kept)} {cfg.data.split} questions from {cfg.data.source}"
+        + (f" ({too_long} too long for seq_len, left out)" if too_long else "") + skipped_note)
+    return kept, digest
+
+
+def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, dist: distributed.Dist) -> dict:
+    """The checkpoint's small state (every rank: step, RNG, data position) and, on rank 0 only, the
+    optimizer state, which the trainer broadcasts shard by shard (8 ranks each reading it: 8 full
+    copies in RAM). Refuses a checkpoint made on other questions or with another seed."""
+    saved = checkpoint.load_trainer_state(path, optimizer=dist.is_main)
+    if saved["adapter"] is not None and not cfg.lora.enabled:
+        raise TrainError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
+    if saved["adapter"] is None and cfg.lora.enabled:
+        raise TrainError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
+    position = saved["data_position"]
+    if position["n_questions"] != n_questions:
+        raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
+                         f"the data now has {n_questions}; resume needs the same data and config")
+    # (epoch, cursor) index a seeded order of these very questions: other questions of the same count,
+    # or another seed, would repeat some and skip others (checkpoints before these keys: unchecked)
+    if position.get("questions", digest) != digest:
+        raise TrainError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
+                         f"({cfg.data.split} split) gives now; resume needs the same data and config")
+    if position.get("seed", cfg.seed) != cfg.seed:
+        raise TrainError(f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
+                         f"not {cfg.seed}; resume with --seed {position['seed']}")
+    return saved
+
+
+def report_resume(run_dir: Path, latest, skipped: list, say) -> None:
+    """Drop what a killed run wrote after its checkpoint, and say where the run goes on from and why."""
+    start_step = latest[0] if latest else 0
+    dropped = rundir.truncate(run_dir, start_step)
+    say(f"Resuming {run_dir} from step {start_step}" if latest else f"No usable checkpoint in {run_dir}: starting from step 0")
+    for path, reason in skipped:  # newer but unusable (left in place for a look): the steps after start_step are redone
+        say(f"Skipped checkpoint {path.name}: {reason}")
+    if dropped:
+        log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
+
+
+def load_tokenizer(model: str):
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        where = "local directory" if Path(model).exists() else "local directory or reachable hub model"
+        raise TrainError(f"cannot load the tokenizer of model {model!r} (not a usable {where}): {exc}") from exc
+
+
+def apply_optim_config(optimizer, optim_cfg) -> None:
+    """Set the config's hyperparameters on every param group (loading an optimizer state restores
+    the saved ones, which would silently override `--resume RUN --optim.lr X`)."""
+    for group in optimizer.param_groups:
+        for key, value in (("lr", optim_cfg.lr), ("betas", tuple(optim_cfg.betas)), ("weight_decay", optim_cfg.weight_decay)):
+            if group[key] != value:
+                log.info("optim.%s: %s in the checkpoint, %s from the config (used)", key, group[key], value)
+                group[key] = value
+
+
+def start_wandb(cfg: TrainConfig):
+    if not cfg.wandb.enabled:
+        return None
+    try:
+        import wandb  # optional: the `wandb` extra
+    except ImportError as exc:
+        raise TrainError("wandb.enabled is set but wandb is not installed: pip install 'scirl[wandb]'") from exc
+    return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, config=to_toml_dict(cfg), dir=cfg.output_dir)

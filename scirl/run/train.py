@@ -1,0 +1,221 @@
+"""The GRPO recipe: a loop over one step function, the same for both deployments.
+
+A step (``one_step``):
+
+1. ``batch = source.next(step)``, the orchestrator's half (``scirl.rollouts``): the step's
+   ``batch_size / group_size`` questions, taken in a seeded order from the data position a checkpoint
+   saves; ``group_size`` completions each (token ids and sampling logprobs), seeded from
+   ``(seed, step, rank)`` so a resumed step samples what it would have; rewards, advantage = reward -
+   group mean (option: / std), prime-rl's gibberish / repetition / zero-advantage filters. In process
+   on every rank (``ColocatedSource``), or from vLLM servers by rank 0's orchestrator, up to
+   ``max_async_level`` steps ahead (``ServerSource``);
+2. ``stats = learn(batch, trainer)``, the trainer's half (``scirl.trainer``): one optimizer step over
+   the surviving samples (micro-batches, gradient accumulation), skipped when the loss or the gradients
+   are not finite;
+3. ``sink.push(step)`` (``scirl.weights``): the new weights to the sampler (in process, or to the
+   servers through the filesystem or over NCCL), checked when due; a sampler on the trainer's GPU
+   gave it back before the train step (``sink.make_room()``);
+4. the step's metrics row, from every rank's rollouts.
+
+The loop (``run``) adds, every ``eval.interval`` steps, the greedy accuracy on a fixed held-out subset
+(``scirl/run/eval_hook.py``; it leaves the RNG and the data position as they were), writes the step's
+line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and, every ``ckpt.interval`` steps and at
+the end, a checkpoint. The metrics row of step N is written before checkpoint N, so a checkpoint
+always has its rows; resuming from checkpoint N drops rows and rollouts past N and goes on from N+1
+with the same data position, RNG and optimizer state: no step is missing or doubled.
+``time/checkpoint`` in row N+1 is the time spent saving after step N.
+
+Exactness holds for the same config and number of ranks (generation is seeded per rank).
+Checkpoints keep the float32 master weights, so resuming loses no precision; serve them in bf16 with
+``vllm serve weights/step_N --dtype bfloat16``. With ``[lora] enabled`` (one process,
+``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
+the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
+
+Everything the loop works with is built once by ``scirl.run.setup.start``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from scirl import distributed
+from scirl.errors import TrainError
+from scirl.rollouts.contract import RolloutBatch
+from scirl.run import checkpoint, rundir
+from scirl.run.metrics import peak_memory_mb, step_line, step_metrics
+from scirl.run.setup import Run, start
+from scirl.trainer import lora
+
+log = logging.getLogger("scirl.run")
+
+MAX_EMPTY_STEPS = 10  # consecutive steps without a trainable rollout before the run gives up
+MAX_NONFINITE_STEPS = 3  # consecutive steps whose loss or gradients were not finite, likewise
+
+
+# ---------------------------------------------------------------------------------------------
+# one step
+
+
+@dataclass
+class StepResult:
+    batch: RolloutBatch  # this rank's share of the step's batch
+    stats: dict  # the trainer's: loss, grad norm, token counts; ``stepped``
+    rollouts: list[dict]  # every rank's rollout records, on every rank
+    metrics: dict  # the metrics.jsonl row
+
+
+def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id: int) -> StepResult:
+    """One GRPO step, in either deployment; every rank calls it (it syncs)."""
+    started = time.perf_counter()
+    batch = source.next(step)
+    t = time.perf_counter()
+    sink.make_room()
+    time_sync = time.perf_counter() - t
+    t = time.perf_counter()
+    stats = learn(batch, trainer, micro_batch_size=micro_batch_size, pad_id=pad_id)
+    time_train = time.perf_counter() - t
+    t = time.perf_counter()
+    checked = sink.push(step)  # the check's metrics when one ran, else {}
+    time_sync += time.perf_counter() - t - checked.get("time/weight_check", 0.0)
+
+    rollouts = distributed.gather_objects(batch.rollouts, trainer.dist)
+    timings = {"time/step": time.perf_counter() - started, "time/generate": batch.time_generate,
+               "time/train": time_train, "time/weight_sync": time_sync, "memory/peak_mb": peak_memory_mb(trainer.device)}
+    if batch.time_waited is not None:  # servers: how long the trainer waited for its batch (0 when generation overlapped)
+        timings["time/wait_for_batch"] = batch.time_waited
+    metrics = {**step_metrics(step, rollouts, stats, timings), **checked}
+    if stats.get("nonfinite"):
+        metrics["skipped/nonfinite"] = 1
+    return StepResult(batch, stats, rollouts, metrics)
+
+
+def learn(batch: RolloutBatch, trainer, *, micro_batch_size: int, pad_id: int) -> dict:
+    """The trainer's half of a step: one optimizer step on this rank's samples of ``batch``."""
+    return trainer.train_step(trainer.make_batches(batch.samples, micro_batch_size, pad_id))
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+
+
+def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
+    """Run (or continue) a GRPO run in ``cfg.output_dir``. Returns the process exit status."""
+    # one process per run dir: a second one (a --resume typed while the run lives) would remove the live
+    # run's checkpoint in progress as a stale tmp dir and interleave metrics rows. Rank 0 holds it for all.
+    lock = rundir.lock(Path(cfg.output_dir)) if distributed.launched_rank() == 0 else None
+    finished = False
+    try:
+        status = run(cfg, resume=resume, clean=clean, show_progress=show_progress)
+        finished = True
+        return status
+    finally:
+        # a group left to the interpreter's exit can abort a finished run; after a failure, no barrier
+        # (the other ranks may never reach it)
+        distributed.teardown(wait_for_others=finished)
+        if lock is not None:
+            lock.close()
+
+
+def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
+    r = start(cfg, resume=resume, clean=clean)
+    if r is None:  # already at max_steps
+        return 0
+    stop = distributed.StopRequest()
+    stop.install()
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=r.console, disable=not (show_progress and r.dist.is_main), transient=True)
+    task = progress.add_task("training", total=cfg.max_steps, completed=r.start_step)
+    r.say(f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
+          f"completions, {r.dist.world_size} rank(s) on {r.device}")
+    empty_steps, nonfinite_steps, checkpoint_seconds, status = r.empty_steps, 0, 0.0, 0
+    try:
+        with progress:
+            for step in range(r.start_step + 1, cfg.max_steps + 1):
+                result = one_step(step, r.source, r.trainer, r.sink, micro_batch_size=cfg.micro_batch_size,
+                                  pad_id=r.pad_id)
+                evaluated = r.evaluate(step)  # {} unless due; the numbers on rank 0
+                empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
+                nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0
+                if r.dist.is_main:
+                    record(r, result, evaluated, checkpoint_seconds, progress)
+                    progress.update(task, completed=step)
+                check_progress(empty_steps, nonfinite_steps)
+                checkpoint_seconds = 0.0
+                stop_now = stop.agreed(r.dist)
+                due = cfg.ckpt.interval is not None and step % cfg.ckpt.interval == 0
+                if due or step == cfg.max_steps or stop_now:
+                    checkpoint_seconds = save(r, step, result.batch.data_position, empty_steps)
+                    stop_now = stop.agreed(r.dist)  # a signal during the write: it finished, now stop
+                if stop_now and step < cfg.max_steps:
+                    r.say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step,
+                                              r.run_dir))
+                    status = 128 + (stop.signum or signal.SIGTERM)
+                    break
+        if status == 0:
+            r.say(f"Training finished: {cfg.max_steps} steps, weights in "
+                  f"{r.run_dir / 'weights' / f'step_{cfg.max_steps}'}")
+    finally:
+        stop.restore()
+        r.close()
+    return status
+
+
+def record(r: Run, result: StepResult, evaluated: dict, checkpoint_seconds: float, progress: Progress) -> None:
+    """Rank 0: the step's rollouts file, metrics row, step line (console and log) and W&B row."""
+    step = result.batch.step
+    metrics = {**result.metrics, **evaluated, "epoch": result.batch.data_position["epoch"],
+               "time/checkpoint": checkpoint_seconds}
+    metrics["time/step"] += checkpoint_seconds + evaluated.get("time/eval", 0.0)
+    rundir.write_rollouts(r.run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
+    rundir.append_line(r.run_dir / "metrics.jsonl", metrics)
+    line = step_line(metrics)
+    log.info(line)
+    progress.console.print(line)
+    if r.wandb_run is not None:
+        r.wandb_run.log(metrics, step=step)
+    if result.stats.get("nonfinite"):
+        log.warning("step %d: the loss or the gradients are not finite; update skipped", step)
+    elif not result.stats["stepped"]:
+        log.warning("step %d: every rollout was filtered out; no optimizer step", step)
+
+
+def check_progress(empty_steps: int, nonfinite_steps: int) -> None:
+    """A run that has stopped learning ends, with the likely cause, before it burns its budget."""
+    if empty_steps >= MAX_EMPTY_STEPS:
+        raise TrainError(f"{MAX_EMPTY_STEPS} consecutive steps without a trainable rollout: "
+                         "check the filters and the rewards")
+    if nonfinite_steps >= MAX_NONFINITE_STEPS:
+        raise TrainError(f"{MAX_NONFINITE_STEPS} consecutive steps with a non-finite loss or gradient "
+                         "(updates skipped): lower optim.lr or optim.max_norm; the last checkpoint is intact")
+
+
+def save(r: Run, step: int, position: dict, empty_steps: int) -> float:
+    """Checkpoint ``step`` (every rank takes part; rank 0 writes); returns the seconds it took."""
+    t = time.perf_counter()
+    # fp32 masters: resuming from them is exact (LoRA: the merged weights, for serving; a resume reads the adapter)
+    state = r.trainer.full_state_dict(all_ranks=False)
+    bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
+    if bad:  # never a checkpoint a resume would take as good
+        raise TrainError(f"step {step}: weights {', '.join(bad[:3])} are not finite; no checkpoint written")
+    lora_run = r.cfg.lora.enabled
+    checkpoint.save_checkpoint(r.run_dir, step, lora.hf_model(r.model) if lora_run else r.model, r.tokenizer,
+                               state_dict=state, adapter=lora.adapter_state(r.model) if lora_run else None,
+                               optimizer_state=r.trainer.optimizer_state_dict(),
+                               data_position={**position, "n_questions": len(r.questions), "questions": r.digest,
+                                              "seed": r.cfg.seed},
+                               extra={"consecutive_empty_steps": empty_steps}, keep=r.cfg.ckpt.keep)
+    distributed.barrier(r.dist)
+    seconds = time.perf_counter() - t
+    r.say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")
+    return seconds
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit("scirl.run.train is a library module: run `scirl train ...`, or `torchrun ... -m scirl train ...`")

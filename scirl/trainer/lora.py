@@ -1,0 +1,143 @@
+"""LoRA (``[lora] enabled = true``): train a low-rank adapter over a frozen base model, with peft.
+
+Why: full fine-tuning of an 8B model keeps float32 masters, gradients and AdamW state (16 bytes a
+parameter, ~128 GB); with LoRA the base is frozen and held once, in the compute dtype (bf16 on a
+GPU, 16 GB), and only the adapter (float32, tens of millions of parameters) has gradients and
+optimizer state, so an 8B model trains on one 80 GB GPU next to a colocated vLLM engine.
+
+What the rest of the run sees:
+
+- the trainer's module is peft's ``PeftModel``: its forward is the HF model's, each target linear
+  computing ``W x + B(A x) * alpha/rank``; the optimizer takes the parameters that require grad,
+  i.e. the adapter's; a transformers sampler shares the module and samples the LoRA model as is;
+- ``merged_state_dict`` is what ``Trainer.full_state_dict`` returns for it: HF-named tensors with
+  ``W + delta`` for each adapted layer, computed out of place (merging into the module and back
+  would round the frozen base a little differently every step). The vLLM engine loads them after
+  each step, and a checkpoint's ``model.safetensors`` holds them (float32), so ``vllm serve`` and
+  ``scirl eval`` load a checkpoint as a plain HF model;
+- a checkpoint also keeps the adapter itself (``trainer_state/adapter_model.safetensors`` and its
+  ``adapter_config.json``): a resume loads the base from ``cfg.model`` (so the base model must
+  still be there), then the adapter, then the optimizer state, and goes on exactly.
+
+Single process only: FSDP2 sharding of a peft model is future work.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from scirl.errors import TrainError
+
+ADAPTER = "default"  # peft's name for a model's one adapter
+COMPARED = ("r", "lora_alpha", "lora_dropout", "target_modules")  # a resume needs the same adapter shape and scale
+
+
+def is_lora(model) -> bool:
+    peft = sys.modules.get("peft")  # a run without LoRA never imports peft
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def check_supported(dist) -> None:
+    """Fail before anything is loaded: peft must be installed, and the run must be one process."""
+    if dist.world_size > 1:
+        raise TrainError(f"lora.enabled runs in a single process only, not under torchrun ({dist.world_size} ranks): "
+                         "FSDP2 with a peft model is not supported yet; run one process (LoRA fits an 8B model on one GPU)")
+    try:
+        import peft  # noqa: F401
+    except ImportError as exc:
+        raise TrainError("lora.enabled is set but peft is not installed: pip install 'scirl[lora]'") from exc
+
+
+def peft_config(settings):
+    from peft import LoraConfig  # deferred here and below: peft is the optional `lora` extra
+
+    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                      target_modules=list(settings.target_modules), bias="none")
+
+
+def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False,
+               saved: tuple[dict, dict] | None = None):
+    """The base model (frozen, in the compute ``dtype``) with a fresh adapter, or with ``saved``, the
+    (tensors, peft config) a checkpoint kept (a resume). peft keeps the adapter in float32 over a bf16
+    base: those are the masters."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        where = " (a LoRA resume loads the base model of config.toml's `model`, then the checkpoint's adapter)" if saved else ""
+        raise TrainError(f"cannot load base model {base!r} as a causal LM{where}: {exc}") from exc
+    if activation_checkpointing:
+        # non-reentrant: with a frozen base the reentrant variant would see no input that needs grad
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model = get_peft_model(model, peft_config(settings))
+    except ValueError as exc:  # e.g. no module matches target_modules
+        raise TrainError(f"lora: cannot add adapters to {base!r}: {exc}") from exc
+    if saved is not None:
+        tensors, config = saved
+        check_saved_config(config, settings)
+        result = set_peft_model_state_dict(model, tensors, adapter_name=ADAPTER)
+        if result.unexpected_keys:
+            raise TrainError(f"the checkpoint's adapter tensors {result.unexpected_keys[:3]} do not fit the model")
+    model.to(device)
+    model.train()
+    return model
+
+
+def check_saved_config(saved: dict, settings) -> None:
+    """A resume needs the adapter's rank, alpha, dropout and targets as saved (shapes and scale)."""
+    wanted = peft_config(settings).to_dict()
+    differ = [f"{key} {normal(saved.get(key))} -> {normal(wanted[key])}" for key in COMPARED
+              if normal(saved.get(key)) != normal(wanted[key])]
+    if differ:
+        raise TrainError(f"the checkpoint's adapter was saved with other settings ({', '.join(differ)}); "
+                         "resume with the run's own [lora] settings")
+
+
+def normal(value):
+    return sorted(value) if isinstance(value, (list, set, tuple)) else value
+
+
+def adapter_state(model) -> tuple[dict[str, torch.Tensor], dict]:
+    """(adapter tensors, peft config as a dict): what a checkpoint keeps for an exact resume."""
+    from peft import get_peft_model_state_dict
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+    config = model.peft_config[ADAPTER].to_dict()
+    config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # JSON has no sets
+    config["peft_type"] = str(config["peft_type"].value if hasattr(config["peft_type"], "value") else config["peft_type"])
+    return tensors, config
+
+
+def hf_model(model):
+    """The HF model inside peft's wrappers (its config and generation config are what a checkpoint saves)."""
+    return model.get_base_model()
+
+
+@torch.no_grad()
+def merged_state_dict(model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """HF-named tensors of the merged model: ``W + B@A * scale`` for each adapted layer (summed in
+    float32), every other tensor as is; ``dtype`` None means float32 (what checkpoints hold).
+    The module is not modified: no merge into the base and back (each round trip rounds it)."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = {f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
+    dtype = dtype or torch.float32
+    state = {}
+    for name, value in model.state_dict().items():
+        if any(part.startswith("lora_") for part in name.split(".")):
+            continue  # the adapter's own tensors: folded into W below
+        if name in layers:
+            delta = layers[name].get_delta_weight(ADAPTER)
+            value = value.to(device=device, dtype=torch.float32) + delta.to(device=device, dtype=torch.float32)
+        state[hf_name(name)] = value.detach().to(device=device, dtype=dtype)
+    return state
+
+
+def hf_name(name: str) -> str:
+    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -1,0 +1,134 @@
+"""Weights to the servers through the filesystem: trainer rank 0 writes each policy version as an HF
+model directory under the run's ``broadcasts/`` and every server reloads it in place
+(``POST /collective_rpc reload_weights``). Works on any platform, and across nodes over a shared
+filesystem; each directory doubles as a loadable snapshot of that version."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors.torch import save_file
+
+from scirl.files import fsync_dir, seal_file
+from scirl.inference.remote import ServerClient, confirm_version, on_every_server
+from scirl.inference.vllm import with_tied_lm_head
+
+SHARD_BYTES = 2 << 30  # safetensors file size cap in a weights dir: bounds the writer's extra memory
+
+
+def ties_embeddings(model_config) -> bool:
+    config = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    if isinstance(config, dict):
+        return bool(config.get("tie_word_embeddings", False))
+    return bool(getattr(config, "tie_word_embeddings", False))
+
+
+def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *, model_config, tokenizer=None) -> Path:
+    """Write an HF model directory vLLM can load (safetensors, ``config.json``, the tokenizer if
+    given) at ``out_dir``, whole or not at all: it is written to a hidden tmp dir next to it and
+    renamed into place (an existing ``out_dir`` is replaced). Returns ``out_dir``.
+
+    ``model_config``: a transformers config (or its dict). For a model with tied embeddings,
+    ``lm_head.weight`` is added as a copy of the embedding: vLLM's in-place reload keeps its OLD
+    head when the name is missing. Files hold at most ~2 GiB each (``model.safetensors.index.json``
+    names them), which bounds the memory the writer needs on top of the tensors."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a writer that died mid-way
+    tmp.mkdir()
+    try:
+        seen: set[int] = set()
+        tensors: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in with_tied_lm_head(named_tensors, ties_embeddings(model_config)):
+            tensor = tensor.detach().to("cpu").contiguous()
+            if tensor.data_ptr() in seen:  # safetensors refuses tensors that share memory (a tied head)
+                tensor = tensor.clone()
+            seen.add(tensor.data_ptr())
+            tensors.append((name, tensor))
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            if shards[-1] and size + nbytes > SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor
+            size += nbytes
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / file), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, file))
+            total = sum(t.numel() * t.element_size() for _, t in tensors)
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        if isinstance(model_config, dict):
+            (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
+        else:
+            model_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():
+            if path.is_file():
+                seal_file(path)  # fsync: a server on another node must not read a half-flushed file
+        fsync_dir(tmp)
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+        fsync_dir(out_dir.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+class FilesystemWeightSync:
+    """Trainer rank 0 writes each policy version as an HF model directory ``root/step_<version>``
+    (``root``: the run's ``broadcasts/``) and every server reloads from that path, then drops its
+    prefix cache. The newest ``keep`` directories stay; older ones are removed after a push."""
+
+    def __init__(self, clients: list[ServerClient], root: Path, *, keep: int = 2, timeout_s: float):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root), keep, timeout_s
+
+    def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
+        """Write version ``version`` and load it on every server, which then reports it as its weight
+        version (checked); returns its directory."""
+        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config, tokenizer=tokenizer)
+
+        def reload(client: ServerClient) -> None:
+            client.reload_weights(path, timeout_s=self.timeout_s)
+            client.set_weight_version(str(version), timeout_s=self.timeout_s)  # only after a reload that worked
+
+        on_every_server(self.clients, reload, self.timeout_s, "/collective_rpc")
+        confirm_version(self.clients, version, self.timeout_s)
+        self.prune(protect=path)
+        return path
+
+    def prune(self, protect: Path) -> list[Path]:
+        """Remove all but the newest ``keep`` version dirs (never ``protect``) and stale tmp dirs."""
+        def version(p: Path) -> int:
+            return int(p.name.split("_", 1)[1])
+
+        dirs = sorted((p for p in self.root.glob("step_*") if p.is_dir() and p.name[5:].isdigit()), key=version)
+        doomed = [p for p in dirs[: max(len(dirs) - self.keep, 0)] if p != protect]
+        doomed += [p for p in self.root.glob(".step_*.tmp") if p.is_dir()]
+        for p in doomed:
+            shutil.rmtree(p, ignore_errors=True)
+        return doomed

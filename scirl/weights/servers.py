@@ -1,0 +1,112 @@
+"""Weights to vLLM servers: every trainer rank gathers the full weights, and rank 0 hands them to the
+servers between two batches, through the filesystem or over NCCL; the servers then report the version
+and, when due, the push is checked. The run's start weights go first, so the first batch comes from
+the version the run starts at, whatever the servers held before (another run's weights, or a crash
+mid-push)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Callable
+from urllib.parse import urlparse
+
+from scirl.errors import TrainError
+from scirl.inference.remote import ServerClient, ServerError
+from scirl.net import pick
+from scirl.weights.check import Replica, WeightCheck
+from scirl.weights.filesystem import FilesystemWeightSync
+from scirl.weights.nccl import NCCLWeightSync
+
+
+class ServerSink:
+    """``between_batches(version, push)`` runs ``push`` while no batch is being generated (the
+    orchestrator's lock on rank 0; at once on the other ranks, which only join the gather)."""
+
+    def __init__(self, trainer, transport, tokenizer, check: WeightCheck, replicas: list[Replica],
+                 between_batches: Callable[[int, Callable[[], None]], None]):
+        self.trainer, self.transport, self.tokenizer = trainer, transport, tokenizer
+        self.check, self.replicas, self.between_batches = check, replicas, between_batches
+
+    def make_room(self) -> None:
+        """The servers have GPUs of their own."""
+
+    def push(self, version: int) -> dict:
+        self.between_batches(version, lambda: self._send(version))
+        return self.check.run(version, self.replicas) if self.check.due(version) else {}
+
+    def _send(self, version: int) -> None:
+        trainer = self.trainer
+        state = trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype, all_ranks=False)  # a collective
+        if self.transport is None:  # ranks > 0: their part is the gather
+            return
+        try:
+            self.transport.push(state.items(), version, model_config=trainer.model.config, tokenizer=self.tokenizer)
+        except (ServerError, RuntimeError, TimeoutError) as exc:  # RuntimeError: NCCL's own, after an abort
+            raise TrainError(f"weights of step {version} did not reach the servers: {exc}") from exc
+
+    def close(self) -> None:
+        """Nothing to release: the servers keep the last version."""
+
+
+def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_dir: Path, start_step: int,
+                      check: WeightCheck, replicas: list[Replica],
+                      between_batches: Callable[[int, Callable[[], None]], None]) -> ServerSink:
+    """The sink for ``urls`` (``deployment``: the run's ``[deployment]`` section), with the run's start
+    weights already pushed (and checked). Rank 0 opens the transport: NCCL on GPUs (the group formed here),
+    the filesystem elsewhere."""
+    transport = None
+    if trainer.dist.is_main:
+        mode = deployment.weight_sync_on(trainer.device.type == "cuda")
+        clients = [ServerClient(url, timeout_s=deployment.weight_sync_timeout_s) for url in urls]
+        if mode == "nccl":
+            transport = open_nccl(clients, deployment, urls, dtype=str(trainer.dtype).removeprefix("torch."))
+        else:
+            transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts", timeout_s=deployment.weight_sync_timeout_s)
+    sink = ServerSink(trainer, transport, tokenizer, check, replicas, between_batches)
+    sink.push(start_step)
+    return sink
+
+
+def open_nccl(clients: list[ServerClient], deployment, urls: list[str], *, dtype: str) -> NCCLWeightSync:
+    """The NCCL group with every server worker, on the port the launcher reserved (or a free one). The
+    wire carries the trainer's compute dtype, which the servers compute in (``scirl.deploy.launch``):
+    a float32 run's servers get float32, not a bf16 rounding of it."""
+    address = nccl_master_address(urls, deployment.nccl_address)
+    port = pick(address, deployment.nccl_port, "deployment.nccl_port", "set deployment.nccl_port = 0 (a free port) or free it")
+    sync = NCCLWeightSync(clients, master_address=address, master_port=port, timeout_s=deployment.weight_sync_timeout_s,
+                          dtype=dtype)
+    try:
+        sync.init()
+    except (ServerError, RuntimeError, TimeoutError) as exc:
+        raise TrainError(f"the NCCL weight group with the servers did not form: {exc}") from exc
+    return sync
+
+
+def nccl_master_address(urls: list[str], configured: str | None = None) -> str:
+    """Where the servers reach trainer rank 0: ``deployment.nccl_address`` when set; loopback when they
+    all run here; else this machine's address on the interface that routes to them.
+
+    Not ``gethostbyname(gethostname())``: on stock Debian/Ubuntu the hostname resolves to 127.0.1.1,
+    which no other machine can reach. A UDP socket ``connect``ed to a server sends nothing, but makes
+    the kernel pick the route to it, whose source address ``getsockname`` then gives."""
+    if configured:
+        return configured
+    hosts = [urlparse(url).hostname for url in urls]
+    if all(host in ("127.0.0.1", "localhost", "::1") for host in hosts):
+        return "127.0.0.1"
+    addresses = {}
+    for url, host in zip(urls, hosts):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.connect((host, urlparse(url).port or 80))
+            except OSError as exc:
+                raise TrainError(f"no route from this machine to the server {url} ({exc}); set "
+                                 "deployment.nccl_address to this machine's address the servers can reach") from exc
+            addresses[url] = probe.getsockname()[0]
+    if len(set(addresses.values())) > 1:
+        raise TrainError("the servers are reached through different interfaces of this machine ("
+                         + ", ".join(f"{url} via {address}" for url, address in addresses.items())
+                         + "); set deployment.nccl_address to the one address every server can reach")
+    return next(iter(addresses.values()))
