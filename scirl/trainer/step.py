@@ -201,6 +201,14 @@ class Trainer:
         logits = self.compute_model(input_ids=ids, use_cache=False).logits[:, :-1]
         return token_logprobs(logits, ids[:, 1:])[0][0].tolist()
 
+    def reshard_root(self) -> None:
+        """FSDP2 keeps the root module's parameters gathered after a forward (for the backward that usually
+        follows) and a later forward reuses them: around the EMA teacher's forward they must be gathered
+        anew, or the teacher would compute with the policy's (a weight check's forward before it) and the
+        student with the teacher's (after it)."""
+        if self.ema is not None and hasattr(self.compute_model, "reshard"):
+            self.compute_model.reshard()
+
     # ---- the step ----
 
     def forward_backward(self, mb, loss_scale, dummy: bool = False) -> tuple[float, LossSums]:
@@ -273,11 +281,9 @@ class Trainer:
                 return None
             teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), self.device)
         with self.ema.holding(self.compute_copy) if self.ema is not None else nullcontext():
+            self.reshard_root()
             logits, mask = self.teacher_logits(teacher)
-            if hasattr(self.compute_model, "reshard"):
-                # FSDP2 keeps the root's parameters gathered after a forward (for the backward that usually
-                # follows): free them, or the student's forward would reuse the teacher's
-                self.compute_model.reshard()
+            self.reshard_root()
         if mb.teacher is None:
             return None
         return teacher_targets(logits[mask], top_k=self.sdpo.top_k, tail=self.sdpo.tail, temperature=self.temperature)
