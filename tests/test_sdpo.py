@@ -315,3 +315,37 @@ def test_the_cpu_trainers_shared_prompts_give_the_same_sdpo_step(tiny_model_dir,
     assert shared["sdpo/teacher_tokens"] == plain["sdpo/teacher_tokens"] == 11
     for name, value in plain_weights.items():
         assert torch.allclose(shared_weights[name], value, atol=1e-6), name
+
+
+def test_the_metrics_row_and_step_line_say_how_many_rollouts_had_a_teacher():
+    from scirl.run.metrics import step_line, step_metrics
+
+    def record(teacher, tokens):
+        return {"reward": 1.0, "dropped": False, "advantage": 0.5, "domain": "Physics", "parsed_strict": True,
+                "parsed_lenient": True, "correct_strict": True, "correct_lenient": True, "filter": None,
+                "num_tokens": 3, "finish_reason": "stop", "teacher": teacher, "teacher_prompt_tokens": tokens}
+
+    rollouts = [record("solution", 100), record("feedback", 60), record("none", 0), record("none", 0)]
+    stats = {"stepped": True, "loss": 0.1, "entropy": 0.5, "grad_norm": 1.0, "mismatch_kl": 0.0, "masked_fraction": 0.0,
+             "loss_tokens": 6, "sdpo/divergence": 0.25, "sdpo/teacher_tokens": 6, "time/teacher": 0.01}
+    timings = {"time/generate": 1.0, "time/train": 1.0, "time/weight_sync": 0.0, "time/step": 2.0}
+    m = step_metrics(3, rollouts, stats, timings)
+    assert (m["sdpo/teacher_fraction"], m["sdpo/feedback_fraction"], m["sdpo/teacher_prompt_tokens"]) == (0.5, 0.25, 80)
+    assert (m["sdpo/divergence"], m["time/teacher"]) == (0.25, 0.01)
+    assert "SDPO teacher 50.0% | Divergence 0.2500" in step_line(m)
+    grpo = step_metrics(3, [{k: v for k, v in r.items() if not k.startswith("teacher")} for r in rollouts],
+                        {k: v for k, v in stats.items() if not k.startswith(("sdpo", "time/"))}, timings)
+    assert not any(k.startswith("sdpo/") for k in grpo) and "SDPO" not in step_line(grpo)
+
+
+def test_the_sdpo_config_round_trips_and_bad_values_are_one_line_errors(tmp_path, capsys):
+    from scirl.commands.train import main
+    from scirl.run.config_io import load_config, read_toml, validate, write_config
+
+    cfg = load_config(["--algorithm", "sdpo", "--sdpo.top-k", "0", "--sdpo.teacher", "current", "--sdpo.is-clip", "0"])
+    assert validate(read_toml(write_config(cfg, tmp_path / "config.toml"))) == cfg
+    for flags, field in ((["--algorithm", "ppo"], "algorithm"), (["--sdpo.alpha", "1.5"], "sdpo.alpha"),
+                         (["--sdpo.teacher", "frozen"], "sdpo.teacher"), (["--sdpo.ema-rate", "0"], "sdpo.ema_rate")):
+        assert main([*flags, "--dry-run"]) == 2
+        err = capsys.readouterr().err
+        assert field in err and "Traceback" not in err and err.count("\n") == 1, err
