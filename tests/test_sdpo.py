@@ -349,3 +349,26 @@ def test_the_sdpo_config_round_trips_and_bad_values_are_one_line_errors(tmp_path
         assert main([*flags, "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert field in err and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_in_one_bf16_process_the_teacher_computes_with_the_ema_cast_and_the_copy_comes_back(tiny_model_dir):
+    """One bf16 process trains float32 masters through a bf16 compute copy: the teacher forward puts the
+    EMA's values, cast, into that copy, and the copy is the masters' cast again afterwards."""
+    from scirl.distributed import Dist
+    from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer
+
+    cfg = TrainConfig()
+    model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.bfloat16, sdpo=SdpoConfig())
+    assert trainer.compute_copy is not None
+    for value in trainer.ema.values:
+        value.add_(0.01)
+    with trainer.ema.holding(trainer.compute_copy):
+        for (_, compute), value in zip(trainer.compute_copy.pairs, trainer.ema.values):
+            assert torch.equal(compute.detach(), value.to(torch.bfloat16))
+    for master, compute in trainer.compute_copy.pairs:
+        assert torch.equal(compute.detach(), master.detach().to(torch.bfloat16))
+    stats = trainer.train_step(trainer.batches(samples_with_teachers(), 8, pad_id=0))
+    assert stats["stepped"] and stats["sdpo/divergence"] > 0  # the teacher (EMA + 0.01) differs from the student
