@@ -199,13 +199,16 @@ def test_grpo_makes_no_teacher_prompts():
 
 
 def samples_with_teachers(seed=0):
-    """Two groups; teacher prompts differ per completion; one completion without a teacher."""
+    """Two groups, one completion without a teacher; group 0's teacher prompts differ per completion, group 1's
+    two completions were shown the same solution (one teacher prompt)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for group_index, lengths in enumerate(((3, 1, 4), (2, 2))):
         prompt = torch.randint(10, 500, (6 + group_index,), generator=g).tolist()
+        shared = torch.randint(10, 500, (11,), generator=g).tolist()
         for k, n in enumerate(lengths):
             teacher = None if (group_index, k) == (0, 1) else torch.randint(10, 500, (9 + k,), generator=g).tolist()
+            teacher = shared if group_index == 1 else teacher
             samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
                                   (-torch.rand(n, generator=g) * 3).tolist(), float(torch.randn(1, generator=g)),
                                   group_index, teacher))
@@ -310,6 +313,8 @@ def test_the_cpu_trainers_shared_prompts_give_the_same_sdpo_step(tiny_model_dir,
             samples = [s for s in samples if s.teacher_prompt_ids is not None]
         results.append((trainer.train_step(build(samples, 5, pad_id=0)), trainer.full_state_dict()))
     (plain, plain_weights), (shared, shared_weights) = results
+    taught = [s for s in samples_with_teachers() if s.teacher_prompt_ids is not None]
+    assert len(make_shared_prompt_batches(taught, 5, pad_id=0)[0].teacher.prompts.prompt_ids) == 3  # 4 rows, 3 prompts
     for key in ("loss", "sdpo/divergence", "entropy"):
         assert shared[key] == pytest.approx(plain[key], abs=1e-5), key
     assert shared["sdpo/teacher_tokens"] == plain["sdpo/teacher_tokens"] == 11

@@ -9,14 +9,15 @@ attention left to torch's CPU kernel.
   one prompt forward instead of 16. Under torchrun every rank must run the same number of
   forwards, so multi-rank runs keep whole sequences;
 - ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``);
-- SDPO's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. The teacher
-  prompts differ per completion (each shows another completion's solution), so the teacher runs whole
-  sequences (``TeacherInputs``), one per completion with a teacher.
+- SDPO's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. A teacher
+  prompt shows one success of the group, so most of a group's completions see the same one (all but the
+  success shown, which sees another): with shared prompts the teacher, too, runs each distinct teacher
+  prompt once and continues its completions from its KV cache (``SharedTeacherInputs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -25,7 +26,6 @@ from scirl.cpu.attention import use_gqa_attention
 from scirl.inference.hf import cache_kwarg
 from scirl.rollouts.contract import Sample
 from scirl.trainer.loss import token_logprobs
-from scirl.trainer.sdpo import TeacherInputs, teacher_inputs
 from scirl.trainer.step import Trainer, check_sample
 
 
@@ -54,8 +54,12 @@ class CPUTrainer(Trainer):
                 return logits, mb.completion_ids, mb.completion_mask, mb.inference_logprobs
             return super().forward_logits(mb)
 
-    def teacher_logits(self, teacher: TeacherInputs):
+    def teacher_logits(self, teacher):
         with use_gqa_attention(self.compute_model):
+            if isinstance(teacher, SharedTeacherInputs):
+                first, rest = self.shared_prompt_logits(teacher.prompts)
+                logits = first if rest is None else torch.cat([first, rest], dim=1)
+                return logits, teacher.prompts.completion_mask
             return super().teacher_logits(teacher)
 
     def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
@@ -105,11 +109,33 @@ class SharedPromptBatch:
     rows: torch.Tensor  # [R] long: the prompt of each completion
     inference_logprobs: torch.Tensor  # [R, C] float32
     advantages: torch.Tensor  # [R] float32
-    teacher: TeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
+    teacher: SharedTeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
 
     @property
     def loss_mask(self) -> torch.Tensor:
         return self.completion_mask
+
+
+@dataclass
+class SharedTeacherInputs:
+    """SDPO's teacher sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
+    distinct teacher prompt stored (and run) once."""
+
+    prompts: SharedPromptBatch  # teacher prompts and the rows' completions
+    has_teacher: torch.Tensor  # [R] bool: which rows of the student's micro-batch these are
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.prompts.completion_mask
+
+
+def shared_teacher_inputs(chunk: list[Sample], pad_id: int) -> SharedTeacherInputs | None:
+    taught = [replace(s, prompt_ids=s.teacher_prompt_ids, teacher_prompt_ids=None) for s in chunk
+              if s.teacher_prompt_ids is not None]
+    if not taught:
+        return None
+    has_teacher = torch.tensor([s.teacher_prompt_ids is not None for s in chunk], dtype=torch.bool)
+    return SharedTeacherInputs(make_shared_prompt_batches(taught, len(taught), pad_id)[0], has_teacher)
 
 
 def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
@@ -148,5 +174,5 @@ def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad
         advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
         batches.append(SharedPromptBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
                                          torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages,
-                                         teacher_inputs(chunk, pad_id)))
+                                         shared_teacher_inputs(chunk, pad_id)))
     return batches
