@@ -208,3 +208,21 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     assert got["ema"].keys() == ema_after.keys()
     for name, value in ema_after.items():
         torch.testing.assert_close(got["ema"][name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_sdpo_on_the_demo_base_raises_the_reward(tmp_path, one_thread):  # noqa: F811
+    """SDPO learns with no policy-gradient term at all: on the demo base (which reads a solution shown in its
+    prompt), 8 steps of the demo's config lift the training reward; most rollouts have a teacher."""
+    from scirl.demo.run import BASE_MODEL_DIR, DEMO_CONFIG, write_questions
+
+    data = write_questions(tmp_path / "q.jsonl", 40, 5, 0)
+    run_dir = tmp_path / "run"
+    assert run_in_process(["@", str(DEMO_CONFIG), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
+                           "--data.eval-per-domain", "5", "--output-dir", str(run_dir), "--max-steps", "8",
+                           "--eval.interval", "0", "--ckpt.interval", "8", "--algorithm", "sdpo"]) == 0
+    metrics = rows(run_dir)
+    rewards = [m["reward/mean"] for m in metrics]
+    # deterministic here (seeded, one thread); across seeds 0-3 the rise was 0.29-0.49
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
+    assert all(m["sdpo/teacher_fraction"] > 0.5 for m in metrics)

@@ -132,6 +132,12 @@ def layout(cfg) -> str:
     return f"colocated: one process samples with {BACKEND_NAMES[sampling_backend(cfg)]} and trains"
 
 
+def mean_of(metrics: list[dict], *keys: str) -> float | None:
+    """The mean over the rows that have them of the sum of ``keys`` (None: no row has them all)."""
+    sums = [sum(m[key] for key in keys) for m in metrics if all(key in m for key in keys)]
+    return round(statistics.fmean(sums), 3) if sums else None
+
+
 def run_demo(opts: DemoOptions) -> dict:
     """Run the whole demo; return a summary dict (also written to ``OUTPUT_DIR/demo_summary.json``)."""
     console = Console()
@@ -222,9 +228,8 @@ def run_demo(opts: DemoOptions) -> dict:
         "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean") or 0) >= 0.9), None),
         "algorithm": cfg.algorithm,
         # a step's own work (generation, the train step, the weight push), without eval and checkpoints
-        "seconds_per_step": round(statistics.fmean(m["time/generate"] + m["time/train"] + m["time/weight_sync"]
-                                                   for m in metrics), 3),
-        "train_seconds_per_step": round(statistics.fmean(m["time/train"] for m in metrics), 3),
+        "seconds_per_step": mean_of(metrics, "time/generate", "time/train", "time/weight_sync"),
+        "train_seconds_per_step": mean_of(metrics, "time/train"),
         "steps": cfg.max_steps,
         "inference_backend": backend,
         "layout": layout(cfg),

@@ -31,6 +31,10 @@ Checkpoints keep the float32 master weights, so resuming loses no precision; ser
 ``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
 the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
 
+With ``algorithm = "sdpo"`` the loop is the same: the batch's samples carry their self-teacher's prompt
+(``scirl/rollouts/teacher.py``), the trainer's step runs the teacher forward and the distillation loss
+(``scirl/trainer/sdpo.py``), and checkpoints keep the EMA teacher.
+
 Everything the loop works with is built once by ``scirl.run.setup.start``.
 """
 
