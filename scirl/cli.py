@@ -11,7 +11,7 @@ COMMANDS = {
     "data": ("data", "inspect and export the MCQ splits (SciKnowEval or another science MCQ set)"),
     "eval": ("eval", "evaluate a served or local model on the held-out questions"),
     "serve": ("serve", "serve a local HF model over an OpenAI-compatible API (CPU)"),
-    "train": ("train", "cold-start GRPO training"),
+    "train": ("train", "cold-start GRPO (or SDPO) training"),
     "demo": ("demo", "offline end-to-end demo: evaluate, train, evaluate again"),
     "report": ("report", "plots and a one-page HTML summary of a run"),
     "export": ("export", "export the task for other frameworks (prime-rl)"),

@@ -305,6 +305,14 @@ def test_too_little_disk_is_one_line_with_the_size_and_a_fix(tiny_model_dir, tmp
     assert preflight.check_disk(cfg, "filesystem") == one
 
 
+def test_an_sdpo_run_with_an_ema_teacher_budgets_its_copy_in_every_checkpoint(tiny_model_dir, tmp_path):
+    base = ["--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "run")]
+    params = preflight.parameter_count(str(tiny_model_dir))
+    assert preflight.disk_needed(load_config(base), "nccl")[1] == params * 12
+    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo"]), "nccl")[1] == params * 16
+    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"]), "nccl")[1] == params * 12
+
+
 def test_a_missing_vllm_is_one_line_with_the_install_command(monkeypatch):
     real = preflight.importlib.util.find_spec
     monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))

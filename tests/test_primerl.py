@@ -238,7 +238,7 @@ def test_settings_the_taskset_cannot_express_are_refused(data_file, tmp_path, ca
     for bad in ({"shuffle_options": "rollout"}, {"reward_mode": "random"}):
         with pytest.raises(ValidationError):
             SciKnowEvalConfig.model_validate({"id": "sciknoweval", **bad})
-    for flags in (["--shuffle-options", "rollout"], ["--reward-mode", "random"]):
+    for flags in (["--shuffle-options", "rollout"], ["--reward-mode", "random"], ["--algorithm", "sdpo"]):
         assert cli_main(["export", "prime-rl", "--out", str(tmp_path / "x"), *flags]) == 2
         err = capsys.readouterr().err
         assert err.startswith("scirl export:") and "cannot be exported" in err and err.count("\n") == 1

@@ -232,6 +232,24 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     assert versions == {1: {(0, 0)}, 2: {(0, 1)}, 3: {(2, 0)}, 4: {(2, 1)}}
 
 
+def test_sdpo_through_the_server_one_step_ahead(server, questions, tmp_path):
+    """SDPO on servers: the servers and the orchestrator sample as for GRPO, the orchestrator adds each
+    sample's teacher prompt, the trainer runs the teacher forward; batch 2 comes from version 0 while step 1
+    trains, and the clipped importance weight takes the lag."""
+    _, url = server
+    run = tmp_path / "run"
+    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3",
+                                "--max-async-level", "1", "--algorithm", "sdpo"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = rows(run)
+    assert [m["async/lag_max"] for m in metrics] == [0, 1]
+    assert all(m["sdpo/teacher_fraction"] > 0 and m["sdpo/divergence"] >= 0 and m["time/teacher"] > 0 for m in metrics)
+    records = rollouts(run, 2)
+    assert {r["teacher"] for r in records} <= {"solution", "feedback", "none"}
+    assert any(r["teacher"] == "solution" and r["teacher_prompt_tokens"] > 0 for r in records)
+    assert "SDPO teacher" in done.stdout and (run / "weights" / "step_2" / "trainer_state" / "ema_teacher.safetensors").is_file()
+
+
 # ---- pushes that go wrong on purpose: each ends the run in one line naming the server ----
 
 def run_scirl_patched(patch: str, args: list[str]) -> subprocess.CompletedProcess:

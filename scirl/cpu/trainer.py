@@ -8,12 +8,16 @@ attention left to torch's CPU kernel.
   cache (gradients flow through the cache), as the sampler did: a group of 16 completions costs
   one prompt forward instead of 16. Under torchrun every rank must run the same number of
   forwards, so multi-rank runs keep whole sequences;
-- ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``).
+- ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``);
+- SDPO's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. A teacher
+  prompt shows one success of the group, so most of a group's completions see the same one (all but the
+  success shown, which sees another): with shared prompts the teacher, too, runs each distinct teacher
+  prompt once and continues its completions from its KV cache (``SharedTeacherInputs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import DynamicCache
@@ -41,9 +45,37 @@ class CPUTrainer(Trainer):
                 return self.shared_prompt_logprobs(mb)
             return self.completion_logprobs(mb)
 
+    def forward_logits(self, mb):
+        with use_gqa_attention(self.compute_model):
+            if isinstance(mb, SharedPromptBatch):
+                first, rest = self.shared_prompt_logits(mb)
+                # SDPO compares whole distributions: one [rows, tokens, vocab] tensor (a copy; small models here)
+                logits = first if rest is None else torch.cat([first, rest], dim=1)
+                return logits, mb.completion_ids, mb.completion_mask, mb.inference_logprobs
+            return super().forward_logits(mb)
+
+    def teacher_logits(self, teacher):
+        with use_gqa_attention(self.compute_model):
+            if isinstance(teacher, SharedTeacherInputs):
+                first, rest = self.shared_prompt_logits(teacher.prompts)
+                logits = first if rest is None else torch.cat([first, rest], dim=1)
+                return logits, teacher.prompts.completion_mask
+            return super().teacher_logits(teacher)
+
     def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
         """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
         is repeated for its completions, which continue from it, as in generation."""
+        first, rest = self.shared_prompt_logits(mb)
+        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
+        logprobs, entropy = token_logprobs(first, mb.completion_ids[:, :1], self.temperature, self.top_p)
+        if rest is not None:
+            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature, self.top_p)
+            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
+        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
+
+    def shared_prompt_logits(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits that predict each completion's first token ([R, 1, V], from its prompt's last position)
+        and the rest ([R, C - 1, V], from the completion positions; None for one-token completions)."""
         cache_arg = cache_kwarg(self.compute_model)
         try:
             cache = DynamicCache(config=self.model.config)
@@ -61,12 +93,7 @@ class CPUTrainer(Trainer):
         if n_completion > 1:
             rest = self.compute_model(input_ids=mb.completion_ids[:, :-1], attention_mask=attention_mask[:, :-1],
                                       position_ids=positions[:, :-1], use_cache=True, **{cache_arg: cache}).logits
-        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
-        logprobs, entropy = token_logprobs(out.logits[mb.rows, -1:], mb.completion_ids[:, :1], self.temperature, self.top_p)
-        if rest is not None:
-            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature, self.top_p)
-            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
-        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
+        return out.logits[mb.rows, -1:], rest
 
 
 @dataclass
@@ -82,10 +109,33 @@ class SharedPromptBatch:
     rows: torch.Tensor  # [R] long: the prompt of each completion
     inference_logprobs: torch.Tensor  # [R, C] float32
     advantages: torch.Tensor  # [R] float32
+    teacher: SharedTeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
 
     @property
     def loss_mask(self) -> torch.Tensor:
         return self.completion_mask
+
+
+@dataclass
+class SharedTeacherInputs:
+    """SDPO's teacher sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
+    distinct teacher prompt stored (and run) once."""
+
+    prompts: SharedPromptBatch  # teacher prompts and the rows' completions
+    has_teacher: torch.Tensor  # [R] bool: which rows of the student's micro-batch these are
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.prompts.completion_mask
+
+
+def shared_teacher_inputs(chunk: list[Sample], pad_id: int) -> SharedTeacherInputs | None:
+    taught = [replace(s, prompt_ids=s.teacher_prompt_ids, teacher_prompt_ids=None) for s in chunk
+              if s.teacher_prompt_ids is not None]
+    if not taught:
+        return None
+    has_teacher = torch.tensor([s.teacher_prompt_ids is not None for s in chunk], dtype=torch.bool)
+    return SharedTeacherInputs(make_shared_prompt_batches(taught, len(taught), pad_id)[0], has_teacher)
 
 
 def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[SharedPromptBatch]:
@@ -123,5 +173,6 @@ def make_shared_prompt_batches(samples: list[Sample], micro_batch_size: int, pad
             inference_logprobs[r, :c] = torch.tensor(s.logprobs, dtype=torch.float32)
         advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
         batches.append(SharedPromptBatch(prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                         torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages))
+                                         torch.tensor(rows, dtype=torch.long), inference_logprobs, advantages,
+                                         shared_teacher_inputs(chunk, pad_id)))
     return batches

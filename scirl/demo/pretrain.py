@@ -5,12 +5,19 @@ must learn to read, not memorise), formatted exactly as scirl's prompt does, wit
 the unreliable posted answers of ``world.web_answer``. The loss is on the posted
 answer, plus a plain next-token loss on the page. The result has the skill (it can find the option the text states)
 but answers with a habitual letter on several question types: the starting point
-of the demo's GRPO run.
+of the demo's GRPO and SDPO runs.
+
+A share of the pages (``--solved-share``) are "solved" pages: the question as SDPO's teacher sees it
+(``scirl.task.prompt.teacher_messages``: the question, "Correct solution:" and a right reply, the
+instruction to solve the original question), answered with that reply's letter. They give the small
+model what a large one brings to SDPO by itself: it reads a solution shown in its prompt and answers
+with it. Without them the demo base answers worse when shown a right solution than without it (16% vs
+42% on held-out questions), and a self-teacher that reads no solutions has nothing to teach.
 
 Rebuild the shipped model (about 10 minutes on one CPU thread; scripts/build_demo_base.sh):
 
     python -m scirl.demo.pretrain --out scirl/assets/demo-base --steps 1100 --clean-steps 250 \
-        --layers 3 --eval-every 100 --val-per-domain 50
+        --layers 3 --eval-every 100 --val-per-domain 50 --solved-share 0.125
 
 Two phases: ``--clean-steps`` of "textbook" pages (answers always right) teach the
 reading skill, then "web" pages (``world.web_answer``) teach the answer habits. Every
@@ -36,7 +43,7 @@ from scirl.inference.base import encode_messages
 from scirl.synth.questions import RELATIONS
 from scirl.synth.tiny_model import build_tiny_model, build_tokenizer
 from scirl.task.data import question_from_row
-from scirl.task.prompt import build_messages
+from scirl.task.prompt import build_messages, teacher_messages
 
 VALIDATION_SEED = 1_000_003  # rows for choosing/checking the base; the demo uses other seeds
 
@@ -45,22 +52,38 @@ def encode_prompt(tokenizer, row) -> list[int]:
     return encode_messages(tokenizer, build_messages(question_from_row(row)))
 
 
-def tokenizer_corpus(seed: int) -> list[str]:
-    """Text the tokenizer is trained on: rendered demo prompts and the answer forms."""
+def tokenizer_corpus(seed: int, solved: bool = False) -> list[str]:
+    """Text the tokenizer is trained on: rendered demo prompts and the answer forms (and, with ``solved``
+    pages, the teacher prompt's wording)."""
     texts = []
     for row in generate_reading_rows(200, seed=seed + 7):
         texts += [m["content"] for m in build_messages(question_from_row(row))]
     texts += [f"Answer: {x}" for x in LETTERS] * 20
+    if solved:
+        texts += [teacher_messages(question_from_row(row), solution="A")[-1]["content"]
+                  for row in generate_reading_rows(10, seed=seed + 11)]
     texts += ["system\n", "user\n", "assistant\n"] * 200  # the chat template's role names, as whole tokens
     return texts
 
 
-def make_batch(tokenizer, rows, rng, end_id, clean: bool = False):
-    """Right-padded input ids, attention mask and labels (-100 everywhere but the answer and its end token)."""
+def right_reply(row, rng: random.Random) -> str:
+    """A right answer in one of the forms web pages post (the bare letter, or "Answer: X")."""
+    return row["answerKey"] if rng.random() < 0.8 else f"Answer: {row['answerKey']}"
+
+
+def make_batch(tokenizer, rows, rng, end_id, clean: bool = False, solved_share: float = 0.0, solved_rng=None):
+    """Right-padded input ids, attention mask and labels (-100 everywhere but the answer and its end token).
+    A ``solved_share`` of the rows (drawn from ``solved_rng``) are solved pages: the teacher's prompt with a
+    right reply shown, answered right."""
     seqs, labels = [], []
     for row in rows:
-        prompt = encode_prompt(tokenizer, row)
-        text = row["answerKey"] if clean else web_answer(row, rng)
+        if solved_share and solved_rng.random() < solved_share:
+            shown = right_reply(row, solved_rng)
+            prompt = encode_messages(tokenizer, teacher_messages(question_from_row(row), solution=shown))
+            text = right_reply(row, solved_rng)
+        else:
+            prompt = encode_prompt(tokenizer, row)
+            text = row["answerKey"] if clean else web_answer(row, rng)
         answer = tokenizer.encode(text, add_special_tokens=False) + [end_id]
         seqs.append(prompt + answer)
         labels.append([-100] * len(prompt) + answer)
@@ -72,12 +95,14 @@ def make_batch(tokenizer, rows, rng, end_id, clean: bool = False):
     return ids, mask, lab
 
 
-def letter_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
+def letter_scores(model, tokenizer, rows, batch_size: int = 64, solved: bool = False) -> dict:
     """Greedy first-token accuracy and the skill, from the next-token distribution after the prompt.
 
     ``greedy_acc``: the argmax over the whole vocabulary is the right letter.
     ``skill_acc``: the right letter beats the other three letters once the row's habitual
     letter is set aside (on rows whose answer is not the habit) - what the model knows.
+    ``solved_acc`` (with ``solved``): greedy accuracy when the prompt shows the right letter as SDPO's
+    teacher prompt does - whether the model reads a solution it is shown.
     """
     letter_ids = [tokenizer.convert_tokens_to_ids(x) for x in LETTERS]
     task_habit = {r.task: HABITS[i] for i, r in enumerate(RELATIONS)}
@@ -104,12 +129,20 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64) -> dict:
                     best = max(others, key=lambda i: row_logits[letter_ids[i]].item())
                     skill += int(best == gold)
                     skill_n += 1
+        solved_right = 0
+        for row in rows if solved else []:
+            ids = encode_messages(tokenizer, teacher_messages(question_from_row(row), solution=row["answerKey"]))
+            next_token = model(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item()
+            solved_right += int(next_token == letter_ids[LETTERS.index(row["answerKey"])])
     model.train()
-    return {
+    scores = {
         "greedy_acc": greedy / len(rows),
         "skill_acc": skill / max(skill_n, 1),
         "per_domain": {d: sum(v) / len(v) for d, v in sorted(per_domain.items())},
     }
+    if solved:
+        scores["solved_acc"] = solved_right / len(rows)
+    return scores
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)")
+    parser.add_argument("--solved-share", type=float, default=0.0,
+                        help="share of the pages that show a right solution in SDPO's teacher prompt, answered with it")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
@@ -142,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32)
         out.mkdir(parents=True, exist_ok=True)
     else:
-        tokenizer = build_tokenizer(tokenizer_corpus(args.seed), args.vocab_size)
+        tokenizer = build_tokenizer(tokenizer_corpus(args.seed, solved=args.solved_share > 0), args.vocab_size)
         build_tiny_model(out, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                          num_kv_heads=args.heads, vocab_size=args.vocab_size, tokenizer=tokenizer, seed=args.seed)
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -154,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     val_rows = generate_reading_rows(args.val_per_domain, seed=VALIDATION_SEED)
     data_rng = random.Random(f"pretrain-pages-{args.seed}")
     answer_rng = random.Random(f"pretrain-answers-{args.seed}")
+    solved_rng = random.Random(f"pretrain-solved-{args.seed}")  # its own stream: --solved-share 0 pages are as before
     log_path = out / "pretrain_log.jsonl"
     log = log_path.open("w")
     t0 = time.time()
@@ -169,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         # fresh pages every step: a new seed per batch, drawn from the run's own stream
         rows = generate_reading_rows(math.ceil(args.batch_size / 4), seed=data_rng.randrange(2**31))
         rows = data_rng.sample(rows, args.batch_size) if len(rows) > args.batch_size else rows
-        ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id, clean=step <= args.clean_steps)
+        ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id, clean=step <= args.clean_steps,
+                                       solved_share=args.solved_share, solved_rng=solved_rng)
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         targets = labels[:, 1:]
         keep = targets != -100
@@ -189,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         if step % 50 == 0:
             print(f"step {step} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
-            scores = letter_scores(model, tokenizer, val_rows)
+            scores = letter_scores(model, tokenizer, val_rows, solved=args.solved_share > 0)
             record = {"step": step, "pages": "textbook" if step <= args.clean_steps else "web", "time": round(time.time() - t0, 1), "loss": round(loss.item(), 4), "lr": lr, **scores}
             log.write(json.dumps(record) + "\n")
             log.flush()

@@ -1,4 +1,5 @@
-"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO, evaluate again.
+"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO (or SDPO, with
+``--algorithm sdpo``), evaluate again.
 
 Everything is offline. The questions come from ``scirl.demo.world`` (open-book
 science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that
@@ -13,6 +14,7 @@ servers and ``deployment.num_train_gpus`` trainer ranks, the guide's layout, on 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,9 +92,9 @@ def answer_letters(results: dict) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
-def print_before_after(console, before: dict, after: dict) -> None:
+def print_before_after(console, before: dict, after: dict, algorithm: str = "grpo") -> None:
     table = Table(title="Held-out accuracy (greedy, questions the RL phase never saw)")
-    for column in ("", "questions", "base", "after GRPO", "change"):
+    for column in ("", "questions", "base", f"after {algorithm.upper()}", "change"):
         table.add_column(column, justify="left" if not column else "right")
 
     def row(name, n, a, b):
@@ -128,6 +130,12 @@ def layout(cfg) -> str:
     if uses_servers(cfg):
         return f"{cfg.deployment.num_infer_gpus} vLLM server(s) + {cfg.deployment.num_train_gpus} trainer rank(s)"
     return f"colocated: one process samples with {BACKEND_NAMES[sampling_backend(cfg)]} and trains"
+
+
+def mean_of(metrics: list[dict], *keys: str) -> float | None:
+    """The mean over the rows that have them of the sum of ``keys`` (None: no row has them all)."""
+    sums = [sum(m[key] for key in keys) for m in metrics if all(key in m for key in keys)]
+    return round(statistics.fmean(sums), 3) if sums else None
 
 
 def run_demo(opts: DemoOptions) -> dict:
@@ -184,13 +192,14 @@ def run_demo(opts: DemoOptions) -> dict:
     before = evaluate(opts.base_model, held_out, out / "eval_base.json", opts.eval_max_tokens, opts.progress)
     console.print(f"base held-out accuracy: {100 * before['overall_accuracy']:.1f}%")
 
-    # 3. cold-start GRPO with scirl's trainer: in this process, or scirl train's launcher with its servers and ranks
+    # 3. cold-start RL with scirl's trainer: in this process, or scirl train's launcher with its servers and ranks
     backend = sampling_backend(cfg)
+    algorithm = cfg.algorithm.upper()
     if uses_servers(cfg):
-        console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, {layout(cfg)}")
+        console.rule(f"[bold]3/4 cold-start {algorithm}: {cfg.max_steps} steps, {layout(cfg)}")
         status = launch(cfg, config_args, **opts.launch_options)
     else:
-        console.rule(f"[bold]3/4 cold-start GRPO: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
+        console.rule(f"[bold]3/4 cold-start {algorithm}: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
         status = train(cfg, show_progress=opts.progress)
     if status != 0:
         raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
@@ -215,6 +224,12 @@ def run_demo(opts: DemoOptions) -> dict:
         "answer_letters_final": answer_letters(after),
         "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
         "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
+        # how fast: the first step whose training reward (over the batch's trained rollouts) reached 0.9
+        "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean") or 0) >= 0.9), None),
+        "algorithm": cfg.algorithm,
+        # a step's own work (generation, the train step, the weight push), without eval and checkpoints
+        "seconds_per_step": mean_of(metrics, "time/generate", "time/train", "time/weight_sync"),
+        "train_seconds_per_step": mean_of(metrics, "time/train"),
         "steps": cfg.max_steps,
         "inference_backend": backend,
         "layout": layout(cfg),
@@ -225,7 +240,7 @@ def run_demo(opts: DemoOptions) -> dict:
     (out / "demo_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     console.rule("[bold]result")
-    print_before_after(console, before, after)
+    print_before_after(console, before, after, cfg.algorithm)
     try:
         from scirl.report import write_report
     except ImportError:

@@ -275,8 +275,11 @@ TASKSET_SHUFFLE_OPTIONS = ("none", "epoch")
 TASKSET_REWARD_MODES = ("strict", "lenient", "format")
 
 
-def check_taskset_settings(shuffle_options: str, reward_mode: str) -> None:
+def check_taskset_settings(shuffle_options: str, reward_mode: str, algorithm: str = "grpo") -> None:
     """Raise ValueError for a scirl setting the prime-rl taskset cannot reproduce, saying what it can."""
+    if algorithm != "grpo":
+        raise ValueError(f"algorithm {algorithm!r} cannot be exported: prime-rl trains GRPO only, and SDPO needs "
+                         "patches to its trainer (a teacher forward and the distillation loss); train SDPO with scirl train")
     if shuffle_options not in TASKSET_SHUFFLE_OPTIONS:
         raise ValueError(f"shuffle_options {shuffle_options!r} cannot be exported: in prime-rl a task has one prompt for "
                          "its whole group, so only 'none' and 'epoch' (one order per question) are possible")
@@ -558,6 +561,7 @@ def export(
     force: bool = False,
     shuffle_options: str = "none",
     reward_mode: str = "strict",
+    algorithm: str = "grpo",
 ) -> Export:
     """Write the package, grpo.toml and README.md under ``out``.
 
@@ -569,7 +573,7 @@ def export(
     if ref not in TARGETS:
         raise ValueError(f"unknown prime-rl ref {ref!r}; expected one of {', '.join(TARGETS)}")
     target = TARGETS[ref]
-    check_taskset_settings(shuffle_options, reward_mode)  # before anything is written
+    check_taskset_settings(shuffle_options, reward_mode, algorithm)  # before anything is written
     out = Path(out)
     targets = [out / PACKAGE_NAME, out / "grpo.toml", out / "README.md"]
     existing = [str(t) for t in targets if t.exists()]

@@ -51,8 +51,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         ("training.png", plots.plot_training, "Loss, mismatch KL, entropy and gradient norm"),
         ("timing.png", plots.plot_timing, "Step time by phase, and tokens/s"),
         ("eval.png", plots.plot_eval, "Greedy accuracy on the held-out subset during training, overall and per domain"),
+        ("sdpo.png", plots.plot_sdpo, "SDPO: teacher-student divergence per step, share of rollouts with a teacher"),
     ]
-    optional = {"eval.png"}  # eval during training is off by default: its absence is a choice, not a gap
+    # eval during training is off by default, and SDPO is not GRPO: their absence is a choice, not a gap
+    optional = {"eval.png", "sdpo.png"}
     drawn = []
     for name, draw, caption in figures:
         path = out_dir / name

@@ -10,18 +10,24 @@ Option shuffling (``[data] shuffle_options``, ``scirl.task.shuffle``) happens he
 prompts are built once in the row's order, and only the questions a step draws are permuted and
 re-tokenised (``epoch``: one prompt per group; ``rollout``: one per completion, each sampled with
 ``n = 1``). Each completion is scored against the order it was shown.
+
+Under SDPO (``settings.teacher``) each sample also gets its self-teacher's prompt (``scirl.rollouts.teacher``),
+and a sample with a teacher is never dropped by the zero-advantage filter: the teacher gives it a learning
+signal whatever its advantage.
 """
 
 from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import torch
 
 from scirl.inference.base import Completion, SamplingParams, encode_messages
 from scirl.rollouts.contract import PromptedQuestion, RolloutBatch, RolloutSettings, Sample
 from scirl.rollouts.grpo import apply_filters, group_advantages
+from scirl.rollouts.teacher import group_teachers
 from scirl.task import reward, shuffle
 from scirl.task.prompt import build_messages, render_prompt
 from scirl.task.schema import Question
@@ -65,10 +71,11 @@ def shown_prompts(step: int, batch: list[PromptedQuestion], settings: RolloutSet
 
 def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[list[Completion]],
                  settings: RolloutSettings, vocab_size: int,
-                 rank: int = 0) -> tuple[list[dict], list[Sample]]:
+                 rank: int = 0, tokenizer=None) -> tuple[list[dict], list[Sample]]:
     """Reward, advantage and filter verdict of every completion, each scored against the question as it
     was shown (``shown``: per group, one shared prompt or one per completion, as ``shown_prompts`` gives).
     The advantage baseline is the group's mean: per question, whatever order each completion saw.
+    Under SDPO (``settings.teacher``), each completion's teacher prompt too, with ``tokenizer``.
 
     Returns (rollout records for the logs, training samples: the rollouts no enforcing filter dropped).
     """
@@ -82,9 +89,13 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
                   for k, (item, c) in enumerate(zip(items, group))]
         rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
         advantages = group_advantages(rewards, settings.std_normalize, settings.advantage_eps)[0].tolist()
-        for k, (item, c, s, adv) in enumerate(zip(items, group, scored, advantages)):
+        teachers = ([None] * len(group) if settings.teacher is None
+                    else group_teachers(items, group, scored, settings.teacher, tokenizer, mode))
+        for k, (item, c, s, adv, teacher) in enumerate(zip(items, group, scored, advantages, teachers)):
             q = item.question
             verdict = apply_filters(c.token_ids, c.logprobs, adv, settings.filters, vocab_size)
+            if teacher is not None and verdict.flag == "zero_advantage":
+                verdict = replace(verdict, dropped=False)  # the teacher's signal does not need an advantage
             strict = s if mode in ("strict", *reward.CONTROL_MODES) else reward.score(c.text, q, "strict")
             lenient = s if mode == "lenient" else reward.score(c.text, q, "lenient")
             rollouts.append({
@@ -98,8 +109,13 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
                 "filter": verdict.flag, "dropped": verdict.dropped, "finish_reason": c.finish_reason,
                 "num_tokens": len(c.token_ids),
             })
+            if settings.teacher is not None:  # SDPO: whether it had a teacher, which success it was shown
+                rollouts[-1].update(teacher="none" if teacher is None else "solution" if teacher.solution is not None
+                                    else "feedback", teacher_solution=teacher.solution if teacher else None,
+                                    teacher_prompt_tokens=len(teacher.prompt_ids) if teacher else 0)
             if not verdict.dropped:
-                samples.append(Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index))
+                samples.append(Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index,
+                                      teacher.prompt_ids if teacher is not None else None))
     return rollouts, samples
 
 
@@ -122,7 +138,8 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
         flat = [completion for completions in out for completion in completions]
         out = [flat[g * settings.group_size:(g + 1) * settings.group_size] for g in range(len(shown))]
     time_generate = time.perf_counter() - started
-    rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank)
+    rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank,
+                                     tokenizer=generator.tokenizer if settings.teacher is not None else None)
     for record in rollouts:
         record["policy_version"], record["lag"] = version, step - 1 - version
     return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)

@@ -10,6 +10,10 @@ Layout of one checkpoint::
       trainer_state/adapter_model.safetensors, adapter_config.json
                                      LoRA runs only: the adapter (``scirl/trainer/lora.py``); model.safetensors
                                      then holds the merged weights, for serving and evaluation
+      trainer_state/ema_teacher.safetensors
+                                     SDPO runs with an EMA teacher only: its float32 tensors by parameter name
+                                     (the trained parameters': under LoRA the adapter's). Checkpoints without it
+                                     (GRPO, older ones) load as before
       manifest.json                  every other file with its size and sha256, plus the step; written last
     weights/latest                   text file "step_N", replaced atomically after each commit: a
                                      convenience for people and scripts (`vllm serve weights/$(cat
@@ -58,6 +62,7 @@ TRAINER_STATE = "trainer_state"
 LATEST = "latest"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # LoRA runs: the adapter, in trainer_state/ (peft's file names)
 ADAPTER_CONFIG = "adapter_config.json"
+EMA_TEACHER = "ema_teacher.safetensors"  # SDPO runs with teacher = "ema": the teacher's weights, in trainer_state/
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
@@ -143,6 +148,7 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int | None = None,
     adapter: tuple[dict, dict] | None = None,
+    teacher: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Commit checkpoint ``step`` atomically and return ``weights/step_N``.
 
@@ -156,6 +162,7 @@ def save_checkpoint(
     ``keep`` retains the newest ``keep`` checkpoints (None = all), pruning only after
     the new one is committed. ``adapter`` (LoRA runs): (tensors, peft config dict), written to
     ``trainer_state/adapter_model.safetensors`` and ``adapter_config.json`` and sealed with the rest.
+    ``teacher`` (SDPO with an EMA teacher): its tensors, written to ``trainer_state/ema_teacher.safetensors``.
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
@@ -166,7 +173,7 @@ def save_checkpoint(
     if writer:
         try:
             _write_and_commit(Path(run_dir), step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                              adapter)
+                              adapter, teacher)
         except Exception as e:
             # never leave a half-written tmp dir behind: on a full disk it holds the space the user needs back
             shutil.rmtree(weights_dir(run_dir) / f".step_{step}.tmp", ignore_errors=True)
@@ -212,7 +219,7 @@ def _write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) 
 
 
 def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                      adapter=None) -> None:
+                      adapter=None, teacher=None) -> None:
     root = weights_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".step_{step}.tmp"
@@ -237,6 +244,8 @@ def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_sta
         tensors, config = adapter
         save_file(tensors, str(tmp / TRAINER_STATE / ADAPTER_WEIGHTS))
         (tmp / TRAINER_STATE / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
+    if teacher is not None:
+        save_file({name: t.contiguous() for name, t in teacher.items()}, str(tmp / TRAINER_STATE / EMA_TEACHER))
 
     delay = _write_delay()
     files = {}
@@ -438,12 +447,13 @@ def find_resume_checkpoint(
 
 
 def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra", "optimizer", "adapter"} of a checkpoint (optimizer None if
-    not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None).
+    """{"step", "data_position", "rng", "extra", "optimizer", "adapter", "teacher"} of a checkpoint (optimizer
+    None if not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None; teacher: the
+    EMA teacher's tensors in an SDPO run's, else None).
 
     Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
-    file (the checkpoint's biggest by far; "optimizer" is then None): under FSDP only rank 0 reads it
-    and broadcasts it while loading.
+    file and the EMA teacher (the checkpoint's biggest by far; both are then None, and "has_teacher" says
+    whether the checkpoint holds one): under FSDP only rank 0 reads them and hands each rank its shards.
     """
     trainer_dir = Path(path) / TRAINER_STATE
     if not (trainer_dir / "state.pt").is_file():
@@ -451,6 +461,8 @@ def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, An
     state = torch.load(trainer_dir / "state.pt", weights_only=True)
     optimizer_path = trainer_dir / "optimizer.pt"
     state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
+    state["has_teacher"] = (trainer_dir / EMA_TEACHER).is_file()
+    state["teacher"] = load_file(trainer_dir / EMA_TEACHER) if optimizer and state["has_teacher"] else None
     state["adapter"] = None
     if (trainer_dir / ADAPTER_WEIGHTS).is_file():
         state["adapter"] = (load_file(trainer_dir / ADAPTER_WEIGHTS), json.loads((trainer_dir / ADAPTER_CONFIG).read_text()))

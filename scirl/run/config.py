@@ -14,7 +14,7 @@ from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from scirl.rollouts.contract import RolloutSettings
+from scirl.rollouts.contract import RolloutSettings, TeacherSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.task.formats import known_format, parse_columns
 
@@ -87,6 +87,34 @@ class LossConfig(Section):
     mask_low: float = Field(0.2, ge=0, description="mask a token with A<0 whose probability fell by more than this")
     mask_high: float = Field(0.2, ge=0, description="mask a token with A>0 whose probability rose by more than this")
     kl_tau: float = Field(1e-3, ge=0, description="weight of the (log ratio)^2 trainer-vs-sampler term")
+
+
+class SdpoConfig(Section):
+    """SDPO, self-distillation (``algorithm = "sdpo"``; Hübotter et al. 2026, arXiv 2601.20802; defaults from the
+    reference code's ``self_distillation`` section). The policy shown a successful completion of the group
+    (or feedback on a failed one) is the teacher of the policy on the plain question, on the student's own
+    completions. The orchestrator's half reads the first four fields, the trainer's half the rest."""
+
+    success_threshold: float = Field(0.5, description="a completion with reward >= this is a success: a solution "
+                                     "shown to the teacher of the other completions of its group")
+    reprompt_on_self_success: bool = Field(False, description="a success may be shown itself as the solution "
+                                           "(false: only another success of its group; a group's one success has no teacher)")
+    feedback: bool = Field(True, description="a failed completion of a group without a success is shown why it "
+                           "failed, where the reward says (no answer letter read; cut at the length limit)")
+    max_teacher_prompt_tokens: int = Field(10240, ge=1, description="a longer teacher prompt is cut in the solution "
+                                           "it shows; one that cannot fit gets no teacher")
+    alpha: float = Field(0.5, ge=0, le=1, description="the divergence: 0 forward KL(teacher||student), 1 reverse "
+                         "KL(student||teacher), between them the generalised Jensen-Shannon mixture")
+    top_k: int = Field(100, ge=0, description="the divergence over the teacher's top-k tokens of each position "
+                       "(plus a tail bucket); 0: over the full vocabulary")
+    tail: bool = Field(True, description="top-k: one bucket holding the rest of each distribution's mass "
+                       "(false: both renormalised over the k tokens)")
+    is_clip: float = Field(2.0, ge=0, description="each token's loss weighted by min(trainer/sampler probability "
+                           "of the sampled token, is_clip): async lag and sampler mismatch; 0: no weight")
+    teacher: Literal["ema", "current"] = Field("ema", description="the teacher's weights: an EMA of the policy "
+                                               "(float32, in checkpoints) or the current policy (no copy)")
+    ema_rate: float = Field(0.05, gt=0, le=1, description="after every optimizer step: ema += ema_rate * (policy - ema)")
+    grpo_coef: float = Field(0.0, ge=0, description="adds this times the GRPO loss on the same batch (the hybrid)")
 
 
 class CkptConfig(Section):
@@ -268,6 +296,8 @@ class TrainConfig(Section):
         "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "
         "(bfloat16 on a CPU pays off where it has AMX/AVX512-BF16 matrix units)")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
+    algorithm: Literal["grpo", "sdpo"] = Field("grpo", description="grpo: the policy gradient on group "
+                                               "advantages; sdpo: self-distillation ([sdpo])")
     share_prompts: bool = Field(True, description="train forward: each prompt once per micro-batch, its completions "
                                 "continued from its KV cache (a group's prompt is not recomputed per completion); "
                                 "single-process runs only, torchrun runs use full sequences")
@@ -275,6 +305,7 @@ class TrainConfig(Section):
     advantage: AdvantageConfig = AdvantageConfig()
     filters: FiltersConfig = FiltersConfig()
     loss: LossConfig = LossConfig()
+    sdpo: SdpoConfig = SdpoConfig()
     ckpt: CkptConfig = CkptConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
@@ -313,4 +344,13 @@ class TrainConfig(Section):
             questions_per_step=self.questions_per_step, group_size=self.group_size, temperature=self.temperature,
             top_p=self.top_p, max_tokens=self.max_completion_tokens, seq_len=self.seq_len, seed=self.seed,
             shuffle_options=self.data.shuffle_options, reward_mode=self.reward.mode,
-            std_normalize=self.advantage.std_normalize, advantage_eps=self.advantage.eps, filters=self.filters)
+            std_normalize=self.advantage.std_normalize, advantage_eps=self.advantage.eps, filters=self.filters,
+            teacher=self.teacher_settings())
+
+    def teacher_settings(self) -> TeacherSettings | None:
+        """SDPO's teacher-prompt settings (None under GRPO: no teacher prompts are made)."""
+        if self.algorithm != "sdpo":
+            return None
+        s = self.sdpo
+        return TeacherSettings(success_threshold=s.success_threshold, reprompt_on_self_success=s.reprompt_on_self_success,
+                               feedback=s.feedback, max_prompt_tokens=s.max_teacher_prompt_tokens)

@@ -173,9 +173,24 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
         trainer.load_optimizer_state_dict(saved["optimizer"])
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         checkpoint.restore_rng_state(saved["rng"])
+        restore_teacher(trainer, saved, say)
     if generator is None and not cfg.inference.urls:
         generator = make_generator(trainer, model_source, tokenizer)
     return generator, model, trainer
+
+
+def restore_teacher(trainer, saved: dict, say) -> None:
+    """SDPO's EMA teacher as the checkpoint saved it (under FSDP rank 0 read it and hands out the shards);
+    a checkpoint without one (a GRPO run's, or teacher = "current") starts it from the resumed weights."""
+    if trainer.ema is None:
+        return
+    if not saved["has_teacher"]:
+        say("The checkpoint holds no EMA teacher: SDPO's teacher starts from the resumed weights")
+        return
+    try:
+        trainer.ema.load_state_dict(saved["teacher"])
+    except KeyError as exc:
+        raise TrainError(f"the checkpoint's EMA teacher does not fit the model: {exc.args[0]}") from exc
 
 
 def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,

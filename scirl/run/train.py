@@ -31,6 +31,10 @@ Checkpoints keep the float32 master weights, so resuming loses no precision; ser
 ``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
 the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
 
+With ``algorithm = "sdpo"`` the loop is the same: the batch's samples carry their self-teacher's prompt
+(``scirl/rollouts/teacher.py``), the trainer's step runs the teacher forward and the distillation loss
+(``scirl/trainer/sdpo.py``), and checkpoints keep the EMA teacher.
+
 Everything the loop works with is built once by ``scirl.run.setup.start``.
 """
 
@@ -98,7 +102,7 @@ def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id:
 
 def learn(batch: RolloutBatch, trainer, *, micro_batch_size: int, pad_id: int) -> dict:
     """The trainer's half of a step: one optimizer step on this rank's samples of ``batch``."""
-    return trainer.train_step(trainer.make_batches(batch.samples, micro_batch_size, pad_id))
+    return trainer.train_step(trainer.batches(batch.samples, micro_batch_size, pad_id))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -210,7 +214,8 @@ def save(r: Run, step: int, position: dict, empty_steps: int) -> float:
                                optimizer_state=r.trainer.optimizer_state_dict(),
                                data_position={**position, "n_questions": len(r.questions), "questions": r.digest,
                                               "seed": r.cfg.seed},
-                               extra={"consecutive_empty_steps": empty_steps}, keep=r.cfg.ckpt.keep)
+                               extra={"consecutive_empty_steps": empty_steps}, keep=r.cfg.ckpt.keep,
+                               teacher=r.trainer.ema.state_dict(all_ranks=False) if r.trainer.ema is not None else None)
     distributed.barrier(r.dist)
     seconds = time.perf_counter() - t
     r.say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")

@@ -37,6 +37,27 @@ def build_messages(q: Question) -> list[dict[str, str]]:
     ]
 
 
+# SDPO's teacher prompt (Hübotter et al. 2026, arXiv 2601.20802): the wording of the reference code's
+# `self_distillation` templates (`verl/trainer/config/actor/actor.yaml`: reprompt_template, solution_template,
+# feedback_template), applied to the question's user message as there.
+SOLUTION_SECTION = "\nCorrect solution:\n\n{solution}"
+FEEDBACK_SECTION = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
+REPROMPT = "{question}{solution}{feedback}\n\nCorrectly solve the original question."
+
+
+def teacher_messages(q: Question, solution: str | None = None, feedback: str | None = None) -> list[dict[str, str]]:
+    """The question's messages with, after the question, a correct solution and/or the feedback on a failed
+    attempt, then the instruction to solve the original question (SDPO's self-teacher sees this)."""
+    if solution is None and feedback is None:
+        raise ValueError("a teacher prompt shows a solution, feedback, or both")
+    messages = build_messages(q)
+    messages[-1]["content"] = REPROMPT.format(
+        question=messages[-1]["content"],
+        solution=SOLUTION_SECTION.format(solution=solution) if solution is not None else "",
+        feedback=FEEDBACK_SECTION.format(feedback=feedback) if feedback is not None else "")
+    return messages
+
+
 def render_prompt(tokenizer, messages: list[dict[str, str]]) -> str:
     """Chat-template the messages, ending with the assistant turn's opening.
 

@@ -428,6 +428,18 @@ def score(reply: str | None, question: "Question", mode: str, *, draw: tuple = (
     return Scored(answer=answer, correct=correct, parsed=answer is not None, reward=value)
 
 
+def failure_feedback(scored: Scored, mode: str, truncated: bool) -> str | None:
+    """What the reward can tell a failed reply about why it failed (SDPO's teacher prompt shows it): that no
+    answer letter could be read in it, and whether it was cut off first. A wrong letter gets none: the reward
+    says only that it is wrong, and naming the right one would hand the teacher the answer; ``random``'s coin
+    says nothing about the reply."""
+    if scored.parsed or mode == "random":
+        return None
+    if truncated:
+        return "Your reply was cut off at the length limit before it gave an answer."
+    return "No answer letter could be read in your reply: give the letter alone, or end with a line 'Answer: X'."
+
+
 def random_reward(*key: object) -> float:
     """The ``random`` control's reward: 1.0 with probability ``RANDOM_REWARD_P``, from ``key`` alone."""
     if not key:

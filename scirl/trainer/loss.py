@@ -15,7 +15,7 @@ the gradient. There is no reference model: the "KL" is trainer vs sampler.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -30,10 +30,10 @@ class LossSums:
     entropy: float = 0.0
 
     def add(self, other: "LossSums") -> "LossSums":
-        return LossSums(*(a + b for a, b in zip(self.as_list(), other.as_list())))
+        return type(self)(*(a + b for a, b in zip(self.as_list(), other.as_list(), strict=True)))
 
     def as_list(self) -> list[float]:
-        return [self.tokens, self.masked, self.mismatch_kl, self.entropy]
+        return [getattr(self, f.name) for f in fields(self)]  # a subclass's fields follow these four
 
 
 def rl_loss(

@@ -7,11 +7,18 @@ torchrun (``WORLD_SIZE > 1``): the FSDP2-sharded module ``model.py`` loads (floa
 compute policy on GPU); each rank trains on its share of the batch and ``full_state_dict`` gathers
 the full tensors (for the generation copy and checkpoints). The loss-token count is all-reduced
 first, so every rank divides by the batch's global count, as prime-rl does.
+
+Under SDPO (``sdpo``: the ``[sdpo]`` section) each micro-batch also runs the teacher's forward (no
+gradient; the EMA teacher's weights put in place for it) and the loss is the distillation loss of
+``scirl/trainer/sdpo.py``; every GRPO path is the one above, unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +29,19 @@ from scirl.rollouts.contract import Sample
 from scirl.trainer.lora import is_lora, merged_state_dict
 from scirl.trainer.loss import LossSums, rl_loss, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
+from scirl.trainer.sdpo import (
+    DistillSums,
+    EmaTeacher,
+    TeacherInputs,
+    TeacherTargets,
+    distill_stats,
+    divergence,
+    dummy_teacher_inputs,
+    importance_weight,
+    student_logprobs,
+    teacher_inputs,
+    teacher_targets,
+)
 
 
 @dataclass
@@ -34,6 +54,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, L] bool: completion tokens
     inference_logprobs: torch.Tensor  # [B, L] float32: sampler logprobs at completion tokens
     advantages: torch.Tensor  # [B] float32
+    teacher: TeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
 
 
 def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
@@ -59,7 +80,8 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int
             loss_mask[b, p : p + c] = True
             inference_logprobs[b, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
         advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
-        batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages))
+        batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages,
+                                  teacher_inputs(chunk, pad_id)))
     return batches
 
 
@@ -68,6 +90,15 @@ def check_sample(s: Sample) -> None:
     if len(s.logprobs) != c or c == 0:
         raise ValueError(f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
                          "expected one sampling logprob per completion token (and at least one token)")
+
+
+def on_device(batch, device: torch.device):
+    """A copy of a micro-batch (a dataclass of tensors, its teacher inputs nested) with every tensor on ``device``."""
+    def moved(value):
+        if value is None:
+            return None
+        return on_device(value, device) if dataclasses.is_dataclass(value) else value.to(device)
+    return type(batch)(*(moved(value) for value in vars(batch).values()))
 
 
 def dummy_micro_batch() -> MicroBatch:
@@ -87,9 +118,10 @@ class Trainer:
     overrides; everything else is the same on every device."""
 
     def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype,
-                 top_p: float = 1.0):
+                 top_p: float = 1.0, sdpo=None):
         self.model = model  # holds the float32 master weights the optimizer steps
         self.loss_cfg = loss_cfg
+        self.sdpo = sdpo  # the [sdpo] section under algorithm = "sdpo"; None: GRPO
         # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
         self.temperature, self.top_p = temperature, top_p
         self.device = device
@@ -111,6 +143,7 @@ class Trainer:
         self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
+        self.ema = EmaTeacher(model, sdpo.ema_rate) if sdpo is not None and sdpo.teacher == "ema" else None
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         if self.dist.world_size == 1:
@@ -128,19 +161,35 @@ class Trainer:
         """(trainer logprobs, entropies, loss mask, sampler logprobs) of a micro-batch's completion tokens."""
         return self.completion_logprobs(mb)
 
+    def forward_logits(self, mb) -> tuple[torch.Tensor, ...]:
+        """SDPO's student forward: (logits [B, T, V], the tokens they predict, loss mask, sampler logprobs)."""
+        logits, targets, loss_mask, first = self.completion_logits(mb.input_ids, mb.attention_mask, mb.loss_mask)
+        return logits, targets, loss_mask, mb.inference_logprobs[:, first:]
+
+    def teacher_logits(self, teacher: TeacherInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """SDPO's teacher forward (under no_grad, with the teacher's weights in place): (logits, target mask)."""
+        logits, _, loss_mask, _ = self.completion_logits(teacher.input_ids, teacher.attention_mask, teacher.loss_mask)
+        return logits, loss_mask
+
     def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """Trainer logprobs and entropies of the completion tokens, at the sampling temperature, with
-        the loss mask and sampler logprobs aligned to them. The LM head and the vocab-wide softmax
-        run from the micro-batch's earliest completion token on, never over prompt-only positions
-        (for a 150k vocab, the biggest activation of the step)."""
-        starts = mb.loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
+        the loss mask and sampler logprobs aligned to them."""
+        logits, targets, loss_mask, first = self.completion_logits(mb.input_ids, mb.attention_mask, mb.loss_mask)
+        logprobs, entropy = token_logprobs(logits, targets, self.temperature, self.top_p)
+        return logprobs, entropy, loss_mask, mb.inference_logprobs[:, first:]
+
+    def completion_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(logits, the tokens they predict, the loss mask aligned to them, the first position kept). The LM
+        head and the vocab-wide softmax run from the micro-batch's earliest completion token on, never over
+        prompt-only positions (for a 150k vocab, the biggest activation of the step)."""
+        starts = loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
         first = max(int(starts.min()), 1)
-        length = mb.input_ids.shape[1]
+        length = input_ids.shape[1]
         # logits of positions first-1 .. L-1; position t predicts token t+1
-        logits = self.compute_model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False,
+        logits = self.compute_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
                                     logits_to_keep=length - first + 1).logits
-        logprobs, entropy = token_logprobs(logits[:, :-1], mb.input_ids[:, first:], self.temperature, self.top_p)
-        return logprobs, entropy, mb.loss_mask[:, first:], mb.inference_logprobs[:, first:]
+        return logits[:, :-1], input_ids[:, first:], loss_mask[:, first:], first
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -152,26 +201,43 @@ class Trainer:
         logits = self.compute_model(input_ids=ids, use_cache=False).logits[:, :-1]
         return token_logprobs(logits, ids[:, 1:])[0][0].tolist()
 
+    def reshard_root(self) -> None:
+        """FSDP2 keeps the root module's parameters gathered after a forward (for the backward that usually
+        follows) and a later forward reuses them: around the EMA teacher's forward they must be gathered
+        anew, or the teacher would compute with the policy's (a weight check's forward before it) and the
+        student with the teacher's (after it)."""
+        if self.ema is not None and hasattr(self.compute_model, "reshard"):
+            self.compute_model.reshard()
+
     # ---- the step ----
 
-    def forward_backward(self, mb, loss_scale: float, dummy: bool = False) -> tuple[float, LossSums]:
+    def forward_backward(self, mb, loss_scale, dummy: bool = False) -> tuple[float, LossSums]:
         """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
-        mb = type(mb)(*(t.to(self.device) for t in vars(mb).values()))
+        mb = on_device(mb, self.device)
+        if self.sdpo is not None:
+            return self.sdpo_forward_backward(mb, loss_scale, dummy)
         logprobs, entropy, loss_mask, inference_logprobs = self.forward_logprobs(mb)
-        loss, sums = rl_loss(
+        loss, sums = self.grpo_loss(logprobs, inference_logprobs, mb.advantages, loss_mask, loss_scale)
+        return self.backward(loss, sums, entropy, loss_mask, dummy)
+
+    def grpo_loss(self, logprobs, inference_logprobs, advantages, loss_mask, loss_scale: float):
+        return rl_loss(
             logprobs,
             inference_logprobs,
-            mb.advantages,
+            advantages,
             loss_mask,
             mask_low=self.loss_cfg.mask_low,
             mask_high=self.loss_cfg.mask_high,
             kl_tau=self.loss_cfg.kl_tau,
             loss_scale=loss_scale,
         )
+
+    def backward(self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor,
+                 dummy: bool) -> tuple[float, LossSums]:
         if dummy:
             # a rank with fewer micro-batches still joins FSDP's collectives, contributing nothing
             loss = loss * 0.0
-            sums = LossSums()
+            sums = type(sums)()
         else:
             sums.entropy = float(entropy[loss_mask].sum())
         # The loss is already divided by the global loss-token count, so the ranks' gradients must be
@@ -182,6 +248,46 @@ class Trainer:
             self.compute_copy.accumulate_grads()
         return float(loss.detach()), sums
 
+    def sdpo_forward_backward(self, mb, scales: list[float], dummy: bool) -> tuple[float, DistillSums]:
+        """SDPO's micro-batch: the teacher's forward (no gradient), the student's, the distillation loss over
+        the teacher tokens (divided by the batch's count of them, ``scales[1]``) plus ``grpo_coef`` times the
+        GRPO loss (divided by the loss tokens, ``scales[0]``; at 0 it only gives the statistics), backward."""
+        cfg = self.sdpo
+        started = time.perf_counter()
+        targets = self.teacher_forward(mb)
+        teacher_seconds = time.perf_counter() - started
+        logits, sampled, loss_mask, inference_logprobs = self.forward_logits(mb)
+        logprobs, entropy = token_logprobs(logits, sampled, self.temperature, self.top_p)
+        grpo, grpo_sums = self.grpo_loss(logprobs, inference_logprobs, mb.advantages, loss_mask, scales[0])
+        loss = grpo * cfg.grpo_coef
+        sums = DistillSums(*grpo_sums.as_list(), teacher_seconds=teacher_seconds)
+        if targets is not None:
+            taught = loss_mask & mb.teacher.has_teacher[:, None]
+            student = student_logprobs(logits[taught], targets, tail=cfg.tail, temperature=self.temperature)
+            per_token = divergence(student, targets.logprobs, cfg.alpha)
+            weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
+            loss = loss + (weight * per_token).sum() / max(scales[1], 1.0)
+            sums.teacher_tokens, sums.divergence = float(taught.sum()), float(per_token.detach().sum())
+        return self.backward(loss, sums, entropy, loss_mask, dummy)
+
+    @torch.no_grad()
+    def teacher_forward(self, mb) -> TeacherTargets | None:
+        """The teacher's distribution at the micro-batch's teacher tokens (None: no row has a teacher), with
+        the EMA teacher's weights in place for it. Under FSDP a micro-batch without a teacher still runs a
+        two-token forward: every rank must join the all-gathers."""
+        teacher = mb.teacher
+        if teacher is None:
+            if self.dist.world_size == 1:
+                return None
+            teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), self.device)
+        with self.ema.holding(self.compute_copy) if self.ema is not None else nullcontext():
+            self.reshard_root()
+            logits, mask = self.teacher_logits(teacher)
+            self.reshard_root()
+        if mb.teacher is None:
+            return None
+        return teacher_targets(logits[mask], top_k=self.sdpo.top_k, tail=self.sdpo.tail, temperature=self.temperature)
+
     def train_step(self, micro_batches: list) -> dict:
         """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
 
@@ -189,8 +295,11 @@ class Trainer:
         had a single loss token (nothing to learn from) or when the loss or the gradient norm is not
         finite (``nonfinite`` True): then the update is skipped and the weights stay as they were.
         """
-        local_tokens = float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))
-        global_tokens = self._all_reduce([local_tokens])[0]
+        counts = [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))]
+        if self.sdpo is not None:  # the distillation loss is divided by the batch's teacher tokens
+            counts.append(float(sum(int(mb.teacher.loss_mask.sum()) for mb in micro_batches if mb.teacher is not None)))
+        counts = self._all_reduce(counts)
+        global_tokens = counts[0]
         max_micro_batches = len(micro_batches)
         if self.dist.world_size > 1:
             max_micro_batches = int(self._all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
@@ -198,11 +307,11 @@ class Trainer:
             return {"stepped": False, "loss_tokens": 0}
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = 0.0, LossSums()
+        loss_total, sums = 0.0, LossSums() if self.sdpo is None else DistillSums()
         for i in range(max_micro_batches):
             dummy = i >= len(micro_batches)
             mb = micro_batches[i] if not dummy else dummy_micro_batch()
-            loss, mb_sums = self.forward_backward(mb, global_tokens, dummy=dummy)
+            loss, mb_sums = self.forward_backward(mb, global_tokens if self.sdpo is None else counts, dummy=dummy)
             loss_total += loss
             sums = sums.add(mb_sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
@@ -219,9 +328,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.compute_copy is not None:
             self.compute_copy.refresh()
+        if self.ema is not None:
+            self.ema.update()
 
-        tokens, masked, mismatch_kl, entropy = totals
-        return {
+        tokens, masked, mismatch_kl, entropy = totals[:4]
+        stats = {
             "stepped": True,
             "loss": loss_total,
             "grad_norm": grad_norm,
@@ -230,6 +341,16 @@ class Trainer:
             "mismatch_kl": mismatch_kl / max(tokens, 1),
             "entropy": entropy / max(tokens, 1),
         }
+        if self.sdpo is not None:
+            stats.update(distill_stats(DistillSums(*totals), self.dist.world_size))
+        return stats
+
+    def batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list:
+        """A step's micro-batches (``make_batches``) of the samples the algorithm learns from: under SDPO
+        without the GRPO term, those with a teacher (the others would contribute nothing)."""
+        if self.sdpo is not None and not self.sdpo.grpo_coef:
+            samples = [s for s in samples if s.teacher_prompt_ids is not None]
+        return self.make_batches(samples, micro_batch_size, pad_id)
 
     # ---- state for the generation copy and checkpoints ----
 
