@@ -9,6 +9,11 @@ processes, no vLLM, no model.
     a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
     finishes, crashes, refuses its input (exit 2), waits for SIGTERM (recorded), says it stopped after step 1 and
     exits 143 as ``scirl train`` does, or (``demo``) leaves the weights and metrics a finished run leaves.
+``python deploy_fakes.py vllm-view --port P --root DIR``
+    an HTTP server answering the routes a trainer's start asks of a vLLM server (``/health``, ``/v1/models``,
+    ``/collective_rpc reload_weights``, ...) as vLLM 0.32 does, whose file system is DIR's: it sees a path
+    ``/a/b`` at ``DIR/a/b``, as a node that does not mount the trainer's file system sees another one. A
+    reload from a path it cannot see gets vLLM's own answer for a missing path.
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
     with the real vLLM server: ``"vllm": true`` in SPEC).
@@ -77,6 +82,50 @@ def server(argv: list[str]) -> int:
             print("RuntimeError: fake engine core died", flush=True)
             os._exit(7)
         time.sleep(0.05)
+    return 0
+
+
+# vLLM 0.32's answer to POST /collective_rpc reload_weights with a weights_path that does not exist there
+# (the path is taken for a hub repo id; vLLM writes '<path>' for it)
+MISSING_PATH_ANSWER = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
+                                 "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+                                 "argument if needed.', please check the stack trace above for the root cause",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+
+
+def vllm_view(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--root", required=True)
+    args = parser.parse_args(argv)
+    answers = {"/health": (200, None), "/is_sleeping": (200, {"is_sleeping": False}),
+               "/v1/models": (200, {"object": "list", "data": [{"id": "policy", "object": "model", "max_model_len": 512}]})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, status: int, body) -> None:
+            data = json.dumps(body).encode() if body is not None else b""
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's hook
+            self.reply(*answers.get(self.path, (404, {"detail": "Not Found"})))
+
+        def do_POST(self):  # noqa: N802
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path != "/collective_rpc" or request.get("method") != "reload_weights":
+                return self.reply(404, {"detail": "Not Found"})
+            seen = Path(args.root) / request["kwargs"]["weights_path"].lstrip("/")
+            self.reply(*((200, {"results": [None]}) if seen.is_dir() else (500, MISSING_PATH_ANSWER)))
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    threading.Timer(WAIT_LIMIT_S, httpd.shutdown).start()
+    httpd.serve_forever()
     return 0
 
 
@@ -181,4 +230,5 @@ def launch(spec_path: str) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[1]))
     command, rest = sys.argv[1], sys.argv[2:]
-    sys.exit({"server": server, "trainer": trainer, "launch": lambda a: launch(a[0])}[command](rest))
+    sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer,
+              "launch": lambda a: launch(a[0])}[command](rest))
