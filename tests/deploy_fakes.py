@@ -14,6 +14,10 @@ processes, no vLLM, no model.
     ``/collective_rpc reload_weights``, ...) as vLLM 0.32 does, whose file system is DIR's: it sees a path
     ``/a/b`` at ``DIR/a/b``, as a node that does not mount the trainer's file system sees another one. A
     reload from a path it cannot see gets vLLM's own answer for a missing path.
+``python deploy_fakes.py on-node --record DIR [--server-mode M] [--behave B] NODE -- PART_ARGV...``
+    a multi-node job's per-node launcher (``scirl job --on-node``) with the two first fakes in place of the
+    part it is given: ``scirl inference ... --host H --port P`` becomes ``server`` on H:P, torchrun's
+    ``scirl train ...`` becomes ``trainer`` (rank 0 on the node that hosts the rendezvous).
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
     with the real vLLM server: ``"vllm": true`` in SPEC).
@@ -47,6 +51,7 @@ def record(directory: str | None, name: str, data: dict) -> None:
 def server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--die-when")
@@ -73,7 +78,7 @@ def server(argv: list[str]) -> int:
         def log_message(self, *a):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     print(f"fake server {args.index}: listening on {args.port}", flush=True)
     deadline = time.monotonic() + WAIT_LIMIT_S
@@ -202,6 +207,25 @@ def session_of(pid: int) -> int | None:
         return None
 
 
+def on_node(argv: list[str]) -> int:
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--server-mode", default="ok")
+    parser.add_argument("--behave", default="wait")
+    parser.add_argument("node")
+    args, part = parser.parse_args(argv[:split]), argv[split + 1:]
+    if "inference" in part:
+        fake = ["server", "--host", part[part.index("--host") + 1], "--port", part[part.index("--port") + 1],
+                "--mode", args.server_mode, "--record", args.record]
+        os.execv(sys.executable, [sys.executable, str(HERE), *fake])
+    rank = "0" if "is_host=1" in part else "1"
+    train_args = part[part.index("train") + 1:]
+    os.execve(sys.executable, [sys.executable, str(HERE), "trainer", "--record", args.record, "--behave", args.behave,
+                               *train_args], {**os.environ, "RANK": rank, "WORLD_SIZE": "2"})
+    return 1  # not reached
+
+
 def launch_options(spec: dict) -> dict:
     """The launcher's ``server_command`` and ``trainer_program``: the fakes above, as ``spec`` sets them up
     (``record``, and optionally ``behave``, ``server_modes``, ``dev_routes``, ``die_when``, ``vllm``)."""
@@ -230,5 +254,5 @@ def launch(spec_path: str) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[1]))
     command, rest = sys.argv[1], sys.argv[2:]
-    sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer,
+    sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer, "on-node": on_node,
               "launch": lambda a: launch(a[0])}[command](rest))

@@ -7,6 +7,8 @@ Slurm and torchrun both deliver it) costs no checkpoint. The whole job with real
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import shlex
 import signal
@@ -23,7 +25,7 @@ import slurm_fakes  # tests/slurm_fakes.py
 from server_process import free_port, stop  # tests/server_process.py
 
 from scirl.cli import main
-from scirl.deploy import launch, plan, ports
+from scirl.deploy import launch, plan, ports, supervisor
 from scirl.errors import PreflightError
 from scirl.run.config_io import load_config
 
@@ -100,7 +102,8 @@ def test_a_job_plan_takes_every_address_from_its_node_list():
     assert planned.urls == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"] and planned.rendezvous == "10.0.0.7:29400"
     for part, address in zip(planned.servers, ["10.0.0.5", "10.0.0.6"]):
         assert part.argv[:4] == ["/py", "-m", "scirl", "inference"]
-        assert part.argv[-6:] == ["--host", address, "--port", "8000", "--gpus", "8"]  # data parallel over the node
+        assert part.argv[-8:] == ["--host", address, "--deployment.weight-sync", "nccl", "--port", "8000", "--gpus",
+                                  "8"]  # data parallel over the node, taking weights as the trainer sends them
     hosts = []
     for part, address in zip(planned.trainers, ["10.0.0.7", "10.0.0.8"]):
         argv = part.argv
@@ -212,6 +215,64 @@ wait
     assert "task 0 on 10.9.0.1" in out and "task 1 on 10.9.0.2" in out
     assert "srun: error: 10.9.0.2: task 1: Exited with exit code 3" in out and "srun exit 143" in out  # task 0 ended
     assert (tmp_path / "state" / f"job_{job}.status").read_text() == str(-signal.SIGTERM)  # cancelled
+
+
+def start_job(tmp_path: Path, *, server_mode: str = "ok") -> tuple[subprocess.Popen, Path, Path]:
+    """``scirl job`` on three "nodes", with stand-ins for its parts (tests/deploy_fakes.py on-node): (the job's
+    process, the stand-ins' records, the file its end-job command touches)."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("the job's preflight wants vLLM installed")
+    record, ended = tmp_path / "record", tmp_path / "job-ended"
+    record.mkdir()
+    on_node = f"{sys.executable} {FAKES} on-node --record {record} --server-mode {server_mode} {{node}} --"
+    argv = [sys.executable, "-m", "scirl", "job", "--node-names", "127.0.0.1 127.0.0.2 127.0.0.3", "--infer-nodes", "1",
+            "--attempt", "job-7", "--on-node", on_node, "--end-job", f"touch {ended}", "--", "@", str(DEMO_CONFIG),
+            "--model", str(DEMO_BASE), "--output-dir", str(tmp_path / "run"), "--deployment.startup-timeout-s", "60"]
+    job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return job, record, ended
+
+
+def finish(job: subprocess.Popen) -> tuple[int, str]:
+    try:
+        _, err = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        pytest.fail(f"the job did not end: {job.communicate()}")
+    return job.returncode, err
+
+
+def recorded_pids(record: Path) -> list[int]:
+    rows = [json.loads(p.read_text()) for p in record.glob("*.json")]
+    return [row["pid"] for row in rows] + [pid for row in rows for pid in row.get("server_processes", [])]
+
+
+def test_a_stop_asks_every_trainer_node_once_to_checkpoint_and_leaves_nothing_running(tmp_path):
+    """SIGTERM to the job (sbatch --signal=B:TERM@... sends it before the time limit) reaches each trainer
+    node's part once; the servers are stopped after the trainer, and the allocation is left to end itself."""
+    job, record, ended = start_job(tmp_path)
+    deadline = time.monotonic() + 60
+    while not all((record / f"trainer_{rank}.json").is_file() for rank in (0, 1)):
+        assert job.poll() is None and time.monotonic() < deadline, finish(job)
+        time.sleep(0.1)
+    job.send_signal(signal.SIGTERM)
+    code, err = finish(job)
+    assert code == 128 + signal.SIGTERM, err
+    assert all((record / f"sigterm_{rank}.json").is_file() for rank in (0, 1))
+    assert "asked the trainer to checkpoint and exit" in err and not ended.exists()
+    recorded = json.loads((tmp_path / "run" / "ports.json").read_text())
+    assert recorded["urls"] == [f"http://127.0.0.1:{recorded['servers'][0]}"] and recorded["attempt"] == "job-7"
+    assert {p.name for p in (tmp_path / "run" / "logs" / "job-7").iterdir()} == {
+        "inference_node1.log", "trainer_node2.log", "trainer_node3.log"}
+    assert [pid for pid in recorded_pids(record) if supervisor.alive(pid)] == []
+
+
+def test_a_server_that_fails_at_start_ends_the_job_naming_it(tmp_path):
+    job, record, ended = start_job(tmp_path, server_mode="exit")
+    code, err = finish(job)
+    assert code == 1
+    assert "scirl job: inference server on node 1 (127.0.0.1) exited with exit code 3 before it was ready" in err
+    assert "fake model load failed" in err and ended.is_file()  # its last log lines, then the whole job ended
+    assert [pid for pid in recorded_pids(record) if supervisor.alive(pid)] == []
 
 
 def test_a_server_that_cannot_see_the_trainers_broadcasts_is_refused_at_start_in_one_line(tmp_path):

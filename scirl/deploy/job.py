@@ -81,9 +81,10 @@ def run_parts(supervisor: Supervisor, cfg, config_args: list[str], spec: JobSpec
     trainers = [start(supervisor, part, spec) for part in plan.trainers]
     say(f"started the trainer on {len(trainers)} node(s), c10d rendezvous at {plan.rendezvous}: "
         f"{shlex.join(plan.trainers[0].argv)}")
+    grace_s = preflight.checkpoint_seconds(checkpoint_bytes)
     if not wait_until_ready(supervisor, servers, plan.urls, plan.weight_sync, cfg, report=say):
-        return stopped_status(supervisor)
-    return supervise(supervisor, servers, trainers, preflight.checkpoint_seconds(checkpoint_bytes))
+        return stop_trainer(supervisor, trainers, grace_s)  # a stop while the servers load
+    return supervise(supervisor, servers, trainers, grace_s)
 
 
 def prepare(cfg, config_args: list[str], spec: JobSpec) -> tuple[JobPlan, int | None]:

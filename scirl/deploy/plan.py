@@ -172,7 +172,8 @@ def layout(n_nodes: int, infer_nodes: int, gpus_per_node: int) -> list[str]:
 
     engines = f"data parallel over the node's {gpus_per_node} GPUs" if gpus_per_node else "one CPU engine"
     ranks = f"{gpus_per_node} ranks per node" if gpus_per_node else "one rank per node"
-    return [f"{span(1, infer_nodes)}: a vLLM server on each (scirl inference), {engines}",
+    each = " on each" if infer_nodes > 1 else ""
+    return [f"{span(1, infer_nodes)}: a vLLM server{each} (scirl inference), {engines}",
             f"{span(infer_nodes + 1, n_nodes)}: the trainer under torchrun, {ranks}, c10d rendezvous on node "
             f"{infer_nodes + 1}; the orchestrator on global rank 0"]
 
@@ -189,8 +190,9 @@ def plan_job(config_args: list[str], nodes: list[Node], *, infer_nodes: int, gpu
     resumed_args = "--resume" in config_args
     served_config = ["@", str(run_dir / "config.toml")] if resumed_args else config_args
     gpu_args = ["--gpus", str(gpus_per_node)] if gpus_per_node else []
+    server_args = ["--deployment.weight-sync", weight_sync, "--port", str(ports.server), *gpu_args]  # as the trainer's
     servers = [Part("inference", i + 1, node, [python, "-m", "scirl", "inference", *served_config, "--host", node.address,
-                                               "--port", str(ports.server), *gpu_args], logs / f"inference_node{i + 1}.log")
+                                               *server_args], logs / f"inference_node{i + 1}.log")
                for i, node in enumerate(serving)]
     endpoint = host_port(training[0].address, ports.rendezvous)
     train = trainer_command(config_args, urls, ports.nccl, weight_sync,
