@@ -167,7 +167,7 @@ def test_scirl_slurm_writes_a_job_script_with_its_layout_and_refuses_bad_shapes(
                  'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")', f"cd {tmp_path}"):
         assert line in text.splitlines()
     assert "#SBATCH --signal=B:TERM@" in text and "--on-node 'srun --nodes=1 --ntasks=1 --nodelist={node}" in text
-    assert '"$@" -- @ ' in text and f"sbatch {out} --resume" in text
+    assert '$RESUME "$@" -- @ ' in text and f"sbatch {out} --resume" in text
     assert (tmp_path / "run" / "logs").is_dir() and os.access(out, os.X_OK)
     capsys.readouterr()
 

@@ -51,13 +51,16 @@ def sbatch_script(job: SlurmJob, config_args: list[str], *, run_dir: Path, workd
               f"# Continue the run from its last checkpoint: sbatch {shlex.quote(str(script))} --resume", ""]
     body = ["set -euo pipefail", f"cd {shlex.quote(str(workdir))}", "export PYTHONUNBUFFERED=1",
             'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-            'ATTEMPT="job-${SLURM_JOB_ID}${SLURM_RESTART_COUNT:+-restart$SLURM_RESTART_COUNT}"',
+            'ATTEMPT="job-$SLURM_JOB_ID" RESUME=""',
+            'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then  # requeued: the same run goes on from its last checkpoint',
+            '    ATTEMPT="$ATTEMPT-restart$SLURM_RESTART_COUNT" RESUME="--resume"',
+            "fi",
             f"exec {shlex.quote(python)} -m scirl job \\",
             f'    --node-names "$NODES" --infer-nodes {job.infer_nodes} --gpus-per-node {job.gpus_per_node} '
             '--attempt "$ATTEMPT" \\',
             f"    --on-node {shlex.quote(ON_NODE)} \\",
             '    --end-job "scancel $SLURM_JOB_ID" \\',
-            '    "$@" -- ' + shlex.join(config_args)]
+            '    $RESUME "$@" -- ' + shlex.join(config_args)]
     return "\n".join(header + about + body) + "\n"
 
 
