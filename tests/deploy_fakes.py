@@ -6,7 +6,7 @@ processes, no vLLM, no model.
     and, unless ``--dev-routes no``, vLLM's dev route the client's weight-sync check asks; it dies
     (exit 7) once FILE exists.
 ``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait|demo [config args...]``
-    a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
+    a trainer that records its argv and rank, waits until every server in ``--inference.urls`` answers, then
     finishes, crashes, refuses its input (exit 2), waits for SIGTERM (recorded), says it stopped after step 1 and
     exits 143 as ``scirl train`` does, or (``demo``) leaves the weights and metrics a finished run leaves.
 ``python deploy_fakes.py vllm-view --port P --root DIR``
@@ -145,7 +145,7 @@ def trainer(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     urls = [url for url in args.urls.split(",") if url]
-    answers = [urllib.request.urlopen(url + "/health", timeout=10).status for url in urls]
+    answers = [health(url) for url in urls]
     record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
                                                  "world_size": os.environ.get("WORLD_SIZE"),
                                                  "server_processes": server_processes(urls)})
@@ -171,6 +171,19 @@ def trainer(argv: list[str]) -> int:
             print(stopped_line("SIGTERM", 1, Path(args.output_dir)), flush=True)
         return 128 + signal.SIGTERM
     return 0
+
+
+def health(url: str) -> int:
+    """``/health``'s status once the server answers: as scirl train, the trainer waits for a server that is
+    still starting (in a multi-node job the trainer starts beside the servers)."""
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while True:
+        try:
+            return urllib.request.urlopen(url + "/health", timeout=10).status
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def leave_a_run(config_args: list[str]) -> None:
