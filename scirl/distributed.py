@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -110,12 +111,20 @@ def gather_objects(items: list, dist: Dist) -> list:
     return [x for part in gathered for x in part]
 
 
+DUPLICATE_SIGNAL_S = 2.0  # a second signal this soon after the first is the same stop, delivered twice
+
+
 class StopRequest:
     """SIGTERM / Ctrl-C: finish the step in progress (and its checkpoint if one is due), then stop.
-    A second signal falls through to the default handler."""
+
+    A second signal ends the process as the default handler does, unless it comes within
+    ``DUPLICATE_SIGNAL_S`` of the first: under Slurm one stop reaches a rank twice at once (slurmstepd
+    signals every process of the step, and torchrun forwards its own copy to its ranks), and the
+    second copy must not cost the checkpoint the first one asked for."""
 
     def __init__(self):
         self.signum: int | None = None
+        self.first_at: float | None = None
         self.previous = {}
 
     def install(self) -> None:
@@ -125,9 +134,13 @@ class StopRequest:
             self.previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        # only set a flag (no logging, no I/O: this may interrupt anything); the loop acts on it
-        self.signum = signum
-        signal.signal(signum, signal.SIG_DFL)
+        # only flags (no logging, no I/O: this may interrupt anything); the loop acts on them
+        now = time.monotonic()
+        if self.signum is None:
+            self.signum, self.first_at = signum, now
+        elif now - self.first_at >= DUPLICATE_SIGNAL_S:  # a real second signal: what the default handler does
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     def restore(self) -> None:
         for sig, handler in self.previous.items():

@@ -1,5 +1,6 @@
-"""Ports: one checked free (or a free one picked) before anything listens on it, and who holds a taken
-one. No port is a constant: a fixed port that collided silently once cost a run its budget."""
+"""Ports: one checked free (or a free one picked) before anything listens on it, who holds a taken
+one, and an address with its port as URLs write it. No port is a constant: a fixed port that collided
+silently once cost a run its budget."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ def claim(host: str, port: int, what: str, fix: str) -> socket.socket:
         by = f" by {holder}" if holder else ""
         raise PreflightError(f"{what} {port} on {host} is in use{by}: {exc.strerror or exc}; fix: {fix or 'retry'}") from None
     return sock
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::1]:8000``), as URLs and torchrun take it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def port_holder(port: int) -> str | None:

@@ -6,9 +6,18 @@ processes, no vLLM, no model.
     and, unless ``--dev-routes no``, vLLM's dev route the client's weight-sync check asks; it dies
     (exit 7) once FILE exists.
 ``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait|demo [config args...]``
-    a trainer that records its argv and rank, checks every server in ``--inference.urls`` answers, then
+    a trainer that records its argv and rank, waits until every server in ``--inference.urls`` answers, then
     finishes, crashes, refuses its input (exit 2), waits for SIGTERM (recorded), says it stopped after step 1 and
     exits 143 as ``scirl train`` does, or (``demo``) leaves the weights and metrics a finished run leaves.
+``python deploy_fakes.py vllm-view --port P --root DIR``
+    an HTTP server answering the routes a trainer's start asks of a vLLM server (``/health``, ``/v1/models``,
+    ``/collective_rpc reload_weights``, ...) as vLLM 0.32 does, whose file system is DIR's: it sees a path
+    ``/a/b`` at ``DIR/a/b``, as a node that does not mount the trainer's file system sees another one. A
+    reload from a path it cannot see gets vLLM's own answer for a missing path.
+``python deploy_fakes.py on-node --record DIR [--server-mode M] [--behave B] NODE -- PART_ARGV...``
+    a multi-node job's per-node launcher (``scirl job --on-node``) with the two first fakes in place of the
+    part it is given: ``scirl inference ... --host H --port P`` becomes ``server`` on H:P, torchrun's
+    ``scirl train ...`` becomes ``trainer`` (rank 0 on the node that hosts the rendezvous).
 ``python deploy_fakes.py launch SPEC.json``
     ``scirl train``'s deployment path with the two above in place of vLLM and ``-m scirl train`` (or
     with the real vLLM server: ``"vllm": true`` in SPEC).
@@ -42,6 +51,7 @@ def record(directory: str | None, name: str, data: dict) -> None:
 def server(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--mode", default="ok")
     parser.add_argument("--die-when")
@@ -68,7 +78,7 @@ def server(argv: list[str]) -> int:
         def log_message(self, *a):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     print(f"fake server {args.index}: listening on {args.port}", flush=True)
     deadline = time.monotonic() + WAIT_LIMIT_S
@@ -77,6 +87,50 @@ def server(argv: list[str]) -> int:
             print("RuntimeError: fake engine core died", flush=True)
             os._exit(7)
         time.sleep(0.05)
+    return 0
+
+
+# vLLM 0.32's answer to POST /collective_rpc reload_weights with a weights_path that does not exist there
+# (the path is taken for a hub repo id; vLLM writes '<path>' for it)
+MISSING_PATH_ANSWER = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
+                                 "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+                                 "argument if needed.', please check the stack trace above for the root cause",
+                                 "type": "InternalServerError", "param": None, "code": 500}}
+
+
+def vllm_view(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--root", required=True)
+    args = parser.parse_args(argv)
+    answers = {"/health": (200, None), "/is_sleeping": (200, {"is_sleeping": False}),
+               "/v1/models": (200, {"object": "list", "data": [{"id": "policy", "object": "model", "max_model_len": 512}]})}
+
+    class Handler(BaseHTTPRequestHandler):
+        def reply(self, status: int, body) -> None:
+            data = json.dumps(body).encode() if body is not None else b""
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's hook
+            self.reply(*answers.get(self.path, (404, {"detail": "Not Found"})))
+
+        def do_POST(self):  # noqa: N802
+            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path != "/collective_rpc" or request.get("method") != "reload_weights":
+                return self.reply(404, {"detail": "Not Found"})
+            seen = Path(args.root) / request["kwargs"]["weights_path"].lstrip("/")
+            self.reply(*((200, {"results": [None]}) if seen.is_dir() else (500, MISSING_PATH_ANSWER)))
+
+        def log_message(self, *a):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
+    threading.Timer(WAIT_LIMIT_S, httpd.shutdown).start()
+    httpd.serve_forever()
     return 0
 
 
@@ -91,7 +145,7 @@ def trainer(argv: list[str]) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     urls = [url for url in args.urls.split(",") if url]
-    answers = [urllib.request.urlopen(url + "/health", timeout=10).status for url in urls]
+    answers = [health(url) for url in urls]
     record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
                                                  "world_size": os.environ.get("WORLD_SIZE"),
                                                  "server_processes": server_processes(urls)})
@@ -117,6 +171,19 @@ def trainer(argv: list[str]) -> int:
             print(stopped_line("SIGTERM", 1, Path(args.output_dir)), flush=True)
         return 128 + signal.SIGTERM
     return 0
+
+
+def health(url: str) -> int:
+    """``/health``'s status once the server answers: as scirl train, the trainer waits for a server that is
+    still starting (in a multi-node job the trainer starts beside the servers)."""
+    deadline = time.monotonic() + WAIT_LIMIT_S
+    while True:
+        try:
+            return urllib.request.urlopen(url + "/health", timeout=10).status
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def leave_a_run(config_args: list[str]) -> None:
@@ -153,6 +220,25 @@ def session_of(pid: int) -> int | None:
         return None
 
 
+def on_node(argv: list[str]) -> int:
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--record", required=True)
+    parser.add_argument("--server-mode", default="ok")
+    parser.add_argument("--behave", default="wait")
+    parser.add_argument("node")
+    args, part = parser.parse_args(argv[:split]), argv[split + 1:]
+    if "inference" in part:
+        fake = ["server", "--host", part[part.index("--host") + 1], "--port", part[part.index("--port") + 1],
+                "--mode", args.server_mode, "--record", args.record]
+        os.execv(sys.executable, [sys.executable, str(HERE), *fake])
+    rank = "0" if "is_host=1" in part else "1"
+    train_args = part[part.index("train") + 1:]
+    os.execve(sys.executable, [sys.executable, str(HERE), "trainer", "--record", args.record, "--behave", args.behave,
+                               *train_args], {**os.environ, "RANK": rank, "WORLD_SIZE": "2"})
+    return 1  # not reached
+
+
 def launch_options(spec: dict) -> dict:
     """The launcher's ``server_command`` and ``trainer_program``: the fakes above, as ``spec`` sets them up
     (``record``, and optionally ``behave``, ``server_modes``, ``dev_routes``, ``die_when``, ``vllm``)."""
@@ -181,4 +267,5 @@ def launch(spec_path: str) -> int:
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[1]))
     command, rest = sys.argv[1], sys.argv[2:]
-    sys.exit({"server": server, "trainer": trainer, "launch": lambda a: launch(a[0])}[command](rest))
+    sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer, "on-node": on_node,
+              "launch": lambda a: launch(a[0])}[command](rest))

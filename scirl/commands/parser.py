@@ -92,3 +92,36 @@ def data_format_problem(args: argparse.Namespace) -> str | None:
     if args.data_columns is not None and args.data_format != "auto":
         return f"--data-format {args.data_format} and --data-columns contradict each other: give one of them"
     return None
+
+
+def train_config(config_args: list[str], resume: str | None):
+    """The config ``scirl train`` resolves from ``config_args`` (``@ file.toml`` and dotted flags): over the
+    saved ``config.toml`` of run ``resume`` when given, less the servers its launcher started there last
+    time. Raises ``ConfigError`` (one line)."""
+    from pathlib import Path
+
+    from scirl.deploy.launch import forget_launched_servers
+    from scirl.errors import ConfigError
+    from scirl.run.config_io import load_config, parse_overrides, read_toml
+
+    if not resume:
+        return load_config(config_args)
+    saved = Path(resume) / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"--resume {resume}: no config.toml there (is it a run directory?)")
+    base = forget_launched_servers(read_toml(saved), Path(resume))
+    asked = parse_overrides(config_args)[1].get("output_dir")
+    if asked is not None and Path(asked).resolve() != Path(resume).resolve():
+        raise ConfigError(f"--resume {resume} continues that run in place; drop --output-dir {asked}")
+    return load_config(config_args + ["--output-dir", resume], base=base)
+
+
+def refused(prog: str, exc: Exception) -> int:
+    """Say ``exc`` after ``prog:`` on stderr and return the exit status: a failed deployment's own
+    (``DeployError.status``), else 2 (the input was refused)."""
+    import sys
+
+    from scirl.errors import DeployError
+
+    print(f"{prog}: {exc}", file=sys.stderr)
+    return exc.status if isinstance(exc, DeployError) else 2

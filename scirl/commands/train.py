@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from scirl.commands.parser import Parser
+from scirl.commands.parser import Parser, refused, train_config
 
 EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
@@ -29,24 +29,10 @@ def main(argv: list[str]) -> int:
     args, rest = parser.parse_known_args(argv)
 
     from scirl.errors import ConfigError
-    from scirl.run.config_io import load_config, parse_overrides, read_toml, to_toml_dict
+    from scirl.run.config_io import to_toml_dict
     config_args = list(rest)  # as given: a launcher passes them on, and its trainer resolves the same config
     try:
-        base = None
-        if args.resume:
-            from pathlib import Path
-
-            from scirl.deploy.launch import forget_launched_servers
-
-            saved = Path(args.resume) / "config.toml"
-            if not saved.is_file():
-                raise ConfigError(f"--resume {args.resume}: no config.toml there (is it a run directory?)")
-            base = forget_launched_servers(read_toml(saved), Path(args.resume))
-            asked = parse_overrides(rest)[1].get("output_dir")
-            if asked is not None and Path(asked).resolve() != Path(args.resume).resolve():
-                raise ConfigError(f"--resume {args.resume} continues that run in place; drop --output-dir {asked}")
-            rest = rest + ["--output-dir", args.resume]
-        cfg = load_config(rest, base=base)
+        cfg = train_config(rest, args.resume)
     except ConfigError as exc:
         print(f"scirl train: {exc}", file=sys.stderr)
         return 2
@@ -98,12 +84,8 @@ def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_o
 
     try:
         return launch(cfg, config_args, resume=resume, clean=clean, **launch_options)
-    except (PreflightError, RunDirError) as exc:
-        print(f"scirl train: {exc}", file=sys.stderr)
-        return 2
-    except DeployError as exc:
-        print(f"scirl train: {exc}", file=sys.stderr)
-        return exc.status
+    except (PreflightError, RunDirError, DeployError) as exc:
+        return refused("scirl train", exc)
 
 
 def keep_freed_memory_on_cpu(device: str) -> None:

@@ -23,46 +23,23 @@ from pathlib import Path
 
 from scirl.deploy import ports as ports_lib
 from scirl.deploy import preflight
+from scirl.deploy.plan import (
+    TRAINER,
+    ServerSlot,
+    cpu_core,
+    server_process,
+    torchrun_command,
+    trainer_command,
+    vllm_server_command,
+)
 from scirl.deploy.supervisor import Child, Supervisor
 from scirl.errors import DeployError, PreflightError
 from scirl.inference.remote import HEALTH_TIMEOUT_S, ServerClient, ServerError
 from scirl.inference.remote import wait_until_ready as wait_for_servers
-from scirl.inference.vllm_command import server_command
 from scirl.run import rundir
-from scirl.run.config import DEDICATED_GPU_SHARE
 
-TRAINER = ["-m", "scirl", "train"]  # what torchrun or python runs, before the config arguments
 STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL
 PORTS_FILE = "ports.json"
-
-
-SERVED_MODEL_NAME = "policy"  # the trainer asks a server for its model's name; this one says what it serves
-
-
-@dataclass(frozen=True)
-class ServerSlot:
-    """One inference server to start: where it listens and what it runs on."""
-
-    index: int
-    host: str
-    port: int
-    gpus: list[str]  # its CUDA_VISIBLE_DEVICES entries; empty on a machine without GPUs
-    data_parallel_size: int  # engines behind this one server (vLLM's --data-parallel-size)
-    weight_sync: str  # "nccl" or "filesystem": how it will take new weights
-    cfg: object  # the run's TrainConfig (model, max_model_len, dtype, ...)
-
-
-def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
-    """A vLLM OpenAI server for the run's model, computing in the trainer's dtype (its sampling
-    logprobs are what the trainer recomputes). The trainer pushes its weights before the first batch,
-    so a resumed run's servers may start from ``model`` too."""
-    cfg, cuda = slot.cfg, bool(slot.gpus)
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return server_command(cfg.model, port=slot.port, host=slot.host, served_model_name=SERVED_MODEL_NAME, dtype=dtype,
-                          max_model_len=cfg.inference.max_model_len or cfg.seq_len, device="cuda" if cuda else "cpu",
-                          data_parallel_size=slot.data_parallel_size, weight_sync=slot.weight_sync,
-                          gpu_memory_utilization=cfg.inference.gpu_memory_utilization or DEDICATED_GPU_SHARE,
-                          enforce_eager=cfg.inference.enforce_eager, kv_cache_gib=cfg.inference.kv_cache_gib, seed=cfg.seed)
 
 
 @dataclass(frozen=True)
@@ -89,7 +66,7 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
         if supervisor.stop_requested.is_set():
             return stopped_status(supervisor)
         servers = start_servers(supervisor, cfg, plan, server_command or vllm_server_command, logs)
-        if not wait_until_ready(supervisor, servers, plan, cfg):
+        if not wait_until_ready(supervisor, servers, ports_lib.urls(plan.ports), plan.weight_sync, cfg):
             return stopped_status(supervisor)
         argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
                             program=trainer_program)
@@ -139,44 +116,45 @@ def write_run_files(cfg, ports, *, fresh: bool) -> Path:
 
 def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs: Path) -> list[Child]:
     """On GPUs, one server over all inference GPUs; on CPUs, one server per port, each pinned to a core
-    of its own where there are enough, with one OpenMP thread (two engines sharing cores run 20-40x slower)."""
-    cores, gpus, ports = sorted(os.sched_getaffinity(0)), plan.gpus, plan.ports
+    of its own where there are enough (``plan.server_process``)."""
+    gpus, ports = plan.gpus, plan.ports
     servers = []
     for i, port in enumerate(ports.servers):
         slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [], len(gpus.infer) if gpus else 1,
-                          plan.weight_sync, cfg)
-        argv, env = server_command(slot)
-        core = None if gpus else cores[i % len(cores)]
-        placement = ({"CUDA_VISIBLE_DEVICES": ",".join(gpus.infer)} if gpus else
-                     {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)})
-        servers.append(supervisor.start(f"inference server {i}", argv, {**os.environ, **env, **placement},
-                                        logs / f"inference_{i}.log", cpu=core))
+                          plan.weight_sync, cfg, cpu=None if gpus else cpu_core(i))
+        process = server_process(slot, server_command)
+        servers.append(supervisor.start(f"inference server {i}", process.argv, {**os.environ, **process.env},
+                                        logs / f"inference_{i}.log", cpu=process.cpu))
     say(f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} (logs: {logs}/inference_*.log)")
     return servers
 
 
-def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, cfg) -> bool:
+def wait_until_ready(supervisor: Supervisor, servers: list[Child], urls: list[str], weight_sync: str, cfg, *,
+                     report=None) -> bool:
     """Wait until every server answers, then check each takes weights the planned way. False when a
     stop was requested meanwhile. One deadline for all (they start in parallel), a line every few
     seconds naming those not ready yet; a server that exits ends the wait at once."""
     started = time.monotonic()
+    report = report or say  # the line a wait prints: scirl train's, or the caller's
 
     def alive() -> bool:
         return not supervisor.stop_requested.is_set() and supervisor.first_exit() is None
 
     # only short questions go to these clients: each bounded by seconds, not by a generation request's timeout
     clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, cfg.deployment.request_timeout_s))
-               for url in ports_lib.urls(plan.ports)]
+               for url in urls]
     by_url = {client.url: server for client, server in zip(clients, servers)}
     try:
         try:
-            wait_for_servers(clients, cfg.deployment.startup_timeout_s, alive=alive, say=say)
+            wait_for_servers(clients, cfg.deployment.startup_timeout_s, alive=alive, say=report)
         except ServerError as exc:
             if supervisor.stop_requested.is_set():
                 return False
             gone = supervisor.first_exit()
-            if gone is not None:
+            if gone is not None and gone in servers:
                 raise failure(gone, "before it was ready") from None
+            if gone is not None:  # a trainer started beside the servers (a multi-node job) failed meanwhile
+                raise failure(gone, "while the servers were starting", max(gone.exited(), 1)) from None
             server = by_url[exc.url]
             raise DeployError(f"{server.name} was not ready within deployment.startup_timeout_s = "
                               f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
@@ -184,15 +162,15 @@ def wait_until_ready(supervisor: Supervisor, servers: list[Child], plan: Plan, c
         for client in clients:
             server = by_url[client.url]
             try:
-                problem = client.check_weight_sync_support(plan.weight_sync)
+                problem = client.check_weight_sync_support(weight_sync)
             except ServerError as exc:
-                raise DeployError(f"{server.name} did not say whether it takes {plan.weight_sync} weight sync: {exc}") from None
+                raise DeployError(f"{server.name} did not say whether it takes {weight_sync} weight sync: {exc}") from None
             if problem:
                 raise PreflightError(f"{server.name}: {problem}")
     finally:
         for client in clients:
             client.close()
-    say(f"inference server(s) ready after {time.monotonic() - started:.0f}s")
+    report(f"inference server(s) ready after {time.monotonic() - started:.0f}s")
     return True
 
 
@@ -238,16 +216,12 @@ def trainer_argv(cfg, config_args: list[str], ports, mode: str, *, resume: bool,
                  program: list[str] = TRAINER) -> list[str]:
     """The trainer's command: the user's config arguments, plus where the servers are and how weights
     reach them. One rank: ``python -m scirl train ...``; more: torchrun on the rendezvous port picked here."""
-    args = [*program, *config_args]
-    args += ["--resume", str(cfg.output_dir)] if resume else []
-    args += ["--clean"] if clean else []
-    args += ["--inference.urls", ",".join(ports_lib.urls(ports)), "--deployment.nccl-port", str(ports.nccl),
-             "--deployment.weight-sync", mode]
+    args = trainer_command(config_args, ports_lib.urls(ports), ports.nccl, mode,
+                           resume_dir=str(cfg.output_dir) if resume else None, clean=clean, program=program)
     ranks = cfg.deployment.num_train_gpus
     if ranks == 1:
         return [sys.executable, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(ranks),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{ports.rendezvous}", *args]
+    return torchrun_command(nnodes=1, nproc_per_node=ranks, endpoint=f"127.0.0.1:{ports.rendezvous}") + args
 
 
 def forget_launched_servers(saved: dict, run_dir: Path) -> dict:

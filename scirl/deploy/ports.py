@@ -14,7 +14,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from scirl.net import claim
+from scirl.net import claim, host_port
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ def allocate(host: str, *, first_server_port: int, n_servers: int, nccl_port: in
 def urls(ports: Ports) -> list[str]:
     """The servers' base URLs as the trainer reaches them (a wildcard listen address is reached on loopback)."""
     host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(ports.host, ports.host)
-    host = f"[{host}]" if ":" in host else host
-    return [f"http://{host}:{port}" for port in ports.servers]
+    return [f"http://{host_port(host, port)}" for port in ports.servers]
 
 
 def write(ports: Ports, path: Path) -> None:

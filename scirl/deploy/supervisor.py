@@ -8,6 +8,7 @@ server's engine processes and torchrun's ranks would otherwise outlive it and ho
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -32,7 +33,7 @@ EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?scirl [a-z-]+: |"
 class Child:
     name: str  # "inference server 0", "trainer"
     proc: subprocess.Popen
-    log: Path
+    log: Path | None  # None: its output goes to the console
     # where a stop request goes: torchrun's ranks rather than torchrun itself, which would answer a SIGTERM
     # by signalling its ranks a second time, and a second signal ends a rank without its checkpoint
     signal_ranks: bool = False
@@ -76,15 +77,17 @@ class Supervisor:
 
     # ---- starting ----
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path, *, echo: bool = False,
+    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path | None, *, echo: bool = False,
               signal_ranks: bool = False, stop_line: re.Pattern | None = None, cpu: int | None = None) -> Child:
         """Start ``argv`` in a new session (so a terminal's Ctrl-C reaches only the launcher, which decides
         what each child gets). Its output goes to ``log``, and with ``echo`` to the console as well (after a
-        requested stop, up to ``stop_line``)."""
-        log.parent.mkdir(parents=True, exist_ok=True)
-        with log.open("ab") as sink:
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    stdout=subprocess.PIPE if echo else sink, stderr=subprocess.STDOUT,
+        requested stop, up to ``stop_line``); without a log, to the console only."""
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("ab") if log is not None else contextlib.nullcontext() as sink:
+            out = subprocess.PIPE if echo else sink  # None: the console's
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True, stdout=out,
+                                    stderr=subprocess.STDOUT if out is not None else None,
                                     preexec_fn=lambda: prepare_child(cpu))
         child = Child(name, proc, log, signal_ranks, stop_line)
         if echo:
@@ -261,8 +264,10 @@ def copy_lines(child: Child, stream) -> None:
     stream.close()
 
 
-def read_end(path: Path, size: int = 1 << 20) -> str:
+def read_end(path: Path | None, size: int = 1 << 20) -> str:
     """The last ``size`` bytes of a log (a server's log grows over a long run; its end is what matters)."""
+    if path is None:
+        return ""
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)

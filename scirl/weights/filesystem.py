@@ -1,7 +1,7 @@
 """Weights to the servers through the filesystem: trainer rank 0 writes each policy version as an HF
 model directory under the run's ``broadcasts/`` and every server reloads it in place
 (``POST /collective_rpc reload_weights``). Works on any platform, and across nodes over a shared
-filesystem; each directory doubles as a loadable snapshot of that version."""
+filesystem (checked at the first push); each directory doubles as a loadable snapshot of that version."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from typing import Iterable
 import torch
 from safetensors.torch import save_file
 
+from scirl.errors import PreflightError
 from scirl.files import fsync_dir, seal_file
-from scirl.inference.remote import ServerClient, confirm_version, on_every_server
+from scirl.inference.remote import ServerClient, ServerError, confirm_version, on_every_server
 from scirl.inference.vllm import with_tied_lm_head
 
 SHARD_BYTES = 2 << 30  # safetensors file size cap in a weights dir: bounds the writer's extra memory
@@ -100,12 +101,23 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
 class FilesystemWeightSync:
     """Trainer rank 0 writes each policy version as an HF model directory ``root/step_<version>``
     (``root``: the run's ``broadcasts/``) and every server reloads from that path, then drops its
-    prefix cache. The newest ``keep`` directories stay; older ones are removed after a push."""
+    prefix cache. The newest ``keep`` directories stay; older ones are removed after a push.
+
+    The servers must see ``root`` at the same path as the trainer: on another node, through a shared
+    file system. The first push (the run's start weights, before step 1) is the check: every server
+    must load, through vLLM's ``reload_weights``, the files this process has just written and fsync'd
+    there, and then report their version. A server that cannot is refused in one line naming it
+    (``PreflightError``). Passing proves each server read a complete new directory under ``root`` as
+    this process wrote it; the check of the first push that follows (``weights.check``, unless
+    ``deployment.verify_interval = 0``) compares its logprobs with the trainer's: it read these bytes,
+    not a stale copy."""
 
     def __init__(self, clients: list[ServerClient], root: Path, *, keep: int = 2, timeout_s: float):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root), keep, timeout_s
+        # absolute: a server resolves the path in its own working directory, which need not be ours
+        self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root).absolute(), keep, timeout_s
+        self.servers_see_root = False  # set by the first push that every server loaded
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server, which then reports it as its weight
@@ -116,7 +128,17 @@ class FilesystemWeightSync:
             client.reload_weights(path, timeout_s=self.timeout_s)
             client.set_weight_version(str(version), timeout_s=self.timeout_s)  # only after a reload that worked
 
-        on_every_server(self.clients, reload, self.timeout_s, "/collective_rpc")
+        try:
+            on_every_server(self.clients, reload, self.timeout_s, "/collective_rpc")
+        except ServerError as exc:
+            if self.servers_see_root or exc.route != "/collective_rpc":
+                raise
+            raise PreflightError(
+                f"inference server {exc.url} cannot load the weights this trainer has just written to {path} "
+                f"({str(exc).removeprefix(exc.url + exc.route + ': ')}): with deployment.weight_sync = filesystem "
+                "every server reads the trainer's run directory at that same path; fix: an --output-dir on a file "
+                "system every node mounts at the same path, or --deployment.weight-sync nccl (GPUs)") from exc
+        self.servers_see_root = True
         confirm_version(self.clients, version, self.timeout_s)
         self.prune(protect=path)
         return path
