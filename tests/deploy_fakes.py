@@ -142,10 +142,11 @@ def trainer(argv: list[str]) -> int:
     parser.add_argument("--output-dir", default="")
     args, config_args = parser.parse_known_args(argv)
     rank = int(os.environ.get("RANK", "0"))
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     urls = [url for url in args.urls.split(",") if url]
     answers = [health(url) for url in urls]
+    # as scirl train: a SIGTERM while it waits for its servers ends it at once; after that it asks for a checkpoint
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
                                                  "world_size": os.environ.get("WORLD_SIZE"),
                                                  "server_processes": server_processes(urls)})
