@@ -263,26 +263,3 @@ def test_two_ranks_split_the_eval_questions_and_rank_0_logs_them_all(letter_mode
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["eval/questions"] == 5 and 0 <= m["eval/accuracy"] <= 1 for m in metrics)
-
-
-@pytest.mark.slow
-def test_with_an_in_process_vllm_engine_eval_leaves_the_run_bit_for_bit_the_same(tmp_path):
-    """The engine that samples the rollouts also answers the eval: the same completions, losses and weights
-    as with eval off (its prefix cache is emptied again, as the weight update leaves it)."""
-    pytest.importorskip("vllm")
-    from scirl.demo.run import write_questions
-    from test_train_vllm import run_scirl, vllm_args
-
-    data = write_questions(tmp_path / "q.jsonl", 20, 4, 0)
-    for name, extra in (("off", []), ("on", ["--eval.interval", "1", "--eval.questions", "16"])):
-        run_scirl("train", *vllm_args(data, tmp_path / name, max_steps=2, extra=extra))  # each in its own one-thread process
-    off, on = rows(tmp_path / "off"), rows(tmp_path / "on")
-    for want, have in zip(off, on, strict=True):
-        for key in (*EXACT_KEYS, *COMPUTED_KEYS):
-            assert have.get(key) == want.get(key), (want["step"], key)
-        assert have["eval/questions"] == 16 and 0 <= have["eval/accuracy"] <= 1
-    for step in (1, 2):
-        assert (tmp_path / "on" / "rollouts" / f"step_{step}.jsonl").read_text() == \
-            (tmp_path / "off" / "rollouts" / f"step_{step}.jsonl").read_text()
-    w_off, w_on = final_weights(tmp_path / "off", 2), final_weights(tmp_path / "on", 2)
-    assert all(torch.equal(w_on[k], w_off[k]) for k in w_off)

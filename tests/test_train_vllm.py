@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_train import assert_same_rows, final_weights, rows, wait_for  # noqa: E402
+from test_train import COMPUTED_KEYS, EXACT_KEYS, assert_same_rows, final_weights, rows, wait_for  # noqa: E402
 
 DEMO_BASE = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
 
@@ -64,6 +64,25 @@ def test_vllm_samples_the_policy_the_trainer_trains(reference):
     assert all(m["time/weight_sync"] > 0 for m in metrics)
     # a stale engine (weights never pushed) would sample the base policy: its logprobs would drift from the trainer's
     assert metrics[-1]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_with_eval_during_training_the_engine_leaves_the_run_bit_for_bit_the_same(reference, questions, tmp_path):
+    """The engine that samples the rollouts also answers the eval: the same completions, losses and weights
+    as the reference run with eval off (its prefix cache is emptied again, as the weight update leaves it)."""
+    run_dir = tmp_path / "eval_on"
+    run_scirl("train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1", "--eval.interval", "1",
+                                                             "--eval.questions", "16"]))
+    off, on = rows(reference), rows(run_dir)
+    for want, have in zip(off, on, strict=True):
+        for key in (*EXACT_KEYS, *COMPUTED_KEYS):
+            assert have.get(key) == want.get(key), (want["step"], key)
+        assert have["eval/questions"] == 16 and 0 <= have["eval/accuracy"] <= 1
+    for step in (1, 2, 3):
+        assert (run_dir / "rollouts" / f"step_{step}.jsonl").read_text() == \
+            (reference / "rollouts" / f"step_{step}.jsonl").read_text()
+    w_off, w_on = final_weights(reference, 3), final_weights(run_dir, 3)
+    assert all(torch.equal(w_on[k], w_off[k]) for k in w_off)
 
 
 @pytest.mark.slow
