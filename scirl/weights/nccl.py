@@ -3,6 +3,10 @@
 worker of every server, in one group.
 
 Never run on a GPU yet: tested against stand-ins that keep NCCL's contract (``tests/test_vllm_server_fakes.py``).
+Why this is not vLLM's own trainer side (``NCCLTrainerWeightTransferEngine.send_weights``): its
+``WeightSource`` contract differs between the releases we pin, it cannot end a broadcast whose server
+failed mid-way, and it knows nothing of the dtype, tied head and version checks around a push
+(docs/architecture.md, "Weights to the servers").
 """
 
 from __future__ import annotations
