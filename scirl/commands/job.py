@@ -5,9 +5,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from scirl.commands.parser import Parser, train_config
+from scirl.commands.parser import Parser, refused, train_config
 
 EPILOG = """\
 CONFIG_ARGS are scirl train's: '@ file.toml [--field value ...] --output-dir RUN', or '--resume RUN [...]'.
@@ -48,7 +47,6 @@ def main(argv: list[str]) -> int:
     try:
         cfg = train_config(rest, train_args.resume)
     except ConfigError as exc:
-        print(f"scirl job: {exc}", file=sys.stderr)
-        return 2
+        return refused("scirl job", exc)
     spec = JobSpec(names, args.infer_nodes, args.gpus_per_node, args.attempt, args.on_node, args.end_job, args.resume)
     return run_job(cfg, config_args, spec)

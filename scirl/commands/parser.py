@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
@@ -119,8 +120,6 @@ def train_config(config_args: list[str], resume: str | None):
 def refused(prog: str, exc: Exception) -> int:
     """Say ``exc`` after ``prog:`` on stderr and return the exit status: a failed deployment's own
     (``DeployError.status``), else 2 (the input was refused)."""
-    import sys
-
     from scirl.errors import DeployError
 
     print(f"{prog}: {exc}", file=sys.stderr)

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, train_config, unwritable_parent
+from scirl.commands.parser import Parser, refused, train_config, unwritable_parent
 
 EPILOG = """\
 The script runs one vLLM server on each of the first K nodes (scirl inference, data parallel over the
@@ -49,8 +49,7 @@ def main(argv: list[str]) -> int:
         run_dir = Path(cfg.output_dir).absolute()
         rundir.check(run_dir, resume=bool(args.resume), clean=False)
     except (ConfigError, RunDirError) as exc:
-        print(f"scirl slurm: {exc}", file=sys.stderr)
-        return 2
+        return refused("scirl slurm", exc)
     # as given: the job runs in this directory (the script changes to it), where they resolve to this config
     config_args = ["--resume", args.resume, *rest] if args.resume else list(rest)
     needed = preflight.disk_needed(cfg, cfg.deployment.weight_sync_on(args.gpus_per_node > 0))

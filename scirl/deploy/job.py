@@ -29,7 +29,7 @@ from pathlib import Path
 
 from scirl.deploy import ports as ports_lib
 from scirl.deploy import preflight
-from scirl.deploy.launch import PORTS_FILE, STOP_GRACE_S, exit_text, failure, stopped_status, wait_until_ready
+from scirl.deploy.launch import PORTS_FILE, STOP_GRACE_S, exit_text, failure, wait_until_ready
 from scirl.deploy.plan import JobPlan, JobPorts, Node, Part, layout, plan_job
 from scirl.deploy.supervisor import POLL_S, Child, Supervisor
 from scirl.errors import DeployError, PreflightError, RunDirError
@@ -73,7 +73,7 @@ def run_job(cfg, config_args: list[str], spec: JobSpec) -> int:
 def run_parts(supervisor: Supervisor, cfg, config_args: list[str], spec: JobSpec) -> int:
     plan, checkpoint_bytes = prepare(cfg, config_args, spec)
     if supervisor.stop_requested.is_set():
-        return stopped_status(supervisor)
+        return supervisor.stopped_status()
     servers = [start(supervisor, part, spec) for part in plan.servers]
     say(f"started {len(servers)} inference server(s): {', '.join(plan.urls)} (logs: {plan.servers[0].log.parent})")
     # the trainer starts beside them, on nodes of its own: its imports, rendezvous and data take their time while
@@ -191,7 +191,7 @@ def stop_trainer(supervisor: Supervisor, trainers: list[Child], checkpoint_grace
         time.sleep(POLL_S)
     if all(child.exited() == 0 for child in trainers):  # the last step finished meanwhile
         return 0
-    return stopped_status(supervisor)
+    return supervisor.stopped_status()
 
 
 def end_job(command: str) -> None:

@@ -64,15 +64,15 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
         plan = check(cfg, resume=resume, clean=clean, vllm=server_command is None)
         logs = write_run_files(cfg, plan.ports, fresh=not resume)
         if supervisor.stop_requested.is_set():
-            return stopped_status(supervisor)
+            return supervisor.stopped_status()
         servers = start_servers(supervisor, cfg, plan, server_command or vllm_server_command, logs)
         if not wait_until_ready(supervisor, servers, ports_lib.urls(plan.ports), plan.weight_sync, cfg):
-            return stopped_status(supervisor)
+            return supervisor.stopped_status()
         argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
                             program=trainer_program)
         env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(plan.gpus.train)} if plan.gpus else {})}
         if supervisor.stop_requested.is_set():
-            return stopped_status(supervisor)
+            return supervisor.stopped_status()
         say(f"trainer: {shlex.join(argv)}")
         trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
                                    signal_ranks=cfg.deployment.num_train_gpus > 1, stop_line=rundir.STOPPED_LINE)
@@ -184,14 +184,14 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
         supervisor.request_stop(trainer)
         if not supervisor.wait_for(trainer, checkpoint_grace_s):
             say("the trainer did not stop in time; stopping it now")
-            return stopped_status(supervisor)
+            return supervisor.stopped_status()
         trainer.drain()
         if trainer.exited() == 0:  # the signal came during the last step: the run finished, checkpoint and all
             return 0
         if trainer.stop_confirmed is None:  # killed before its loop began, or failed while stopping
             say(f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
                 f"its log: {trainer.log}")
-        return stopped_status(supervisor)
+        return supervisor.stopped_status()
     if child is trainer and child.exited() == 0:
         return 0
     if child is trainer:
@@ -206,10 +206,6 @@ def failure(child: Child, when: str, status: int = 1) -> DeployError:
 
 def exit_text(code: int) -> str:
     return f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
-
-
-def stopped_status(supervisor: Supervisor) -> int:
-    return 128 + (supervisor.signum or 15)
 
 
 def trainer_argv(cfg, config_args: list[str], ports, mode: str, *, resume: bool, clean: bool,

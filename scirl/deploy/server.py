@@ -66,7 +66,7 @@ def serve(server: Server, cfg) -> int:
                              alive=lambda: child.exited() is None and not supervisor.stop_requested.is_set())
         except ServerError as exc:
             if supervisor.stop_requested.is_set():
-                return 128 + (supervisor.signum or 15)
+                return supervisor.stopped_status()
             if child.exited() is not None:
                 raise DeployError(f"the server exited with status {child.exited()} before it was ready "
                                   "(its output is above)") from None
@@ -77,7 +77,7 @@ def serve(server: Server, cfg) -> int:
         say(f"ready after {time.monotonic() - started:.0f}s: {server.url}")
         if supervisor.wait_for_exit_or_stop() is None:
             say("stopping the server")
-            return 128 + (supervisor.signum or 15)
+            return supervisor.stopped_status()
         code = child.exited()
         say(f"the server exited with status {code}")
         return code if code >= 0 else 128 - code

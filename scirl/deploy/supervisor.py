@@ -113,6 +113,10 @@ class Supervisor:
         self.signum = self.signum or signum
         self.stop_requested.set()
 
+    def stopped_status(self) -> int:
+        """A stopped command's exit status: 128 + the signal that asked for the stop (SIGTERM if none did)."""
+        return 128 + (self.signum or signal.SIGTERM)
+
     # ---- watching ----
 
     def first_exit(self) -> Child | None:
