@@ -3,7 +3,11 @@ order in which the test files are handed to the workers."""
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
+import torch
 
 # The slowest files, slowest first (their seconds on 2 cores, measured with --durations=0). `make test` hands
 # whole files to two workers in collection order; starting with the longest ones keeps one worker from
@@ -26,6 +30,29 @@ def pytest_collection_modifyitems(items):
     """The slowest files first (a stable sort: the rest keep their order); each file's tests keep theirs."""
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def cpu_description() -> str:
+    """The CPU model and the kernels torch picked for it: which code computed a float that disagrees."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return (f"CPU: {model}; torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+            f"AMX tiles: {torch.cpu._is_amx_tile_supported()}; threads: {torch.get_num_threads()}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed ``recorded`` test (one that compares with numbers computed elsewhere) says which CPU and
+    kernels ran it, so a report from another machine names the arithmetic that differed."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and item.get_closest_marker("recorded") is not None:
+        report.sections.append(("machine", cpu_description()))
 
 
 @pytest.fixture(scope="session")

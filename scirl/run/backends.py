@@ -14,6 +14,7 @@ import torch
 from huggingface_hub import try_to_load_from_cache
 
 from scirl.cpu.generator import CPUGenerator
+from scirl.cpu.matrix_units import bf16_advice  # noqa: F401  (the CPU advice setup gives; scirl.cpu is reached through here)
 from scirl.cpu.trainer import CPUTrainer
 from scirl.errors import TrainError
 from scirl.inference.base import Generator

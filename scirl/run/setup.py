@@ -35,6 +35,7 @@ from scirl.rollouts.sampler import QuestionSampler
 from scirl.rollouts.source import ColocatedSource, ServerSource
 from scirl.run import checkpoint, rundir
 from scirl.run.backends import (
+    bf16_advice,
     inference_backend,
     make_generator,
     make_remote_generator,
@@ -157,6 +158,8 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
                  dist: distributed.Dist, say) -> tuple:
     """(this rank's sampler, the model, its trainer), the optimizer state and RNG of ``saved`` restored."""
     dtype = compute_dtype(cfg.dtype, device)
+    if dist.is_main and (advice := bf16_advice(device, dtype)):
+        say(advice)
     generator = None
     if cfg.inference.urls and dist.is_main:  # first: a server that is down fails the run before a model is loaded
         generator = make_remote_generator(cfg.inference.urls, tokenizer, cfg.deployment, say)
