@@ -30,8 +30,11 @@ from scirl.weights.nccl import NCCLWeightSync
 
 def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
               fail: dict[str, int] | None = None, gate: threading.Event | None = None, on_init=None,
-              keeps_version: bool = True, checksums=None):
+              keeps_version: bool = True, checksums=None, release: str = "0.32"):
     """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body).
+    ``release``: "0.32" (also 0.33's routes) or "0.25", read from that release's source: no ``/weight_info``,
+    ``/update_weight_version``, ``/weight_checker`` or ``/shutdown_weight_transfer_engine``, and its workers
+    refuse an ``init_info`` or ``update_info`` key outside their dataclasses (``RELEASE_PAYLOAD_FIELDS``).
     ``gate``: completions wait until it is set (a server still generating). ``on_init(init_info)``: runs
     in ``/init_weight_transfer_engine`` (a worker joining the group); an exception it raises is a 500.
     ``keeps_version``: False for a server that forgets the weight version it is given (restarted).
@@ -66,15 +69,26 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
         async def get_world_size():
             return {"world_size": world_size}
 
-        for route in ("/start_weight_update", "/update_weights", "/shutdown_weight_transfer_engine", "/collective_rpc"):
+        init_fields, update_fields = RELEASE_PAYLOAD_FIELDS[release]
+        later = ("/shutdown_weight_transfer_engine",) if release != "0.25" else ()
+        for route in ("/start_weight_update", "/collective_rpc", *later):
             async def handler(request: Request):
                 return await record(request) or {"message": "ok"}
 
             app.post(route)(handler)
 
+        def unknown_keys(info: dict, fields: frozenset[str]) -> JSONResponse | None:
+            extra = sorted(set(info) - fields)  # the worker's dataclass(**info) raises TypeError: a 500
+            return JSONResponse({"error": f"unexpected keys {extra}"}, status_code=500) if extra else None
+
+        @app.post("/update_weights")
+        async def update_weights(request: Request):
+            return (await record(request) or unknown_keys(app.state.calls[-1][1]["update_info"], update_fields)
+                    or {"message": "ok"})
+
         @app.post("/init_weight_transfer_engine")
         async def init_weight_transfer_engine(request: Request):
-            refused = await record(request)
+            refused = await record(request) or unknown_keys(app.state.calls[-1][1]["init_info"], init_fields)
             if refused is None and on_init is not None:
                 try:
                     await asyncio.to_thread(on_init, app.state.calls[-1][1]["init_info"])
@@ -82,7 +96,13 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
                     return JSONResponse({"error": str(exc)}, status_code=500)
             return refused or {"message": "ok"}
 
-        for route, field in (("/finish_weight_update", "weight_version"), ("/update_weight_version", "new_version")):
+        versioned = (("/finish_weight_update", "weight_version"), ("/update_weight_version", "new_version"))
+        if release == "0.25":  # its /finish_weight_update takes no body and no version is kept
+            @app.post("/finish_weight_update")
+            async def finish_weight_update(request: Request):
+                return await record(request) or {"message": "ok"}
+            versioned = ()
+        for route, field in versioned:
             def sets_version(field: str):  # both routes set the version /weight_info reports
                 async def handler(request: Request):
                     refused = await record(request)
@@ -93,11 +113,12 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
 
             app.post(route)(sets_version(field))
 
-        @app.get("/weight_info")
-        async def weight_info():
-            return {"weight_version": app.state.version}
+        if release != "0.25":
+            @app.get("/weight_info")
+            async def weight_info():
+                return {"weight_version": app.state.version}
 
-        if checksums is not None:
+        if checksums is not None and release != "0.25":
             @app.post("/weight_checker")
             async def weight_checker(request: Request):
                 return await record(request) or {"checksums": checksums()}
@@ -116,6 +137,18 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
                              "logprobs": {"token_logprobs": [-0.5, -0.25]}} for i in range(body["n"])]}
 
     return app
+
+
+# The NCCL workers' init_info and update_info fields per release (NCCLWeightTransferInitInfo and
+# NCCLWeightTransferUpdateInfo in vllm/distributed/weight_transfer/): 0.25 takes the packing with each update,
+# 0.32 and 0.33 at init.
+RELEASE_PAYLOAD_FIELDS = {
+    "0.25": (frozenset({"master_address", "master_port", "rank_offset", "world_size"}),
+             frozenset({"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"})),
+    "0.32": (frozenset({"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
+                        "packed_buffer_size_bytes", "packed_num_buffers"}),
+             frozenset({"names", "dtype_names", "shapes"})),
+}
 
 
 class FakeCommunicator:
@@ -514,3 +547,80 @@ def test_every_push_ends_with_every_server_reporting_its_version(tmp_path):
             FilesystemWeightSync(clients, tmp_path, timeout_s=10).push(model.named_parameters(), 3,
                                                                        model_config=model.config)
         assert info.value.url == restarted.url.removesuffix("/v1")
+
+
+@pytest.mark.parametrize("release", ["0.25", "0.32"])
+def test_nccl_payloads_follow_the_release_the_workers_run(release):
+    """The packing settings go where the installed release's workers read them (0.25: each update; 0.32 and
+    0.33: init), so neither side refuses a key nor unpacks what was not packed; a 0.25 server, which has no
+    shutdown route, is not asked to shut its engine down."""
+    model = small_model()
+    app = fake_vllm(release=release)
+    opened = []
+
+    def factory(*args):
+        opened.append(FakeCommunicator(*args))
+        return opened[-1]
+
+    with running(app) as srv:
+        client = ServerClient(srv.url, timeout_s=10)
+        sync = NCCLWeightSync([client], master_address="127.0.0.1", master_port=29555, timeout_s=10,
+                              communicator_factory=factory, packed=False, payload_fields=RELEASE_PAYLOAD_FIELDS[release])
+        sync.init()
+        sync.push(((n, p.detach()) for n, p in model.named_parameters()), 3, model_config=model.config)
+        [init] = body(app, "/init_weight_transfer_engine")
+        [update] = body(app, "/update_weights")
+        assert ("packed" in init["init_info"]) == (release != "0.25")
+        assert ("packed" in update["update_info"]) == (release == "0.25")
+        assert sync.unversioned == ([client.url] if release == "0.25" else [])
+        sync.close()
+        assert ("/shutdown_weight_transfer_engine" in routes(app)) == (release != "0.25")
+
+
+def test_a_025_server_takes_filesystem_pushes_and_says_it_keeps_no_version(tmp_path):
+    """vLLM 0.25 keeps no weight version: the push reloads it, records nothing, and reports it as unversioned
+    (the probe then checks every push, ``WeightCheck.every_push``); a 0.32 server is confirmed by version."""
+    model = small_model()
+    old_app, new_app = fake_vllm(release="0.25"), fake_vllm()
+    with running(old_app) as old, running(new_app) as new:
+        clients = [ServerClient(old.url, timeout_s=10), ServerClient(new.url, timeout_s=10)]
+        sync = FilesystemWeightSync(clients, tmp_path / "broadcasts", timeout_s=10)
+        sync.push(((n, p.detach()) for n, p in model.named_parameters()), 1, model_config=model.config)
+        assert sync.unversioned == [clients[0].url]
+        assert "/update_weight_version" not in routes(old_app) and "/update_weight_version" in routes(new_app)
+        assert new_app.state.version == "1"
+        assert clients[0].weight_checksums() is None  # no /weight_checker either: the probe alone checks it
+
+
+def test_the_probe_runs_after_every_push_where_versions_cannot_be_confirmed():
+    from scirl.weights.check import WeightCheck
+
+    class Stub:
+        dtype = torch.float32
+
+    check = WeightCheck(Stub(), ([1, 2, 3], 1), interval=10)
+    assert [check.due(v) for v in (0,)] == [True]
+    check.checked_once = True
+    assert [check.due(v) for v in (1, 2, 10)] == [False, False, True]
+    check.every_push = True
+    assert [check.due(v) for v in (1, 2, 10)] == [True, True, True]
+
+
+def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(monkeypatch):
+    """vLLM's GPU sampler imports FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0: a server started without
+    the package gets the variable; with FlashInfer installed, or the variable set by the user, nothing is added."""
+    import importlib.util
+
+    from scirl.inference import vllm as vllm_module
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    for installed in (False, True):
+        monkeypatch.setattr(vllm_module.importlib.util, "find_spec",
+                            lambda name, *a: object() if name == "flashinfer" and installed else
+                            (None if name == "flashinfer" else real_find_spec(name, *a)))
+        _, env = server_command("m", port=8000, served_model_name="m", dtype="bfloat16", max_model_len=64, device="cuda")
+        assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if installed else "0")
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
+    assert "VLLM_USE_FLASHINFER_SAMPLER" not in server_command("m", port=8000, served_model_name="m", dtype="bfloat16",
+                                                                max_model_len=64, device="cuda")[1]

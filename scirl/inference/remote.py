@@ -62,6 +62,9 @@ class ServerError(RuntimeError):
 # one server
 
 
+_UNASKED = object()  # ServerClient.routes before the server was asked
+
+
 class ServerClient:
     """One server at ``url`` (``http://host:port``; a trailing ``/v1`` is dropped), over a sync
     httpx client that threads may share. Every call waits at most ``timeout_s`` for its answer
@@ -73,6 +76,7 @@ class ServerClient:
         self.url = url[: -len("/v1")] if url.endswith("/v1") else url
         self.timeout_s = timeout_s
         self._model = model
+        self._routes = _UNASKED
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
                                   limits=httpx.Limits(max_connections=max_connections,
                                                       max_keepalive_connections=max_connections))
@@ -91,6 +95,27 @@ class ServerClient:
         if response.status_code >= 400:
             raise ServerError(self.url, route, f"status {response.status_code}", response.text)
         return response
+
+    def routes(self) -> frozenset[str] | None:
+        """The paths this server serves, from its OpenAPI schema (``GET /openapi.json``), asked once; None
+        where it publishes none. vLLM's routes move between releases (0.25 has no ``/weight_info``,
+        ``/update_weight_version``, ``/weight_checker`` or ``/shutdown_weight_transfer_engine``, which 0.32
+        and 0.33 have), so what a server offers is asked of it, never inferred from its version."""
+        if self._routes is _UNASKED:
+            try:
+                schema = self._json("GET", "/openapi.json")
+            except ServerError as exc:
+                if "status 404" not in exc.problem:
+                    raise
+                schema = None
+            paths = schema.get("paths") if isinstance(schema, dict) else None
+            self._routes = frozenset(paths) if isinstance(paths, dict) else None
+        return self._routes
+
+    def offers(self, route: str) -> bool:
+        """Whether the server serves ``route``; True where it does not say (a call then fails as it would)."""
+        routes = self.routes()
+        return routes is None or route in routes
 
     def _json(self, method: str, route: str, **kwargs):
         response = self._request(method, route, **kwargs)
@@ -269,8 +294,10 @@ class ServerClient:
         return body.get("weight_version") if isinstance(body, dict) else None
 
     def set_weight_version(self, version: str, *, timeout_s: float | None = None) -> None:
-        """Record ``version`` as the server's weight version (a filesystem reload sets none itself)."""
-        self._request("POST", "/update_weight_version", json={"new_version": version}, timeout_s=timeout_s)
+        """Record ``version`` as the server's weight version (a filesystem reload sets none itself); nothing
+        where the server keeps no version (no ``/update_weight_version``: ``confirm_version`` skips it)."""
+        if self.offers("/update_weight_version"):
+            self._request("POST", "/update_weight_version", json={"new_version": version}, timeout_s=timeout_s)
 
     def weight_checksums(self) -> dict[str, str] | None:
         """Every worker's sha256 per weight tensor (``POST /weight_checker``: keys ``dp<i>:pp..:tp..:<name>``),
@@ -445,15 +472,19 @@ def on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], 
     return results
 
 
-def confirm_version(clients: list[ServerClient], version: int, timeout_s: float) -> None:
-    """Every server reports ``version`` as its weight version (``GET /weight_info``), or a ServerError
-    naming the one that does not: a restarted server, or a push that never reached it."""
+def confirm_version(clients: list[ServerClient], version: int, timeout_s: float) -> list[str]:
+    """Every server that keeps a weight version reports ``version`` (``GET /weight_info``), or a ServerError
+    naming the one that does not: a restarted server, or a push that never reached it. Returns the URLs of
+    the servers that keep none (vLLM before 0.26 has no ``/weight_info``): for them the logprob probe of
+    ``scirl.weights.check`` runs after every push instead (``WeightCheck.every_push``)."""
     expected = str(version)
-    answers = on_every_server(clients, lambda c: c.weight_version(), timeout_s, "/weight_info")
-    for client, answer in zip(clients, answers):
+    versioned = [c for c in clients if c.offers("/weight_info")]
+    answers = on_every_server(versioned, lambda c: c.weight_version(), timeout_s, "/weight_info")
+    for client, answer in zip(versioned, answers):
         if answer != expected:
             raise ServerError(client.url, "/weight_info", f"reports weight version {answer!r} after the push of "
                               f"version {expected}")
+    return [c.url for c in clients if c not in versioned]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,6 +85,19 @@ TORCH_SIDE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 log = logging.getLogger(__name__)
 
 
+def sampler_env() -> dict[str, str]:
+    """``VLLM_USE_FLASHINFER_SAMPLER=0`` where FlashInfer is not installed, unless the caller set it.
+
+    vLLM's GPU model runner builds its top-k/top-p sampler through ``flashinfer_sampler_supported()``
+    (``vllm/v1/sample/ops/topk_topp_sampler.py``, 0.25 on), which imports FlashInfer on CUDA unless this
+    variable is 0: without the package (an offline machine that cannot install it, or a vLLM set that leaves
+    it out) the engine fails at start with ``No module named 'flashinfer'``. At 0 vLLM samples with its own
+    PyTorch kernels, the same distribution. Where FlashInfer is installed, vLLM decides."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ or importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
 def vllm_installed() -> bool:
     """Whether a vLLM distribution is importable, without importing it (that costs seconds)."""
     return importlib.util.find_spec("vllm") is not None
@@ -92,7 +105,7 @@ def vllm_installed() -> bool:
 
 def import_vllm():
     """Import vLLM with our environment set, or raise an ImportError naming the extra to install."""
-    for key, value in ENGINE_ENV.items():
+    for key, value in {**ENGINE_ENV, **sampler_env()}.items():
         os.environ.setdefault(key, value)
     if "vllm" not in sys.modules:
         _guard_broken_torch_side_packages()

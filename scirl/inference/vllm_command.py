@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from scirl.inference.vllm import OFFLINE_ENV
+from scirl.inference.vllm import OFFLINE_ENV, sampler_env
 
 
 def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_model_name: str, dtype: str,
@@ -52,8 +52,9 @@ def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_mod
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     # the dev routes: /collective_rpc (filesystem reload), /reset_prefix_cache, the weight-transfer routes,
     # /weight_info and /weight_checker (the push checks); no usage report (OFFLINE_ENV); a model in a local
-    # directory never sends the hub a request (an offline machine would wait on it)
-    env = {"VLLM_SERVER_DEV_MODE": "1", **OFFLINE_ENV}
+    # directory never sends the hub a request (an offline machine would wait on it); without FlashInfer, vLLM's
+    # own sampler (``sampler_env``)
+    env = {"VLLM_SERVER_DEV_MODE": "1", **OFFLINE_ENV, **sampler_env()}
     if Path(model).is_dir():
         env["HF_HUB_OFFLINE"] = "1"
     return argv, env

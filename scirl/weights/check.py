@@ -6,14 +6,18 @@ sleep with its old weights, a tensor left out, weights rounded on the way). Thre
 first:
 
 1. **Version** (servers, every push; in the transports, ``scirl.weights.filesystem`` and ``.nccl``):
-   every server reports the pushed version (``GET /weight_info``).
+   every server reports the pushed version (``GET /weight_info``). vLLM 0.25 keeps no weight version
+   (no ``/weight_info``, no ``/update_weight_version``): for such servers the probe below runs after
+   every push instead (``every_push``), which catches a push that did not arrive at bf16 only when the
+   weights moved by more than the probe's tolerance.
 2. **Probe** (``WeightCheck``; the first push, then every ``deployment.verify_interval`` versions):
    the trainer's own logprobs of a fixed sequence (a training prompt and a seeded completion) against
    each sampler's logprobs of the same tokens. The mean absolute difference over the completion's
    tokens must stay within the compute dtype's tolerance (``TOLERANCE``).
 3. **Checksums** (with the probe, where the sampler offers them: vLLM's ``/weight_checker`` and its
-   workers' ``compute_weight_checksums``): a server's data-parallel replicas hold the same tensors,
-   and the weights changed since the last check when the trainer's did.
+   workers' ``compute_weight_checksums``, both from 0.26 on): a server's data-parallel replicas hold the
+   same tensors, and the weights changed since the last check when the trainer's did. vLLM 0.25 offers
+   neither: there the probe alone checks each replica.
 
 The tolerances, measured on the demo model (``scirl/assets/demo-base``) with a 48-token probe:
 
@@ -81,11 +85,13 @@ class WeightCheck:
         self.ids, self.start = probe
         self.tolerance = TOLERANCE[trainer.dtype]
         self.checked_once = False
+        # every push, whatever the interval: set where a sampler cannot confirm a push's version itself
+        self.every_push = False
         # replica name -> (version, the trainer's optimizer steps then, its checksums then)
         self.last_checksums: dict[str, tuple[int, int, dict[str, str]]] = {}
 
     def due(self, version: int) -> bool:
-        return self.interval > 0 and (not self.checked_once or version % self.interval == 0)
+        return self.interval > 0 and (not self.checked_once or self.every_push or version % self.interval == 0)
 
     def run(self, version: int, replicas: list[Replica]) -> dict:
         """Check every replica against the trainer's weights of ``version``; the metrics on success, a

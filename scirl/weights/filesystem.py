@@ -118,6 +118,7 @@ class FilesystemWeightSync:
         # absolute: a server resolves the path in its own working directory, which need not be ours
         self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root).absolute(), keep, timeout_s
         self.servers_see_root = False  # set by the first push that every server loaded
+        self.unversioned: list[str] = []  # servers that keep no weight version (set by each push)
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server, which then reports it as its weight
@@ -139,7 +140,7 @@ class FilesystemWeightSync:
                 "every server reads the trainer's run directory at that same path; fix: an --output-dir on a file "
                 "system every node mounts at the same path, or --deployment.weight-sync nccl (GPUs)") from exc
         self.servers_see_root = True
-        confirm_version(self.clients, version, self.timeout_s)
+        self.unversioned = confirm_version(self.clients, version, self.timeout_s)
         self.prune(protect=path)
         return path
 

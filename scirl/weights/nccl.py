@@ -11,6 +11,7 @@ failed mid-way, and it knows nothing of the dtype, tied head and version checks 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Callable, Iterable
@@ -33,6 +34,22 @@ def _open_nccl_endpoint(master_address: str, master_port: int, rank: int, world_
 
     return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size},
                         rank=rank)
+
+
+PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
+
+
+def worker_payload_fields() -> tuple[frozenset[str], frozenset[str]] | None:
+    """The fields vLLM's NCCL workers read from ``init_info`` and from ``update_info``: the installed
+    release's own dataclasses (``NCCLWeightTransferInitInfo``, ``NCCLWeightTransferUpdateInfo``), which
+    refuse any other key. Where the packing settings go moved between releases: 0.25 takes them with
+    every update, 0.32 and 0.33 once, at init. None without vLLM (the stand-ins' tests)."""
+    try:
+        from vllm.distributed.weight_transfer import nccl_engine  # deferred: vLLM is optional, GPUs only
+    except ImportError:
+        return None
+    return (frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferInitInfo)),
+            frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferUpdateInfo)))
 
 
 def _synchronize_current_stream() -> None:
@@ -93,24 +110,36 @@ class NCCLWeightSync:
 
     def __init__(self, clients: list[ServerClient], *, master_address: str, master_port: int, timeout_s: float,
                  communicator_factory: Callable | None = None, dtype: str = "bfloat16", packed: bool = True,
-                 stream_sync: Callable[[], None] = _synchronize_current_stream):
+                 stream_sync: Callable[[], None] = _synchronize_current_stream,
+                 payload_fields: tuple[frozenset[str], frozenset[str]] | None = None):
         if not clients:
             raise ValueError("NCCLWeightSync needs at least one server")
         self.clients, self.timeout_s = list(clients), timeout_s
         self.master_address, self.master_port = master_address, master_port
         self.communicator_factory = communicator_factory or _open_nccl_endpoint
         self.dtype, self.packed, self.stream_sync = dtype, packed, stream_sync
+        # (init_info fields, update_info fields) the servers' workers accept; None: the 0.32/0.33 layout
+        fields = payload_fields or worker_payload_fields()
+        self.packing_at_init = fields is None or "packed" in fields[0]
+        self.packing_per_update = fields is not None and "packed" in fields[1]
+        if not (self.packing_at_init or self.packing_per_update):
+            self.packed = False  # a release that cannot be told to unpack: one broadcast per tensor
         self.communicator = None
         self.world_size: int | None = None
         self.rank_offsets: list[int] = []
+        self.unversioned: list[str] = []  # servers that keep no weight version (set by each push)
 
     def init_payloads(self, worker_counts: list[int]) -> list[dict]:
         """Each server's ``init_info``: the rendezvous, the group's size and the server's first rank."""
         world_size = 1 + sum(worker_counts)
         offsets = [1 + sum(worker_counts[:i]) for i in range(len(worker_counts))]
+        packing = self.packing() if self.packing_at_init else {}
         return [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": offset,
-                 "world_size": world_size, "packed": self.packed, "packed_buffer_size_bytes": PACKED_BUFFER_BYTES,
-                 "packed_num_buffers": PACKED_NUM_BUFFERS} for offset in offsets]
+                 "world_size": world_size, **packing} for offset in offsets]
+
+    def packing(self) -> dict:
+        """How the broadcasts are cut, which both sides must agree on (sent at init or with each update)."""
+        return dict(zip(PACKING_FIELDS, (self.packed, PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)))
 
     def init(self) -> None:
         """Form the broadcast group: every server's workers join (their HTTP calls block until the
@@ -138,7 +167,8 @@ class NCCLWeightSync:
     def update_info(self, tensors: list[tuple[str, object]]) -> dict:
         return {"names": [n for n, _ in tensors],
                 "dtype_names": [self.dtype] * len(tensors),
-                "shapes": [list(t.shape) for _, t in tensors]}
+                "shapes": [list(t.shape) for _, t in tensors],
+                **(self.packing() if self.packing_per_update else {})}
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config=None,
              tokenizer=None) -> None:
@@ -171,7 +201,7 @@ class NCCLWeightSync:
         self._post_all("/finish_weight_update", {"weight_version": str(version)})
         on_every_server(self.clients, lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s), self.timeout_s,
                          "/reset_prefix_cache")
-        confirm_version(self.clients, version, self.timeout_s)
+        self.unversioned = confirm_version(self.clients, version, self.timeout_s)
 
     def _post_all(self, route: str, payload: dict | None = None) -> None:
         on_every_server(self.clients, lambda c: c.post(route, payload, timeout_s=self.timeout_s), self.timeout_s, route)
@@ -194,7 +224,9 @@ class NCCLWeightSync:
         if self.communicator is None:
             return
         try:
-            self._post_all("/shutdown_weight_transfer_engine")
+            route = "/shutdown_weight_transfer_engine"  # vLLM 0.25 has none: its engine ends with the server
+            serving = [c for c in self.clients if c.offers(route)]
+            on_every_server(serving, lambda c: c.post(route, None, timeout_s=self.timeout_s), self.timeout_s, route)
         finally:
             destroy = getattr(self.communicator, "destroy", None)
             self.communicator = None

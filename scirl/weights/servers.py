@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
+from scirl import distributed
 from scirl.errors import TrainError
 from scirl.inference.remote import ServerClient, ServerError
 from scirl.net import pick
@@ -65,6 +66,10 @@ def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_di
             transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts", timeout_s=deployment.weight_sync_timeout_s)
     sink = ServerSink(trainer, transport, tokenizer, check, replicas, between_batches)
     sink.push(start_step)
+    # a server that keeps no weight version (vLLM 0.25) cannot confirm a push: the probe checks every one
+    # instead (every rank must agree: under FSDP the trainer's side of the probe is a collective)
+    unversioned = transport.unversioned if transport is not None else []
+    check.every_push = bool(distributed.broadcast_object(unversioned, trainer.dist)) and check.interval > 0
     return sink
 
 
