@@ -7,6 +7,8 @@ two lists whole.
     python3 benchmarks/gpu_wheels.py check DIR    the downloaded wheels: exactly the list, one version each,
                                                   every wheel's own requirements met; the total size and the
                                                   line that installs them there
+    python3 benchmarks/gpu_wheels.py list-vllm | check-vllm DIR | record-vllm WHEEL
+                                                  the same for stage B's vLLM set (gpu_wheels.sh --vllm)
 
 Requirements are evaluated for the machine: CPython 3.12.3 on Linux x86-64, no extras.
 """
@@ -27,6 +29,8 @@ except ImportError:  # a bare python3 that only has pip: the same library, vendo
 
 HERE = Path(__file__).resolve().parent
 LISTS = HERE / "gpu_wheels.txt"
+VLLM_REQUIRES = HERE / "gpu_wheels_vllm_requires.txt"  # vLLM's Requires-Dist, as its wheel's METADATA states them
+PART_BYTES = 54_000_000  # one part of the vLLM set: with the working tree, inside what one call carries
 PYPROJECT = HERE.parent / "pyproject.toml"
 # the machine's interpreter and platform, for requirement markers
 MARKER_ENV = {
@@ -41,10 +45,10 @@ class ListError(ValueError):
     """A malformed line in the lists file: one line for the user."""
 
 
-def read_lists(path: Path = LISTS) -> tuple[dict[str, str | None], dict[str, str]]:
-    """(image: name -> version or None, wheels: name -> pinned version), names canonical."""
-    image: dict[str, str | None] = {}
-    wheels: dict[str, str] = {}
+def parse_lists(path: Path = LISTS) -> dict[str, dict]:
+    """Every kind of line: {"image": name -> version or None, "wheel": name -> pin, "vllm": name -> pin,
+    "leave": name -> None}, names canonical; one kind per package."""
+    kinds: dict[str, dict] = {"image": {}, "wheel": {}, "vllm": {}, "leave": {}, "waive": {}}
     for number, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
@@ -52,23 +56,32 @@ def read_lists(path: Path = LISTS) -> tuple[dict[str, str | None], dict[str, str
         kind, _, rest = line.partition(" ")
         fields = rest.split()
         where = f"{path.name}:{number}"
-        if kind == "image" and len(fields) in (1, 2):
-            name = canonicalize_name(fields[0])
-            if name in image:
-                raise ListError(f"{where}: {fields[0]} is listed twice as an image package")
-            image[name] = fields[1] if len(fields) == 2 else None
-        elif kind == "wheel" and len(fields) == 1 and fields[0].count("==") == 1:
+        if kind in ("image", "leave") and len(fields) in ((1, 2) if kind == "image" else (1,)):
+            name, version = canonicalize_name(fields[0]), fields[1] if len(fields) == 2 else None
+        elif kind in ("wheel", "vllm") and len(fields) == 1 and fields[0].count("==") == 1:
             name, version = (part.strip() for part in fields[0].split("=="))
             name = canonicalize_name(name)
-            if name in wheels:
-                raise ListError(f"{where}: {name} is pinned twice (keep one version of each package)")
-            wheels[name] = version
+        elif kind == "waive" and len(fields) == 2:  # keyed by (who, what): not a package of its own
+            kinds["waive"][(canonicalize_name(fields[0]), canonicalize_name(fields[1]))] = None
+            continue
         else:
-            raise ListError(f"{where}: expected 'image NAME [VERSION]' or 'wheel NAME==VERSION', got {raw.strip()!r}")
-    both = sorted(set(image) & set(wheels))
-    if both:
-        raise ListError(f"{path.name}: {', '.join(both)} both in the image and a wheel (keep one version of each)")
-    return image, wheels
+            raise ListError(f"{where}: expected 'image NAME [VERSION]', 'wheel NAME==VERSION', 'vllm NAME==VERSION' "
+                            f"'leave NAME' or 'waive WHO NAME', got {raw.strip()!r}")
+        if name in kinds[kind]:
+            what = "pinned" if kind in ("wheel", "vllm") else "listed"
+            raise ListError(f"{where}: {name} is {what} twice (keep one version of each package)")
+        kinds[kind][name] = version
+    names = [name for kind, entries in kinds.items() if kind != "waive" for name in entries]
+    doubled = sorted({name for name in names if names.count(name) > 1})
+    if doubled:
+        raise ListError(f"{path.name}: {', '.join(doubled)} listed under two kinds (keep one version of each)")
+    return kinds
+
+
+def read_lists(path: Path = LISTS) -> tuple[dict[str, str | None], dict[str, str]]:
+    """(image: name -> version or None, stage A's wheels: name -> pinned version), names canonical."""
+    kinds = parse_lists(path)
+    return kinds["image"], kinds["wheel"]
 
 
 def requirement_problems(requirements: list[str], image: dict, wheels: dict, who: str) -> list[str]:
@@ -140,6 +153,75 @@ def wheelhouse_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str]
     return problems, total
 
 
+def vllm_requirement_problems(lists: Path = LISTS, requires: Path = VLLM_REQUIRES) -> list[str]:
+    """vLLM's own requirements (``requires``, recorded from its wheel) that the image, the wheels and the vLLM
+    set do not meet, leaving out those deliberately not carried (``leave``); and a ``leave`` vLLM does not ask."""
+    kinds = parse_lists(lists)
+    carried = {**kinds["wheel"], **kinds["vllm"]}
+    wanted = [line for line in requires.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    asked = {canonicalize_name(Requirement(text).name) for text in wanted}
+    kept = [text for text in wanted if canonicalize_name(Requirement(text).name) not in kinds["leave"]]
+    problems = requirement_problems(kept, kinds["image"], carried, f"vllm {kinds['vllm'].get('vllm', '?')}")
+    problems += [f"leave {name}: vLLM does not ask for it" for name in kinds["leave"] if name not in asked]
+    return problems
+
+
+def vllm_set_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str], int]:
+    """Problems of stage B's full set in ``directory`` (stage A's wheels and the vLLM set: exactly the pins,
+    one version each, every wheel's own requirements met or left out on purpose), and its size in bytes."""
+    kinds = parse_lists(lists)
+    pins = {**kinds["wheel"], **kinds["vllm"]}
+    problems, found, total = [], {}, 0
+    for path in sorted(directory.glob("*.whl")):
+        total += path.stat().st_size
+        name, version, requires = wheel_metadata(path)
+        if name in found:
+            problems.append(f"{path.name}: a second wheel of {name} ({found[name]} is there too): keep one version")
+        found[name] = version
+        if pins.get(name) != version:
+            problems.append(f"{path.name}: the lists pin {name}=={pins[name]}" if name in pins else
+                            f"{path.name}: {name} is in neither wheel list")
+        kept = [text for text in requires if canonicalize_name(Requirement(text).name) not in kinds["leave"]
+                and (name, canonicalize_name(Requirement(text).name)) not in kinds["waive"]]
+        problems += requirement_problems(kept, kinds["image"], pins, f"{name} {version}")
+    problems += [f"{name}=={version}: no wheel in {directory}" for name, version in pins.items() if name not in found]
+    return problems, total
+
+
+def pack(directory: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """The wheels in ``directory/wheels`` as one plain tar (wheels are zip files already), in a fixed order, cut
+    into parts of at most ``part_bytes``, each in a folder of its own (``directory/part01``, ...), which also holds
+    ``SET``: the whole tar's sha256 and the number of parts, so the install can tell a missing, foreign or
+    corrupt part (``gpu_install_set.sh``). Earlier parts are removed first. Returns the part folders."""
+    import hashlib
+    import io
+    import shutil
+    import tarfile
+
+    wheels = sorted((directory / "wheels").glob("*.whl"))
+    if not wheels:
+        raise ListError(f"no wheels in {directory / 'wheels'}")
+    for old in directory.glob("part[0-9]*"):
+        shutil.rmtree(old)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for wheel in wheels:
+            info = tar.gettarinfo(str(wheel), arcname=wheel.name)
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""  # the same bytes every time
+            with open(wheel, "rb") as f:
+                tar.addfile(info, f)
+    data = buffer.getvalue()
+    digest, count = hashlib.sha256(data).hexdigest(), -(-len(data) // part_bytes)
+    folders = []
+    for i in range(count):
+        folder = directory / f"part{i + 1:02d}"
+        folder.mkdir()
+        (folder / f"set.tar.{i + 1:02d}").write_bytes(data[i * part_bytes:(i + 1) * part_bytes])
+        (folder / "SET").write_text(f"{digest} {count}\n")
+        folders.append(folder)
+    return folders
+
+
 def install_line(directory: str) -> str:
     """The line that installs the wheels on the machine and puts them on the path (run in the repo's root there)."""
     site = f"{directory}/site"
@@ -147,37 +229,63 @@ def install_line(directory: str) -> str:
             f"{directory}/*.whl && export PYTHONPATH=\"$PWD/{site}${{PYTHONPATH:+:$PYTHONPATH}}\"")
 
 
+USAGE = ("usage: gpu_wheels.py list | list-vllm | pyproject | check DIR | check-vllm DIR | pack DIR | record-vllm WHEEL\n"
+         "  list, list-vllm     stage A's pins, stage B's (the vLLM set), one a line\n"
+         "  pyproject           every requirement of pyproject.toml: in the image or a wheel\n"
+         "  check DIR           stage A's downloaded wheels: complete, their requirements met, within one call\n"
+         "  check-vllm DIR      both sets downloaded into DIR: complete, their requirements met or left out\n"
+         "  pack DIR            DIR/wheels as parts of at most 54,000,000 bytes, DIR/part01 ... (one call carries one)\n"
+         "  record-vllm WHEEL   write vLLM's Requires-Dist from its wheel to " + VLLM_REQUIRES.name)
+
+
 def main(argv: list[str]) -> int:
-    usage = "usage: gpu_wheels.py list | pyproject | check DIR"
-    if not argv or argv[0] not in ("list", "pyproject", "check") or (argv[0] == "check") != (len(argv) == 2) \
-            or len(argv) > 2:
-        print(usage, file=sys.stderr)
+    takes_path = ("check", "check-vllm", "pack", "record-vllm")
+    if not argv or argv[0] not in ("list", "list-vllm", "pyproject", *takes_path) \
+            or (argv[0] in takes_path) != (len(argv) == 2) or len(argv) > 2:
+        print(USAGE, file=sys.stderr)
         return 2
+    command = argv[0]
     try:
-        if argv[0] == "list":
-            print("\n".join(f"{name}=={version}" for name, version in read_lists()[1].items()))
+        if command in ("list", "list-vllm"):
+            pins = parse_lists()["wheel" if command == "list" else "vllm"]
+            print("\n".join(f"{name}=={version}" for name, version in pins.items()))
             return 0
-        if argv[0] == "pyproject":
+        if command == "pyproject":
             problems = pyproject_problems()
             print("\n".join(problems) if problems else "pyproject.toml: every requirement is in the image or a wheel")
             return 1 if problems else 0
-        directory = Path(argv[1])
-        if not directory.is_dir():
-            print(f"gpu_wheels.py: {directory} is not a directory", file=sys.stderr)
+        path = Path(argv[1])
+        if command == "record-vllm":
+            name, version, requires = wheel_metadata(path)
+            VLLM_REQUIRES.write_text(f"# Requires-Dist of {name} {version} (gpu_wheels.py record-vllm)\n"
+                                     + "\n".join(requires) + "\n")
+            print(f"{VLLM_REQUIRES}: {len(requires)} requirements of {name} {version}")
+            return 0
+        if not path.is_dir():
+            print(f"gpu_wheels.py: {path} is not a directory", file=sys.stderr)
             return 2
-        problems, total = wheelhouse_problems(directory)
-        problems += pyproject_problems()
-    except (ListError, OSError, zipfile.BadZipFile) as e:
+        if command == "pack":
+            folders = pack(path)
+            print(f"{len(folders)} parts of at most {PART_BYTES} bytes in {folders[0]} .. {folders[-1].name}")
+            return 0
+        if command == "check":
+            problems, total = wheelhouse_problems(path)
+            problems += pyproject_problems()
+        else:
+            problems, total = vllm_set_problems(path)
+            problems += vllm_requirement_problems()
+    except (ListError, OSError, zipfile.BadZipFile, InvalidRequirement) as e:
         print(f"gpu_wheels.py: {e}", file=sys.stderr)
         return 2
     for problem in problems:
         print(problem)
-    count = len(list(directory.glob("*.whl")))
+    count = len(list(path.glob("*.whl")))
     print(f"{count} wheels, {total / 2**20:.2f} MiB together ({'problems above' if problems else 'complete'})")
     if problems:
         return 1
-    print("install them on the GPU machine (in the repo's root there):")
-    print("  " + install_line(argv[1].rstrip("/")))
+    if command == "check":
+        print("install them on the GPU machine (in the repo's root there):")
+        print("  " + install_line(argv[1].rstrip("/")))
     return 0
 
 

@@ -1,23 +1,52 @@
 #!/usr/bin/env bash
-# The wheels gpu_check's stage A needs on a GPU machine with no network whose Python 3.12 image lacks
-# them (benchmarks/gpu_wheels.txt lists what the image holds and what travels), downloaded into .whl/
-# (ignored by git) for CPython 3.12 on manylinux x86-64. Then checks that the downloads are exactly the
-# list, one version each, with every wheel's own requirements met by the image or the other wheels,
-# prints their total size (it travels with the working tree: 64 MiB at most, all in) and the one line
-# that installs them on that machine.
+# The wheels a GPU machine with no network and its own Python 3.12 image needs (benchmarks/gpu_wheels.txt lists
+# what the image holds and what travels), for CPython 3.12 on manylinux x86-64.
 #
-# Needs pip and the network here (no GPU). Usage: bash benchmarks/gpu_wheels.sh [DIR]   (default .whl)
+#   bash benchmarks/gpu_wheels.sh [DIR]          stage A's wheels (scirl's requirements the image lacks) into DIR
+#                                                (default .whl, ignored by git): one call carries them whole
+#   bash benchmarks/gpu_wheels.sh --vllm [DIR]   stage B's set as well (vLLM 0.25.0, what it needs beyond the image,
+#                                                TRL for the peer benchmark; ~330 MB) into DIR (default .vllm-set,
+#                                                ignored by git): downloaded into DIR/wheels, checked, packed into one
+#                                                tar, split into parts of at most 54,000,000 bytes, each in a folder
+#                                                of its own (DIR/part01, ...), so that one part and the working tree
+#                                                fit in what one call carries. benchmarks/gpu_install_set.sh puts the
+#                                                parts together and installs them there; benchmarks/README.md gives
+#                                                the whole sequence.
+#
+# Each checks that the downloads are exactly the list, one version each, with every wheel's own requirements met
+# by the image or the other wheels. Needs pip and the network here (no GPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-DEST="${1:-.whl}"
+VLLM=0
+if [[ "${1:-}" == --vllm ]]; then VLLM=1; shift; fi
+DEST="${1:-$([[ $VLLM == 1 ]] && echo .vllm-set || echo .whl)}"
+
+download() {  # DIR PIN...: pure-Python wheels match any of these platforms; llguidance's is manylinux 2.31
+  local dir="$1"; shift
+  "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$dir" "$@"
+}
+
 mapfile -t PINS < <("$PYTHON" benchmarks/gpu_wheels.py list)
-mkdir -p "$DEST"
-# one version of each: a wheel left from an older list would be installed beside the new one
-rm -f "$DEST"/*.whl
-echo "downloading ${#PINS[@]} wheels into $DEST: ${PINS[*]}"
-# pure-Python wheels match any of these platforms; pydantic-core's is manylinux 2.17
-"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d "$DEST" "${PINS[@]}"
-exec "$PYTHON" benchmarks/gpu_wheels.py check "$DEST"
+if [[ $VLLM == 0 ]]; then
+  mkdir -p "$DEST"
+  rm -f "$DEST"/*.whl  # one version of each: a wheel left from an older list would be installed beside the new one
+  echo "downloading ${#PINS[@]} wheels into $DEST: ${PINS[*]}"
+  download "$DEST" "${PINS[@]}"
+  exec "$PYTHON" benchmarks/gpu_wheels.py check "$DEST"
+fi
+
+mapfile -t VLLM_PINS < <("$PYTHON" benchmarks/gpu_wheels.py list-vllm)
+mkdir -p "$DEST/wheels"
+rm -f "$DEST"/wheels/*.whl
+echo "downloading $(( ${#PINS[@]} + ${#VLLM_PINS[@]} )) wheels into $DEST/wheels"
+download "$DEST/wheels" "${PINS[@]}" "${VLLM_PINS[@]}"
+"$PYTHON" benchmarks/gpu_wheels.py check-vllm "$DEST/wheels"
+"$PYTHON" benchmarks/gpu_wheels.py pack "$DEST"
+echo "on the GPU machine, one call per part (carry the part's folder), back to back:"
+for dir in "$DEST"/part[0-9]*; do
+  echo "  carry [\"$dir\"]  command: bash benchmarks/gpu_install_set.sh --receive $dir"
+done
+echo "then, in the call that runs the check:  bash benchmarks/gpu_install_set.sh --install && export PYTHONPATH=/tmp/scirl-set/site"
