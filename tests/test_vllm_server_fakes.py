@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from asgi_server import running  # tests/asgi_server.py
 from server_process import free_port  # tests/server_process.py
@@ -125,7 +125,8 @@ def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: di
 
         @app.post("/reset_prefix_cache")
         async def reset_prefix_cache(request: Request):
-            return await record(request) or {"success": True}
+            # 0.25 answers 200 with an empty body; 0.26 on, {"success": bool}
+            return await record(request) or (Response(status_code=200) if release == "0.25" else {"success": True})
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -395,6 +396,8 @@ def test_server_command_cpu_gpu_and_bad_combinations():
                                device="cpu", kv_cache_gib=0.5)
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     # dev routes; no usage report to vLLM's stats server; "m" is no local directory, so the hub stays reachable
+    # (and vLLM's own sampler where FlashInfer is missing: test_engines_and_servers_use_vllms_own_sampler_...)
+    env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
     assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     flags = " ".join(argv)
     assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
@@ -587,6 +590,7 @@ def test_a_025_server_takes_filesystem_pushes_and_says_it_keeps_no_version(tmp_p
         sync = FilesystemWeightSync(clients, tmp_path / "broadcasts", timeout_s=10)
         sync.push(((n, p.detach()) for n, p in model.named_parameters()), 1, model_config=model.config)
         assert sync.unversioned == [clients[0].url]
+        assert "/reset_prefix_cache" in routes(old_app)  # answered with an empty body, as 0.25 does
         assert "/update_weight_version" not in routes(old_app) and "/update_weight_version" in routes(new_app)
         assert new_app.state.version == "1"
         assert clients[0].weight_checksums() is None  # no /weight_checker either: the probe alone checks it
@@ -624,3 +628,19 @@ def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(m
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
     assert "VLLM_USE_FLASHINFER_SAMPLER" not in server_command("m", port=8000, served_model_name="m", dtype="bfloat16",
                                                                 max_model_len=64, device="cuda")[1]
+
+
+def test_trainer_init_gets_a_rank_only_where_it_takes_one():
+    """vLLM's trainer_init takes ``rank`` from 0.31 on; before, the keyword is a TypeError (rank 0 implied)."""
+    from scirl.weights.nccl import rank_argument
+
+    def before_031(init_info):
+        return init_info
+
+    def from_031(init_info, rank=0):
+        return init_info, rank
+
+    assert rank_argument(from_031, 0) == {"rank": 0} and rank_argument(from_031, 2) == {"rank": 2}
+    assert rank_argument(before_031, 0) == {}
+    with pytest.raises(ValueError, match="rank 0 only"):
+        rank_argument(before_031, 1)

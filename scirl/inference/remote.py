@@ -98,9 +98,9 @@ class ServerClient:
 
     def routes(self) -> frozenset[str] | None:
         """The paths this server serves, from its OpenAPI schema (``GET /openapi.json``), asked once; None
-        where it publishes none. vLLM's routes move between releases (0.25 has no ``/weight_info``,
-        ``/update_weight_version``, ``/weight_checker`` or ``/shutdown_weight_transfer_engine``, which 0.32
-        and 0.33 have), so what a server offers is asked of it, never inferred from its version."""
+        where it publishes none. vLLM's routes move between releases (``/weight_info`` and
+        ``/update_weight_version`` from 0.27, ``/weight_checker`` and ``/shutdown_weight_transfer_engine``
+        from 0.32: docs/vllm-range.md), so what a server offers is asked of it, never inferred from its version."""
         if self._routes is _UNASKED:
             try:
                 schema = self._json("GET", "/openapi.json")
@@ -226,8 +226,14 @@ class ServerClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         while True:
-            body = self._json("POST", "/reset_prefix_cache", timeout_s=timeout)
-            if body.get("success", True) is not False:  # releases before 0.26 answer with an empty body
+            response = self._request("POST", "/reset_prefix_cache", timeout_s=timeout)
+            if not response.content.strip():  # 0.25 answers 200 with an empty body: it always resets
+                return
+            try:
+                body = response.json()
+            except ValueError as exc:
+                raise ServerError(self.url, "/reset_prefix_cache", "the answer is not JSON", response.text) from exc
+            if not isinstance(body, dict) or body.get("success", True) is not False:  # 0.26 on: {"success": bool}
                 return
             if time.monotonic() >= deadline:
                 raise ServerError(self.url, "/reset_prefix_cache",
@@ -475,7 +481,7 @@ def on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], 
 def confirm_version(clients: list[ServerClient], version: int, timeout_s: float) -> list[str]:
     """Every server that keeps a weight version reports ``version`` (``GET /weight_info``), or a ServerError
     naming the one that does not: a restarted server, or a push that never reached it. Returns the URLs of
-    the servers that keep none (vLLM before 0.26 has no ``/weight_info``): for them the logprob probe of
+    the servers that keep none (vLLM 0.25 and 0.26 have no ``/weight_info``): for them the logprob probe of
     ``scirl.weights.check`` runs after every push instead (``WeightCheck.every_push``)."""
     expected = str(version)
     versioned = [c for c in clients if c.offers("/weight_info")]

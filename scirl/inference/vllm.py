@@ -153,7 +153,7 @@ def _logs_to_stderr() -> None:
         reload_log.addFilter(_RotaryReloadNotice())
 
 
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where the in-place reload logs (0.32, 0.33)
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # where the in-place reload logs (0.25-0.33)
 
 
 class _RotaryReloadNotice(logging.Filter):

@@ -6,7 +6,7 @@ sleep with its old weights, a tensor left out, weights rounded on the way). Thre
 first:
 
 1. **Version** (servers, every push; in the transports, ``scirl.weights.filesystem`` and ``.nccl``):
-   every server reports the pushed version (``GET /weight_info``). vLLM 0.25 keeps no weight version
+   every server reports the pushed version (``GET /weight_info``). vLLM 0.25 and 0.26 keep no weight version
    (no ``/weight_info``, no ``/update_weight_version``): for such servers the probe below runs after
    every push instead (``every_push``), which catches a push that did not arrive at bf16 only when the
    weights moved by more than the probe's tolerance.
@@ -15,9 +15,9 @@ first:
    each sampler's logprobs of the same tokens. The mean absolute difference over the completion's
    tokens must stay within the compute dtype's tolerance (``TOLERANCE``).
 3. **Checksums** (with the probe, where the sampler offers them: vLLM's ``/weight_checker`` and its
-   workers' ``compute_weight_checksums``, both from 0.26 on): a server's data-parallel replicas hold the
-   same tensors, and the weights changed since the last check when the trainer's did. vLLM 0.25 offers
-   neither: there the probe alone checks each replica.
+   workers' ``compute_weight_checksums``, both from 0.32 on): a server's data-parallel replicas hold the
+   same tensors, and the weights changed since the last check when the trainer's did. Before 0.32 vLLM
+   offers neither: there the probe alone checks each replica.
 
 The tolerances, measured on the demo model (``scirl/assets/demo-base``) with a 48-token probe:
 

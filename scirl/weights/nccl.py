@@ -12,6 +12,7 @@ failed mid-way, and it knows nothing of the dtype, tied head and version checks 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Callable, Iterable
@@ -33,7 +34,17 @@ def _open_nccl_endpoint(master_address: str, master_port: int, rank: int, world_
     from vllm.distributed.weight_transfer.nccl_common import trainer_init  # deferred: vLLM is optional, GPUs only
 
     return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size},
-                        rank=rank)
+                        **rank_argument(trainer_init, rank))
+
+
+def rank_argument(trainer_init: Callable, rank: int) -> dict:
+    """``rank=`` for vLLM's ``trainer_init`` where it takes one (0.31 on); before, it opens rank 0 only and a
+    ``rank`` keyword is a TypeError, so rank 0 is passed as nothing and any other rank is refused here."""
+    if "rank" in inspect.signature(trainer_init).parameters:
+        return {"rank": rank}
+    if rank != 0:
+        raise ValueError(f"this vLLM's trainer_init opens rank 0 only, asked for rank {rank}")
+    return {}
 
 
 PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
@@ -42,8 +53,9 @@ PACKING_FIELDS = ("packed", "packed_buffer_size_bytes", "packed_num_buffers")
 def worker_payload_fields() -> tuple[frozenset[str], frozenset[str]] | None:
     """The fields vLLM's NCCL workers read from ``init_info`` and from ``update_info``: the installed
     release's own dataclasses (``NCCLWeightTransferInitInfo``, ``NCCLWeightTransferUpdateInfo``), which
-    refuse any other key. Where the packing settings go moved between releases: 0.25 takes them with
-    every update, 0.32 and 0.33 once, at init. None without vLLM (the stand-ins' tests)."""
+    refuse any other key. Where the packing settings go moved between releases: 0.25-0.27 take them with
+    every update, 0.28 on once, at init. Read from the trainer's own install: servers of another release
+    on the other side of that change would refuse the payload (docs/vllm-range.md). None without vLLM."""
     try:
         from vllm.distributed.weight_transfer import nccl_engine  # deferred: vLLM is optional, GPUs only
     except ImportError:
@@ -118,7 +130,7 @@ class NCCLWeightSync:
         self.master_address, self.master_port = master_address, master_port
         self.communicator_factory = communicator_factory or _open_nccl_endpoint
         self.dtype, self.packed, self.stream_sync = dtype, packed, stream_sync
-        # (init_info fields, update_info fields) the servers' workers accept; None: the 0.32/0.33 layout
+        # (init_info fields, update_info fields) the servers' workers accept; None: the layout of 0.28 on
         fields = payload_fields or worker_payload_fields()
         self.packing_at_init = fields is None or "packed" in fields[0]
         self.packing_per_update = fields is not None and "packed" in fields[1]
@@ -224,7 +236,7 @@ class NCCLWeightSync:
         if self.communicator is None:
             return
         try:
-            route = "/shutdown_weight_transfer_engine"  # vLLM 0.25 has none: its engine ends with the server
+            route = "/shutdown_weight_transfer_engine"  # none before vLLM 0.32: the engine ends with its server
             serving = [c for c in self.clients if c.offers(route)]
             on_every_server(serving, lambda c: c.post(route, None, timeout_s=self.timeout_s), self.timeout_s, route)
         finally:

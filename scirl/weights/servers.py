@@ -66,7 +66,7 @@ def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_di
             transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts", timeout_s=deployment.weight_sync_timeout_s)
     sink = ServerSink(trainer, transport, tokenizer, check, replicas, between_batches)
     sink.push(start_step)
-    # a server that keeps no weight version (vLLM 0.25) cannot confirm a push: the probe checks every one
+    # a server that keeps no weight version (vLLM 0.25, 0.26) cannot confirm a push: the probe checks every one
     # instead (every rank must agree: under FSDP the trainer's side of the probe is a collective)
     unversioned = transport.unversioned if transport is not None else []
     check.every_push = bool(distributed.broadcast_object(unversioned, trainer.dist)) and check.interval > 0
