@@ -107,8 +107,8 @@ H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
 STAGES = ("probe", "model", "a_train", "a_resume", "b_colocated", "b_disaggregated", "b_eval")
 # (estimate, timeout) in seconds per stage at the defaults. GPU: one H200, 0.6b, 5 steps; ESTIMATES from
 # the parts (not measured on a GPU yet). CPU: tiny, 2 steps, 1 thread, on a busy 2-core machine.
-GPU_BUDGET = {"probe": (15, 60), "model": (40, 150), "a_train": (110, 240), "a_resume": (200, 330),
-              "b_colocated": (150, 330), "b_disaggregated": (150, 330)}
+GPU_BUDGET = {"probe": (15, 60), "model": (20, 150), "a_train": (110, 240), "a_resume": (200, 330),
+              "b_colocated": (210, 330), "b_disaggregated": (190, 330)}
 CPU_BUDGET = {"probe": (10, 60), "model": (10, 120), "a_train": (20, 240), "a_resume": (45, 360),
               "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
 SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
@@ -183,6 +183,8 @@ def parse_args(argv):
     parser.add_argument("--json", type=Path, help="also write the JSON here, at every update (e.g. where results are collected)")
     parser.add_argument("--disaggregated", action=argparse.BooleanOptionalAction, default=None,
                         help="stage B: also run the steps with a vLLM server generating (default: on a GPU)")
+    parser.add_argument("--no-colocated", action="store_true",
+                        help="stage B: leave b_colocated out (the server stages alone, e.g. to rerun them)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a stage's own process
     parser.add_argument("--context", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -404,7 +406,10 @@ def orchestrate(parser, args) -> int:
             for stage in ("b_colocated", "b_disaggregated", "b_eval"):
                 check.skip(stage, b_reason)
         else:
-            colocated = check.run("b_colocated", ctx)
+            if args.no_colocated:
+                colocated = check.skip("b_colocated", "not asked for (--no-colocated)")
+            else:
+                colocated = check.run("b_colocated", ctx)
             if colocated["status"] == "ok":
                 print_b_colocated(colocated["figures"], ctx)
             disaggregated = args.disaggregated if args.disaggregated is not None else gpu
@@ -432,6 +437,7 @@ def orchestrate(parser, args) -> int:
                     print_b_eval(evaluated)
         stages = check.result["stages"]
         b = stages["b_colocated"]
+        b = stages["b_disaggregated"] if args.no_colocated else b
         check.result["stage_b"] = ("ran" if b["status"] == "ok" else
                                    f"skipped: {b['reason']}" if b["status"] == "skipped" else b["status"])
         failed = [name for name, s in stages.items() if s["status"] in ("failed", "timed out")]
@@ -1249,10 +1255,8 @@ def disaggregated_figures(metrics: list[dict], run: dict, server_start_s: float,
 def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
     """``scirl eval`` of the run's last checkpoint through the run's own server: the server loads the checkpoint
     as a filesystem push would (``reload_weights`` from its directory), then 200 held-out questions go through
-    it as a user's eval would send them (greedy, the run's completion limit). Requests/s and reply tokens/s
-    (the replies counted with the model's tokenizer)."""
-    from transformers import AutoTokenizer
-
+    it as a user's eval would send them (greedy, the run's completion limit). Requests/s and generated
+    tokens/s (the server's own counter)."""
     from scirl.inference.remote import ServerClient
 
     out = Path(ctx["out"])
@@ -1269,6 +1273,7 @@ def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
     results = out / "b-eval.json"
     for stale in (results, out / "b-eval.records.jsonl"):
         stale.unlink(missing_ok=True)
+    generated_before = generated_tokens(url)
     per_domain = EVAL_PER_DOMAIN[ctx["device"]]
     say(f"  b_eval: scirl eval of {last.name} through the server, {4 * per_domain} questions")
     cmd = [sys.executable, "-m", "scirl", "eval", "--base-url", f"{url}/v1", "--model", "policy",
@@ -1282,12 +1287,25 @@ def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
         error.log_tail = (done.stdout + done.stderr).splitlines()[-20:]
         raise error
     summary = json.loads(results.read_text())
-    tokenizer = AutoTokenizer.from_pretrained(ctx["model_dir"])
     replies = [reply for record in read_jsonl(out / "b-eval.records.jsonl")[1:] for reply in record["replies"]]
-    tokens = sum(len(tokenizer(reply, add_special_tokens=False)["input_ids"]) for reply in replies)
+    # the server's own count: a random model's ids past the tokenizer decode to no text, so the replies undercount
+    tokens = generated_tokens(url) - generated_before
     return {"checkpoint": last.name, "questions": len(replies), "wall_s": seconds,
             "requests_per_s": len(replies) / seconds, "reply_tokens": tokens, "reply_tokens_per_s": tokens / seconds,
             "accuracy": summary.get("overall_accuracy"), "counts": summary.get("counts")}
+
+
+def generated_tokens(url: str) -> int:
+    """The tokens a vLLM server has generated since it started: its Prometheus counter (``GET /metrics``,
+    ``vllm:generation_tokens_total``, summed over its label sets)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    samples = [line.rsplit(" ", 1)[-1] for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total")]
+    if not samples:
+        raise StageError(f"{url}/metrics has no vllm:generation_tokens_total")
+    return int(sum(float(value) for value in samples))
 
 
 def print_b_eval(e: dict) -> None:
