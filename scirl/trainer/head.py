@@ -119,7 +119,8 @@ class HeadLogprobs(torch.autograd.Function):
             logsumexp[rows] = lse
             logprobs[rows] = logits.gather(1, ids[rows]) - lse[:, None]
             # outside the nucleus p = 0: with the unmasked (finite) logits their terms are 0, not 0 * -inf
-            entropy[rows] = lse - torch.linalg.vecdot(probs, logits)
+            # (a batched matmul: a dot product per row without a [block, V] product tensor)
+            entropy[rows] = lse - torch.bmm(probs[:, None], logits[:, :, None]).view(-1)
             del logits, masked, probs
         ctx.save_for_backward(hidden, weight, ids, logsumexp, cut)
         ctx.settings = (temperature, block_tokens)
