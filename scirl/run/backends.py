@@ -27,7 +27,8 @@ from scirl.trainer.step import Trainer
 
 def make_trainer(model, cfg, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
     kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist, dtype=dtype,
-                  sdpo=cfg.sdpo if cfg.algorithm == "sdpo" else None)
+                  sdpo=cfg.sdpo if cfg.algorithm == "sdpo" else None, head_block_tokens=cfg.head_block_tokens,
+                  micro_batch_tokens=cfg.micro_batch_tokens)
     if device.type == "cpu":
         return CPUTrainer(model, cfg.optim, cfg.loss, share_prompts=cfg.share_prompts, **kwargs)
     return Trainer(model, cfg.optim, cfg.loss, **kwargs)
