@@ -81,32 +81,26 @@ def memory_plan(cfg, *, dry_run: bool) -> int:
     import torch
 
     from scirl.errors import PreflightError
-    from scirl.run.memory import gpu_size, plan_run, render
+    from scirl.run.memory import gpu_size, plan_run, render, verdict
 
     on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cpu" or not (dry_run or on_gpu):
         if dry_run:
             print("# memory plan: none (device = cpu: no GPU to plan for)")
         return 0
+    gpu = gpu_size(cfg.deployment)
     try:
-        planned = plan_run(cfg, ranks=int(os.environ.get("WORLD_SIZE") or cfg.deployment.num_train_gpus),
-                           gpu=gpu_size(cfg.deployment))
+        planned = plan_run(cfg, ranks=int(os.environ.get("WORLD_SIZE") or cfg.deployment.num_train_gpus), gpu=gpu)
     except PreflightError as exc:
         return refused("scirl train", exc)
-    main_rank = os.environ.get("RANK", "0") == "0"
-    if isinstance(planned, str):
-        if main_rank:
-            print(f"# {planned}" if dry_run else f"scirl train: note: {planned}", file=sys.stdout if dry_run else sys.stderr)
+    if os.environ.get("RANK", "0") != "0":
         return 0
-    plan, row = planned
-    if dry_run:
-        from scirl.run.memory import render
-
-        print("\n".join(f"# {line}".rstrip() for line in render(plan, gpu_size(cfg.deployment), row).splitlines()))
-    elif main_rank:
-        from scirl.run.memory import verdict
-
-        print(f"memory plan: {verdict(plan, gpu_size(cfg.deployment), row)}")
+    if isinstance(planned, str):
+        print(f"# {planned}" if dry_run else f"scirl train: note: {planned}", file=sys.stdout if dry_run else sys.stderr)
+    elif dry_run:
+        print("\n".join(f"# {line}".rstrip() for line in render(planned[0], gpu, planned[1]).splitlines()))
+    else:
+        print(f"memory plan: {verdict(planned[0], gpu, planned[1])}")
     return 0
 
 

@@ -38,13 +38,14 @@ says "tight" within 10% of the GPU), kernel workspaces (cuBLAS, SDPA's own scrat
 SDPO's teacher forward (no gradient, before the student's: smaller than the student's step) and its
 top-k tensors, and rows of a micro-batch whose prompts differ in length, which widen the head's window
 past ``C + 1`` positions. The activations assume the micro-batch's longest row; the run knows that length
-only once its data is read, so ``--dry-run`` prints the longest row that fits next to ``seq_len``.
+only once its data is read: ``--dry-run`` prints the longest row that fits next to ``seq_len`` and refuses only
+what cannot fit even with one-token prompts; a run on CUDA checks again with its longest prompt
+(``check_rows``), before any weight loads.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -301,8 +302,8 @@ def longest_row_that_fits(shape: ModelShape, work: Workload, limit: int) -> int 
 
 
 def fixes(shape: ModelShape, work: Workload, limit: int, share_prompts: bool) -> str:
-    """The changes that each alone make the shortest rows fit, as flags; else every direction there is."""
-    shortest = replace(work, row_tokens=work.completion_tokens + 1)
+    """The changes that each alone make ``work`` fit, as flags; else the combination that does."""
+    shortest = work
     fits = lambda w: estimate(shape, w).peak <= limit  # noqa: E731
     found = []
     if not work.checkpointing and fits(replace(shortest, checkpointing=True)):
@@ -336,7 +337,7 @@ def check_fit(plan: MemoryPlan, limit: int, where: str, share_prompts: bool) -> 
     moment = max(short.phases, key=short.phases.get)
     raise PreflightError(f"memory: a trainer GPU needs about {gib(short.peak)} at its peak ({moment}, with micro-batches "
                          f"of {plan.work.micro_batch_size} full-length completions), the GPU has {gib(limit)} ({where}); "
-                         f"fix: {fixes(plan.shape, plan.work, limit, share_prompts)}")
+                         f"fix: {fixes(plan.shape, short.work, limit, share_prompts)}")
 
 
 def gib(n: float) -> str:
@@ -388,7 +389,7 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
     size, where = gpu
     if row is not None:
         return (f"fits {gib(size)} ({where}) only while a micro-batch's longest row stays under {row} tokens "
-                f"(seq_len allows {plan.work.row_tokens}): a longer one would run out of memory mid-run")
+                f"(seq_len allows {plan.work.row_tokens}); the run checks its data's longest prompt before loading weights")
     tight = " (tight: CUDA's context and fragmentation take a few GB more)" if plan.peak > TIGHT * size else ""
     return f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}){tight}"
 
@@ -408,3 +409,19 @@ def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | 
     plan = estimate(shape, work, source)
     row = check_fit(plan, gpu[0], gpu[1], cfg.share_prompts) if gpu else None
     return plan, row
+
+
+def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
+    """A run on CUDA, once its prompts are known and before any weight loads: refuse (``PreflightError``)
+    when micro-batches of its longest prompt plus a full-length completion cannot fit a trainer GPU."""
+    row = min(cfg.seq_len, longest_prompt + cfg.max_completion_tokens)
+    gpu = gpu_size(cfg.deployment)
+    planned = plan_run(cfg, ranks=ranks, gpu=gpu, row_tokens=row)  # refuses what even the shortest rows cannot fit
+    if isinstance(planned, str) or planned[1] is None:
+        return
+    plan, fits_row = planned
+    raise PreflightError(
+        f"memory: micro-batches of {cfg.micro_batch_size} rows of up to {row} tokens (the data's longest prompt, "
+        f"{longest_prompt} tokens, + max_completion_tokens) need about {gib(plan.peak)} on a trainer GPU, which has "
+        f"{gib(gpu[0])} ({gpu[1]}); rows up to {fits_row} tokens fit; fix: {fixes(plan.shape, plan.work, gpu[0], cfg.share_prompts)}, "
+        f"or --seq-len {fits_row} (longer prompts are then left out)")
