@@ -40,6 +40,7 @@ from scirl.run.memory import (
     lora_parameters,
     model_shape,
     plan_run,
+    trainer_ranks,
 )
 from scirl.trainer.step import Trainer
 
@@ -210,11 +211,11 @@ def test_a_run_that_cannot_fit_is_refused_with_the_fix():
     work = Workload(ranks=1, compute_bytes=2, micro_batch_size=8, row_tokens=4096, completion_tokens=256,
                     checkpointing=True)
     with pytest.raises(PreflightError) as refused:
-        check_fit(estimate(shape, work), 80 * GIB, "test", share_prompts=False)
+        check_fit(estimate(shape, work), 80 * GIB, "test", load_config(["@", CONFIG_8B]))
     message = str(refused.value)
     assert "\n" not in message and "80.0 GiB" in message and "--deployment.num-train-gpus" in message
     # a longer row than fits is said, not refused: the data's prompts may all be short
-    row = check_fit(estimate(shape, replace(work, ranks=2)), 80 * GIB, "test", share_prompts=False)
+    row = check_fit(estimate(shape, replace(work, ranks=2)), 80 * GIB, "test", load_config(["@", CONFIG_8B]))
     assert 257 < row < 4096
     assert estimate(shape, replace(work, ranks=2, row_tokens=row)).peak <= 80 * GIB
     assert estimate(shape, replace(work, ranks=2, row_tokens=row + 1)).peak > 80 * GIB
@@ -285,3 +286,22 @@ def test_a_local_model_directory_is_planned_from_its_config(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--dry-run", "--deployment.gpu-memory-gb", "8", "--device", "auto"]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and json.loads((tmp_path / "config.json").read_text())["vocab_size"] == 1000
+
+
+def test_the_trainer_ranks_are_torchruns_else_the_launchers_else_one():
+    launcher = load_config(["@", CONFIG_8B])  # servers on 6 GPUs, the trainer on 2
+    colocated = load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0"])
+    assert trainer_ranks(launcher, None) == 2 and trainer_ranks(colocated, None) == 1
+    assert trainer_ranks(colocated, "8") == 8
+
+
+def test_a_colocated_engine_too_large_is_refused_naming_a_share_that_fits(monkeypatch):
+    cfg = load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--model", "Qwen/Qwen3-1.7B",
+                       "--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.9"])
+    with pytest.raises(PreflightError) as refused:
+        plan_run(cfg, ranks=1, gpu=(80 * GIB, "test"))
+    message = str(refused.value)
+    assert "weight push" in message and "--inference.gpu-memory-utilization" in message
+    share = float(message.split("--inference.gpu-memory-utilization ")[1].split(")")[0])
+    assert isinstance(plan_run(cfg.model_copy(update={"inference": cfg.inference.model_copy(
+        update={"gpu_memory_utilization": share})}), ranks=1, gpu=(80 * GIB, "test")), tuple)

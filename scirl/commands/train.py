@@ -81,7 +81,7 @@ def memory_plan(cfg, *, dry_run: bool) -> int:
     import torch
 
     from scirl.errors import PreflightError
-    from scirl.run.memory import gpu_size, plan_run, render, verdict
+    from scirl.run.memory import gpu_size, plan_run, render, trainer_ranks, verdict
 
     on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cpu" or not (dry_run or on_gpu):
@@ -90,7 +90,7 @@ def memory_plan(cfg, *, dry_run: bool) -> int:
         return 0
     gpu = gpu_size(cfg.deployment)
     try:
-        planned = plan_run(cfg, ranks=int(os.environ.get("WORLD_SIZE") or cfg.deployment.num_train_gpus), gpu=gpu)
+        planned = plan_run(cfg, ranks=trainer_ranks(cfg, os.environ.get("WORLD_SIZE")), gpu=gpu)
     except PreflightError as exc:
         return refused("scirl train", exc)
     if os.environ.get("RANK", "0") != "0":

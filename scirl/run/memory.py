@@ -272,6 +272,15 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
                     engine_push=engine_push, push_gathers=push_gathers)
 
 
+def trainer_ranks(cfg, world_size: str | None) -> int:
+    """How many trainer ranks share the state: torchrun's ``WORLD_SIZE`` where it is set, else the
+    launcher's ``deployment.num_train_gpus`` when ``scirl train`` starts the servers and torchrun itself,
+    else one process (a colocated run without torchrun)."""
+    if world_size:
+        return int(world_size)
+    return cfg.deployment.num_train_gpus if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls else 1
+
+
 def gpu_size(deployment) -> tuple[int, str] | None:
     """(bytes of the smallest visible GPU, where that came from): the device, else
     ``deployment.gpu_memory_gb`` (a login node, a laptop), else None: the plan cannot check the fit."""
@@ -301,31 +310,38 @@ def longest_row_that_fits(shape: ModelShape, work: Workload, limit: int) -> int 
     return low
 
 
-def fixes(shape: ModelShape, work: Workload, limit: int, share_prompts: bool) -> str:
-    """The changes that each alone make ``work`` fit, as flags; else the combination that does."""
-    shortest = work
+def fixes(shape: ModelShape, work: Workload, limit: int, cfg) -> str:
+    """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, as flags; else the
+    combination of checkpointing and GPUs that does."""
     fits = lambda w: estimate(shape, w).peak <= limit  # noqa: E731
+    checkpointing = "--activation-checkpointing" + (" --no-share-prompts" if cfg.share_prompts else "")
+    launcher = cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls
+    gpus_flag = "--deployment.num-train-gpus {}" if launcher else "torchrun --nproc-per-node {}"
     found = []
-    if not work.checkpointing and fits(replace(shortest, checkpointing=True)):
-        found.append("activation checkpointing (--activation-checkpointing" + (" --no-share-prompts)" if share_prompts else ")"))
-    batch = next((m for m in range(work.micro_batch_size - 1, 0, -1) if fits(replace(shortest, micro_batch_size=m))), None)
+    if not work.checkpointing and fits(replace(work, checkpointing=True)):
+        found.append(f"activation checkpointing ({checkpointing})")
+    batch = next((m for m in range(work.micro_batch_size - 1, 0, -1) if fits(replace(work, micro_batch_size=m))), None)
     if batch:
         found.append(f"a smaller micro-batch (--micro-batch-size {batch})")
-    gpus = next((r for r in range(work.ranks + 1, 257) if fits(replace(shortest, ranks=r))), None)
+    if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
+        least = work.compute_bytes * shape.parameters() + GIB
+        share = next((u / 20 for u in range(19, 0, -1) if u / 20 * limit > least and fits(replace(
+            work, engine_push=int(u / 20 * limit), engine_train=int(u / 20 * limit) if work.engine_train else 0))), None)
+        if share:
+            found.append(f"a smaller engine share (--inference.gpu-memory-utilization {share:g})")
+    gpus = next((r for r in range(work.ranks + 1, 257) if fits(replace(work, ranks=r))), None)
     if gpus:
-        found.append(f"more trainer GPUs (--deployment.num-train-gpus {gpus})")
-    if not found:  # together: checkpointing, then as many GPUs as it takes
-        both = replace(shortest, checkpointing=True)
-        gpus = next((r for r in range(work.ranks, 257) if fits(replace(both, ranks=r))), None)
-        if gpus is None:
-            return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
-        flags = ("" if work.checkpointing else " --activation-checkpointing" + (" --no-share-prompts" if share_prompts else ""))
-        flags += f" --deployment.num-train-gpus {gpus}" if gpus != work.ranks else ""
-        return f"no one change fits; together:{flags}"
-    return ", or ".join(found)
+        found.append(f"more trainer GPUs ({gpus_flag.format(gpus)})")
+    if found:
+        return ", or ".join(found)
+    gpus = next((r for r in range(work.ranks, 257) if fits(replace(work, checkpointing=True, ranks=r))), None)
+    if gpus is None:
+        return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
+    together = ([] if work.checkpointing else [checkpointing]) + ([gpus_flag.format(gpus)] if gpus != work.ranks else [])
+    return "no one change fits; together: " + " ".join(together)
 
 
-def check_fit(plan: MemoryPlan, limit: int, where: str, share_prompts: bool) -> int | None:
+def check_fit(plan: MemoryPlan, limit: int, where: str, cfg) -> int | None:
     """Raise ``PreflightError`` when even a micro-batch of full-length completions after one-token prompts
     cannot fit in ``limit`` bytes; else return the longest row that fits (None: any row up to seq_len)."""
     if plan.peak <= limit:
@@ -337,7 +353,7 @@ def check_fit(plan: MemoryPlan, limit: int, where: str, share_prompts: bool) -> 
     moment = max(short.phases, key=short.phases.get)
     raise PreflightError(f"memory: a trainer GPU needs about {gib(short.peak)} at its peak ({moment}, with micro-batches "
                          f"of {plan.work.micro_batch_size} full-length completions), the GPU has {gib(limit)} ({where}); "
-                         f"fix: {fixes(plan.shape, short.work, limit, share_prompts)}")
+                         f"fix: {fixes(plan.shape, short.work, limit, cfg)}")
 
 
 def gib(n: float) -> str:
@@ -345,7 +361,7 @@ def gib(n: float) -> str:
 
 
 NOTES = {
-    "weights": "float32 masters{shard}", "gradients": "float32{shard}", "optimizer": "AdamW: two float32 moments{shard}",
+    "weights": "{weights}", "gradients": "float32{shard}", "optimizer": "AdamW: two float32 moments{shard}",
     "ema teacher": "SDPO: float32 copy{shard}", "compute copy": "one process: bf16 copy of the weights",
     "gathered": "FSDP2: root + two layers in the compute dtype", "activations": "kept by the forward ({act})",
     "backward": "one layer's backward{recompute}", "head": "{head}", "engine": "{engine}",
@@ -361,7 +377,8 @@ def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> st
 
     w, s = plan.work, plan.shape
     shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
-    fill = {"shard": shard, "act": f"{w.micro_batch_size} rows x {w.row_tokens} tokens, "
+    weights = "frozen base in the compute dtype + float32 adapter" if w.lora_parameters is not None else f"float32 masters{shard}"
+    fill = {"shard": shard, "weights": weights, "act": f"{w.micro_batch_size} rows x {w.row_tokens} tokens, "
             + ("checkpointed" if w.checkpointing else "no checkpointing"),
             "recompute": ": recomputed, plus its gradients" if w.checkpointing else ": its gradients",
             "head": f"{w.micro_batch_size} x {w.completion_tokens + 1} positions x {s.vocab} vocab, "
@@ -407,7 +424,7 @@ def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | 
     vllm = importlib.util.find_spec("vllm") is not None
     work = workload(cfg, shape, ranks=ranks, gpu_bytes=gpu[0] if gpu else None, row_tokens=row_tokens, vllm=vllm)
     plan = estimate(shape, work, source)
-    row = check_fit(plan, gpu[0], gpu[1], cfg.share_prompts) if gpu else None
+    row = check_fit(plan, gpu[0], gpu[1], cfg) if gpu else None
     return plan, row
 
 
@@ -423,5 +440,5 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
     raise PreflightError(
         f"memory: micro-batches of {cfg.micro_batch_size} rows of up to {row} tokens (the data's longest prompt, "
         f"{longest_prompt} tokens, + max_completion_tokens) need about {gib(plan.peak)} on a trainer GPU, which has "
-        f"{gib(gpu[0])} ({gpu[1]}); rows up to {fits_row} tokens fit; fix: {fixes(plan.shape, plan.work, gpu[0], cfg.share_prompts)}, "
+        f"{gib(gpu[0])} ({gpu[1]}); rows up to {fits_row} tokens fit; fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, "
         f"or --seq-len {fits_row} (longer prompts are then left out)")
