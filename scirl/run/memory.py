@@ -45,11 +45,19 @@ what cannot fit even with one-token prompts; a run on CUDA checks again with its
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass, field, replace
+from io import StringIO
 from pathlib import Path
 
+import torch
+from huggingface_hub import try_to_load_from_cache
+from rich.console import Console
+from rich.table import Table
+
 from scirl.errors import PreflightError
+from scirl.run.config import COLOCATED_GPU_SHARE
 
 GIB = 1 << 30
 F32 = 4  # bytes of a float32
@@ -106,9 +114,7 @@ def model_shape(model: str) -> tuple[ModelShape, str] | None:
     None when none of these knows the model."""
     path = Path(model)
     config_file = path / "config.json" if path.is_dir() else None
-    if config_file is None:
-        from huggingface_hub import try_to_load_from_cache  # deferred: only hub ids need it
-
+    if config_file is None:  # the hub cache only: nothing is downloaded
         cached = try_to_load_from_cache(model, "config.json")
         config_file = Path(cached) if isinstance(cached, str) else None
     if config_file is not None and config_file.is_file():
@@ -257,8 +263,6 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     engine_train = engine_push = 0
     push_gathers = True  # servers: rank 0 gathers the full weights for the push
     if colocated and (cfg.inference.backend == "vllm" or (cfg.inference.backend == "auto" and vllm)):
-        from scirl.run.config import COLOCATED_GPU_SHARE
-
         share = int((cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE) * (gpu_bytes or 0))
         engine_train, engine_push = (share if cfg.inference.sleep_level == 0 else 0), share
     elif colocated:  # transformers: one process samples from the trained module; under FSDP a per-rank copy
@@ -284,8 +288,6 @@ def trainer_ranks(cfg, world_size: str | None) -> int:
 def gpu_size(deployment) -> tuple[int, str] | None:
     """(bytes of the smallest visible GPU, where that came from): the device, else
     ``deployment.gpu_memory_gb`` (a login node, a laptop), else None: the plan cannot check the fit."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.device_count():
         sizes = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
         smallest = min(sizes, key=lambda p: p.total_memory)
@@ -370,11 +372,6 @@ NOTES = {
 
 def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
     """The plan as text: a table of the terms, each moment's peak, the verdict."""
-    from io import StringIO
-
-    from rich.console import Console
-    from rich.table import Table
-
     w, s = plan.work, plan.shape
     shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
     weights = "frozen base in the compute dtype + float32 adapter" if w.lora_parameters is not None else f"float32 masters{shard}"
@@ -414,8 +411,6 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
 def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
     """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
     note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
-    import importlib.util
-
     found = model_shape(cfg.model)
     if found is None:
         return (f"no memory plan: the shapes of model {cfg.model!r} are unknown here (not a local directory, "
