@@ -43,7 +43,9 @@ def main(argv: list[str]) -> int:
         import tomli_w
 
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
-        return 0
+        return memory_plan(cfg, dry_run=True)
+    if memory_plan(cfg, dry_run=False):
+        return 2
 
     if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
@@ -69,6 +71,37 @@ def main(argv: list[str]) -> int:
         # still in flight to a failed server would otherwise hold the exit up to their own deadline
         exit_process(status)
     return status
+
+
+def memory_plan(cfg, *, dry_run: bool) -> int:
+    """Each trainer GPU's memory plan (``scirl.run.memory``), before any weight loads: refused in one line
+    (2) when it cannot fit. ``--dry-run`` prints it (as TOML comments, so the output stays a config file)
+    for the GPUs it would train on, whatever this machine has; a run checks it only when it trains on
+    CUDA, and says its verdict in one line. A CPU run has nothing to plan."""
+    import torch
+
+    from scirl.errors import PreflightError
+    from scirl.run.memory import gpu_size, plan_run, render, trainer_ranks, verdict
+
+    on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.device == "cpu" or not (dry_run or on_gpu):
+        if dry_run:
+            print("# memory plan: none (device = cpu: no GPU to plan for)")
+        return 0
+    gpu = gpu_size(cfg.deployment)
+    try:
+        planned = plan_run(cfg, ranks=trainer_ranks(cfg, os.environ.get("WORLD_SIZE")), gpu=gpu)
+    except PreflightError as exc:
+        return refused("scirl train", exc)
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    if isinstance(planned, str):
+        print(f"# {planned}" if dry_run else f"scirl train: note: {planned}", file=sys.stdout if dry_run else sys.stderr)
+    elif dry_run:
+        print("\n".join(f"# {line}".rstrip() for line in render(planned[0], gpu, planned[1]).splitlines()))
+    else:
+        print(f"memory plan: {verdict(planned[0], gpu, planned[1])}")
+    return 0
 
 
 def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_options) -> int:

@@ -249,6 +249,9 @@ class DeploymentConfig(Section):
     startup_timeout_s: float = Field(900, gt=0, description="longest wait for a server to become healthy")
     request_timeout_s: float = Field(600, gt=0, description="longest wait for one generation request")
     weight_sync_timeout_s: float = Field(600, gt=0, description="longest wait for servers to take new weights")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="each GPU's memory in GiB, for the memory plan where "
+                                        "there is no GPU to ask (a login node, --dry-run on a laptop); a GPU's own "
+                                        "size wins where there is one (None: the plan only prints)")
 
     def weight_sync_on(self, cuda: bool) -> str:
         """``weight_sync`` with ``auto`` resolved: NCCL between GPUs, the filesystem elsewhere."""

@@ -33,7 +33,7 @@ from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
 from scirl.rollouts.sampler import QuestionSampler
 from scirl.rollouts.source import ColocatedSource, ServerSource
-from scirl.run import checkpoint, rundir
+from scirl.run import checkpoint, memory, rundir
 from scirl.run.backends import (
     bf16_advice,
     inference_backend,
@@ -115,6 +115,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     model_source = str(latest[1]) if latest else cfg.model
     tokenizer = load_tokenizer(model_source)
     questions, digest = prompted_questions(splits, cfg, tokenizer, dist, say)
+    if device.type == "cuda":  # before any weight loads: the longest prompt bounds a micro-batch's rows
+        memory.check_rows(cfg, max(len(item.prompt_ids) for item in questions), dist.world_size)
     start_step, saved = 0, None
     if latest is not None:
         start_step = latest[0]
