@@ -124,7 +124,8 @@ def test_the_estimate_is_within_15_percent_of_a_measured_step(vocab, hidden, lay
     model = tiny_model(vocab, hidden, layers, kv_heads)
     shape = ModelShape.from_config(model.config.to_dict())
     work = Workload(ranks=1, compute_bytes=4, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, push_gathers=False, foreach=False)
+                    completion_tokens=completion, checkpointing=checkpointing, head_block=512, push_gathers=False,
+                    foreach=False)
     plan = estimate(shape, work)
     state = sum(plan.terms[k] for k in ("weights", "optimizer"))
     measured = measured_step_extra(model, mbs, prompt, completion, checkpointing)
@@ -183,11 +184,13 @@ def test_shapes_come_from_a_local_config_else_the_table_else_nowhere(tmp_path):
     assert isinstance(note, str) and "unknown" in note
 
 
-def test_the_full_head_is_its_logits_copies_and_the_chunked_head_is_smaller():
-    positions, vocab = 1000, 151936
+def test_the_full_head_is_its_logits_copies_and_the_block_wise_head_one_block_of_them():
+    positions, vocab = 8192, 151936
     assert head_bytes(positions, vocab, 4) == positions * vocab * 12  # logits, probabilities, entropy product
     assert head_bytes(positions, vocab, 2) == positions * vocab * (2 + 12)  # + the bf16 logits
-    assert head_bytes(positions, vocab, 2, chunk=8192) < head_bytes(positions, vocab, 2) / 10
+    # blocks of 512 rows: the bf16 logits, their float32 copy and exponentials of one block, whatever the positions
+    assert head_bytes(positions, vocab, 2, block=512) == 512 * vocab * (2 + 8) + positions * 16
+    assert head_bytes(2 * positions, vocab, 2, block=512) - head_bytes(positions, vocab, 2, block=512) == positions * 16
 
 
 def test_each_term_follows_the_config():

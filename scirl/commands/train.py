@@ -39,13 +39,17 @@ def main(argv: list[str]) -> int:
     if args.resume and args.clean:
         print("scirl train: --resume and --clean contradict each other", file=sys.stderr)
         return 2
+    status, plan_text = memory_plan(cfg, dry_run=args.dry_run)
+    if status:  # refused: its one line is all that is printed
+        return status
     if args.dry_run:
         import tomli_w
 
         print(tomli_w.dumps(to_toml_dict(cfg)), end="")
-        return memory_plan(cfg, dry_run=True)
-    if memory_plan(cfg, dry_run=False):
-        return 2
+    if plan_text:
+        print(plan_text)
+    if args.dry_run:
+        return 0
 
     if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
@@ -73,11 +77,11 @@ def main(argv: list[str]) -> int:
     return status
 
 
-def memory_plan(cfg, *, dry_run: bool) -> int:
-    """Each trainer GPU's memory plan (``scirl.run.memory``), before any weight loads: refused in one line
-    (2) when it cannot fit. ``--dry-run`` prints it (as TOML comments, so the output stays a config file)
-    for the GPUs it would train on, whatever this machine has; a run checks it only when it trains on
-    CUDA, and says its verdict in one line. A CPU run has nothing to plan."""
+def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:
+    """Each trainer GPU's memory plan (``scirl.run.memory``), before any weight loads: (2, None) after its
+    one line when it cannot fit, else (0, what to print on stdout). ``--dry-run`` gets the whole plan (as TOML
+    comments, so the output stays a config file) for the GPUs it would train on, whatever this machine has;
+    a run is checked only when it trains on CUDA, and gets its verdict in one line. A CPU run has nothing to plan."""
     import torch
 
     from scirl.errors import PreflightError
@@ -85,23 +89,21 @@ def memory_plan(cfg, *, dry_run: bool) -> int:
 
     on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
     if cfg.device == "cpu" or not (dry_run or on_gpu):
-        if dry_run:
-            print("# memory plan: none (device = cpu: no GPU to plan for)")
-        return 0
+        return 0, "# memory plan: none (device = cpu: no GPU to plan for)" if dry_run else None
     gpu = gpu_size(cfg.deployment)
     try:
         planned = plan_run(cfg, ranks=trainer_ranks(cfg, os.environ.get("WORLD_SIZE")), gpu=gpu)
     except PreflightError as exc:
-        return refused("scirl train", exc)
+        return refused("scirl train", exc), None
     if os.environ.get("RANK", "0") != "0":
-        return 0
+        return 0, None
     if isinstance(planned, str):
-        print(f"# {planned}" if dry_run else f"scirl train: note: {planned}", file=sys.stdout if dry_run else sys.stderr)
-    elif dry_run:
-        print("\n".join(f"# {line}".rstrip() for line in render(planned[0], gpu, planned[1]).splitlines()))
-    else:
-        print(f"memory plan: {verdict(planned[0], gpu, planned[1])}")
-    return 0
+        if not dry_run:
+            print(f"scirl train: note: {planned}", file=sys.stderr)
+        return 0, f"# {planned}" if dry_run else None
+    if dry_run:
+        return 0, "\n".join(f"# {line}".rstrip() for line in render(planned[0], gpu, planned[1]).splitlines())
+    return 0, f"memory plan: {verdict(planned[0], gpu, planned[1])}"
 
 
 def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_options) -> int:

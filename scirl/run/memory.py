@@ -140,7 +140,7 @@ class Workload:
     row_tokens: int  # the micro-batch's longest row, prompt + completion
     completion_tokens: int  # the head's positions per row, less one
     checkpointing: bool
-    head_chunk: int | None = None  # None: today's full logits; else the chunked head's chunk size
+    head_block: int | None = None  # None: full logits; else the block-wise head's rows per block
     top_p: float = 1.0
     lora_parameters: int | None = None  # the adapter's, when LoRA trains; None: every parameter trains
     ema: bool = False
@@ -163,16 +163,31 @@ class MemoryPlan:
         return max(self.phases.values())
 
 
-def head_bytes(positions: int, vocab: int, compute_bytes: int, chunk: int | None = None, top_p: float = 1.0) -> int:
-    """The LM head's peak bytes over ``positions`` [tokens]. ``chunk`` None: today's full logits (the
-    compute-dtype logits, their float32 copy unless already float32, the float32 probabilities saved for
-    the backward and the float32 product the entropy sums; top-p adds its boolean nucleus mask). A chunk
-    size: a float32 working set of [positions x chunk] (the chunk's logits in the compute dtype, a float32
-    copy and its exponentials) plus a few float32 numbers per position."""
-    if chunk is not None:
-        return positions * min(chunk, vocab) * (compute_bytes + 2 * F32) + positions * 4 * F32
+def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int | None = None, top_p: float = 1.0) -> int:
+    """The LM head's forward bytes over ``positions`` [tokens]. ``block`` None: full logits (the compute-dtype
+    logits, their float32 copy unless already float32, the float32 probabilities saved for the backward and
+    the float32 product the entropy sums; top-p adds its boolean nucleus mask). A block size (the trainer's
+    ``head_block_tokens``, ``scirl/trainer/head.py``): one block of rows over the vocabulary at a time (its
+    logits in the compute dtype, a float32 copy and its exponentials, the nucleus mask under top-p) plus a
+    few float32 numbers per position; nothing of the vocabulary's width is kept for the backward."""
+    if block is not None:  # the block's logits (a float32 copy of them unless computed in float32), exponentials
+        rows = min(block, positions)
+        copy = compute_bytes if compute_bytes != F32 else 0
+        return rows * vocab * (copy + 2 * F32 + (1 if top_p < 1 else 0)) + positions * 4 * F32
     per_element = compute_bytes + 3 * F32 - (compute_bytes if compute_bytes == F32 else 0)
     return positions * vocab * (per_element + (1 if top_p < 1 else 0))
+
+
+def head_backward_bytes(positions: int, shape: "ModelShape", compute_bytes: int, block: int | None) -> int:
+    """The head's backward beyond what the forward kept. Full logits: the probabilities and their gradient.
+    Blocks: one block's logits recomputed (in float32, turned into their gradient in place), the float32
+    accumulator of the head weight's gradient and the gradient of the hidden states."""
+    if block is None:
+        return positions * shape.vocab * 2 * F32
+    rows = min(block, positions)
+    copy = compute_bytes if compute_bytes != F32 else 0  # the recomputed logits turn into their gradient in place
+    return (rows * shape.vocab * (copy + F32) + F32 * shape.vocab * shape.hidden
+            + compute_bytes * positions * shape.hidden)
 
 
 def activation_bytes(shape: ModelShape, rows: int, length: int, c: int, checkpointing: bool) -> tuple[int, int]:
@@ -209,13 +224,13 @@ def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
         "compute copy": c * P if copy else 0,
         "activations": saved,
         "backward": layer_backward,
-        "head": head_bytes(positions, shape.vocab, c, w.head_chunk, w.top_p),
+        "head": head_bytes(positions, shape.vocab, c, w.head_block, w.top_p),
         "engine": max(w.engine_train, w.engine_push),
     }
     state = sum(terms[k] for k in ("weights", "optimizer", "ema teacher", "compute copy"))
     base = state + terms["gradients"] + w.engine_train
     gathered, head_grad, at_end = gradient_working_set(shape, w, copy)
-    head_backward = positions * shape.vocab * 2 * F32 if w.head_chunk is None else terms["head"]  # probs and their gradient
+    head_backward = head_backward_bytes(positions, shape, c, w.head_block)
     terms["gathered"] = gathered
     phases = {
         "forward's end": base + gathered + saved + terms["head"],
@@ -271,7 +286,8 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     return Workload(ranks=ranks, compute_bytes=c, micro_batch_size=cfg.micro_batch_size,
                     row_tokens=row_tokens or cfg.seq_len, completion_tokens=cfg.max_completion_tokens,
-                    checkpointing=cfg.activation_checkpointing, top_p=cfg.top_p, lora_parameters=lora,
+                    checkpointing=cfg.activation_checkpointing, head_block=cfg.head_block_tokens,
+                    top_p=cfg.top_p, lora_parameters=lora,
                     ema=cfg.algorithm == "sdpo" and cfg.sdpo.teacher == "ema", engine_train=engine_train,
                     engine_push=engine_push, push_gathers=push_gathers)
 
@@ -379,7 +395,7 @@ def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> st
             + ("checkpointed" if w.checkpointing else "no checkpointing"),
             "recompute": ": recomputed, plus its gradients" if w.checkpointing else ": its gradients",
             "head": f"{w.micro_batch_size} x {w.completion_tokens + 1} positions x {s.vocab} vocab, "
-            + (f"chunks of {w.head_chunk}" if w.head_chunk else "full logits"),
+            + (f"blocks of {w.head_block} tokens" if w.head_block else "full logits"),
             "engine": "on this GPU: colocated sampler (awake)" if w.engine_push else "none on this GPU"}
     table = Table(title=f"memory plan per trainer GPU: {s.parameters() / 1e9:.2f}B parameters, {w.ranks} trainer "
                   f"rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute", title_justify="left")
