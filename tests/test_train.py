@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scirl import algorithms
 from scirl.run.config_io import load_config, read_toml, validate
 from scirl.rollouts.contract import Sample
 
@@ -168,7 +169,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     for micro_batch_size in (6, 4, 1):
         torch.manual_seed(0)
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
         # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
         # would turn float noise on near-zero gradients into lr-sized differences
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -319,6 +320,7 @@ def read_back_overrides(run_dir: Path) -> list[str]:
 
 FSDP_SCRIPT = r'''
 import sys, torch
+from scirl import algorithms
 from scirl.run.config import TrainConfig
 from scirl.distributed import setup
 from scirl.rollouts.contract import Sample
@@ -329,7 +331,7 @@ dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
 cfg = TrainConfig()
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
 stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
@@ -379,7 +381,7 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
     assert got["stats"]["loss_tokens"] == want["loss_tokens"]
@@ -470,7 +472,7 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     (mb,) = make_micro_batches(fixed_samples(4, seed=2), 4, pad_id=0)
     with torch.no_grad():
         logprobs, _, loss_mask, _ = trainer.completion_logprobs(mb)
@@ -573,7 +575,7 @@ def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_
     results = []
     for build in (make_micro_batches, make_shared_prompt_batches):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = CPUTrainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        trainer = CPUTrainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         micro_batches = build(samples, micro_batch_size, pad_id=0)
         stats = trainer.train_step(micro_batches)
@@ -808,7 +810,7 @@ def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     results = []
     for micro_batch_size in (5, 2):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.bfloat16)
-        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
         stats = trainer.train_step(make_micro_batches(samples, micro_batch_size, pad_id=0))

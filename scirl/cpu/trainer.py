@@ -9,7 +9,7 @@ attention left to torch's CPU kernel.
   one prompt forward instead of 16. Under torchrun every rank must run the same number of
   forwards, so multi-rank runs keep whole sequences;
 - ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``);
-- SDPO's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. A teacher
+- a distilling algorithm's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. A teacher
   prompt shows one success of the group, so most of a group's completions see the same one (all but the
   success shown, which sees another): with shared prompts the teacher, too, runs each distinct teacher
   prompt once and continues its completions from its KV cache (``SharedTeacherInputs``).
@@ -49,7 +49,7 @@ class CPUTrainer(Trainer):
         with use_gqa_attention(self.compute_model):
             if isinstance(mb, SharedPromptBatch):
                 first, rest = self.shared_prompt_logits(mb)
-                # SDPO compares whole distributions: one [rows, tokens, vocab] tensor (a copy; small models here)
+                # distillation compares whole distributions: one [rows, tokens, vocab] tensor (a copy; small models here)
                 logits = first if rest is None else torch.cat([first, rest], dim=1)
                 return logits, mb.completion_ids, mb.completion_mask, mb.inference_logprobs
             return super().forward_logits(mb)
@@ -109,7 +109,7 @@ class SharedPromptBatch:
     rows: torch.Tensor  # [R] long: the prompt of each completion
     inference_logprobs: torch.Tensor  # [R, C] float32
     advantages: torch.Tensor  # [R] float32
-    teacher: SharedTeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
+    teacher: SharedTeacherInputs | None = None  # a self-teacher's sequences of the rows that have one
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -118,7 +118,7 @@ class SharedPromptBatch:
 
 @dataclass
 class SharedTeacherInputs:
-    """SDPO's teacher sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
+    """A self-teacher's sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
     distinct teacher prompt stored (and run) once."""
 
     prompts: SharedPromptBatch  # teacher prompts and the rows' completions

@@ -1,5 +1,5 @@
-"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO (or SDPO, with
-``--algorithm sdpo``), evaluate again.
+"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO (or another
+algorithm, ``--algorithm NAME``), evaluate again.
 
 Everything is offline. The questions come from ``scirl.demo.world`` (open-book
 science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that

@@ -11,9 +11,10 @@ prompts are built once in the row's order, and only the questions a step draws a
 re-tokenised (``epoch``: one prompt per group; ``rollout``: one per completion, each sampled with
 ``n = 1``). Each completion is scored against the order it was shown.
 
-Under SDPO (``settings.teacher``) each sample also gets its self-teacher's prompt (``scirl.rollouts.teacher``),
-and a sample with a teacher is never dropped by the zero-advantage filter: the teacher gives it a learning
-signal whatever its advantage.
+The run's algorithm (``settings.algorithm``) computes each group's advantages, may drop groups whose
+advantages are all 0 (DAPO's dynamic sampling), and may add extra inputs to each sample and fields to its
+rollout record (a self-teacher's prompt); a sample it marks ``keep`` is never dropped by the zero-advantage
+filter (a teacher gives it a learning signal whatever its advantage).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import torch
 
 from scirl.inference.base import Completion, SamplingParams, encode_messages
 from scirl.rollouts.contract import PromptedQuestion, RolloutBatch, RolloutSettings, Sample
-from scirl.rollouts.grpo import apply_filters, group_advantages
-from scirl.rollouts.teacher import group_teachers
+from scirl.rollouts.grpo import apply_filters
 from scirl.task import reward, shuffle
 from scirl.task.prompt import build_messages, render_prompt
 from scirl.task.schema import Question
@@ -75,7 +75,7 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
     """Reward, advantage and filter verdict of every completion, each scored against the question as it
     was shown (``shown``: per group, one shared prompt or one per completion, as ``shown_prompts`` gives).
     The advantage baseline is the group's mean: per question, whatever order each completion saw.
-    Under SDPO (``settings.teacher``), each completion's teacher prompt too, with ``tokenizer``.
+    The algorithm's extras (a self-teacher's prompt) too, with ``tokenizer``.
 
     Returns (rollout records for the logs, training samples: the rollouts no enforcing filter dropped).
     """
@@ -88,14 +88,16 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
         scored = [reward.score(c.text, item.question, mode, draw=(settings.seed, step, item.question.id, k))
                   for k, (item, c) in enumerate(zip(items, group))]
         rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
-        advantages = group_advantages(rewards, settings.std_normalize, settings.advantage_eps)[0].tolist()
-        teachers = ([None] * len(group) if settings.teacher is None
-                    else group_teachers(items, group, scored, settings.teacher, tokenizer, mode))
-        for k, (item, c, s, adv, teacher) in enumerate(zip(items, group, scored, advantages, teachers)):
+        advantages = settings.algorithm.advantages(rewards)[0].tolist()
+        flat = settings.algorithm.drops_flat_groups() and not any(advantages)  # the whole group teaches nothing
+        extras = settings.algorithm.group_extras(items, group, scored, tokenizer, mode)
+        for k, (item, c, s, adv, extra) in enumerate(zip(items, group, scored, advantages, extras)):
             q = item.question
             verdict = apply_filters(c.token_ids, c.logprobs, adv, settings.filters, vocab_size)
-            if teacher is not None and verdict.flag == "zero_advantage":
-                verdict = replace(verdict, dropped=False)  # the teacher's signal does not need an advantage
+            if flat:
+                verdict = replace(verdict, flag=verdict.flag or "zero_advantage", dropped=True)
+            if extra and extra.get("keep") and verdict.flag == "zero_advantage":
+                verdict = replace(verdict, dropped=False)  # e.g. a teacher's signal does not need an advantage
             strict = s if mode in ("strict", *reward.CONTROL_MODES) else reward.score(c.text, q, "strict")
             lenient = s if mode == "lenient" else reward.score(c.text, q, "lenient")
             rollouts.append({
@@ -109,13 +111,11 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
                 "filter": verdict.flag, "dropped": verdict.dropped, "finish_reason": c.finish_reason,
                 "num_tokens": len(c.token_ids),
             })
-            if settings.teacher is not None:  # SDPO: whether it had a teacher, which success it was shown
-                rollouts[-1].update(teacher="none" if teacher is None else "solution" if teacher.solution is not None
-                                    else "feedback", teacher_solution=teacher.solution if teacher else None,
-                                    teacher_prompt_tokens=len(teacher.prompt_ids) if teacher else 0)
+            if extra:  # e.g. whether it had a teacher, which success it was shown
+                rollouts[-1].update(extra["record"])
             if not verdict.dropped:
-                samples.append(Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index,
-                                      teacher.prompt_ids if teacher is not None else None))
+                sample = Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index)
+                samples.append(replace(sample, **extra["sample"]) if extra and extra.get("sample") else sample)
     return rollouts, samples
 
 
@@ -139,7 +139,7 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
         out = [flat[g * settings.group_size:(g + 1) * settings.group_size] for g in range(len(shown))]
     time_generate = time.perf_counter() - started
     rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank,
-                                     tokenizer=generator.tokenizer if settings.teacher is not None else None)
+                                     tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None)
     for record in rollouts:
         record["policy_version"], record["lag"] = version, step - 1 - version
     return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
