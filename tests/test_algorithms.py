@@ -216,10 +216,14 @@ def test_the_export_to_prime_rl_refuses_an_algorithm_it_has_no_counterpart_for_i
 # ---- end to end ----
 
 
-@pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "cispo"])
-def test_a_short_run_of_each_variant_trains_and_logs_its_loss(name, letter_model_dir, data_file, tmp_path, one_thread):  # noqa: F811
+@pytest.mark.parametrize("name, lora", [("dr_grpo", False), ("dapo", False), ("gspo", False), ("cispo", True)])
+def test_a_short_run_of_each_variant_trains_and_logs_its_loss(name, lora, letter_model_dir, data_file, tmp_path,  # noqa: F811
+                                                               one_thread):  # noqa: F811
+    """Two steps of each variant (CISPO under LoRA): its section in config.toml, finite losses and weights."""
+    if lora:
+        pytest.importorskip("peft")
     run_dir = tmp_path / name
-    extra = ["--algorithm", name, "--optim.lr", "2e-3", "--temperature", "1.2"]
+    extra = ["--algorithm", name, "--optim.lr", "2e-3", "--temperature", "1.2", *(["--lora.enabled", "true"] if lora else [])]
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=extra)) == 0
     config = (run_dir / "config.toml").read_text()
     assert f'algorithm = "{name}"' in config and f"[{name}]" in config

@@ -326,10 +326,10 @@ from scirl.distributed import setup
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
 from scirl.trainer.step import Trainer, make_micro_batches
-model_dir, samples_file, out_file = sys.argv[1:4]
+model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
-cfg = TrainConfig()
+cfg = TrainConfig(algorithm=algorithm)
 model = load_model(model_dir, device, dist, torch.float32)
 trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -361,8 +361,10 @@ def fixed_samples(n=5, seed=0, shortest_prompt=4):
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
-    """torchrun, 2 gloo ranks, FSDP2: the loss-token count is global and the update equals one process's."""
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algorithm):
+    """torchrun, 2 gloo ranks, FSDP2: the loss-token count (GSPO: the completion count) is global and the update
+    equals one process's."""
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
@@ -374,12 +376,13 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")],
+         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"),
+         algorithm],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
-    cfg = TrainConfig()
+    cfg = TrainConfig(algorithm=algorithm)
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
