@@ -8,14 +8,15 @@ import math
 import pytest
 import torch
 
-from scirl.inference.base import Completion
 from scirl import algorithms
-from scirl.algorithms.sdpo.distill import EmaTeacher, divergence, student_logprobs, teacher_targets
+from scirl.inference.base import Completion
+from scirl.algorithms.sdpo.distill import EmaTeacher, divergence
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
 from scirl.rollouts.contract import PromptedQuestion, Sample
 from scirl.run.config import TrainConfig
 from scirl.task.prompt import build_messages, teacher_messages
 from scirl.task.reward import Scored
+from scirl.trainer.targets import student_logprobs, teacher_targets
 
 # ---- the divergence, against the textbook formulas written out entry by entry ----
 

@@ -163,17 +163,22 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer, make_micro_batches
 
-    samples = fixed_samples(6, seed=0, shortest_prompt=5)
+    samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 9, 10, 11, 12 and 13 tokens
     cfg = TrainConfig(optim={"lr": 1e-2})
     results = []
-    for micro_batch_size in (6, 4, 1):
+    # micro_batch_tokens 24: [6, 9] (2 x 9 padded tokens), [10, 11], [12], [13] (alone: 2 x 13 > 24)
+    for micro_batch_size, micro_batch_tokens in ((6, 0), (4, 0), (1, 0), (6, 24)):
         torch.manual_seed(0)
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+                          dtype=torch.float32, micro_batch_tokens=micro_batch_tokens)
         # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
         # would turn float noise on near-zero gradients into lr-sized differences
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        stats = trainer.train_step(make_micro_batches(samples, micro_batch_size, pad_id=0))
+        batches = trainer.batches(samples, micro_batch_size, pad_id=0)
+        if micro_batch_tokens:
+            assert [tuple(mb.input_ids.shape) for mb in batches] == [(2, 9), (2, 11), (1, 12), (1, 13)]
+        stats = trainer.train_step(batches)
         results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}))
     (ref_stats, ref_weights), *others = results
     for stats, weights in others:
@@ -331,7 +336,8 @@ dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
 cfg = TrainConfig(algorithm=algorithm)
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist, dtype=torch.float32,
+                  head_block_tokens=3)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
 stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
@@ -364,7 +370,8 @@ def fixed_samples(n=5, seed=0, shortest_prompt=4):
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
 def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algorithm):
     """torchrun, 2 gloo ranks, FSDP2: the loss-token count (GSPO: the completion count) is global and the update
-    equals one process's."""
+    equals one process's (the block-wise LM head, at a temperature and a nucleus, uses the tied weight the root's
+    forward gathered)."""
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
@@ -384,7 +391,8 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
 
     cfg = TrainConfig(algorithm=algorithm)
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
     assert got["stats"]["loss_tokens"] == want["loss_tokens"]

@@ -9,7 +9,7 @@ attention left to torch's CPU kernel.
   one prompt forward instead of 16. Under torchrun every rank must run the same number of
   forwards, so multi-rank runs keep whole sequences;
 - ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``);
-- a distilling algorithm's ``forward_logits`` (the student, shared prompts too) and ``teacher_logits`` likewise. A teacher
+- a distilling algorithm's ``forward_hidden`` (the student, shared prompts too) and ``teacher_hidden`` likewise. A teacher
   prompt shows one success of the group, so most of a group's completions see the same one (all but the
   success shown, which sees another): with shared prompts the teacher, too, runs each distinct teacher
   prompt once and continues its completions from its KV cache (``SharedTeacherInputs``).
@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from scirl.cpu.attention import use_gqa_attention
 from scirl.inference.hf import cache_kwarg
 from scirl.rollouts.contract import Sample
-from scirl.trainer.loss import token_logprobs
+from scirl.trainer.head import hidden_states_out
 from scirl.trainer.step import Trainer, check_sample
 
 
@@ -42,40 +42,37 @@ class CPUTrainer(Trainer):
     def forward_logprobs(self, mb):
         with use_gqa_attention(self.compute_model):
             if isinstance(mb, SharedPromptBatch):
-                return self.shared_prompt_logprobs(mb)
+                # the same quantities, with each prompt run once: its KV cache (gradients flow through it)
+                # is repeated for its completions, which continue from it, as in generation
+                hidden, weight = self.shared_prompt_hidden(mb)
+                logprobs, entropy = self.head.token_logprobs(hidden, weight, mb.completion_ids, mb.completion_mask)
+                return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
             return self.completion_logprobs(mb)
 
-    def forward_logits(self, mb):
+    def forward_hidden(self, mb):
         with use_gqa_attention(self.compute_model):
             if isinstance(mb, SharedPromptBatch):
-                first, rest = self.shared_prompt_logits(mb)
-                # distillation compares whole distributions: one [rows, tokens, vocab] tensor (a copy; small models here)
-                logits = first if rest is None else torch.cat([first, rest], dim=1)
-                return logits, mb.completion_ids, mb.completion_mask, mb.inference_logprobs
-            return super().forward_logits(mb)
+                hidden, weight = self.shared_prompt_hidden(mb)
+                return hidden, weight, mb.completion_ids, mb.completion_mask, mb.inference_logprobs
+            return super().forward_hidden(mb)
 
-    def teacher_logits(self, teacher):
+    def teacher_hidden(self, teacher):
         with use_gqa_attention(self.compute_model):
             if isinstance(teacher, SharedTeacherInputs):
-                first, rest = self.shared_prompt_logits(teacher.prompts)
-                logits = first if rest is None else torch.cat([first, rest], dim=1)
-                return logits, teacher.prompts.completion_mask
-            return super().teacher_logits(teacher)
+                hidden, weight = self.shared_prompt_hidden(teacher.prompts)
+                return hidden, weight, teacher.prompts.completion_mask
+            return super().teacher_hidden(teacher)
 
-    def shared_prompt_logprobs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, ...]:
-        """The same quantities, with each prompt run once: its KV cache (gradients flow through it)
-        is repeated for its completions, which continue from it, as in generation."""
-        first, rest = self.shared_prompt_logits(mb)
-        # the two parts' logprobs are joined, not their logits: no copy of a [rows, tokens, vocab] tensor
-        logprobs, entropy = token_logprobs(first, mb.completion_ids[:, :1], self.temperature, self.top_p)
-        if rest is not None:
-            rest_logprobs, rest_entropy = token_logprobs(rest, mb.completion_ids[:, 1:], self.temperature, self.top_p)
-            logprobs, entropy = torch.cat([logprobs, rest_logprobs], dim=1), torch.cat([entropy, rest_entropy], dim=1)
-        return logprobs, entropy, mb.completion_mask, mb.inference_logprobs
+    def shared_prompt_hidden(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states that predict each completion token ([R, C, H]: the first from its prompt's
+        last position, the others from the completion positions) and the head weight."""
+        with hidden_states_out(self.compute_model) as seen:
+            first, rest = self.shared_prompt_outputs(mb)
+        return (first if rest is None else torch.cat([first, rest], dim=1)), seen["weight"]
 
-    def shared_prompt_logits(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The logits that predict each completion's first token ([R, 1, V], from its prompt's last position)
-        and the rest ([R, C - 1, V], from the completion positions; None for one-token completions)."""
+    def shared_prompt_outputs(self, mb: SharedPromptBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's outputs that predict each completion's first token ([R, 1, ...], from its prompt's last
+        position) and the rest ([R, C - 1, ...], from the completion positions; None for one-token completions)."""
         cache_arg = cache_kwarg(self.compute_model)
         try:
             cache = DynamicCache(config=self.model.config)

@@ -249,6 +249,11 @@ class RunConfig(Section):
     batch_size: int = Field(128, ge=1, description="completions per step")
     group_size: int = Field(16, ge=2, description="completions per question (advantages need at least 2)")
     micro_batch_size: int = Field(8, ge=1, description="completions per forward/backward pass")
+    micro_batch_tokens: int = Field(0, ge=0, description="tokens per forward/backward pass instead (0: off): as many "
+                                    "length-sorted sequences as fit, padding counted (a longer one alone); not for "
+                                    "the CPU's shared-prompt batches")
+    head_block_tokens: int = Field(512, ge=1, description="the LM head, its softmax and their backward run over "
+                                   "blocks of this many tokens: the step's largest tensors are [block, vocabulary]")
     max_completion_tokens: int = Field(256, ge=1)
     temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0, le=1)

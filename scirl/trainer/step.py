@@ -12,7 +12,7 @@ The loss, and what a micro-batch's forward/backward computes, is the run's algor
 by ``scirl.algorithms``; this module never imports it): ``Trainer`` calls its ``forward_backward`` (by default:
 the trainer's logprobs, ``algorithm.loss`` over them and the sampler's, backward), its ``counts`` (normalisers
 beyond the loss-token count, all-reduced with it), ``new_sums``/``stats`` and ``after_step``. A self-teacher's
-forward (an algorithm that distils) runs on ``teacher_logits`` with the sequences of ``scirl/trainer/teacher.py``.
+forward (an algorithm that distils) runs on ``teacher_hidden`` with the sequences of ``scirl/trainer/teacher.py``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
+from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
 from scirl.trainer.lora import is_lora, merged_state_dict
 from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
@@ -45,16 +46,18 @@ class MicroBatch:
     teacher: TeacherInputs | None = None  # a self-teacher's sequences of the rows that have one
 
 
-def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
+def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int,
+                       micro_batch_tokens: int = 0) -> list[MicroBatch]:
     """Right-padded micro-batches of whole sequences.
 
     Samples of similar length share a micro-batch (sorted by length; the gradient is a sum, so the
-    order does not matter), which keeps padding small when some completions stop early.
+    order does not matter), which keeps padding small when some completions stop early. With
+    ``micro_batch_tokens`` a micro-batch holds as many sequences as fit in that many tokens, padding
+    counted, instead of ``micro_batch_size`` (short sequences go many to a forward, long ones few).
     """
-    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    samples = sorted(samples, key=sequence_length)
     batches = []
-    for start in range(0, len(samples), micro_batch_size):
-        chunk = samples[start : start + micro_batch_size]
+    for chunk in length_sorted_chunks(samples, micro_batch_size, micro_batch_tokens):
         length = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
         input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
         attention_mask = torch.zeros((len(chunk), length), dtype=torch.long)
@@ -71,6 +74,25 @@ def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int
         batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages,
                                   teacher_inputs(chunk, pad_id)))
     return batches
+
+
+def sequence_length(s: Sample) -> int:
+    return len(s.prompt_ids) + len(s.completion_ids)
+
+
+def length_sorted_chunks(samples: list[Sample], micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[Sample]]:
+    """Consecutive runs of ``samples`` (sorted by length): ``micro_batch_size`` each, or with ``micro_batch_tokens``
+    as many as keep rows x the longest row's length within it (a longer sequence alone)."""
+    if not micro_batch_tokens:
+        return [samples[start : start + micro_batch_size] for start in range(0, len(samples), micro_batch_size)]
+    chunks: list[list[Sample]] = []
+    for s in samples:
+        # sorted ascending: a new sample is the longest of its chunk, so the padded size is rows x its length
+        if chunks and (len(chunks[-1]) + 1) * sequence_length(s) <= micro_batch_tokens:
+            chunks[-1].append(s)
+        else:
+            chunks.append([s])
+    return chunks
 
 
 def check_sample(s: Sample) -> None:
@@ -106,11 +128,15 @@ class Trainer:
     overrides; everything else is the same on every device."""
 
     def __init__(self, model, optim_cfg, algorithm, *, temperature: float, device: torch.device, dist: Dist,
-                 dtype: torch.dtype, top_p: float = 1.0):
+                 dtype: torch.dtype, top_p: float = 1.0, head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 micro_batch_tokens: int = 0):
         self.model = model  # holds the float32 master weights the optimizer steps
         self.algorithm = algorithm  # the loss and what else the run's algorithm decides (``scirl.algorithms``)
         # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
         self.temperature, self.top_p = temperature, top_p
+        # the LM head and its softmax run from the final hidden states, a block of tokens at a time (``head.py``)
+        self.head = Head(temperature, top_p, head_block_tokens)
+        self.micro_batch_tokens = micro_batch_tokens  # 0: micro-batches of micro_batch_size sequences
         self.device = device
         self.dist = dist
         self.dtype = dtype
@@ -142,41 +168,44 @@ class Trainer:
     # ---- the hooks ----
 
     def make_batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-        return make_micro_batches(samples, micro_batch_size, pad_id)
+        return make_micro_batches(samples, micro_batch_size, pad_id, self.micro_batch_tokens)
 
     def forward_logprobs(self, mb) -> tuple[torch.Tensor, ...]:
         """(trainer logprobs, entropies, loss mask, sampler logprobs) of a micro-batch's completion tokens."""
         return self.completion_logprobs(mb)
 
-    def forward_logits(self, mb) -> tuple[torch.Tensor, ...]:
-        """A distilling algorithm's student forward: (logits [B, T, V], the tokens they predict, loss mask, sampler logprobs)."""
-        logits, targets, loss_mask, first = self.completion_logits(mb.input_ids, mb.attention_mask, mb.loss_mask)
-        return logits, targets, loss_mask, mb.inference_logprobs[:, first:]
+    def forward_hidden(self, mb) -> tuple[torch.Tensor, ...]:
+        """A distilling algorithm's student forward: (final hidden states [B, T, H], the head weight, the tokens they predict,
+        loss mask, sampler logprobs)."""
+        hidden, weight, targets, loss_mask, first = self.completion_hidden(mb.input_ids, mb.attention_mask, mb.loss_mask)
+        return hidden, weight, targets, loss_mask, mb.inference_logprobs[:, first:]
 
-    def teacher_logits(self, teacher: TeacherInputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """A self-teacher's forward (under no_grad, with the teacher's weights in place): (logits, target mask)."""
-        logits, _, loss_mask, _ = self.completion_logits(teacher.input_ids, teacher.attention_mask, teacher.loss_mask)
-        return logits, loss_mask
+    def teacher_hidden(self, teacher: TeacherInputs) -> tuple[torch.Tensor, ...]:
+        """A self-teacher's forward (under no_grad, with the teacher's weights in place): (hidden states, the head
+        weight, target mask)."""
+        hidden, weight, _, loss_mask, _ = self.completion_hidden(teacher.input_ids, teacher.attention_mask,
+                                                                 teacher.loss_mask)
+        return hidden, weight, loss_mask
 
     def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
         """Trainer logprobs and entropies of the completion tokens, at the sampling temperature, with
         the loss mask and sampler logprobs aligned to them."""
-        logits, targets, loss_mask, first = self.completion_logits(mb.input_ids, mb.attention_mask, mb.loss_mask)
-        logprobs, entropy = token_logprobs(logits, targets, self.temperature, self.top_p)
+        hidden, weight, targets, loss_mask, first = self.completion_hidden(mb.input_ids, mb.attention_mask, mb.loss_mask)
+        logprobs, entropy = self.head.token_logprobs(hidden, weight, targets, loss_mask)
         return logprobs, entropy, loss_mask, mb.inference_logprobs[:, first:]
 
-    def completion_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                          loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(logits, the tokens they predict, the loss mask aligned to them, the first position kept). The LM
-        head and the vocab-wide softmax run from the micro-batch's earliest completion token on, never over
-        prompt-only positions (for a 150k vocab, the biggest activation of the step)."""
+    def completion_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
+        """(final hidden states, the head weight, the tokens they predict, the loss mask aligned to them, the
+        first position kept), from the micro-batch's earliest completion token on. The LM head is not
+        applied here: ``self.head`` applies it a block of tokens at a time, at the loss tokens only."""
         starts = loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
         first = max(int(starts.min()), 1)
         length = input_ids.shape[1]
-        # logits of positions first-1 .. L-1; position t predicts token t+1
-        logits = self.compute_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                    logits_to_keep=length - first + 1).logits
-        return logits[:, :-1], input_ids[:, first:], loss_mask[:, first:], first
+        # hidden states of positions first-1 .. L-1; position t predicts token t+1
+        with hidden_states_out(self.compute_model) as seen:
+            hidden = self.compute_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                        logits_to_keep=length - first + 1).logits
+        return hidden[:, :-1], seen["weight"], input_ids[:, first:], loss_mask[:, first:], first
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:

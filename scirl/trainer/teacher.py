@@ -2,7 +2,7 @@
 
 An algorithm that distils from a self-teacher (``Sample.teacher_prompt_ids``) has the trainer run the same
 completion after another prompt; these are those sequences, batched beside the micro-batch's own, and the
-teacher's forward (``Trainer.teacher_logits``) reads them. Which samples get one, and what the loss does with
+teacher's forward (``Trainer.teacher_hidden``) reads them. Which samples get one, and what the loss does with
 the teacher's distribution, is the algorithm's (``scirl.algorithms``).
 """
 

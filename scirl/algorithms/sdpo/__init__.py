@@ -12,6 +12,7 @@ import time
 from contextlib import nullcontext
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from scirl.algorithms.base import Section
@@ -19,18 +20,15 @@ from scirl.algorithms.grpo import Grpo
 from scirl.algorithms.sdpo.distill import (
     DistillSums,
     EmaTeacher,
-    TeacherTargets,
     distill_stats,
     divergence,
     importance_weight,
-    student_logprobs,
-    teacher_targets,
 )
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
 from scirl.errors import TrainError
 from scirl.trainer.step import on_device
+from scirl.trainer.targets import TeacherTargets
 from scirl.trainer.teacher import dummy_teacher_inputs
-from scirl.trainer.loss import token_logprobs
 
 EMA_TEACHER = "ema_teacher.safetensors"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer_state/
 EMA_BYTES_PER_PARAM = 4  # its float32 copy of the weights
@@ -148,20 +146,21 @@ class Sdpo(Grpo):
         started = time.perf_counter()
         targets = self.teacher_forward(trainer, mb)
         teacher_seconds = time.perf_counter() - started
-        logits, sampled, loss_mask, inference_logprobs = trainer.forward_logits(mb)
-        logprobs, entropy = token_logprobs(logits, sampled, trainer.temperature, trainer.top_p)
+        hidden, weight, sampled, loss_mask, inference_logprobs = trainer.forward_hidden(mb)
+        logprobs, entropy = trainer.head.token_logprobs(hidden, weight, sampled, loss_mask)
         grpo, grpo_sums = self.loss(logprobs, inference_logprobs, mb.advantages, loss_mask, scales)
         loss = grpo * cfg.grpo_coef
         sums = DistillSums(*grpo_sums.as_list(), teacher_seconds=teacher_seconds)
         if targets is not None:
             taught = loss_mask & mb.teacher.has_teacher[:, None]
-            student = student_logprobs(logits[taught], targets, tail=cfg.tail, temperature=trainer.temperature)
+            student = trainer.head.student_logprobs(hidden[taught], weight, targets, tail=cfg.tail)
             per_token = divergence(student, targets.logprobs, cfg.alpha)
-            weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
-            loss = loss + (weight * per_token).sum() / max(scales[1], 1.0)
+            is_weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
+            loss = loss + (is_weight * per_token).sum() / max(scales[1], 1.0)
             sums.teacher_tokens, sums.divergence = float(taught.sum()), float(per_token.detach().sum())
         return trainer.backward(loss, sums, entropy, loss_mask, dummy)
 
+    @torch.no_grad()
     def teacher_forward(self, trainer, mb) -> TeacherTargets | None:
         """The teacher's distribution at the micro-batch's teacher tokens (None: no row has a teacher), with
         the EMA teacher's weights in place for it. Under FSDP a micro-batch without a teacher still runs a
@@ -173,11 +172,12 @@ class Sdpo(Grpo):
             teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), trainer.device)
         with self.ema.holding(trainer.compute_copy) if self.ema is not None else nullcontext():
             self.reshard(trainer)
-            logits, mask = trainer.teacher_logits(teacher)
+            hidden, weight, mask = trainer.teacher_hidden(teacher)
+            # here, while the weight holds the teacher's values (and, under FSDP, is still gathered)
+            targets = None if mb.teacher is None else trainer.head.teacher_targets(
+                hidden[mask], weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
             self.reshard(trainer)
-        if mb.teacher is None:
-            return None
-        return teacher_targets(logits[mask], top_k=self.sdpo.top_k, tail=self.sdpo.tail, temperature=trainer.temperature)
+        return targets
 
     def reshard(self, trainer) -> None:
         """FSDP2 keeps the root module's parameters gathered after a forward (for the backward that usually

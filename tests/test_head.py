@@ -1,0 +1,158 @@
+"""The block-wise LM head (``scirl/trainer/head.py``) against the full-logits computation it replaces: the
+sampled tokens' logprobs, entropies, nucleus and SDPO's targets, their gradients, and a whole trainer
+forward/backward with tied and untied heads; plus the peak memory of a big-vocabulary step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from scirl import algorithms
+from scirl.distributed import Dist
+from scirl.run.config import TrainConfig
+from scirl.trainer.head import Head, hidden_states_out
+from scirl.trainer.loss import rl_loss, token_logprobs
+from scirl.trainer.targets import student_logprobs, teacher_targets
+from scirl.trainer.step import Trainer, make_micro_batches
+from tests.test_train import fixed_samples
+
+# float32 throughout: two orders of the same float32 sums (block matmuls, softmax over a row) differ by a
+# few units in the last place of values of order 1-10, hence 1e-5 absolute / 1e-4 relative
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def random_head(seed, rows=(3, 7), hidden=16, vocab=97):
+    g = torch.Generator().manual_seed(seed)
+    h = (torch.randn(*rows, hidden, generator=g)).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).requires_grad_()
+    targets = torch.randint(0, vocab, rows, generator=g)
+    mask = torch.rand(rows, generator=g) > 0.3
+    return h, w, targets, mask, torch.randn(rows, generator=g)
+
+
+def grads(loss, *tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+@pytest.mark.parametrize("block", [1, 4, 1000])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])
+def test_logprobs_entropy_and_gradients_equal_the_full_logits_ones(temperature, top_p, block):
+    h, w, targets, mask, upstream = random_head(0)
+    lp, ent = Head(temperature, top_p, block).token_logprobs(h, w, targets, mask)
+    want_lp, want_ent = token_logprobs(h @ w.T, targets, temperature, top_p)
+    torch.testing.assert_close(lp, torch.where(mask, want_lp, 0.0), **TOL)
+    torch.testing.assert_close(ent, torch.where(mask, want_ent, 0.0), **TOL)
+    assert not torch.isinf(lp).any()  # the target is kept in the nucleus
+    got = grads((lp * upstream).sum(), h, w)
+    want = grads((want_lp * upstream * mask).sum(), h, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_the_nucleus_renormalises_over_its_tokens():
+    """Written out for one row: probabilities 0.5, 0.3, 0.15, 0.05; top_p 0.75 keeps the first two."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    w, h = torch.diag(probs.log()), torch.ones(1, 1, 4)  # logits h @ w.T = log(probs)
+    lp, ent = Head(1.0, 0.75, 8).token_logprobs(h, w, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool))
+    kept = torch.tensor([0.5, 0.3]) / 0.8
+    assert lp.item() == pytest.approx(float(kept[1].log()), abs=1e-6)
+    assert ent.item() == pytest.approx(float(-(kept * kept.log()).sum()), abs=1e-6)
+
+
+@pytest.mark.parametrize("top_k, tail", [(5, True), (5, False), (0, True)])
+def test_sdpo_targets_and_student_logprobs_equal_the_full_logits_ones(top_k, tail):
+    h, w, _, _, _ = random_head(1, rows=(11,))
+    teacher_h = torch.randn(11, h.shape[-1], generator=torch.Generator().manual_seed(2))
+    head = Head(0.8, 0.5, 3)  # the nucleus plays no part in SDPO's distributions
+    got = head.teacher_targets(teacher_h, w.detach(), top_k=top_k, tail=tail)
+    want = teacher_targets(teacher_h @ w.detach().T, top_k=top_k, tail=tail, temperature=0.8)
+    if top_k:
+        assert torch.equal(got.ids, want.ids)
+    torch.testing.assert_close(got.logprobs, want.logprobs, **TOL)
+    student = head.student_logprobs(h, w, got, tail=tail)
+    want_student = student_logprobs(h @ w.T, want, tail=tail, temperature=0.8)
+    torch.testing.assert_close(student, want_student, **TOL)
+    upstream = torch.randn(student.shape, generator=torch.Generator().manual_seed(3))
+    for a, b in zip(grads((student * upstream).sum(), h, w), grads((want_student * upstream).sum(), h, w)):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def tiny_qwen3(tied: bool, vocab: int = 512) -> Qwen3ForCausalLM:
+    config = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    return Qwen3ForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_a_trainer_micro_batch_has_the_full_logits_gradients(tied, temperature, top_p):
+    """The trainer's forward/backward (hidden states, then the block-wise head) against the model's own logits
+    through ``token_logprobs`` and the loss: the same loss and the same gradient in every parameter (with a
+    tied head, the embedding's gradient holds both uses)."""
+    model = tiny_qwen3(tied)
+    reference = copy.deepcopy(model)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    cfg = TrainConfig()
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=temperature, top_p=top_p, device=torch.device("cpu"),
+                      dist=Dist(), dtype=torch.float32, head_block_tokens=3)
+    (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
+    scale = float(mb.loss_mask.sum())
+    loss, sums = trainer.forward_backward(mb, [scale])
+
+    logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    lp, entropy = token_logprobs(logits, mb.input_ids[:, 1:], temperature, top_p)
+    mask = mb.loss_mask[:, 1:]
+    want, want_sums = rl_loss(lp, mb.inference_logprobs[:, 1:], mb.advantages, mask, mask_low=cfg.loss.mask_low,
+                              mask_high=cfg.loss.mask_high, kl_tau=cfg.loss.kl_tau, loss_scale=scale)
+    want.backward()
+    assert loss == pytest.approx(float(want.detach()), abs=1e-6)
+    assert sums.masked == want_sums.masked and sums.mismatch_kl == pytest.approx(want_sums.mismatch_kl, abs=1e-5)
+    assert sums.entropy == pytest.approx(float(entropy[mask].sum()), rel=1e-5)
+    reference_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, reference_params[name].grad, **TOL, msg=name)
+
+
+def test_the_head_is_restored_after_the_forward():
+    model = tiny_qwen3(True)
+    ids = torch.arange(5)[None]
+    with hidden_states_out(model) as seen:
+        hidden = model(input_ids=ids).logits
+    assert hidden.shape == (1, 5, 32) and seen["weight"] is model.lm_head.weight
+    torch.testing.assert_close(model(input_ids=ids).logits, hidden @ model.lm_head.weight.T)
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most elements of any tensor an op creates (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.most = max(self.most, t.numel())
+        return out
+
+
+def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor():
+    """With Qwen3's 151,936-token vocabulary, no tensor of the step's forward and backward is larger than a
+    [block, vocabulary] one (the weight's gradient aside), where the full-logits step's are [tokens, vocabulary]."""
+    vocab, block = 151_936, 4
+    model = tiny_qwen3(True, vocab=vocab)
+    cfg = TrainConfig()
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.float32, head_block_tokens=block)
+    (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
+    tokens = int(mb.loss_mask.sum())
+    assert tokens > 2 * block
+    with LargestTensor() as seen:
+        trainer.forward_backward(mb, [float(tokens)])
+    assert seen.most <= max(block * vocab, model.lm_head.weight.numel())
