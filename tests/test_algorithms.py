@@ -203,6 +203,49 @@ def test_dapo_drops_a_group_whose_rewards_are_all_equal_whatever_the_filter_says
         assert [r["filter"] for r in rollouts][2:] == ["zero_advantage"] * 2
 
 
+class ScriptedGenerator:
+    """Question ``i`` (prompt ids ``[i]``): odd ones answered B by every completion (a flat group), even ones A then B."""
+
+    tokenizer = None
+
+    def generate(self, prompts, params):
+        from scirl.inference.base import Completion
+
+        return [[Completion(text, [5], [-0.1], "stop") for text in
+                 (["Answer: B"] * params.n if p[0] % 2 else ["Answer: A", "Answer: B"][: params.n])] for p in prompts]
+
+
+@pytest.mark.parametrize("rounds, kept_groups", [(3, [1, 3]), (1, [1])])
+def test_dapo_refills_dropped_groups_from_the_next_questions_and_the_checkpoint_position_follows(rounds, kept_groups):
+    """Questions 1 (flat) and 2 (mixed) drawn; refill: question 3 (flat) replaces 1, then question 4 (mixed)
+    replaces 3, within ``refill_rounds``; every round's rollouts are logged and the data position is after them."""
+    from scirl.distributed import Dist
+    from scirl.rollouts.contract import PromptedQuestion
+    from scirl.rollouts.sampler import QuestionSampler
+    from scirl.rollouts.source import ColocatedSource
+    from scirl.task.schema import Question
+
+    questions = [PromptedQuestion(Question(id=f"q{i}", question="Which?", labels=("A", "B"), options=("a", "b"),
+                                           answer_key="A", domain="Physics"), [i], "Which?") for i in range(8)]
+    sampler = QuestionSampler(8, seed=0)
+    sampler.order = list(range(8))  # the questions in order: 0, 1, 2, ...
+    sampler.take(1, questions)  # question 0 was an earlier step's
+    cfg = TrainConfig(algorithm="dapo", group_size=2, batch_size=4, dapo={"dynamic_sampling": "refill", "refill_rounds": rounds})
+    batch = ColocatedSource(questions, sampler, ScriptedGenerator(), cfg.rollout_settings(), vocab_size=100,
+                            dist=Dist()).next(1)
+    drawn = 2 + (2 if rounds >= 2 else 1)
+    assert sorted({r["question_id"] for r in batch.rollouts}) == [f"q{i}" for i in range(1, 1 + drawn)]
+    assert sorted({s.group for s in batch.samples}) == kept_groups
+    assert all(r["dropped"] == (int(r["question_id"][1:]) % 2 == 1) for r in batch.rollouts)
+    assert batch.data_position == {"epoch": 0, "cursor": 1 + drawn}
+    drop = TrainConfig(algorithm="dapo", group_size=2, batch_size=4)
+    sampler = QuestionSampler(8, seed=0)
+    sampler.order = list(range(8))
+    sampler.take(1, questions)
+    assert ColocatedSource(questions, sampler, ScriptedGenerator(), drop.rollout_settings(), vocab_size=100,
+                           dist=Dist()).next(1).data_position == {"epoch": 0, "cursor": 3}
+
+
 @pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "cispo", "sdpo"])
 def test_the_export_to_prime_rl_refuses_an_algorithm_it_has_no_counterpart_for_in_one_line(name, tmp_path, capsys):
     from scirl.commands.export import main

@@ -55,6 +55,10 @@ class Algorithm:
         """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says (DAPO)."""
         return False
 
+    def refill_rounds(self) -> int:
+        """How many rounds of further questions may replace the dropped groups of a batch (0: none)."""
+        return 0
+
     def group_extras(self, items, completions, scored, tokenizer, reward_mode: str) -> list[dict | None]:
         """Per completion of one group: None, or {"sample": ``Sample`` fields to set, "record": rollout-record
         fields, "keep": never dropped by the zero-advantage filter}. Only a distilling algorithm adds anything (a teacher prompt)."""

@@ -6,9 +6,9 @@ token-level loss, every token of the batch over their count:
     loss = -1 / sum_i |o_i| * sum_i sum_t min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i)
 
 and dynamic sampling: a group whose completions all got the same reward (every advantage 0) teaches nothing and
-is dropped from the batch (``dynamic_sampling = "drop"``, whatever ``[filters] zero_advantage`` says; its
-rollouts are still logged). The paper then samples more questions until the batch is full; here the batch is
-smaller instead (see docs/algorithms.md).
+is dropped from the batch, whatever ``[filters] zero_advantage`` says (its rollouts are still logged); with
+``dynamic_sampling = "refill"`` (the paper's) further questions are sampled, up to ``refill_rounds`` rounds, until
+the batch has its number of groups again; with ``"drop"`` the step trains on a smaller batch.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from scirl.algorithms.base import Algorithm, Section, token_clip_loss
 class DapoConfig(Section):
     eps_low: float = Field(0.2, ge=0, le=1, description="the ratio's lower clip: 1 - eps_low")
     eps_high: float = Field(0.28, ge=0, description="the ratio's upper clip: 1 + eps_high (clip-higher)")
-    dynamic_sampling: Literal["drop", "off"] = Field(
-        "drop", description="drop: a group whose advantages are all 0 leaves the batch; off: [filters] decides")
+    dynamic_sampling: Literal["refill", "drop", "off"] = Field(
+        "drop", description="drop: a group whose advantages are all 0 leaves the batch; refill: and further questions "
+        "are sampled in its place (one colocated rank or vLLM servers); off: [filters] decides")
+    refill_rounds: int = Field(3, ge=1, description="refill: at most this many further rounds of sampling a step")
 
 
 class Dapo(Algorithm):
@@ -35,7 +37,10 @@ class Dapo(Algorithm):
     std_normalize = True  # the paper's
 
     def drops_flat_groups(self) -> bool:
-        return self.cfg.dynamic_sampling == "drop"
+        return self.cfg.dynamic_sampling != "off"
+
+    def refill_rounds(self) -> int:
+        return self.cfg.refill_rounds if self.cfg.dynamic_sampling == "refill" else 0
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):
         return token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, self.cfg.eps_low,

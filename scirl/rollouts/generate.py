@@ -33,9 +33,10 @@ from scirl.task.prompt import build_messages, render_prompt
 from scirl.task.schema import Question
 
 
-def generation_seed(seed: int, step: int, rank: int) -> int:
-    """The sampling seed of one step's generation on one rank: a resumed step samples what it would have."""
-    return random.Random(f"{seed}-generate-{step}-{rank}").getrandbits(62)
+def generation_seed(seed: int, step: int, rank: int, refill: int = 0) -> int:
+    """The sampling seed of one step's generation on one rank (``refill``: the round of groups drawn to replace
+    dropped ones): a resumed step samples what it would have."""
+    return random.Random(f"{seed}-generate-{step}-{rank}" + (f"-refill-{refill}" if refill else "")).getrandbits(62)
 
 
 def prompt_for(q: Question, tokenizer) -> PromptedQuestion:
@@ -71,7 +72,7 @@ def shown_prompts(step: int, batch: list[PromptedQuestion], settings: RolloutSet
 
 def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[list[Completion]],
                  settings: RolloutSettings, vocab_size: int,
-                 rank: int = 0, tokenizer=None) -> tuple[list[dict], list[Sample]]:
+                 rank: int = 0, tokenizer=None, first_group: int = 0) -> tuple[list[dict], list[Sample]]:
     """Reward, advantage and filter verdict of every completion, each scored against the question as it
     was shown (``shown``: per group, one shared prompt or one per completion, as ``shown_prompts`` gives).
     The advantage baseline is the group's mean: per question, whatever order each completion saw.
@@ -81,7 +82,7 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
     """
     rollouts, samples = [], []
     mode = settings.reward_mode
-    for group_index, (prompts, group) in enumerate(zip(shown, groups, strict=True)):
+    for group_index, (prompts, group) in enumerate(zip(shown, groups, strict=True), start=first_group):
         items = prompts * len(group) if len(prompts) == 1 else prompts
         if len(items) != len(group):
             raise ValueError(f"group {group_index}: {len(group)} completions for {len(prompts)} prompts")
@@ -120,18 +121,40 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
 
 
 def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, *, vocab_size: int, rank: int = 0,
-                   policy_version: int | None = None, data_position: dict | None = None) -> RolloutBatch:
+                   policy_version: int | None = None, data_position: dict | None = None, draw=None) -> RolloutBatch:
     """Sample ``group_size`` completions per question with ``generator``, seeded from ``(seed, step, rank)``,
     and score them. ``batch``: this step's questions as ``QuestionSampler.take`` drew them; their options
     are shuffled as ``settings.shuffle_options`` says (with ``generator.tokenizer``). ``policy_version``
-    defaults to on-policy (``step - 1``)."""
+    defaults to on-policy (``step - 1``). Where the algorithm refills dropped groups (DAPO's dynamic sampling),
+    ``draw(k)`` gives ``k`` more questions, sampled and scored in further rounds (at most
+    ``algorithm.refill_rounds()``) until as many groups as ``batch`` has keep a sample; every round's rollouts
+    are logged."""
     version = step - 1 if policy_version is None else policy_version
+    rollouts, samples, time_generate = sample_groups(step, batch, generator, settings, vocab_size, rank)
+    groups = len(batch)
+    for refill in range(1, settings.algorithm.refill_rounds() + 1 if draw is not None else 1):
+        missing = len(batch) - len({s.group for s in samples})
+        if missing <= 0:
+            break
+        more = draw(missing)
+        more_rollouts, more_samples, seconds = sample_groups(step, more, generator, settings, vocab_size, rank,
+                                                             refill=refill, first_group=groups)
+        rollouts, samples, time_generate = rollouts + more_rollouts, samples + more_samples, time_generate + seconds
+        groups += len(more)
+    for record in rollouts:
+        record["policy_version"], record["lag"] = version, step - 1 - version
+    return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
+
+
+def sample_groups(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, vocab_size: int,
+                  rank: int, refill: int = 0, first_group: int = 0) -> tuple[list[dict], list[Sample], float]:
+    """One round of ``generate_batch``: the completions of ``batch``, scored (rollouts, samples, seconds)."""
     # the generator's own tokenizer (the Generator contract): the shown prompts are its token ids
     shown = shown_prompts(step, batch, settings, generator.tokenizer if settings.shuffle_options != "none" else None)
     shared = all(len(prompts) == 1 for prompts in shown)
     # one prompt per group: n completions of it; one prompt per completion: each sampled alone
     params = SamplingParams(n=settings.group_size if shared else 1, temperature=settings.temperature, top_p=settings.top_p,
-                            max_tokens=settings.max_tokens, seed=generation_seed(settings.seed, step, rank))
+                            max_tokens=settings.max_tokens, seed=generation_seed(settings.seed, step, rank, refill))
     started = time.perf_counter()
     out = generator.generate([item.prompt_ids for prompts in shown for item in prompts], params)
     if not shared:
@@ -139,7 +162,6 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
         out = [flat[g * settings.group_size:(g + 1) * settings.group_size] for g in range(len(shown))]
     time_generate = time.perf_counter() - started
     rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank,
-                                     tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None)
-    for record in rollouts:
-        record["policy_version"], record["lag"] = version, step - 1 - version
-    return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
+                                     tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None,
+                                     first_group=first_group)
+    return rollouts, samples, time_generate
