@@ -941,10 +941,11 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
                                                                           monkeypatch, capsys):
     """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
     end the run with exit 1 and no checkpoint is written from them."""
+    import scirl.algorithms.grpo
     import scirl.trainer.step
     from scirl.commands.train import main
 
-    plain_loss, plain_step, steps = scirl.trainer.step.rl_loss, scirl.trainer.step.Trainer.train_step, []
+    plain_loss, plain_step, steps = scirl.algorithms.grpo.rl_loss, scirl.trainer.step.Trainer.train_step, []
 
     def counting_step(self, micro_batches):
         steps.append(1)
@@ -955,7 +956,7 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
         return (loss * float("nan") if len(steps) > 1 else loss), sums
 
     monkeypatch.setattr(scirl.trainer.step.Trainer, "train_step", counting_step)
-    monkeypatch.setattr(scirl.trainer.step, "rl_loss", nan_from_step_2)
+    monkeypatch.setattr(scirl.algorithms.grpo, "rl_loss", nan_from_step_2)
     run_dir = tmp_path / "nan"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=6, extra=["--ckpt.interval", "1"])
     assert main(argv) == 1
