@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from scirl import algorithms
@@ -127,32 +128,38 @@ def test_the_head_is_restored_after_the_forward():
     torch.testing.assert_close(model(input_ids=ids).logits, hidden @ model.lm_head.weight.T)
 
 
-class LargestTensor(TorchDispatchMode):
-    """Records the most elements of any tensor an op creates (forward and backward alike)."""
+class VocabularyRows(TorchDispatchMode):
+    """Records the most rows of any tensor over the vocabulary (last dimension ``vocab``) an op creates, in
+    the forward and the backward alike."""
 
-    def __init__(self):
+    def __init__(self, vocab: int):
         super().__init__()
-        self.most = 0
+        self.vocab, self.most = vocab, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.most = max(self.most, t.numel())
+        # views (the weight transposed for a matmul, [H, V]) allocate nothing: outputs sharing an input's storage
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
+                    and t.untyped_storage().data_ptr() not in inputs):
+                self.most = max(self.most, t.numel() // self.vocab)
         return out
 
 
-def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor():
-    """With Qwen3's 151,936-token vocabulary, no tensor of the step's forward and backward is larger than a
-    [block, vocabulary] one (the weight's gradient aside), where the full-logits step's are [tokens, vocabulary]."""
-    vocab, block = 151_936, 4
+@pytest.mark.parametrize("block", [4, 1000])
+def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor(block):
+    """With Qwen3's 151,936-token vocabulary, no tensor of the step's forward and backward spans more than a
+    block of tokens over the vocabulary, where the full-logits step's span every position of the micro-batch
+    (a block larger than the micro-batch: its loss tokens, never the padding or the prompts)."""
+    vocab = 151_936
     model = tiny_qwen3(True, vocab=vocab)
     cfg = TrainConfig()
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32, head_block_tokens=block)
     (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
     tokens = int(mb.loss_mask.sum())
-    assert tokens > 2 * block
-    with LargestTensor() as seen:
+    assert tokens > 2 * 4 and mb.input_ids.numel() > 2 * tokens
+    with VocabularyRows(vocab) as seen:
         trainer.forward_backward(mb, [float(tokens)])
-    assert seen.most <= max(block * vocab, model.lm_head.weight.numel())
+    assert seen.most == min(block, tokens)
