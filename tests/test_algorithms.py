@@ -147,7 +147,7 @@ def test_the_default_is_prime_rls_loss_and_its_advantages():
         total = 0
         for i, t in tokens():
             log_ratio = lp[i, t] - SAMPLER[i, t]
-            diff = float(torch.exp(lp[i, t]) - torch.exp(SAMPLER[i, t]))
+            diff = float((torch.exp(lp[i, t]) - torch.exp(SAMPLER[i, t])).detach())
             masked = diff > 0.2 if ADVANTAGES[i] > 0 else diff < -0.2
             total = total - (0 if masked else ADVANTAGES[i] * torch.exp(log_ratio)) + 1e-3 * log_ratio ** 2
         return total / len(tokens())
