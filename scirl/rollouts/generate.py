@@ -12,7 +12,7 @@ re-tokenised (``epoch``: one prompt per group; ``rollout``: one per completion, 
 ``n = 1``). Each completion is scored against the order it was shown.
 
 The run's algorithm (``settings.algorithm``) computes each group's advantages, may drop groups whose
-advantages are all 0 (DAPO's dynamic sampling), and may add extra inputs to each sample and fields to its
+advantages are all 0 (dynamic sampling), and may add extra inputs to each sample and fields to its
 rollout record (a self-teacher's prompt); a sample it marks ``keep`` is never dropped by the zero-advantage
 filter (a teacher gives it a learning signal whatever its advantage).
 """
@@ -125,7 +125,7 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
     """Sample ``group_size`` completions per question with ``generator``, seeded from ``(seed, step, rank)``,
     and score them. ``batch``: this step's questions as ``QuestionSampler.take`` drew them; their options
     are shuffled as ``settings.shuffle_options`` says (with ``generator.tokenizer``). ``policy_version``
-    defaults to on-policy (``step - 1``). Where the algorithm refills dropped groups (DAPO's dynamic sampling),
+    defaults to on-policy (``step - 1``). Where the algorithm refills dropped groups (dynamic sampling),
     ``draw(k)`` gives ``k`` more questions, sampled and scored in further rounds (at most
     ``algorithm.refill_rounds()``) until as many groups as ``batch`` has keep a sample; every round's rollouts
     are logged."""

@@ -319,6 +319,6 @@ class RunConfig(Section):
             algorithm=algorithm if algorithm is not None else algorithms.build(self))
 
 
-# each algorithm's section ([loss] for grpo, [dapo], ...), validated by its own model, from the registry
+# each algorithm's section ([loss] for grpo, one per variant), validated by its own model, from the registry
 TrainConfig = create_model("TrainConfig", __base__=RunConfig, __doc__="The run's config: every section.",
                            **{name: (model, model()) for name, model in algorithms.config_sections().items()})
