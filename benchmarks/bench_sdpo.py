@@ -33,6 +33,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from scirl import algorithms
     from scirl.demo.run import BASE_MODEL_DIR, write_questions
     from scirl.rollouts.generate import generate_batch, prompt_for
     from scirl.run.backends import hf_generator, make_trainer
@@ -62,7 +63,7 @@ def main() -> None:
     for algorithm in ("grpo", "sdpo"):
         run_cfg = cfg.model_copy(update={"algorithm": algorithm})
         model = load_model(str(BASE_MODEL_DIR), torch.device("cpu"), _one_process(), torch.float32)
-        trainers[algorithm] = make_trainer(model, run_cfg, device=torch.device("cpu"), dist=_one_process(), dtype=torch.float32)
+        trainers[algorithm] = make_trainer(model, run_cfg, algorithms.build(run_cfg), device=torch.device("cpu"), dist=_one_process(), dtype=torch.float32)
     seconds = {name: [] for name in trainers}
     teacher = []
     for _ in range(args.rounds):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 STEP_SCRIPT = """
 import sys, torch
+from scirl import algorithms
 from scirl.run.config import TrainConfig
 from scirl.distributed import exit_process, setup, teardown
 from scirl.rollouts.contract import Sample
@@ -36,7 +37,7 @@ from scirl.trainer.step import Trainer, make_micro_batches
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
 g = torch.Generator().manual_seed(0)
 samples = [Sample(torch.randint(10, 500, (4 + i,), generator=g).tolist(), torch.randint(10, 500, (3,), generator=g).tolist(),
                   [-1.0, -2.0, -0.5], 0.5 - i % 2, i) for i in range(6)]

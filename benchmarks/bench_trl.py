@@ -87,6 +87,7 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
 
     import torch
 
+    from scirl import algorithms
     from scirl.run.backends import make_generator, make_trainer, make_vllm_generator
     from scirl.run.config import TrainConfig
     from scirl.cpu.host_memory import keep_freed_memory
@@ -120,7 +121,7 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     # first, as `scirl train` does: vLLM sizes its memory from what is free when it starts
     generator = make_vllm_generator(cfg, cfg.model, tokenizer, device=device, dist=dist, dtype=dtype) if vllm else None
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
-    trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
+    trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
     generator = generator or make_generator(trainer, cfg.model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     batch = [PromptedQuestion(q, encode_messages(tokenizer, build_messages(q)), render_prompt(tokenizer, build_messages(q)))

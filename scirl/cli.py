@@ -11,7 +11,7 @@ COMMANDS = {
     "data": ("data", "inspect and export the MCQ splits (SciKnowEval or another science MCQ set)"),
     "eval": ("eval", "evaluate a served or local model on the held-out questions"),
     "serve": ("serve", "serve a local HF model over an OpenAI-compatible API (CPU)"),
-    "train": ("train", "cold-start GRPO (or SDPO) training"),
+    "train": ("train", "cold-start RL training (GRPO and its variants)"),
     "inference": ("inference", "one vLLM server for a run's model, for a trainer elsewhere (multi-node)"),
     "slurm": ("slurm", "a multi-node run as one Slurm job: write (and submit) its sbatch script"),
     "job": ("job", "run a multi-node job's parts on the nodes of an allocation (what `scirl slurm`'s script runs)"),

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import scirl
+from scirl import algorithms
 from asgi_server import running  # tests/asgi_server.py
 from test_vllm_server_fakes import FakeCommunicator, body, fake_vllm
 
@@ -77,7 +78,7 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
         cfg = TrainConfig(model=str(DEMO_BASE), device="cpu", dtype="float32", output_dir=str(tmp_path),
                           inference={"urls": [srv.url]}, deployment={"weight_sync": "nccl", "verify_interval": 0})
         model = load_model(str(DEMO_BASE), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
                           dtype=torch.float32)
         start_server_sink(trainer, AutoTokenizer.from_pretrained(DEMO_BASE), cfg.deployment, cfg.inference.urls,
                           run_dir=tmp_path, start_step=0, check=WeightCheck(trainer, ([1, 2, 3], 1), interval=0),

@@ -12,11 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.run.config import TrainConfig
 from scirl.trainer.head import Head, hidden_states_out
 from scirl.trainer.loss import rl_loss, token_logprobs
-from scirl.trainer.sdpo import student_logprobs, teacher_targets
+from scirl.trainer.targets import student_logprobs, teacher_targets
 from scirl.trainer.step import Trainer, make_micro_batches
 from tests.test_train import fixed_samples
 
@@ -98,11 +99,11 @@ def test_a_trainer_micro_batch_has_the_full_logits_gradients(tied, temperature, 
     reference = copy.deepcopy(model)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     cfg = TrainConfig()
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=temperature, top_p=top_p, device=torch.device("cpu"),
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=temperature, top_p=top_p, device=torch.device("cpu"),
                       dist=Dist(), dtype=torch.float32, head_block_tokens=3)
     (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
     scale = float(mb.loss_mask.sum())
-    loss, sums = trainer.forward_backward(mb, scale)
+    loss, sums = trainer.forward_backward(mb, [scale])
 
     logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
     lp, entropy = token_logprobs(logits, mb.input_ids[:, 1:], temperature, top_p)
@@ -154,11 +155,11 @@ def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor(block):
     vocab = 151_936
     model = tiny_qwen3(True, vocab=vocab)
     cfg = TrainConfig()
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32, head_block_tokens=block)
     (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
     tokens = int(mb.loss_mask.sum())
     assert tokens > 2 * 4 and mb.input_ids.numel() > 2 * tokens
     with VocabularyRows(vocab) as seen:
-        trainer.forward_backward(mb, float(tokens))
+        trainer.forward_backward(mb, [float(tokens)])
     assert seen.most == min(block, tokens)

@@ -66,7 +66,7 @@ def test_no_import_cycles():
 
 
 BASE = {"scirl.errors", "scirl.files", "scirl.net", "scirl.distributed"}
-FOLDERS = ("task", "synth", "inference", "rollouts", "trainer", "weights", "cpu", "eval", "run", "deploy", "report",
+FOLDERS = ("task", "synth", "inference", "rollouts", "trainer", "algorithms", "weights", "cpu", "eval", "run", "deploy", "report",
            "primerl", "demo", "commands")
 # What each part may import besides itself, bottom up: the table of docs/architecture.md ("Layers").
 # A folder's every module, and every import in it (inside functions too), counts.
@@ -80,14 +80,16 @@ ALLOWED = {
     "scirl.inference": BASE | {"scirl.task"},
     "scirl.rollouts": BASE | {"scirl.task", "scirl.inference"},
     "scirl.trainer": BASE | {"scirl.rollouts.contract"},  # the contract, nothing else of the orchestrator's side
+    # an algorithm combines both halves' primitives; the halves get it built, never import it
+    "scirl.algorithms": BASE | {"scirl.task", "scirl.inference", "scirl.rollouts", "scirl.trainer"},
     "scirl.weights": BASE | {"scirl.inference"},
     "scirl.cpu": BASE | {"scirl.inference", "scirl.trainer", "scirl.rollouts.contract"},
     "scirl.eval": BASE | {"scirl.task", "scirl.inference"},
     "scirl.run": BASE | {"scirl.task", "scirl.inference", "scirl.rollouts", "scirl.trainer", "scirl.weights", "scirl.cpu",
-                         "scirl.eval"},
-    "scirl.deploy": BASE | {"scirl.task", "scirl.inference", "scirl.run"},
-    "scirl.report": BASE | {"scirl.eval", "scirl.run"},
-    "scirl.primerl": BASE | {"scirl.task", "scirl.run"},
+                         "scirl.eval", "scirl.algorithms"},
+    "scirl.deploy": BASE | {"scirl.task", "scirl.inference", "scirl.run", "scirl.algorithms"},
+    "scirl.report": BASE | {"scirl.eval", "scirl.run", "scirl.algorithms"},
+    "scirl.primerl": BASE | {"scirl.task", "scirl.run", "scirl.algorithms"},
     "scirl.serve": BASE | {"scirl.task", "scirl.inference", "scirl.run"},
     "scirl.demo": BASE | {"scirl.task", "scirl.synth", "scirl.inference", "scirl.eval", "scirl.run", "scirl.deploy",
                           "scirl.report"},
@@ -130,7 +132,7 @@ def test_the_package_root_holds_at_most_ten_modules():
 def test_the_core_training_path_does_not_reach_the_cpu_speed_code():
     """scirl.cpu is chosen once, in scirl.run.backends: the loop, trainer, generator and loss never import it."""
     graph = import_graph()
-    core = [m for m in graph if m.startswith(("scirl.trainer", "scirl.rollouts", "scirl.weights", "scirl.inference"))]
+    core = [m for m in graph if m.startswith(("scirl.trainer", "scirl.rollouts", "scirl.algorithms", "scirl.weights", "scirl.inference"))]
     core += ["scirl.run.train", "scirl.run.setup", "scirl.distributed", "scirl.run.rundir", "scirl.run.checkpoint"]
     for module in core:
         assert not any(t.startswith("scirl.cpu") for t in graph[module]), module
@@ -139,7 +141,7 @@ def test_the_core_training_path_does_not_reach_the_cpu_speed_code():
 def test_the_training_path_reads_in_functions_of_at_most_90_lines():
     """The loop reads as one screen; so does every function it calls into (docs/architecture.md's reading order)."""
     long = []
-    for folder in ("task", "inference", "rollouts", "trainer", "weights", "run"):
+    for folder in ("task", "inference", "rollouts", "trainer", "algorithms", "weights", "run"):
         for path in (ROOT / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 90:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from scirl import algorithms
+
 pytest.importorskip("peft")
 
 from test_train import (  # noqa: E402
@@ -38,7 +40,7 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     cfg.optim.lr = 1e-2
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     names = {id(p): name for name, p in model.named_parameters()}
     optimized = [names[id(p)] for group in trainer.optimizer.param_groups for p in group["params"]]
     assert optimized and all(".lora_A." in n or ".lora_B." in n for n in optimized)
@@ -66,7 +68,7 @@ def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)
     for name, p in model.named_parameters():
         assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
     assert trainer.compute_copy is None and trainer.compute_model is model
     stats = trainer.train_step(make_micro_batches(fixed_samples(4, seed=3), 2, pad_id=0))
     assert stats["stepped"] and stats["grad_norm"] > 0

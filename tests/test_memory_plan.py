@@ -26,7 +26,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from scirl.distributed import Dist
 from scirl.errors import PreflightError
 from scirl.rollouts.contract import Sample
-from scirl.run.config import LossConfig, OptimConfig, TrainConfig
+from scirl import algorithms
+from scirl.run.config import OptimConfig, TrainConfig
 from scirl.run.config_io import load_config
 from scirl.run.memory import (
     GIB,
@@ -83,7 +84,8 @@ def step_trainer(model, device: torch.device, dtype: torch.dtype, checkpointing:
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
-    return Trainer(model, OptimConfig(), LossConfig(), temperature=1.0, device=device, dist=Dist(), dtype=dtype)
+    return Trainer(model, OptimConfig(), algorithms.build(TrainConfig()), temperature=1.0, device=device, dist=Dist(),
+                   dtype=dtype)
 
 
 def step_batches(trainer: Trainer, micro_batch_size: int, prompt: int, completion: int) -> list:
@@ -200,7 +202,7 @@ def test_each_term_follows_the_config():
                     checkpointing=True)
     plan = estimate(shape, base)
     assert plan.terms["weights"] == 4 * P // 2 and plan.terms["optimizer"] == 8 * P // 2
-    assert estimate(shape, replace(base, ema=True)).terms["ema teacher"] == 4 * P // 2
+    assert estimate(shape, replace(base, extra_state=4)).terms["algorithm state"] == 4 * P // 2
     assert estimate(shape, replace(base, checkpointing=False)).peak > plan.peak
     assert estimate(shape, replace(base, ranks=4)).peak < plan.peak
     lora = estimate(shape, replace(base, ranks=1, lora_parameters=lora_parameters(shape, 16, ["q_proj", "v_proj"])))

@@ -167,17 +167,17 @@ def test_a_metric_logged_on_some_steps_only_is_plotted_on_those_steps(tmp_path):
 def test_an_sdpo_run_gets_its_divergence_plotted_and_a_grpo_run_no_such_plot(tmp_path):
     rows = [{"step": s, "reward/mean": 0.5, "sdpo/divergence": 0.2 / s, "sdpo/teacher_fraction": 0.1 * s,
              "sdpo/feedback_fraction": 0.0} for s in range(1, 6)]
-    drawn = plots.plot_sdpo(rows, tmp_path / "sdpo.png")
+    drawn = plots.plot_algorithm(rows, tmp_path / "sdpo.png", "sdpo")
     assert drawn["sdpo/divergence"] == ([1, 2, 3, 4, 5], pytest.approx([0.2 / s for s in range(1, 6)]))
     assert drawn["sdpo/teacher_fraction"][1] == pytest.approx([0.1 * s for s in range(1, 6)])
     assert_nonblank_png(tmp_path / "sdpo.png")
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert "SDPO: teacher-student divergence" in write_report(run).read_text()
+    assert "sdpo: the algorithm metrics per step" in write_report(run).read_text()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.4, "loss": 0.1}) + "\n")
     text = write_report(run).read_text()
-    assert not (run / "report" / "sdpo.png").exists() and "SDPO" not in text and "sdpo.png" not in text
+    assert not (run / "report" / "sdpo.png").exists() and "sdpo" not in text and "sdpo.png" not in text
 
 
 def test_only_complete_lines_are_read_and_bad_lines_are_counted(tmp_path):

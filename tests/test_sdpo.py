@@ -8,13 +8,15 @@ import math
 import pytest
 import torch
 
+from scirl import algorithms
 from scirl.inference.base import Completion
-from scirl.rollouts.contract import PromptedQuestion, Sample, TeacherSettings
-from scirl.rollouts.teacher import group_teachers
-from scirl.run.config import SdpoConfig, TrainConfig
+from scirl.algorithms.sdpo.distill import EmaTeacher, divergence
+from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
+from scirl.rollouts.contract import PromptedQuestion, Sample
+from scirl.run.config import TrainConfig
 from scirl.task.prompt import build_messages, teacher_messages
 from scirl.task.reward import Scored
-from scirl.trainer.sdpo import EmaTeacher, divergence, student_logprobs, teacher_targets
+from scirl.trainer.targets import student_logprobs, teacher_targets
 
 # ---- the divergence, against the textbook formulas written out entry by entry ----
 
@@ -191,8 +193,8 @@ def test_a_long_teacher_prompt_is_cut_in_its_solution():
 
 
 def test_grpo_makes_no_teacher_prompts():
-    assert TrainConfig().rollout_settings().teacher is None
-    assert TrainConfig(algorithm="sdpo").rollout_settings().teacher == settings(feedback=True, max_prompt_tokens=10240)
+    assert not TrainConfig().rollout_settings().algorithm.needs_tokenizer()
+    assert TrainConfig(algorithm="sdpo").rollout_settings().algorithm.teacher == settings(feedback=True, max_prompt_tokens=10240)
 
 
 # ---- the trainer: teacher held fixed, EMA, shared prompts ----
@@ -220,10 +222,10 @@ def make_trainer(model_dir, cls=None, **sdpo):
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer
 
-    cfg = TrainConfig()
+    cfg = TrainConfig(algorithm="sdpo", sdpo=sdpo)
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = (cls or Trainer)(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(),
-                               dtype=torch.float32, sdpo=SdpoConfig(**sdpo))
+    trainer = (cls or Trainer)(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"),
+                               dist=Dist(), dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
     return trainer
 
@@ -282,21 +284,21 @@ def test_the_ema_teacher_follows_the_policy_after_each_step_and_is_put_back_exac
     start = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train_step(trainer.batches(samples_with_teachers(), 8, pad_id=0))
     after = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    state = trainer.ema.state_dict()
+    state = trainer.algorithm.ema.state_dict()
     assert state.keys() == start.keys() and all(t.dtype == torch.float32 for t in state.values())
     moved = 0
     for name in start:
         torch.testing.assert_close(state[name], 0.75 * start[name] + 0.25 * after[name], rtol=1e-6, atol=1e-7)
         moved += int(not torch.equal(after[name], start[name]))
     assert moved > 0
-    with trainer.ema.holding():  # the teacher forward sees the average...
+    with trainer.algorithm.ema.holding():  # the teacher forward sees the average...
         for name, p in trainer.model.named_parameters():
             assert torch.equal(p.detach(), state[name])
     for name, p in trainer.model.named_parameters():  # ...and the policy is back, bit for bit
         assert torch.equal(p.detach(), after[name])
     other = make_trainer(tiny_model_dir, ema_rate=0.25)
-    other.ema.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(other.ema.values, trainer.ema.values))
+    other.algorithm.ema.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(other.algorithm.ema.values, trainer.algorithm.ema.values))
     assert make_micro_batches(samples_with_teachers(), 8, pad_id=0)[0].teacher.input_ids.shape[0] == 4
 
 
@@ -334,13 +336,15 @@ def test_the_metrics_row_and_step_line_say_how_many_rollouts_had_a_teacher():
     stats = {"stepped": True, "loss": 0.1, "entropy": 0.5, "grad_norm": 1.0, "mismatch_kl": 0.0, "masked_fraction": 0.0,
              "loss_tokens": 6, "sdpo/divergence": 0.25, "sdpo/teacher_tokens": 6, "time/teacher": 0.01}
     timings = {"time/generate": 1.0, "time/train": 1.0, "time/weight_sync": 0.0, "time/step": 2.0}
-    m = step_metrics(3, rollouts, stats, timings)
+    sdpo = algorithms.build(TrainConfig(algorithm="sdpo"))
+    m = step_metrics(3, rollouts, stats, timings, sdpo)
     assert (m["sdpo/teacher_fraction"], m["sdpo/feedback_fraction"], m["sdpo/teacher_prompt_tokens"]) == (0.5, 0.25, 80)
     assert (m["sdpo/divergence"], m["time/teacher"]) == (0.25, 0.01)
-    assert "SDPO teacher 50.0% | Divergence 0.2500" in step_line(m)
+    assert "SDPO teacher 50.0% | Divergence 0.2500" in step_line(m, sdpo)
+    grpo_algorithm = algorithms.build(TrainConfig())
     grpo = step_metrics(3, [{k: v for k, v in r.items() if not k.startswith("teacher")} for r in rollouts],
-                        {k: v for k, v in stats.items() if not k.startswith(("sdpo", "time/"))}, timings)
-    assert not any(k.startswith("sdpo/") for k in grpo) and "SDPO" not in step_line(grpo)
+                        {k: v for k, v in stats.items() if not k.startswith(("sdpo", "time/"))}, timings, grpo_algorithm)
+    assert not any(k.startswith("sdpo/") for k in grpo) and "SDPO" not in step_line(grpo, grpo_algorithm)
 
 
 def test_the_sdpo_config_round_trips_and_bad_values_are_one_line_errors(tmp_path, capsys):
@@ -363,15 +367,15 @@ def test_in_one_bf16_process_the_teacher_computes_with_the_ema_cast_and_the_copy
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer
 
-    cfg = TrainConfig()
+    cfg = TrainConfig(algorithm="sdpo")
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.bfloat16, sdpo=SdpoConfig())
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.bfloat16)
     assert trainer.compute_copy is not None
-    for value in trainer.ema.values:
+    for value in trainer.algorithm.ema.values:
         value.add_(0.01)
-    with trainer.ema.holding(trainer.compute_copy):
-        for (_, compute), value in zip(trainer.compute_copy.pairs, trainer.ema.values):
+    with trainer.algorithm.ema.holding(trainer.compute_copy):
+        for (_, compute), value in zip(trainer.compute_copy.pairs, trainer.algorithm.ema.values):
             assert torch.equal(compute.detach(), value.to(torch.bfloat16))
     for master, compute in trainer.compute_copy.pairs:
         assert torch.equal(compute.detach(), master.detach().to(torch.bfloat16))

@@ -115,6 +115,7 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     samples whose sampler logprobs are stale, so that tokens are masked on both sides and the KL term is not
     zero. Both computations run here, in this process, so the tolerance is round-off of float32 sums alone.
     With ``test_grpo_runs_as_before_sdpo_existed`` (sampling and advantages on a recorded run) this pins GRPO."""
+    from scirl import algorithms
     from scirl.cpu.trainer import CPUTrainer
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
@@ -126,7 +127,7 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     for i, s in enumerate(samples):  # two groups sharing prompts, for the shared-prompt batches
         s.group, s.prompt_ids = i % 2, samples[i % 2].prompt_ids
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = CPUTrainer(model, cfg.optim, cfg.loss, temperature=0.9, top_p=0.95, device=torch.device("cpu"),
+    trainer = CPUTrainer(model, cfg.optim, algorithms.build(cfg), temperature=0.9, top_p=0.95, device=torch.device("cpu"),
                          dist=Dist(), dtype=torch.float32, share_prompts=shared_prompts)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=0.0)  # the gradient is what is compared
     batches = trainer.batches(samples, 3, pad_id=0)
@@ -228,7 +229,8 @@ def test_sdpo_under_lora_averages_the_adapter_over_the_frozen_base(letter_model_
 
 FSDP_SDPO_SCRIPT = r'''
 import sys, torch
-from scirl.run.config import SdpoConfig, TrainConfig
+from scirl import algorithms
+from scirl.run.config import TrainConfig
 from scirl.distributed import setup, teardown, exit_process
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
@@ -236,16 +238,15 @@ from scirl.trainer.step import Trainer, make_micro_batches
 model_dir, samples_file, ema_file, out_file = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
-cfg = TrainConfig()
+cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0.5))
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=device, dist=dist, dtype=torch.float32,
-                  sdpo=SdpoConfig(top_k=5, ema_rate=0.5, grpo_coef=0.5))
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=device, dist=dist, dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
-trainer.ema.load_state_dict(torch.load(ema_file) if dist.rank == 0 else None)  # a teacher unlike the policy
+trainer.algorithm.ema.load_state_dict(torch.load(ema_file) if dist.rank == 0 else None)  # a teacher unlike the policy
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose
 trainer.sequence_logprobs(list(range(10, 40)))  # a weight check's forward: FSDP2 leaves the root's weights gathered
 stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
-state, ema = trainer.full_state_dict(), trainer.ema.state_dict(all_ranks=False)
+state, ema = trainer.full_state_dict(), trainer.algorithm.ema.state_dict(all_ranks=False)
 if dist.rank == 0:
     torch.save({"stats": stats, "state": state, "ema": ema}, out_file)
 teardown()
@@ -264,7 +265,8 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
 
     from test_sdpo import samples_with_teachers
     from scirl.distributed import Dist
-    from scirl.run.config import SdpoConfig, TrainConfig
+    from scirl import algorithms
+    from scirl.run.config import TrainConfig
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer, make_micro_batches
 
@@ -282,18 +284,18 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
-    cfg = TrainConfig()
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32, sdpo=SdpoConfig(top_k=5, ema_rate=0.5, grpo_coef=0.5))
+    cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0.5))
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
-    trainer.ema.load_state_dict(ema)
+    trainer.algorithm.ema.load_state_dict(ema)
     want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
     assert got["stats"]["sdpo/teacher_tokens"] == want["sdpo/teacher_tokens"]
     for key in ("loss", "sdpo/divergence", "grad_norm"):
         assert got["stats"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     for name, value in trainer.full_state_dict().items():
         torch.testing.assert_close(got["state"][name], value, rtol=1e-5, atol=1e-6, msg=name)
-    ema_after = trainer.ema.state_dict()
+    ema_after = trainer.algorithm.ema.state_dict()
     assert got["ema"].keys() == ema_after.keys()
     for name, value in ema_after.items():
         torch.testing.assert_close(got["ema"][name], value, rtol=1e-5, atol=1e-6, msg=name)

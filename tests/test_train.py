@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scirl import algorithms
 from scirl.run.config_io import load_config, read_toml, validate
 from scirl.rollouts.contract import Sample
 
@@ -169,7 +170,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     for micro_batch_size, micro_batch_tokens in ((6, 0), (4, 0), (1, 0), (6, 24)):
         torch.manual_seed(0)
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
                           dtype=torch.float32, micro_batch_tokens=micro_batch_tokens)
         # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
         # would turn float noise on near-zero gradients into lr-sized differences
@@ -324,17 +325,18 @@ def read_back_overrides(run_dir: Path) -> list[str]:
 
 FSDP_SCRIPT = r'''
 import sys, torch
+from scirl import algorithms
 from scirl.run.config import TrainConfig
 from scirl.distributed import setup
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
 from scirl.trainer.step import Trainer, make_micro_batches
-model_dir, samples_file, out_file = sys.argv[1:4]
+model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
-cfg = TrainConfig()
+cfg = TrainConfig(algorithm=algorithm)
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, top_p=0.9, device=device, dist=dist, dtype=torch.float32,
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist, dtype=torch.float32,
                   head_block_tokens=3)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
@@ -365,9 +367,11 @@ def fixed_samples(n=5, seed=0, shortest_prompt=4):
 
 
 @pytest.mark.slow
-def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
-    """torchrun, 2 gloo ranks, FSDP2: the loss-token count is global and the update equals one process's (the
-    block-wise LM head, at a temperature and a nucleus, uses the tied weight the root's forward gathered)."""
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
+def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algorithm):
+    """torchrun, 2 gloo ranks, FSDP2: the loss-token count (GSPO: the completion count) is global and the update
+    equals one process's (the block-wise LM head, at a temperature and a nucleus, uses the tied weight the root's
+    forward gathered)."""
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
@@ -379,14 +383,15 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt")],
+         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"),
+         algorithm],
         env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
-    cfg = TrainConfig()
+    cfg = TrainConfig(algorithm=algorithm)
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
@@ -478,7 +483,7 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
     (mb,) = make_micro_batches(fixed_samples(4, seed=2), 4, pad_id=0)
     with torch.no_grad():
         logprobs, _, loss_mask, _ = trainer.completion_logprobs(mb)
@@ -581,7 +586,7 @@ def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_
     results = []
     for build in (make_micro_batches, make_shared_prompt_batches):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = CPUTrainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+        trainer = CPUTrainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         micro_batches = build(samples, micro_batch_size, pad_id=0)
         stats = trainer.train_step(micro_batches)
@@ -816,7 +821,7 @@ def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     results = []
     for micro_batch_size in (5, 2):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.bfloat16)
-        trainer = Trainer(model, cfg.optim, cfg.loss, temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
         stats = trainer.train_step(make_micro_batches(samples, micro_batch_size, pad_id=0))
@@ -936,10 +941,11 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
                                                                           monkeypatch, capsys):
     """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
     end the run with exit 1 and no checkpoint is written from them."""
+    import scirl.algorithms.grpo
     import scirl.trainer.step
     from scirl.commands.train import main
 
-    plain_loss, plain_step, steps = scirl.trainer.step.rl_loss, scirl.trainer.step.Trainer.train_step, []
+    plain_loss, plain_step, steps = scirl.algorithms.grpo.rl_loss, scirl.trainer.step.Trainer.train_step, []
 
     def counting_step(self, micro_batches):
         steps.append(1)
@@ -950,7 +956,7 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
         return (loss * float("nan") if len(steps) > 1 else loss), sums
 
     monkeypatch.setattr(scirl.trainer.step.Trainer, "train_step", counting_step)
-    monkeypatch.setattr(scirl.trainer.step, "rl_loss", nan_from_step_2)
+    monkeypatch.setattr(scirl.algorithms.grpo, "rl_loss", nan_from_step_2)
     run_dir = tmp_path / "nan"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=6, extra=["--ckpt.interval", "1"])
     assert main(argv) == 1

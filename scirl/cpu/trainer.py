@@ -9,7 +9,7 @@ attention left to torch's CPU kernel.
   one prompt forward instead of 16. Under torchrun every rank must run the same number of
   forwards, so multi-rank runs keep whole sequences;
 - ``forward_logprobs``: runs inside ``use_gqa_attention`` (``scirl/cpu/attention.py``);
-- SDPO's ``forward_hidden`` (the student, shared prompts too) and ``teacher_hidden`` likewise. A teacher
+- a distilling algorithm's ``forward_hidden`` (the student, shared prompts too) and ``teacher_hidden`` likewise. A teacher
   prompt shows one success of the group, so most of a group's completions see the same one (all but the
   success shown, which sees another): with shared prompts the teacher, too, runs each distinct teacher
   prompt once and continues its completions from its KV cache (``SharedTeacherInputs``).
@@ -106,7 +106,7 @@ class SharedPromptBatch:
     rows: torch.Tensor  # [R] long: the prompt of each completion
     inference_logprobs: torch.Tensor  # [R, C] float32
     advantages: torch.Tensor  # [R] float32
-    teacher: SharedTeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
+    teacher: SharedTeacherInputs | None = None  # a self-teacher's sequences of the rows that have one
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -115,7 +115,7 @@ class SharedPromptBatch:
 
 @dataclass
 class SharedTeacherInputs:
-    """SDPO's teacher sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
+    """A self-teacher's sequences of a shared-prompt micro-batch: its rows with a teacher, in order, each
     distinct teacher prompt stored (and run) once."""
 
     prompts: SharedPromptBatch  # teacher prompts and the rows' completions

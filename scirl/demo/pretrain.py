@@ -5,12 +5,12 @@ must learn to read, not memorise), formatted exactly as scirl's prompt does, wit
 the unreliable posted answers of ``world.web_answer``. The loss is on the posted
 answer, plus a plain next-token loss on the page. The result has the skill (it can find the option the text states)
 but answers with a habitual letter on several question types: the starting point
-of the demo's GRPO and SDPO runs.
+of the demo's runs (every algorithm's, self-distillation's included).
 
-A share of the pages (``--solved-share``) are "solved" pages: the question as SDPO's teacher sees it
+A share of the pages (``--solved-share``) are "solved" pages: the question as a self-teacher sees it
 (``scirl.task.prompt.teacher_messages``: the question, "Correct solution:" and a right reply, the
 instruction to solve the original question), answered with that reply's letter. They give the small
-model what a large one brings to SDPO by itself: it reads a solution shown in its prompt and answers
+model what a large one brings to self-distillation by itself: it reads a solution shown in its prompt and answers
 with it. Without them the demo base answers worse when shown a right solution than without it (16% vs
 42% on held-out questions), and a self-teacher that reads no solutions has nothing to teach.
 
@@ -101,8 +101,8 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64, solved: bool = F
     ``greedy_acc``: the argmax over the whole vocabulary is the right letter.
     ``skill_acc``: the right letter beats the other three letters once the row's habitual
     letter is set aside (on rows whose answer is not the habit) - what the model knows.
-    ``solved_acc`` (with ``solved``): greedy accuracy when the prompt shows the right letter as SDPO's
-    teacher prompt does - whether the model reads a solution it is shown.
+    ``solved_acc`` (with ``solved``): greedy accuracy when the prompt shows the right letter as a self-teacher's
+    prompt does - whether the model reads a solution it is shown.
     """
     letter_ids = [tokenizer.convert_tokens_to_ids(x) for x in LETTERS]
     task_habit = {r.task: HABITS[i] for i, r in enumerate(RELATIONS)}
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)")
     parser.add_argument("--solved-share", type=float, default=0.0,
-                        help="share of the pages that show a right solution in SDPO's teacher prompt, answered with it")
+                        help="share of the pages that show a right solution in the self-teacher's prompt, answered with it")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)

@@ -1,5 +1,5 @@
-"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO (or SDPO, with
-``--algorithm sdpo``), evaluate again.
+"""The demo pipeline: make the questions, evaluate the base model, run cold-start GRPO (or another
+algorithm, ``--algorithm NAME``), evaluate again.
 
 Everything is offline. The questions come from ``scirl.demo.world`` (open-book
 science MCQs in SciKnowEval's schema, 4 domains), written as a JSONL file that
@@ -224,8 +224,9 @@ def run_demo(opts: DemoOptions) -> dict:
         "answer_letters_final": answer_letters(after),
         "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
         "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
-        # how fast: the first step whose training reward (over the batch's trained rollouts) reached 0.9
-        "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean") or 0) >= 0.9), None),
+        # how fast: the first step whose training reward reached 0.9, over all the batch's rollouts (an algorithm that
+        # drops flat groups leaves the all-correct ones out of reward/mean)
+        "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean_all") or 0) >= 0.9), None),
         "algorithm": cfg.algorithm,
         # a step's own work (generation, the train step, the weight push), without eval and checkpoints
         "seconds_per_step": mean_of(metrics, "time/generate", "time/train", "time/weight_sync"),

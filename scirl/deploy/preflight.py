@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.distributed
 
+from scirl import algorithms
 from scirl.errors import PreflightError
 
 BUSY_GPU_MIB = 2048  # more memory in use than a driver and an idle context take: another job holds the GPU
 CHECKPOINT_BYTES_PER_PARAM = 4 + 8  # float32 master weights + AdamW's two float32 moments
-EMA_BYTES_PER_PARAM = 4  # SDPO with teacher = "ema": its float32 copy of the weights
 BROADCAST_BYTES_PER_PARAM = 2  # filesystem weight sync: one bfloat16 copy per published step
 BROADCAST_DIRS = 2  # the step the servers load while the next one is written
 WRITE_BYTES_PER_S = 200e6  # a conservative local-disk write rate, for the checkpoint's time budget
@@ -161,16 +161,16 @@ def disk_needed(cfg, weight_sync: str) -> tuple[int, int] | None:
     params = parameter_count(cfg.model)
     if params is None:
         return None
-    one = params * (CHECKPOINT_BYTES_PER_PARAM + (EMA_BYTES_PER_PARAM if keeps_ema_teacher(cfg) else 0))
+    one = params * (CHECKPOINT_BYTES_PER_PARAM + algorithm_bytes_per_param(cfg))
     total = one * checkpoints_on_disk(cfg.max_steps, cfg.ckpt.interval, cfg.ckpt.keep)
     if weight_sync == "filesystem":
         total += params * BROADCAST_BYTES_PER_PARAM * BROADCAST_DIRS
     return total, one
 
 
-def keeps_ema_teacher(cfg) -> bool:
-    """Whether the checkpoints hold SDPO's EMA teacher at full size (under LoRA it is the small adapter's)."""
-    return cfg.algorithm == "sdpo" and cfg.sdpo.teacher == "ema" and not cfg.lora.enabled
+def algorithm_bytes_per_param(cfg) -> int:
+    """What the algorithm's own checkpointed state adds per parameter (an EMA teacher: a float32 copy)."""
+    return algorithms.build(cfg).extra_bytes_per_param(cfg)
 
 
 def free_bytes(path: Path) -> int:
@@ -191,9 +191,10 @@ def check_disk(cfg, weight_sync: str) -> int | None:
     if total > free:
         n = checkpoints_on_disk(cfg.max_steps, cfg.ckpt.interval, cfg.ckpt.keep)
         broadcast = " plus the weight-broadcast copies" if weight_sync == "filesystem" else ""
+        extra = f" + {cfg.algorithm}'s state" if algorithm_bytes_per_param(cfg) else ""
         raise PreflightError(
             f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: float32 weights "
-            f"+ AdamW state{' + the EMA teacher' if keeps_ema_teacher(cfg) else ''}{broadcast}), {gb(free)} are free; fix: free space, choose another --output-dir, "
+            f"+ AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose another --output-dir, "
             "or keep fewer checkpoints (--ckpt.keep 1)")
     return one
 

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import tomli_w
 
+from scirl import algorithms
+
 PACKAGE_NAME = "sciknoweval"
 DROP_PATH = "deps/prime-envs/environments/science/sciknoweval"
 CONFIG_PATH = "examples/basic/sciknoweval/grpo.toml"
@@ -277,9 +279,9 @@ TASKSET_REWARD_MODES = ("strict", "lenient", "format")
 
 def check_taskset_settings(shuffle_options: str, reward_mode: str, algorithm: str = "grpo") -> None:
     """Raise ValueError for a scirl setting the prime-rl taskset cannot reproduce, saying what it can."""
-    if algorithm != "grpo":
-        raise ValueError(f"algorithm {algorithm!r} cannot be exported: prime-rl trains GRPO only, and SDPO needs "
-                         "patches to its trainer (a teacher forward and the distillation loss); train SDPO with scirl train")
+    if algorithm not in algorithms.names() or not algorithms.exportable(algorithm):
+        raise ValueError(f"algorithm {algorithm!r} cannot be exported: prime-rl's trainer has no counterpart for its "
+                         f"loss (the export writes its default loss, scirl's {algorithms.DEFAULT}); train it with scirl train")
     if shuffle_options not in TASKSET_SHUFFLE_OPTIONS:
         raise ValueError(f"shuffle_options {shuffle_options!r} cannot be exported: in prime-rl a task has one prompt for "
                          "its whole group, so only 'none' and 'epoch' (one order per question) are possible")

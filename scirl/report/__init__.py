@@ -16,8 +16,10 @@ May import: the base modules, ``scirl.eval`` and ``scirl.run``.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
+from scirl import algorithms
 from scirl.report import plots
 from scirl.report.inputs import accuracy_table, gather, letter_table, paired_comparison, read_eval
 from scirl.report.page import render_compare_page, render_run_page
@@ -51,10 +53,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         ("training.png", plots.plot_training, "Loss, mismatch KL, entropy and gradient norm"),
         ("timing.png", plots.plot_timing, "Step time by phase, and tokens/s"),
         ("eval.png", plots.plot_eval, "Greedy accuracy on the held-out subset during training, overall and per domain"),
-        ("sdpo.png", plots.plot_sdpo, "SDPO: teacher-student divergence per step, share of rollouts with a teacher"),
     ]
-    # eval during training is off by default, and SDPO is not GRPO: their absence is a choice, not a gap
-    optional = {"eval.png", "sdpo.png"}
+    # an algorithm's own metrics (``NAME/...``): a plot of their own where a run logged any
+    figures += [(f"{name}.png", partial(plots.plot_algorithm, name=name), f"{name}: the algorithm metrics per step")
+                for name in algorithms.names()]
+    # eval during training is off by default, and most algorithms log nothing of their own: a choice, not a gap
+    optional = {"eval.png", *(f"{name}.png" for name in algorithms.names())}
     drawn = []
     for name, draw, caption in figures:
         path = out_dir / name

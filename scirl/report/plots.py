@@ -24,7 +24,6 @@ TIME_KEYS = ("time/generate", "time/train", "time/weight_sync", "time/eval", "ti
 TIME_LABELS = {"time/generate": "generation", "time/train": "training", "time/weight_sync": "weight sync", "time/eval": "eval",
                "time/checkpoint": "checkpoint"}
 TRAINING_KEYS = ("loss", "mismatch_kl", "entropy", "grad_norm")
-SDPO_SHARE_KEYS = ("sdpo/teacher_fraction", "sdpo/feedback_fraction")
 DPI = 100
 
 
@@ -190,30 +189,26 @@ def plot_training(metrics: list[dict[str, Any]], path: Path) -> Series:
     return drawn
 
 
-def plot_sdpo(metrics: list[dict[str, Any]], path: Path) -> Series:
-    """SDPO runs: the divergence between teacher and student per step, and (below) the share of the rollouts
-    that had a teacher (and of those shown only feedback)."""
-    divergence = _present(metrics, ["sdpo/divergence"])
-    shares = _present(metrics, SDPO_SHARE_KEYS)
-    if not divergence and not shares:
+def algorithm_keys(metrics: list[dict[str, Any]], name: str) -> list[str]:
+    """The keys ``name/...`` of an algorithm's own metrics, in the order first logged."""
+    return list(dict.fromkeys(key for m in metrics for key in m if key.startswith(f"{name}/")))
+
+
+def plot_algorithm(metrics: list[dict[str, Any]], path: Path, name: str) -> Series:
+    """An algorithm's own metrics (``name/...``, e.g. self-distillation's divergence and share of rollouts with a teacher),
+    one panel each, per step."""
+    drawn = _present(metrics, algorithm_keys(metrics, name))
+    if not drawn:
         return {}
-    fig = Figure(figsize=(9, 5.5), layout="constrained")
-    ax_top, ax_bottom = fig.subplots(2, 1, sharex=True, height_ratios=[3, 2])
-    ax_top.set_title("divergence D_alpha(teacher, student) per teacher token", fontsize=10)
-    for steps, values in divergence.values():
-        ax_top.plot(steps, values, marker=_marker(steps), markersize=3)
-    ax_top.grid(alpha=0.3)
-    for key, (steps, values) in shares.items():
-        label = "with a teacher" if key == "sdpo/teacher_fraction" else "shown feedback only"
-        ax_bottom.plot(steps, values, marker=_marker(steps), markersize=3, label=label)
-    ax_bottom.set_ylim(-0.05, 1.05)
-    ax_bottom.set_ylabel("share of rollouts")
-    ax_bottom.set_xlabel("step")
-    ax_bottom.grid(alpha=0.3)
-    if shares:
-        ax_bottom.legend(fontsize=8, loc="best")
+    fig = Figure(figsize=(9, 2.2 * len(drawn) + 1), layout="constrained")
+    axes = fig.subplots(len(drawn), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (key, (steps, values)) in zip(axes, drawn.items()):
+        ax.plot(steps, values, marker=_marker(steps), markersize=3)
+        ax.set_title(key, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
     _save(fig, path)
-    return {**divergence, **shares}
+    return drawn
 
 
 def plot_timing(metrics: list[dict[str, Any]], path: Path) -> Series:

@@ -4,12 +4,12 @@ reads. Both halves import this module and nothing of each other.
 
 - ``PromptedQuestion``: a training question with its tokenised prompt (the orchestrator's input).
 - ``Sample``: one completion to learn from: prompt and completion token ids, the sampler's logprob of
-  each completion token, the advantage, the group (question) it belongs to, and under SDPO its
-  self-teacher's prompt (None: no teacher).
+  each completion token, the advantage, the group (question) it belongs to, and where the algorithm
+  distils from a self-teacher, that teacher's prompt (None: no teacher).
 - ``RolloutBatch``: one step's samples, the rollout records for the logs, the policy version that
   sampled them and the data position a checkpoint after the step saves.
-- ``RolloutSettings``: sampling, scoring and filtering settings, built once from the run's config; under
-  SDPO with ``TeacherSettings``, how the teacher prompts are made.
+- ``RolloutSettings``: sampling, scoring and filtering settings, built once from the run's config, and the
+  run's algorithm (``scirl.algorithms``: the group advantages and a sample's extra inputs come from it).
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ class Sample:
     logprobs: list[float]  # sampling logprob of each completion token
     advantage: float
     group: int  # with per-completion prompts (shuffle_options = "rollout"), still the question's group
-    # SDPO: the prompt its self-teacher sees (the question, a successful completion of the group and/or
-    # feedback, the instruction to solve the question); the teacher scores completion_ids after it. None: no
-    # teacher (a group without a success; GRPO always)
+    # a distilling algorithm's: the prompt its self-teacher sees (the question, a successful completion of the
+    # group and/or feedback, the instruction to solve the question); the teacher scores completion_ids after it.
+    # None: no teacher (a group without a success; every other algorithm always)
     teacher_prompt_ids: list[int] | None = None
 
 
@@ -65,16 +65,6 @@ class RolloutBatch:
 
 
 @dataclass(frozen=True)
-class TeacherSettings:
-    """How the orchestrator's half makes SDPO's teacher prompts (``scirl.rollouts.teacher``)."""
-
-    success_threshold: float  # a completion with reward >= this is a success, shown to the others of its group
-    reprompt_on_self_success: bool  # a success may be shown itself (else only another success of its group)
-    feedback: bool  # a failed completion without a success to see is shown why it failed, where the reward says
-    max_prompt_tokens: int  # longer teacher prompts are cut in the solution shown (or get no teacher)
-
-
-@dataclass(frozen=True)
 class RolloutSettings:
     """What the orchestrator's half reads of the run's config (``TrainConfig.rollout_settings()``)."""
 
@@ -87,7 +77,7 @@ class RolloutSettings:
     seed: int  # the run's: data order, sampling seeds, option orders, the random control reward
     shuffle_options: str  # none | epoch | rollout
     reward_mode: str  # strict | lenient | random | format
-    std_normalize: bool  # advantage / group std
-    advantage_eps: float
     filters: object  # the [filters] section: what each filter flags and whether it drops
-    teacher: TeacherSettings | None = None  # SDPO: teacher prompts for the samples; None (GRPO): none
+    # the run's algorithm (``scirl.algorithms.base.Algorithm``): ``advantages(rewards)``, ``drops_flat_groups()``,
+    # ``group_extras(...)`` and ``needs_tokenizer()`` are what this half calls
+    algorithm: object

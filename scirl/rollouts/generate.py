@@ -11,9 +11,10 @@ prompts are built once in the row's order, and only the questions a step draws a
 re-tokenised (``epoch``: one prompt per group; ``rollout``: one per completion, each sampled with
 ``n = 1``). Each completion is scored against the order it was shown.
 
-Under SDPO (``settings.teacher``) each sample also gets its self-teacher's prompt (``scirl.rollouts.teacher``),
-and a sample with a teacher is never dropped by the zero-advantage filter: the teacher gives it a learning
-signal whatever its advantage.
+The run's algorithm (``settings.algorithm``) computes each group's advantages, may drop groups whose
+advantages are all 0 (dynamic sampling), and may add extra inputs to each sample and fields to its
+rollout record (a self-teacher's prompt); a sample it marks ``keep`` is never dropped by the zero-advantage
+filter (a teacher gives it a learning signal whatever its advantage).
 """
 
 from __future__ import annotations
@@ -26,16 +27,16 @@ import torch
 
 from scirl.inference.base import Completion, SamplingParams, encode_messages
 from scirl.rollouts.contract import PromptedQuestion, RolloutBatch, RolloutSettings, Sample
-from scirl.rollouts.grpo import apply_filters, group_advantages
-from scirl.rollouts.teacher import group_teachers
+from scirl.rollouts.grpo import apply_filters
 from scirl.task import reward, shuffle
 from scirl.task.prompt import build_messages, render_prompt
 from scirl.task.schema import Question
 
 
-def generation_seed(seed: int, step: int, rank: int) -> int:
-    """The sampling seed of one step's generation on one rank: a resumed step samples what it would have."""
-    return random.Random(f"{seed}-generate-{step}-{rank}").getrandbits(62)
+def generation_seed(seed: int, step: int, rank: int, refill: int = 0) -> int:
+    """The sampling seed of one step's generation on one rank (``refill``: the round of groups drawn to replace
+    dropped ones): a resumed step samples what it would have."""
+    return random.Random(f"{seed}-generate-{step}-{rank}" + (f"-refill-{refill}" if refill else "")).getrandbits(62)
 
 
 def prompt_for(q: Question, tokenizer) -> PromptedQuestion:
@@ -71,31 +72,33 @@ def shown_prompts(step: int, batch: list[PromptedQuestion], settings: RolloutSet
 
 def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[list[Completion]],
                  settings: RolloutSettings, vocab_size: int,
-                 rank: int = 0, tokenizer=None) -> tuple[list[dict], list[Sample]]:
+                 rank: int = 0, tokenizer=None, first_group: int = 0) -> tuple[list[dict], list[Sample]]:
     """Reward, advantage and filter verdict of every completion, each scored against the question as it
     was shown (``shown``: per group, one shared prompt or one per completion, as ``shown_prompts`` gives).
     The advantage baseline is the group's mean: per question, whatever order each completion saw.
-    Under SDPO (``settings.teacher``), each completion's teacher prompt too, with ``tokenizer``.
+    The algorithm's extras (a self-teacher's prompt) too, with ``tokenizer``.
 
     Returns (rollout records for the logs, training samples: the rollouts no enforcing filter dropped).
     """
     rollouts, samples = [], []
     mode = settings.reward_mode
-    for group_index, (prompts, group) in enumerate(zip(shown, groups, strict=True)):
+    for group_index, (prompts, group) in enumerate(zip(shown, groups, strict=True), start=first_group):
         items = prompts * len(group) if len(prompts) == 1 else prompts
         if len(items) != len(group):
             raise ValueError(f"group {group_index}: {len(group)} completions for {len(prompts)} prompts")
         scored = [reward.score(c.text, item.question, mode, draw=(settings.seed, step, item.question.id, k))
                   for k, (item, c) in enumerate(zip(items, group))]
         rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
-        advantages = group_advantages(rewards, settings.std_normalize, settings.advantage_eps)[0].tolist()
-        teachers = ([None] * len(group) if settings.teacher is None
-                    else group_teachers(items, group, scored, settings.teacher, tokenizer, mode))
-        for k, (item, c, s, adv, teacher) in enumerate(zip(items, group, scored, advantages, teachers)):
+        advantages = settings.algorithm.advantages(rewards)[0].tolist()
+        flat = settings.algorithm.drops_flat_groups() and not any(advantages)  # the whole group teaches nothing
+        extras = settings.algorithm.group_extras(items, group, scored, tokenizer, mode)
+        for k, (item, c, s, adv, extra) in enumerate(zip(items, group, scored, advantages, extras)):
             q = item.question
             verdict = apply_filters(c.token_ids, c.logprobs, adv, settings.filters, vocab_size)
-            if teacher is not None and verdict.flag == "zero_advantage":
-                verdict = replace(verdict, dropped=False)  # the teacher's signal does not need an advantage
+            if flat:
+                verdict = replace(verdict, flag=verdict.flag or "zero_advantage", dropped=True)
+            if extra and extra.get("keep") and verdict.flag == "zero_advantage":
+                verdict = replace(verdict, dropped=False)  # e.g. a teacher's signal does not need an advantage
             strict = s if mode in ("strict", *reward.CONTROL_MODES) else reward.score(c.text, q, "strict")
             lenient = s if mode == "lenient" else reward.score(c.text, q, "lenient")
             rollouts.append({
@@ -109,29 +112,49 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
                 "filter": verdict.flag, "dropped": verdict.dropped, "finish_reason": c.finish_reason,
                 "num_tokens": len(c.token_ids),
             })
-            if settings.teacher is not None:  # SDPO: whether it had a teacher, which success it was shown
-                rollouts[-1].update(teacher="none" if teacher is None else "solution" if teacher.solution is not None
-                                    else "feedback", teacher_solution=teacher.solution if teacher else None,
-                                    teacher_prompt_tokens=len(teacher.prompt_ids) if teacher else 0)
+            if extra:  # e.g. whether it had a teacher, which success it was shown
+                rollouts[-1].update(extra["record"])
             if not verdict.dropped:
-                samples.append(Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index,
-                                      teacher.prompt_ids if teacher is not None else None))
+                sample = Sample(item.prompt_ids, c.token_ids, c.logprobs, adv, group_index)
+                samples.append(replace(sample, **extra["sample"]) if extra and extra.get("sample") else sample)
     return rollouts, samples
 
 
 def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, *, vocab_size: int, rank: int = 0,
-                   policy_version: int | None = None, data_position: dict | None = None) -> RolloutBatch:
+                   policy_version: int | None = None, data_position: dict | None = None, draw=None) -> RolloutBatch:
     """Sample ``group_size`` completions per question with ``generator``, seeded from ``(seed, step, rank)``,
     and score them. ``batch``: this step's questions as ``QuestionSampler.take`` drew them; their options
     are shuffled as ``settings.shuffle_options`` says (with ``generator.tokenizer``). ``policy_version``
-    defaults to on-policy (``step - 1``)."""
+    defaults to on-policy (``step - 1``). Where the algorithm refills dropped groups (dynamic sampling),
+    ``draw(k)`` gives ``k`` more questions, sampled and scored in further rounds (at most
+    ``algorithm.refill_rounds()``) until as many groups as ``batch`` has keep a sample; every round's rollouts
+    are logged."""
     version = step - 1 if policy_version is None else policy_version
+    rollouts, samples, time_generate = sample_groups(step, batch, generator, settings, vocab_size, rank)
+    groups = len(batch)
+    for refill in range(1, settings.algorithm.refill_rounds() + 1 if draw is not None else 1):
+        missing = len(batch) - len({s.group for s in samples})
+        if missing <= 0:
+            break
+        more = draw(missing)
+        more_rollouts, more_samples, seconds = sample_groups(step, more, generator, settings, vocab_size, rank,
+                                                             refill=refill, first_group=groups)
+        rollouts, samples, time_generate = rollouts + more_rollouts, samples + more_samples, time_generate + seconds
+        groups += len(more)
+    for record in rollouts:
+        record["policy_version"], record["lag"] = version, step - 1 - version
+    return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
+
+
+def sample_groups(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, vocab_size: int,
+                  rank: int, refill: int = 0, first_group: int = 0) -> tuple[list[dict], list[Sample], float]:
+    """One round of ``generate_batch``: the completions of ``batch``, scored (rollouts, samples, seconds)."""
     # the generator's own tokenizer (the Generator contract): the shown prompts are its token ids
     shown = shown_prompts(step, batch, settings, generator.tokenizer if settings.shuffle_options != "none" else None)
     shared = all(len(prompts) == 1 for prompts in shown)
     # one prompt per group: n completions of it; one prompt per completion: each sampled alone
     params = SamplingParams(n=settings.group_size if shared else 1, temperature=settings.temperature, top_p=settings.top_p,
-                            max_tokens=settings.max_tokens, seed=generation_seed(settings.seed, step, rank))
+                            max_tokens=settings.max_tokens, seed=generation_seed(settings.seed, step, rank, refill))
     started = time.perf_counter()
     out = generator.generate([item.prompt_ids for prompts in shown for item in prompts], params)
     if not shared:
@@ -139,7 +162,6 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
         out = [flat[g * settings.group_size:(g + 1) * settings.group_size] for g in range(len(shown))]
     time_generate = time.perf_counter() - started
     rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank,
-                                     tokenizer=generator.tokenizer if settings.teacher is not None else None)
-    for record in rollouts:
-        record["policy_version"], record["lag"] = version, step - 1 - version
-    return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
+                                     tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None,
+                                     first_group=first_group)
+    return rollouts, samples, time_generate

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Callable
 
 from scirl.errors import TrainError
@@ -103,7 +104,8 @@ class Orchestrator:
                     picked = self.sampler.take(self.settings.questions_per_step, self.questions)
                     batch = generate_batch(step, picked, self.generator, self.settings,
                                            vocab_size=self.vocab_size, policy_version=version,
-                                           data_position=self.sampler.state())
+                                           draw=lambda k: self.sampler.take(k, self.questions))
+                    batch = replace(batch, data_position=self.sampler.state())  # after any refill's questions
                 with self._changed:
                     self._batches[step] = batch
                     self.next_step = step + 1

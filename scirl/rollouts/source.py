@@ -31,8 +31,11 @@ class ColocatedSource:
 
     def next(self, step: int) -> RolloutBatch:
         picked = self.sampler.take(self.settings.questions_per_step, self.questions)
-        return generate_batch(step, picked[self.dist.rank :: self.dist.world_size], self.generator, self.settings,
-                              vocab_size=self.vocab_size, rank=self.dist.rank, data_position=self.sampler.state())
+        # refilling dropped groups draws more questions: one rank only (``run.setup`` refuses it on several)
+        draw = (lambda k: self.sampler.take(k, self.questions)) if self.dist.world_size == 1 else None
+        batch = generate_batch(step, picked[self.dist.rank :: self.dist.world_size], self.generator, self.settings,
+                               vocab_size=self.vocab_size, rank=self.dist.rank, draw=draw)
+        return replace(batch, data_position=self.sampler.state())  # after any refill's questions
 
     def close(self) -> None:
         """Nothing of its own: the generator is the run's (the weight sink and the eval use it too)."""

@@ -25,13 +25,13 @@ from scirl.run.config import COLOCATED_GPU_SHARE
 from scirl.trainer.step import Trainer
 
 
-def make_trainer(model, cfg, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
+def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
+    """The trainer of ``algorithm`` (``scirl.algorithms.build(cfg)``, the one the orchestrator's half also holds)."""
     kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist, dtype=dtype,
-                  sdpo=cfg.sdpo if cfg.algorithm == "sdpo" else None, head_block_tokens=cfg.head_block_tokens,
-                  micro_batch_tokens=cfg.micro_batch_tokens)
+                  head_block_tokens=cfg.head_block_tokens, micro_batch_tokens=cfg.micro_batch_tokens)
     if device.type == "cpu":
-        return CPUTrainer(model, cfg.optim, cfg.loss, share_prompts=cfg.share_prompts, **kwargs)
-    return Trainer(model, cfg.optim, cfg.loss, **kwargs)
+        return CPUTrainer(model, cfg.optim, algorithm, share_prompts=cfg.share_prompts, **kwargs)
+    return Trainer(model, cfg.optim, algorithm, **kwargs)
 
 
 def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:

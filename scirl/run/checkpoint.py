@@ -10,10 +10,9 @@ Layout of one checkpoint::
       trainer_state/adapter_model.safetensors, adapter_config.json
                                      LoRA runs only: the adapter (``scirl/trainer/lora.py``); model.safetensors
                                      then holds the merged weights, for serving and evaluation
-      trainer_state/ema_teacher.safetensors
-                                     SDPO runs with an EMA teacher only: its float32 tensors by parameter name
-                                     (the trained parameters': under LoRA the adapter's). Checkpoints without it
-                                     (GRPO, older ones) load as before
+      trainer_state/NAME.safetensors the algorithm's own state, where it keeps one (``Algorithm.state_files``;
+                                     e.g. ema_teacher.safetensors: an EMA teacher's float32 tensors by parameter
+                                     name). Checkpoints without one (older ones, other algorithms) load as before
       manifest.json                  every other file with its size and sha256, plus the step; written last
     weights/latest                   text file "step_N", replaced atomically after each commit: a
                                      convenience for people and scripts (`vllm serve weights/$(cat
@@ -62,7 +61,6 @@ TRAINER_STATE = "trainer_state"
 LATEST = "latest"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # LoRA runs: the adapter, in trainer_state/ (peft's file names)
 ADAPTER_CONFIG = "adapter_config.json"
-EMA_TEACHER = "ema_teacher.safetensors"  # SDPO runs with teacher = "ema": the teacher's weights, in trainer_state/
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
@@ -148,7 +146,7 @@ def save_checkpoint(
     extra: dict | None = None,
     keep: int | None = None,
     adapter: tuple[dict, dict] | None = None,
-    teacher: dict[str, torch.Tensor] | None = None,
+    algorithm_state: dict[str, dict[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Commit checkpoint ``step`` atomically and return ``weights/step_N``.
 
@@ -162,7 +160,7 @@ def save_checkpoint(
     ``keep`` retains the newest ``keep`` checkpoints (None = all), pruning only after
     the new one is committed. ``adapter`` (LoRA runs): (tensors, peft config dict), written to
     ``trainer_state/adapter_model.safetensors`` and ``adapter_config.json`` and sealed with the rest.
-    ``teacher`` (SDPO with an EMA teacher): its tensors, written to ``trainer_state/ema_teacher.safetensors``.
+    ``algorithm_state`` (the algorithm's ``state_files``): file name -> tensors, written to ``trainer_state/``.
     """
     if step < 0:
         raise ValueError(f"checkpoint step must be >= 0, got {step}")
@@ -173,7 +171,7 @@ def save_checkpoint(
     if writer:
         try:
             _write_and_commit(Path(run_dir), step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                              adapter, teacher)
+                              adapter, algorithm_state)
         except Exception as e:
             # never leave a half-written tmp dir behind: on a full disk it holds the space the user needs back
             shutil.rmtree(weights_dir(run_dir) / f".step_{step}.tmp", ignore_errors=True)
@@ -219,7 +217,7 @@ def _write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) 
 
 
 def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                      adapter=None, teacher=None) -> None:
+                      adapter=None, algorithm_state=None) -> None:
     root = weights_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".step_{step}.tmp"
@@ -244,8 +242,8 @@ def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_sta
         tensors, config = adapter
         save_file(tensors, str(tmp / TRAINER_STATE / ADAPTER_WEIGHTS))
         (tmp / TRAINER_STATE / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
-    if teacher is not None:
-        save_file({name: t.contiguous() for name, t in teacher.items()}, str(tmp / TRAINER_STATE / EMA_TEACHER))
+    for file_name, tensors in (algorithm_state or {}).items():
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / TRAINER_STATE / file_name))
 
     delay = _write_delay()
     files = {}
@@ -447,13 +445,13 @@ def find_resume_checkpoint(
 
 
 def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra", "optimizer", "adapter", "teacher"} of a checkpoint (optimizer
-    None if not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None; teacher: the
-    EMA teacher's tensors in an SDPO run's, else None).
+    """{"step", "data_position", "rng", "extra", "optimizer", "adapter", "algorithm_state"} of a checkpoint
+    (optimizer None if not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None;
+    algorithm_state: file name -> tensors of each other ``trainer_state/*.safetensors``, the algorithm's own).
 
     Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
-    file and the EMA teacher (the checkpoint's biggest by far; both are then None, and "has_teacher" says
-    whether the checkpoint holds one): under FSDP only rank 0 reads them and hands each rank its shards.
+    file and the algorithm's state files (an EMA teacher is as big as the weights; the optimizer is then None,
+    and each algorithm file is listed with None): under FSDP only rank 0 reads them and hands each rank its shards.
     """
     trainer_dir = Path(path) / TRAINER_STATE
     if not (trainer_dir / "state.pt").is_file():
@@ -461,8 +459,8 @@ def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, An
     state = torch.load(trainer_dir / "state.pt", weights_only=True)
     optimizer_path = trainer_dir / "optimizer.pt"
     state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
-    state["has_teacher"] = (trainer_dir / EMA_TEACHER).is_file()
-    state["teacher"] = load_file(trainer_dir / EMA_TEACHER) if optimizer and state["has_teacher"] else None
+    state["algorithm_state"] = {path.name: load_file(path) if optimizer else None
+                                for path in sorted(trainer_dir.glob("*.safetensors")) if path.name != ADAPTER_WEIGHTS}
     state["adapter"] = None
     if (trainer_dir / ADAPTER_WEIGHTS).is_file():
         state["adapter"] = (load_file(trainer_dir / ADAPTER_WEIGHTS), json.loads((trainer_dir / ADAPTER_CONFIG).read_text()))

@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, create_model, field_validator, model_validator
 
-from scirl.rollouts.contract import RolloutSettings, TeacherSettings
+from scirl import algorithms
+from scirl.algorithms.base import Section
+from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.task.formats import known_format, parse_columns
 
@@ -22,11 +24,6 @@ from scirl.task.formats import known_format, parse_columns
 # fail here naming the field instead of as NaN losses or a crash inside AdamW mid-run.
 MAX_TEMPERATURE = 10.0  # at T=10 a 150k-token softmax is near uniform: samples are noise; useful RL sampling is T <= ~2
 MAX_SEED = 2**63 - 1  # what torch, numpy and random all accept
-
-
-class Section(BaseModel):
-    # inf and nan are never a meaningful setting (TOML and the flags both accept them as floats)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class OptimConfig(Section):
@@ -81,40 +78,6 @@ class FiltersConfig(Section):
     gibberish: GibberishFilterConfig = GibberishFilterConfig()
     repetition: RepetitionFilterConfig = RepetitionFilterConfig()
     zero_advantage: ZeroAdvantageFilterConfig = ZeroAdvantageFilterConfig()
-
-
-class LossConfig(Section):
-    mask_low: float = Field(0.2, ge=0, description="mask a token with A<0 whose probability fell by more than this")
-    mask_high: float = Field(0.2, ge=0, description="mask a token with A>0 whose probability rose by more than this")
-    kl_tau: float = Field(1e-3, ge=0, description="weight of the (log ratio)^2 trainer-vs-sampler term")
-
-
-class SdpoConfig(Section):
-    """SDPO, self-distillation (``algorithm = "sdpo"``; Hübotter et al. 2026, arXiv 2601.20802; defaults from the
-    reference code's ``self_distillation`` section). The policy shown a successful completion of the group
-    (or feedback on a failed one) is the teacher of the policy on the plain question, on the student's own
-    completions. The orchestrator's half reads the first four fields, the trainer's half the rest."""
-
-    success_threshold: float = Field(0.5, description="a completion with reward >= this is a success: a solution "
-                                     "shown to the teacher of the other completions of its group")
-    reprompt_on_self_success: bool = Field(False, description="a success may be shown itself as the solution "
-                                           "(false: only another success of its group; a group's one success has no teacher)")
-    feedback: bool = Field(True, description="a failed completion of a group without a success is shown why it "
-                           "failed, where the reward says (no answer letter read; cut at the length limit)")
-    max_teacher_prompt_tokens: int = Field(10240, ge=1, description="a longer teacher prompt is cut in the solution "
-                                           "it shows; one that cannot fit gets no teacher")
-    alpha: float = Field(0.5, ge=0, le=1, description="the divergence: 0 forward KL(teacher||student), 1 reverse "
-                         "KL(student||teacher), between them the generalised Jensen-Shannon mixture")
-    top_k: int = Field(100, ge=0, description="the divergence over the teacher's top-k tokens of each position "
-                       "(plus a tail bucket); 0: over the full vocabulary")
-    tail: bool = Field(True, description="top-k: one bucket holding the rest of each distribution's mass "
-                       "(false: both renormalised over the k tokens)")
-    is_clip: float = Field(2.0, ge=0, description="each token's loss weighted by min(trainer/sampler probability "
-                           "of the sampled token, is_clip): async lag and sampler mismatch; 0: no weight")
-    teacher: Literal["ema", "current"] = Field("ema", description="the teacher's weights: an EMA of the policy "
-                                               "(float32, in checkpoints) or the current policy (no copy)")
-    ema_rate: float = Field(0.05, gt=0, le=1, description="after every optimizer step: ema += ema_rate * (policy - ema)")
-    grpo_coef: float = Field(0.0, ge=0, description="adds this times the GRPO loss on the same batch (the hybrid)")
 
 
 class CkptConfig(Section):
@@ -280,7 +243,9 @@ class LoraSettings(Section):
         return names
 
 
-class TrainConfig(Section):
+class RunConfig(Section):
+    """Every section but the algorithms' own; ``TrainConfig`` below adds those (``scirl.algorithms``)."""
+
     max_steps: int = Field(30, ge=1)
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
     model: str = Field("PrimeIntellect/Qwen3-8B", min_length=1, description="hub name or local HF model directory")
@@ -304,16 +269,14 @@ class TrainConfig(Section):
         "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "
         "(bfloat16 on a CPU pays off where it has AMX/AVX512-BF16 matrix units)")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
-    algorithm: Literal["grpo", "sdpo"] = Field("grpo", description="grpo: the policy gradient on group "
-                                               "advantages; sdpo: self-distillation ([sdpo])")
+    algorithm: Literal[algorithms.names()] = Field(algorithms.DEFAULT, description="the policy loss and advantages: " + "; ".join(
+        f"{name}: {summary}" for name, summary in algorithms.summaries().items()) + " (each with its own section)")
     share_prompts: bool = Field(True, description="train forward: each prompt once per micro-batch, its completions "
                                 "continued from its KV cache (a group's prompt is not recomputed per completion); "
                                 "single-process runs only, torchrun runs use full sequences")
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     filters: FiltersConfig = FiltersConfig()
-    loss: LossConfig = LossConfig()
-    sdpo: SdpoConfig = SdpoConfig()
     ckpt: CkptConfig = CkptConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
@@ -340,25 +303,25 @@ class TrainConfig(Section):
             raise ValueError("eval.interval needs held-out questions, and data.eval_per_domain = 0 holds out none")
         if self.max_completion_tokens >= self.seq_len:
             raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) must be below seq_len ({self.seq_len})")
+        problem = algorithms.config_problem(self) if hasattr(self, "loss") else None
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property
     def questions_per_step(self) -> int:
         return self.batch_size // self.group_size
 
-    def rollout_settings(self) -> RolloutSettings:
-        """The slice the orchestrator's half reads (``scirl.rollouts``)."""
+    def rollout_settings(self, algorithm=None) -> RolloutSettings:
+        """The slice the orchestrator's half reads (``scirl.rollouts``), with the run's algorithm (built here
+        when not given)."""
         return RolloutSettings(
             questions_per_step=self.questions_per_step, group_size=self.group_size, temperature=self.temperature,
             top_p=self.top_p, max_tokens=self.max_completion_tokens, seq_len=self.seq_len, seed=self.seed,
-            shuffle_options=self.data.shuffle_options, reward_mode=self.reward.mode,
-            std_normalize=self.advantage.std_normalize, advantage_eps=self.advantage.eps, filters=self.filters,
-            teacher=self.teacher_settings())
+            shuffle_options=self.data.shuffle_options, reward_mode=self.reward.mode, filters=self.filters,
+            algorithm=algorithm if algorithm is not None else algorithms.build(self))
 
-    def teacher_settings(self) -> TeacherSettings | None:
-        """SDPO's teacher-prompt settings (None under GRPO: no teacher prompts are made)."""
-        if self.algorithm != "sdpo":
-            return None
-        s = self.sdpo
-        return TeacherSettings(success_threshold=s.success_threshold, reprompt_on_self_success=s.reprompt_on_self_success,
-                               feedback=s.feedback, max_prompt_tokens=s.max_teacher_prompt_tokens)
+
+# each algorithm's section ([loss] for grpo, one per variant), validated by its own model, from the registry
+TrainConfig = create_model("TrainConfig", __base__=RunConfig, __doc__="The run's config: every section.",
+                           **{name: (model, model()) for name, model in algorithms.config_sections().items()})

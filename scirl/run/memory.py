@@ -5,7 +5,7 @@ What it models, per trainer GPU (``R`` trainer ranks, ``P`` parameters, compute 
 
 - **state**: float32 master weights ``4P/R`` (FSDP2 shards them; LoRA: the frozen base in the compute
   dtype, unsharded, plus the float32 adapter), float32 gradients ``4P/R``, AdamW's two float32 moments
-  ``8P/R``, SDPO's float32 EMA teacher ``4P/R``; one process in bf16 adds its compute copy ``cP`` and,
+  ``8P/R``, an algorithm's own state (a float32 EMA teacher: ``4P/R``); one process in bf16 adds its compute copy ``cP`` and,
   at the end of a backward, the copy's gradients ``cP`` (``trainer/mixed_precision.py``);
 - **FSDP2's working set**: the root's parameters (embeddings, LM head) gathered in the compute dtype
   from forward to backward, two decoder layers gathered at a time (the current one and the prefetched
@@ -35,7 +35,7 @@ head), the optimizer step, and the push (state, the engine awake, the gathered w
 
 What it does not model: CUDA's context and the caching allocator's fragmentation (a few GB: the verdict
 says "tight" within 10% of the GPU), kernel workspaces (cuBLAS, SDPA's own scratch), NCCL's buffers,
-SDPO's teacher forward (no gradient, before the student's: smaller than the student's step) and its
+a distilling algorithm's teacher forward (no gradient, before the student's: smaller than the student's step) and its
 top-k tensors, and rows of a micro-batch whose prompts differ in length, which widen the head's window
 past ``C + 1`` positions. The activations assume the micro-batch's longest row; the run knows that length
 only once its data is read: ``--dry-run`` prints the longest row that fits next to ``seq_len`` and refuses only
@@ -56,6 +56,7 @@ from huggingface_hub import try_to_load_from_cache
 from rich.console import Console
 from rich.table import Table
 
+from scirl import algorithms
 from scirl.errors import PreflightError
 from scirl.run.config import COLOCATED_GPU_SHARE
 
@@ -143,7 +144,7 @@ class Workload:
     head_block: int | None = None  # None: full logits; else the block-wise head's rows per block
     top_p: float = 1.0
     lora_parameters: int | None = None  # the adapter's, when LoRA trains; None: every parameter trains
-    ema: bool = False
+    extra_state: int = 0  # bytes per parameter the algorithm keeps beside them (an EMA teacher), sharded
     engine_train: int = 0  # bytes an engine holds on this GPU during the train step
     engine_push: int = 0  # and while it takes new weights
     push_gathers: bool = True  # the push gathers the full weights on this GPU in the compute dtype
@@ -220,14 +221,14 @@ def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
         "weights": c * P + F32 * trained if w.lora_parameters is not None else F32 * P // R,
         "gradients": F32 * trained // R,
         "optimizer": 2 * F32 * trained // R,
-        "ema teacher": F32 * trained // R if w.ema else 0,
+        "algorithm state": w.extra_state * trained // R,
         "compute copy": c * P if copy else 0,
         "activations": saved,
         "backward": layer_backward,
         "head": head_bytes(positions, shape.vocab, c, w.head_block, w.top_p),
         "engine": max(w.engine_train, w.engine_push),
     }
-    state = sum(terms[k] for k in ("weights", "optimizer", "ema teacher", "compute copy"))
+    state = sum(terms[k] for k in ("weights", "optimizer", "algorithm state", "compute copy"))
     base = state + terms["gradients"] + w.engine_train
     gathered, head_grad, at_end = gradient_working_set(shape, w, copy)
     head_backward = head_backward_bytes(positions, shape, c, w.head_block)
@@ -288,7 +289,7 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
                     row_tokens=row_tokens or cfg.seq_len, completion_tokens=cfg.max_completion_tokens,
                     checkpointing=cfg.activation_checkpointing, head_block=cfg.head_block_tokens,
                     top_p=cfg.top_p, lora_parameters=lora,
-                    ema=cfg.algorithm == "sdpo" and cfg.sdpo.teacher == "ema", engine_train=engine_train,
+                    extra_state=algorithms.build(cfg).extra_bytes_per_param(cfg), engine_train=engine_train,
                     engine_push=engine_push, push_gathers=push_gathers)
 
 
@@ -380,7 +381,7 @@ def gib(n: float) -> str:
 
 NOTES = {
     "weights": "{weights}", "gradients": "float32{shard}", "optimizer": "AdamW: two float32 moments{shard}",
-    "ema teacher": "SDPO: float32 copy{shard}", "compute copy": "one process: bf16 copy of the weights",
+    "algorithm state": "the algorithm's own (an EMA teacher){shard}", "compute copy": "one process: bf16 copy of the weights",
     "gathered": "FSDP2: root + two layers in the compute dtype", "activations": "kept by the forward ({act})",
     "backward": "one layer's backward{recompute}", "head": "{head}", "engine": "{engine}",
 }

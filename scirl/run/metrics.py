@@ -11,7 +11,8 @@ import torch
 from scirl.rollouts.grpo import FILTER_NAMES
 
 
-def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: dict) -> dict:
+def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: dict, algorithm=None) -> dict:
+    """``algorithm`` (``scirl.algorithms``): its own entries, from the step's stats and rollout records."""
     effective = [r for r in rollouts if not r["dropped"]]
     rewards = [r["reward"] for r in effective]
     # what the optimizer step learned from: every rollout no enforcing filter dropped (a monitoring filter
@@ -43,12 +44,10 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
         for key in ("loss", "entropy", "grad_norm", "mismatch_kl", "masked_fraction"):
             m[key] = train_stats[key]
         m["loss_tokens"] = train_stats["loss_tokens"]
-        m.update({key: value for key, value in train_stats.items() if key.startswith("sdpo/") or key == "time/teacher"})
-    if rollouts and "teacher" in rollouts[0]:  # SDPO: which rollouts had a teacher, and how long its prompts were
-        taught = [r for r in rollouts if r["teacher"] != "none"]
-        m["sdpo/teacher_fraction"] = len(taught) / n
-        m["sdpo/feedback_fraction"] = sum(r["teacher"] == "feedback" for r in rollouts) / n
-        m["sdpo/teacher_prompt_tokens"] = statistics.fmean(r["teacher_prompt_tokens"] for r in taught) if taught else 0.0
+        if algorithm is not None:
+            m.update({key: value for key, value in train_stats.items() if algorithm.train_metric(key)})
+    if algorithm is not None:
+        m.update(algorithm.rollout_metrics(rollouts))
     completion_tokens = sum(r["num_tokens"] for r in rollouts)
     m["tokens/completion"] = completion_tokens / n
     m["truncated/fraction"] = sum(r["finish_reason"] == "length" for r in rollouts) / n
@@ -62,7 +61,7 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     return m
 
 
-def step_line(m: dict) -> str:
+def step_line(m: dict, algorithm=None) -> str:
     """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 128/128 (100.0%) | Nonzero advantage 64/128 | ...``.
     Trainable: the rollouts the optimizer step used; Nonzero advantage: the batch's rollouts with a policy-gradient term."""
     parts = [
@@ -73,10 +72,8 @@ def step_line(m: dict) -> str:
     ]
     if "advantage/nonzero_count" in m:
         parts.append(f"Nonzero advantage {m['advantage/nonzero_count']}/{m['trainable/total']}")
-    if "sdpo/teacher_fraction" in m:  # the share of the batch's rollouts with a teacher
-        parts.append(f"SDPO teacher {100 * m['sdpo/teacher_fraction']:.1f}%")
-    if "sdpo/divergence" in m:
-        parts.append(f"Divergence {m['sdpo/divergence']:.4f}")
+    if algorithm is not None:
+        parts += algorithm.step_line(m)
     if "loss" in m:
         parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
     elif m.get("skipped/nonfinite"):

@@ -26,7 +26,7 @@ import transformers
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from scirl import distributed
+from scirl import algorithms, distributed
 from scirl.errors import TrainError
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.rollouts.generate import fits, prompt_for
@@ -146,8 +146,11 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     if cfg.inference.urls:
         source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
     else:
+        if trainer.algorithm.refill_rounds() and dist.world_size > 1:
+            raise TrainError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which colocated "
+                             "ranks cannot (each would draw its own): train on one rank, on vLLM servers, or drop them")
         sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
-        source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(),
+        source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)
         sink = InProcessSink(generator, trainer, check)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -173,29 +176,15 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
                                 saved=saved["adapter"] if saved else None)
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
-    trainer = make_trainer(model, cfg, device=device, dist=dist, dtype=dtype)
+    trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
     if saved is not None:
         trainer.load_optimizer_state_dict(saved["optimizer"])
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
         checkpoint.restore_rng_state(saved["rng"])
-        restore_teacher(trainer, saved, say)
+        trainer.algorithm.load_state_files(saved["algorithm_state"], say)  # e.g. an EMA teacher
     if generator is None and not cfg.inference.urls:
         generator = make_generator(trainer, model_source, tokenizer)
     return generator, model, trainer
-
-
-def restore_teacher(trainer, saved: dict, say) -> None:
-    """SDPO's EMA teacher as the checkpoint saved it (under FSDP rank 0 read it and hands out the shards);
-    a checkpoint without one (a GRPO run's, or teacher = "current") starts it from the resumed weights."""
-    if trainer.ema is None:
-        return
-    if not saved["has_teacher"]:
-        say("The checkpoint holds no EMA teacher: SDPO's teacher starts from the resumed weights")
-        return
-    try:
-        trainer.ema.load_state_dict(saved["teacher"])
-    except KeyError as exc:
-        raise TrainError(f"the checkpoint's EMA teacher does not fit the model: {exc.args[0]}") from exc
 
 
 def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,
@@ -205,7 +194,7 @@ def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], positio
     dist = trainer.dist
     orchestrator = None
     if dist.is_main:
-        orchestrator = Orchestrator(questions, generator, cfg.rollout_settings(), vocab_size=trainer.model.config.vocab_size,
+        orchestrator = Orchestrator(questions, generator, cfg.rollout_settings(trainer.algorithm), vocab_size=trainer.model.config.vocab_size,
                                     start_step=start_step, last_step=cfg.max_steps, position=position,
                                     max_async_level=cfg.max_async_level)
     source = ServerSource(orchestrator, dist)

@@ -31,9 +31,9 @@ Checkpoints keep the float32 master weights, so resuming loses no precision; ser
 ``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
 the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
 
-With ``algorithm = "sdpo"`` the loop is the same: the batch's samples carry their self-teacher's prompt
-(``scirl/rollouts/teacher.py``), the trainer's step runs the teacher forward and the distillation loss
-(``scirl/trainer/sdpo.py``), and checkpoints keep the EMA teacher.
+The loop names no algorithm (``scirl/algorithms/``): the orchestrator's half asks the run's algorithm for
+advantages and a sample's extra inputs, the trainer's step for its loss, checkpoints for its state files
+and the metrics row for its entries.
 
 Everything the loop works with is built once by ``scirl.run.setup.start``.
 """
@@ -94,7 +94,7 @@ def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id:
                "time/train": time_train, "time/weight_sync": time_sync, "memory/peak_mb": peak_memory_mb(trainer.device)}
     if batch.time_waited is not None:  # servers: how long the trainer waited for its batch (0 when generation overlapped)
         timings["time/wait_for_batch"] = batch.time_waited
-    metrics = {**step_metrics(step, rollouts, stats, timings), **checked}
+    metrics = {**step_metrics(step, rollouts, stats, timings, trainer.algorithm), **checked}
     if stats.get("nonfinite"):
         metrics["skipped/nonfinite"] = 1
     return StepResult(batch, stats, rollouts, metrics)
@@ -110,7 +110,7 @@ def learn(batch: RolloutBatch, trainer, *, micro_batch_size: int, pad_id: int) -
 
 
 def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
-    """Run (or continue) a GRPO run in ``cfg.output_dir``. Returns the process exit status."""
+    """Run (or continue) a training run in ``cfg.output_dir``. Returns the process exit status."""
     # one process per run dir: a second one (a --resume typed while the run lives) would remove the live
     # run's checkpoint in progress as a stale tmp dir and interleave metrics rows. Rank 0 holds it for all.
     lock = rundir.lock(Path(cfg.output_dir)) if distributed.launched_rank() == 0 else None
@@ -179,7 +179,7 @@ def record(r: Run, result: StepResult, evaluated: dict, checkpoint_seconds: floa
     metrics["time/step"] += checkpoint_seconds + evaluated.get("time/eval", 0.0)
     rundir.write_rollouts(r.run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
     rundir.append_line(r.run_dir / "metrics.jsonl", metrics)
-    line = step_line(metrics)
+    line = step_line(metrics, r.trainer.algorithm)
     log.info(line)
     progress.console.print(line)
     if r.wandb_run is not None:
@@ -215,7 +215,7 @@ def save(r: Run, step: int, position: dict, empty_steps: int) -> float:
                                data_position={**position, "n_questions": len(r.questions), "questions": r.digest,
                                               "seed": r.cfg.seed},
                                extra={"consecutive_empty_steps": empty_steps}, keep=r.cfg.ckpt.keep,
-                               teacher=r.trainer.ema.state_dict(all_ranks=False) if r.trainer.ema is not None else None)
+                               algorithm_state=r.trainer.algorithm.state_files(all_ranks=False))
     distributed.barrier(r.dist)
     seconds = time.perf_counter() - t
     r.say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")

@@ -37,7 +37,7 @@ def build_messages(q: Question) -> list[dict[str, str]]:
     ]
 
 
-# SDPO's teacher prompt (Hübotter et al. 2026, arXiv 2601.20802): the wording of the reference code's
+# The self-teacher's prompt of self-distillation (Hübotter et al. 2026, arXiv 2601.20802; scirl.algorithms): the wording of the reference code's
 # `self_distillation` templates (`verl/trainer/config/actor/actor.yaml`: reprompt_template, solution_template,
 # feedback_template), applied to the question's user message as there.
 SOLUTION_SECTION = "\nCorrect solution:\n\n{solution}"
@@ -47,7 +47,7 @@ REPROMPT = "{question}{solution}{feedback}\n\nCorrectly solve the original quest
 
 def teacher_messages(q: Question, solution: str | None = None, feedback: str | None = None) -> list[dict[str, str]]:
     """The question's messages with, after the question, a correct solution and/or the feedback on a failed
-    attempt, then the instruction to solve the original question (SDPO's self-teacher sees this)."""
+    attempt, then the instruction to solve the original question (what a self-teacher sees)."""
     if solution is None and feedback is None:
         raise ValueError("a teacher prompt shows a solution, feedback, or both")
     messages = build_messages(q)

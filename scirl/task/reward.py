@@ -429,7 +429,7 @@ def score(reply: str | None, question: "Question", mode: str, *, draw: tuple = (
 
 
 def failure_feedback(scored: Scored, mode: str, truncated: bool) -> str | None:
-    """What the reward can tell a failed reply about why it failed (SDPO's teacher prompt shows it): that no
+    """What the reward can tell a failed reply about why it failed (a self-teacher's prompt shows it): that no
     answer letter could be read in it, and whether it was cut off first. A wrong letter gets none: the reward
     says only that it is wrong, and naming the right one would hand the teacher the answer; ``random``'s coin
     says nothing about the reply."""

@@ -1,7 +1,6 @@
 """The trainer's half of a step: loading the policy for training with FSDP2 (``model``), micro-batched
-forward/backward and one AdamW step (``step``), prime-rl's loss (``loss``), SDPO's teacher forward inputs,
-divergence and EMA teacher (``sdpo``), LoRA (``lora``) and the bf16 compute copy of a single process
-(``mixed_precision``).
+forward/backward and one AdamW step (``step``), prime-rl's loss (``loss``), a self-teacher's sequences (``teacher``), LoRA (``lora``) and the bf16 compute copy of a single process
+(``mixed_precision``). Which loss a run computes is its algorithm's (``scirl.algorithms``), handed to ``Trainer``.
 
 May import: the base modules and ``scirl.rollouts.contract`` (the step's samples), nothing else of the
 orchestrator's side.

@@ -6,8 +6,8 @@ and this module turns them into what the losses need, ``block_tokens`` tokens at
 
 - ``token_logprobs``: the sampled tokens' logprobs under the sampling distribution (temperature, the
   top-p nucleus) and the entropy, as ``scirl.trainer.loss.token_logprobs`` computes them from logits;
-- SDPO's teacher top-k targets (``teacher_targets``) and the student's logprobs at those ids
-  (``student_logprobs``), as ``scirl.trainer.sdpo`` computes them from logits.
+- a self-teacher's top-k targets (``teacher_targets``) and the student's logprobs at those ids
+  (``student_logprobs``), as ``scirl.trainer.targets`` computes them from logits.
 
 ``HeadLogprobs`` is an autograd function whose backward recomputes each block's logits from the saved
 hidden states, weight and per-row log-sum-exp instead of storing them, and accumulates the gradients of
@@ -15,7 +15,7 @@ the hidden states and of the head's weight (under tied embeddings the embedding'
 The peak of the head is a few [block_tokens, V] float32 tensors, whatever the micro-batch's size.
 
 Blocks of rows, not chunks of the vocabulary (prime-rl's online log-sum-exp): every row's arithmetic is
-the one the full-logits path does (the same ops over the same row), the nucleus's sort and SDPO's top-k
+the one the full-logits path does (the same ops over the same row), the nucleus's sort and the teacher's top-k
 need a whole row, and the memory bound is the same (block_tokens x V instead of tokens x chunk).
 Why by hand: Liger-Kernel's fused linear cross-entropy and GRPO losses are Triton (no CPU), compute their
 own loss rather than the logprobs and entropy ours needs, and know no nucleus; torch has no such op.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from scirl.trainer.sdpo import TeacherTargets, renormalised, student_logprobs, teacher_targets, with_tail
+from scirl.trainer.targets import TeacherTargets, renormalised, student_logprobs, teacher_targets, with_tail
 
 DEFAULT_BLOCK_TOKENS = 512  # 512 x 151,936 float32 logits: 311 MB per [block, V] tensor
 SORT_ELEMENTS = 1 << 24  # the nucleus's sort (values and int64 indices) runs over at most this many elements
@@ -182,7 +182,7 @@ class Head:
 
     @torch.no_grad()
     def teacher_targets(self, hidden: torch.Tensor, weight: torch.Tensor, *, top_k: int, tail: bool) -> TeacherTargets:
-        """``scirl.trainer.sdpo.teacher_targets`` of the logits of ``hidden`` [N, H], a block at a time
+        """``scirl.trainer.targets.teacher_targets`` of the logits of ``hidden`` [N, H], a block at a time
         (top_k 0, the whole vocabulary, is a [N, V] target by definition: computed at once)."""
         if not top_k:
             return teacher_targets(block_logits(hidden, weight, 1.0), top_k=0, tail=tail, temperature=self.temperature)
@@ -199,7 +199,7 @@ class Head:
 
     def student_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: TeacherTargets, *,
                          tail: bool) -> torch.Tensor:
-        """``scirl.trainer.sdpo.student_logprobs`` of the logits of ``hidden`` [N, H] (without the nucleus,
+        """``scirl.trainer.targets.student_logprobs`` of the logits of ``hidden`` [N, H] (without the nucleus,
         as there), a block at a time with the top-k targets."""
         if targets.ids is None:
             return student_logprobs(F.linear(hidden, weight), targets, tail=tail, temperature=self.temperature)

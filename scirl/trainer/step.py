@@ -8,17 +8,17 @@ compute policy on GPU); each rank trains on its share of the batch and ``full_st
 the full tensors (for the generation copy and checkpoints). The loss-token count is all-reduced
 first, so every rank divides by the batch's global count, as prime-rl does.
 
-Under SDPO (``sdpo``: the ``[sdpo]`` section) each micro-batch also runs the teacher's forward (no
-gradient; the EMA teacher's weights put in place for it) and the loss is the distillation loss of
-``scirl/trainer/sdpo.py``; every GRPO path is the one above, unchanged.
+The loss, and what a micro-batch's forward/backward computes, is the run's algorithm's (``algorithm``, built
+by ``scirl.algorithms``; this module never imports it): ``Trainer`` calls its ``forward_backward`` (by default:
+the trainer's logprobs, ``algorithm.loss`` over them and the sampler's, backward), its ``counts`` (normalisers
+beyond the loss-token count, all-reduced with it), ``new_sums``/``stats`` and ``after_step``. A self-teacher's
+forward (an algorithm that distils) runs on ``teacher_hidden`` with the sequences of ``scirl/trainer/teacher.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -28,19 +28,9 @@ from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
 from scirl.trainer.lora import is_lora, merged_state_dict
-from scirl.trainer.loss import LossSums, rl_loss, token_logprobs
+from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
-from scirl.trainer.sdpo import (
-    DistillSums,
-    EmaTeacher,
-    TeacherInputs,
-    TeacherTargets,
-    distill_stats,
-    divergence,
-    dummy_teacher_inputs,
-    importance_weight,
-    teacher_inputs,
-)
+from scirl.trainer.teacher import TeacherInputs, teacher_inputs
 
 
 @dataclass
@@ -53,7 +43,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [B, L] bool: completion tokens
     inference_logprobs: torch.Tensor  # [B, L] float32: sampler logprobs at completion tokens
     advantages: torch.Tensor  # [B] float32
-    teacher: TeacherInputs | None = None  # SDPO: the teacher's sequences of the rows that have one
+    teacher: TeacherInputs | None = None  # a self-teacher's sequences of the rows that have one
 
 
 def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int,
@@ -137,12 +127,11 @@ class Trainer:
     clipping, AdamW. ``make_batches`` and ``forward_logprobs`` are the two hooks ``scirl.cpu.CPUTrainer``
     overrides; everything else is the same on every device."""
 
-    def __init__(self, model, optim_cfg, loss_cfg, *, temperature: float, device: torch.device, dist: Dist, dtype: torch.dtype,
-                 top_p: float = 1.0, sdpo=None, head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    def __init__(self, model, optim_cfg, algorithm, *, temperature: float, device: torch.device, dist: Dist,
+                 dtype: torch.dtype, top_p: float = 1.0, head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  micro_batch_tokens: int = 0):
         self.model = model  # holds the float32 master weights the optimizer steps
-        self.loss_cfg = loss_cfg
-        self.sdpo = sdpo  # the [sdpo] section under algorithm = "sdpo"; None: GRPO
+        self.algorithm = algorithm  # the loss and what else the run's algorithm decides (``scirl.algorithms``)
         # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
         self.temperature, self.top_p = temperature, top_p
         # the LM head and its softmax run from the final hidden states, a block of tokens at a time (``head.py``)
@@ -167,7 +156,7 @@ class Trainer:
         self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
-        self.ema = EmaTeacher(model, sdpo.ema_rate) if sdpo is not None and sdpo.teacher == "ema" else None
+        algorithm.attach(self)  # its own state beside the weights (an EMA teacher), made from the model
 
     def _all_reduce(self, values: list[float], op=None) -> list[float]:
         if self.dist.world_size == 1:
@@ -186,13 +175,13 @@ class Trainer:
         return self.completion_logprobs(mb)
 
     def forward_hidden(self, mb) -> tuple[torch.Tensor, ...]:
-        """SDPO's student forward: (final hidden states [B, T, H], the head weight, the tokens they predict,
+        """A distilling algorithm's student forward: (final hidden states [B, T, H], the head weight, the tokens they predict,
         loss mask, sampler logprobs)."""
         hidden, weight, targets, loss_mask, first = self.completion_hidden(mb.input_ids, mb.attention_mask, mb.loss_mask)
         return hidden, weight, targets, loss_mask, mb.inference_logprobs[:, first:]
 
     def teacher_hidden(self, teacher: TeacherInputs) -> tuple[torch.Tensor, ...]:
-        """SDPO's teacher forward (under no_grad, with the teacher's weights in place): (hidden states, the head
+        """A self-teacher's forward (under no_grad, with the teacher's weights in place): (hidden states, the head
         weight, target mask)."""
         hidden, weight, _, loss_mask, _ = self.completion_hidden(teacher.input_ids, teacher.attention_mask,
                                                                  teacher.loss_mask)
@@ -229,35 +218,16 @@ class Trainer:
         return token_logprobs(logits, ids[:, 1:])[0][0].tolist()
 
     def reshard_root(self) -> None:
-        """FSDP2 keeps the root module's parameters gathered after a forward (for the backward that usually
-        follows) and a later forward reuses them: around the EMA teacher's forward they must be gathered
-        anew, or the teacher would compute with the policy's (a weight check's forward before it) and the
-        student with the teacher's (after it)."""
-        if self.ema is not None and hasattr(self.compute_model, "reshard"):
+        """Free FSDP2's gathered root parameters, so the next forward gathers them anew (around a forward
+        with other weights put in place: an EMA teacher's)."""
+        if hasattr(self.compute_model, "reshard"):
             self.compute_model.reshard()
 
     # ---- the step ----
 
-    def forward_backward(self, mb, loss_scale, dummy: bool = False) -> tuple[float, LossSums]:
-        """One micro-batch: trainer logprobs at the sampling temperature, the loss, backward."""
-        mb = on_device(mb, self.device)
-        if self.sdpo is not None:
-            return self.sdpo_forward_backward(mb, loss_scale, dummy)
-        logprobs, entropy, loss_mask, inference_logprobs = self.forward_logprobs(mb)
-        loss, sums = self.grpo_loss(logprobs, inference_logprobs, mb.advantages, loss_mask, loss_scale)
-        return self.backward(loss, sums, entropy, loss_mask, dummy)
-
-    def grpo_loss(self, logprobs, inference_logprobs, advantages, loss_mask, loss_scale: float):
-        return rl_loss(
-            logprobs,
-            inference_logprobs,
-            advantages,
-            loss_mask,
-            mask_low=self.loss_cfg.mask_low,
-            mask_high=self.loss_cfg.mask_high,
-            kl_tau=self.loss_cfg.kl_tau,
-            loss_scale=loss_scale,
-        )
+    def forward_backward(self, mb, scales: list[float], dummy: bool = False) -> tuple[float, LossSums]:
+        """One micro-batch: the algorithm's forward, loss and backward (``scales``: the batch's normalisers)."""
+        return self.algorithm.forward_backward(self, on_device(mb, self.device), scales, dummy)
 
     def backward(self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor,
                  dummy: bool) -> tuple[float, LossSums]:
@@ -275,47 +245,6 @@ class Trainer:
             self.compute_copy.accumulate_grads()
         return float(loss.detach()), sums
 
-    def sdpo_forward_backward(self, mb, scales: list[float], dummy: bool) -> tuple[float, DistillSums]:
-        """SDPO's micro-batch: the teacher's forward (no gradient), the student's, the distillation loss over
-        the teacher tokens (divided by the batch's count of them, ``scales[1]``) plus ``grpo_coef`` times the
-        GRPO loss (divided by the loss tokens, ``scales[0]``; at 0 it only gives the statistics), backward."""
-        cfg = self.sdpo
-        started = time.perf_counter()
-        targets = self.teacher_forward(mb)
-        teacher_seconds = time.perf_counter() - started
-        hidden, weight, sampled, loss_mask, inference_logprobs = self.forward_hidden(mb)
-        logprobs, entropy = self.head.token_logprobs(hidden, weight, sampled, loss_mask)
-        grpo, grpo_sums = self.grpo_loss(logprobs, inference_logprobs, mb.advantages, loss_mask, scales[0])
-        loss = grpo * cfg.grpo_coef
-        sums = DistillSums(*grpo_sums.as_list(), teacher_seconds=teacher_seconds)
-        if targets is not None:
-            taught = loss_mask & mb.teacher.has_teacher[:, None]
-            student = self.head.student_logprobs(hidden[taught], weight, targets, tail=cfg.tail)
-            per_token = divergence(student, targets.logprobs, cfg.alpha)
-            weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
-            loss = loss + (weight * per_token).sum() / max(scales[1], 1.0)
-            sums.teacher_tokens, sums.divergence = float(taught.sum()), float(per_token.detach().sum())
-        return self.backward(loss, sums, entropy, loss_mask, dummy)
-
-    @torch.no_grad()
-    def teacher_forward(self, mb) -> TeacherTargets | None:
-        """The teacher's distribution at the micro-batch's teacher tokens (None: no row has a teacher), with
-        the EMA teacher's weights in place for it. Under FSDP a micro-batch without a teacher still runs a
-        two-token forward: every rank must join the all-gathers."""
-        teacher = mb.teacher
-        if teacher is None:
-            if self.dist.world_size == 1:
-                return None
-            teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), self.device)
-        with self.ema.holding(self.compute_copy) if self.ema is not None else nullcontext():
-            self.reshard_root()
-            hidden, weight, mask = self.teacher_hidden(teacher)
-            # here, while the weight holds the teacher's values (and, under FSDP, is still gathered)
-            targets = None if mb.teacher is None else self.head.teacher_targets(
-                hidden[mask], weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
-            self.reshard_root()
-        return targets
-
     def train_step(self, micro_batches: list) -> dict:
         """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
 
@@ -323,9 +252,7 @@ class Trainer:
         had a single loss token (nothing to learn from) or when the loss or the gradient norm is not
         finite (``nonfinite`` True): then the update is skipped and the weights stay as they were.
         """
-        counts = [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches))]
-        if self.sdpo is not None:  # the distillation loss is divided by the batch's teacher tokens
-            counts.append(float(sum(int(mb.teacher.loss_mask.sum()) for mb in micro_batches if mb.teacher is not None)))
+        counts = [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches)), *self.algorithm.counts(micro_batches)]
         counts = self._all_reduce(counts)
         global_tokens = counts[0]
         max_micro_batches = len(micro_batches)
@@ -335,11 +262,11 @@ class Trainer:
             return {"stepped": False, "loss_tokens": 0}
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = 0.0, LossSums() if self.sdpo is None else DistillSums()
+        loss_total, sums = 0.0, self.algorithm.new_sums()
         for i in range(max_micro_batches):
             dummy = i >= len(micro_batches)
             mb = micro_batches[i] if not dummy else dummy_micro_batch()
-            loss, mb_sums = self.forward_backward(mb, global_tokens if self.sdpo is None else counts, dummy=dummy)
+            loss, mb_sums = self.forward_backward(mb, counts, dummy=dummy)
             loss_total += loss
             sums = sums.add(mb_sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
@@ -356,8 +283,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.compute_copy is not None:
             self.compute_copy.refresh()
-        if self.ema is not None:
-            self.ema.update()
+        self.algorithm.after_step()
 
         tokens, masked, mismatch_kl, entropy = totals[:4]
         stats = {
@@ -369,16 +295,12 @@ class Trainer:
             "mismatch_kl": mismatch_kl / max(tokens, 1),
             "entropy": entropy / max(tokens, 1),
         }
-        if self.sdpo is not None:
-            stats.update(distill_stats(DistillSums(*totals), self.dist.world_size))
+        stats.update(self.algorithm.stats(totals, self.dist.world_size))
         return stats
 
     def batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list:
-        """A step's micro-batches (``make_batches``) of the samples the algorithm learns from: under SDPO
-        without the GRPO term, those with a teacher (the others would contribute nothing)."""
-        if self.sdpo is not None and not self.sdpo.grpo_coef:
-            samples = [s for s in samples if s.teacher_prompt_ids is not None]
-        return self.make_batches(samples, micro_batch_size, pad_id)
+        """A step's micro-batches (``make_batches``) of the samples the algorithm learns from (``select``)."""
+        return self.make_batches(self.algorithm.select(samples), micro_batch_size, pad_id)
 
     # ---- state for the generation copy and checkpoints ----
 

@@ -3,7 +3,7 @@
 Each completion's self-teacher is the policy shown the question with a successful completion of the same
 group (or, where the group has none, what the reward says about why this completion failed), then asked to
 solve the original question; the trainer's half scores the completion after that prompt
-(``scirl.trainer.sdpo``). The rules, read from the reference code (``lasgroup/SDPO``,
+(``scirl.algorithms.sdpo.distill``). The rules, read from the reference code (``lasgroup/SDPO``,
 ``verl/trainer/ppo/ray_trainer.py``: ``_collect_solutions_by_uid``, ``_get_solution``,
 ``_maybe_build_self_distillation_batch``) and written here anew:
 
@@ -26,10 +26,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from scirl.inference.base import Completion, encode_messages
-from scirl.rollouts.contract import PromptedQuestion, TeacherSettings
+from scirl.rollouts.contract import PromptedQuestion
 from scirl.task import reward
 from scirl.task.prompt import teacher_messages
 from scirl.task.schema import Question
+
+
+@dataclass(frozen=True)
+class TeacherSettings:
+    """How the orchestrator's half makes the teacher prompts (the first four fields of ``[sdpo]``)."""
+
+    success_threshold: float  # a completion with reward >= this is a success, shown to the others of its group
+    reprompt_on_self_success: bool  # a success may be shown itself (else only another success of its group)
+    feedback: bool  # a failed completion without a success to see is shown why it failed, where the reward says
+    max_prompt_tokens: int  # longer teacher prompts are cut in the solution shown (or get no teacher)
 
 
 @dataclass(frozen=True)

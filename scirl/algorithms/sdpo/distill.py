@@ -1,4 +1,4 @@
-"""SDPO's half in the trainer: the teacher's inputs, its distribution, the divergence, and the EMA teacher.
+"""SDPO's half in the trainer: the teacher's distribution, the divergence, and the EMA teacher.
 
 SDPO (Hübotter et al. 2026, "Reinforcement Learning via Self-Distillation", arXiv 2601.20802). For every
 completion token t of a sample with a teacher (``Sample.teacher_prompt_ids``):
@@ -41,88 +41,12 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from scirl.rollouts.contract import Sample
 from scirl.trainer.loss import LossSums
 
 LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (the reference's bound), so the weight stays finite
-TAIL_LOG_MASS_MAX = -1e-7  # the top-k's log mass is kept below 0, so the tail bucket's log(1 - mass) stays finite
-
-
-@dataclass
-class TeacherInputs:
-    """The teacher's sequences (teacher prompt + completion) of one micro-batch's samples that have a
-    teacher, in the micro-batch's row order, right-padded. Row r's completion tokens, in order, pair with
-    the completion tokens of the r-th student row whose ``has_teacher`` is set."""
-
-    input_ids: torch.Tensor  # [Bt, L] long
-    attention_mask: torch.Tensor  # [Bt, L] long
-    loss_mask: torch.Tensor  # [Bt, L] bool: the completion's tokens, as prediction targets
-    has_teacher: torch.Tensor  # [B] bool: which rows of the student's micro-batch these are
-
-
-def teacher_inputs(chunk: list[Sample], pad_id: int) -> TeacherInputs | None:
-    """The teacher inputs of a micro-batch's samples (in their order), or None when none has a teacher."""
-    taught = [s for s in chunk if s.teacher_prompt_ids is not None]
-    if not taught:
-        return None
-    length = max(len(s.teacher_prompt_ids) + len(s.completion_ids) for s in taught)
-    input_ids = torch.full((len(taught), length), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(taught), length), dtype=torch.long)
-    loss_mask = torch.zeros((len(taught), length), dtype=torch.bool)
-    for b, s in enumerate(taught):
-        p, c = len(s.teacher_prompt_ids), len(s.completion_ids)
-        input_ids[b, : p + c] = torch.tensor(s.teacher_prompt_ids + s.completion_ids, dtype=torch.long)
-        attention_mask[b, : p + c] = 1
-        loss_mask[b, p : p + c] = True
-    has_teacher = torch.tensor([s.teacher_prompt_ids is not None for s in chunk], dtype=torch.bool)
-    return TeacherInputs(input_ids, attention_mask, loss_mask, has_teacher)
-
-
-def dummy_teacher_inputs(rows: int) -> TeacherInputs:
-    """Two tokens, no target: a rank whose micro-batch has no teacher still joins FSDP's collectives."""
-    return TeacherInputs(torch.zeros((1, 2), dtype=torch.long), torch.ones((1, 2), dtype=torch.long),
-                         torch.zeros((1, 2), dtype=torch.bool), torch.zeros(rows, dtype=torch.bool))
 
 
 # ---- the distributions and the divergence ----
-
-
-@dataclass
-class TeacherTargets:
-    """The teacher's distribution at each teacher token: over its top-k ids (plus the tail bucket when asked),
-    or over the full vocabulary (``ids`` None)."""
-
-    ids: torch.Tensor | None  # [N, k] long
-    logprobs: torch.Tensor  # [N, k (+1 with the tail)] or [N, V]
-
-
-@torch.no_grad()
-def teacher_targets(logits: torch.Tensor, *, top_k: int, tail: bool, temperature: float) -> TeacherTargets:
-    """``logits`` [N, V] of the teacher tokens -> the targets the student is pulled toward (top_k 0: all of V)."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if not top_k:
-        return TeacherTargets(None, logprobs)
-    top, ids = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
-    return TeacherTargets(ids, with_tail(top) if tail else renormalised(top))
-
-
-def student_logprobs(logits: torch.Tensor, targets: TeacherTargets, *, tail: bool, temperature: float) -> torch.Tensor:
-    """The student's distribution over the same entries as ``targets`` (with gradient)."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    if targets.ids is None:
-        return logprobs
-    top = logprobs.gather(-1, targets.ids)
-    return with_tail(top) if tail else renormalised(top)
-
-
-def with_tail(top_logprobs: torch.Tensor) -> torch.Tensor:
-    """[N, k] log-probabilities -> [N, k + 1]: the last entry is log(1 - their total mass)."""
-    log_mass = torch.logsumexp(top_logprobs, dim=-1, keepdim=True).clamp(max=TAIL_LOG_MASS_MAX)
-    return torch.cat([top_logprobs, torch.log(-torch.expm1(log_mass))], dim=-1)
-
-
-def renormalised(top_logprobs: torch.Tensor) -> torch.Tensor:
-    return top_logprobs - torch.logsumexp(top_logprobs, dim=-1, keepdim=True)
 
 
 def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:

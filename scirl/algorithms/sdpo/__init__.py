@@ -1,0 +1,220 @@
+"""SDPO, self-distillation (Hübotter et al. 2026, "Reinforcement Learning via Self-Distillation", arXiv
+2601.20802), behind the algorithm seam: ``prompts`` makes each completion's teacher prompt (the orchestrator's
+half), ``distill`` holds the teacher's distribution, the divergence and the EMA teacher (the trainer's half),
+and ``Sdpo`` here joins them: the ``[sdpo]`` section, the micro-batch's teacher and student forwards and loss,
+the EMA teacher in checkpoints (``trainer_state/ema_teacher.safetensors``) and the ``sdpo/...`` metrics.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import nullcontext
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from scirl.algorithms.base import Section
+from scirl.algorithms.grpo import Grpo
+from scirl.algorithms.sdpo.distill import (
+    DistillSums,
+    EmaTeacher,
+    distill_stats,
+    divergence,
+    importance_weight,
+)
+from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
+from scirl.errors import TrainError
+from scirl.trainer.step import on_device
+from scirl.trainer.targets import TeacherTargets
+from scirl.trainer.teacher import dummy_teacher_inputs
+
+EMA_TEACHER = "ema_teacher.safetensors"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer_state/
+EMA_BYTES_PER_PARAM = 4  # its float32 copy of the weights
+
+
+class SdpoConfig(Section):
+    """SDPO, self-distillation (``algorithm = "sdpo"``; Hübotter et al. 2026, arXiv 2601.20802; defaults from the
+    reference code's ``self_distillation`` section). The policy shown a successful completion of the group
+    (or feedback on a failed one) is the teacher of the policy on the plain question, on the student's own
+    completions. The orchestrator's half reads the first four fields, the trainer's half the rest."""
+
+    success_threshold: float = Field(0.5, description="a completion with reward >= this is a success: a solution "
+                                     "shown to the teacher of the other completions of its group")
+    reprompt_on_self_success: bool = Field(False, description="a success may be shown itself as the solution "
+                                           "(false: only another success of its group; a group's one success has no teacher)")
+    feedback: bool = Field(True, description="a failed completion of a group without a success is shown why it "
+                           "failed, where the reward says (no answer letter read; cut at the length limit)")
+    max_teacher_prompt_tokens: int = Field(10240, ge=1, description="a longer teacher prompt is cut in the solution "
+                                           "it shows; one that cannot fit gets no teacher")
+    alpha: float = Field(0.5, ge=0, le=1, description="the divergence: 0 forward KL(teacher||student), 1 reverse "
+                         "KL(student||teacher), between them the generalised Jensen-Shannon mixture")
+    top_k: int = Field(100, ge=0, description="the divergence over the teacher's top-k tokens of each position "
+                       "(plus a tail bucket); 0: over the full vocabulary")
+    tail: bool = Field(True, description="top-k: one bucket holding the rest of each distribution's mass "
+                       "(false: both renormalised over the k tokens)")
+    is_clip: float = Field(2.0, ge=0, description="each token's loss weighted by min(trainer/sampler probability "
+                           "of the sampled token, is_clip): async lag and sampler mismatch; 0: no weight")
+    teacher: Literal["ema", "current"] = Field("ema", description="the teacher's weights: an EMA of the policy "
+                                               "(float32, in checkpoints) or the current policy (no copy)")
+    ema_rate: float = Field(0.05, gt=0, le=1, description="after every optimizer step: ema += ema_rate * (policy - ema)")
+    grpo_coef: float = Field(0.0, ge=0, description="adds this times the GRPO loss on the same batch (the hybrid)")
+
+    def teacher_settings(self) -> TeacherSettings:
+        """What the orchestrator's half reads."""
+        return TeacherSettings(success_threshold=self.success_threshold, reprompt_on_self_success=self.reprompt_on_self_success,
+                               feedback=self.feedback, max_prompt_tokens=self.max_teacher_prompt_tokens)
+
+
+class Sdpo(Grpo):
+    """GRPO's advantages and (times ``grpo_coef``) loss, plus the distillation loss over the teacher tokens."""
+
+    name = "sdpo"
+    section = "sdpo"
+    config_model = SdpoConfig
+    prime_rl = False
+    summary = "SDPO: self-distillation from the policy shown a success of the group (or feedback) [sdpo]"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.sdpo = cfg.sdpo
+        self.teacher = cfg.sdpo.teacher_settings()
+        self.ema: EmaTeacher | None = None
+
+    # ---- the orchestrator's half ----
+
+    def needs_tokenizer(self) -> bool:
+        return True
+
+    def group_extras(self, items, completions, scored, tokenizer, reward_mode):
+        """Each completion's teacher prompt (``prompts.group_teachers``) and what its rollout record says of it;
+        a sample with a teacher is never dropped by the zero-advantage filter (the teacher is its signal)."""
+        extras = []
+        for teacher in group_teachers(items, completions, scored, self.teacher, tokenizer, reward_mode):
+            record = {"teacher": "none" if teacher is None else "solution" if teacher.solution is not None else "feedback",
+                      "teacher_solution": teacher.solution if teacher else None,
+                      "teacher_prompt_tokens": len(teacher.prompt_ids) if teacher else 0}
+            extras.append({"record": record, "keep": teacher is not None,
+                           "sample": {"teacher_prompt_ids": teacher.prompt_ids} if teacher is not None else None})
+        return extras
+
+    def rollout_metrics(self, rollouts):
+        if not rollouts or "teacher" not in rollouts[0]:
+            return {}
+        n = len(rollouts)
+        taught = [r for r in rollouts if r["teacher"] != "none"]
+        return {"sdpo/teacher_fraction": len(taught) / n,
+                "sdpo/feedback_fraction": sum(r["teacher"] == "feedback" for r in rollouts) / n,
+                "sdpo/teacher_prompt_tokens": statistics.fmean(r["teacher_prompt_tokens"] for r in taught) if taught else 0.0}
+
+    def train_metric(self, key: str) -> bool:
+        return key.startswith("sdpo/") or key == "time/teacher"
+
+    def step_line(self, m):
+        parts = []
+        if "sdpo/teacher_fraction" in m:  # the share of the batch's rollouts with a teacher
+            parts.append(f"SDPO teacher {100 * m['sdpo/teacher_fraction']:.1f}%")
+        if "sdpo/divergence" in m:
+            parts.append(f"Divergence {m['sdpo/divergence']:.4f}")
+        return parts
+
+    # ---- the trainer's half ----
+
+    def attach(self, trainer) -> None:
+        self.trainer = trainer
+        self.ema = EmaTeacher(trainer.model, self.sdpo.ema_rate) if self.sdpo.teacher == "ema" else None
+
+    def select(self, samples):
+        """Without the GRPO term, only the samples with a teacher (the others would contribute nothing)."""
+        if not self.sdpo.grpo_coef:
+            return [s for s in samples if s.teacher_prompt_ids is not None]
+        return samples
+
+    def counts(self, micro_batches):
+        """The distillation loss is divided by the batch's teacher tokens."""
+        return [float(sum(int(mb.teacher.loss_mask.sum()) for mb in micro_batches if mb.teacher is not None))]
+
+    def new_sums(self):
+        return DistillSums()
+
+    def forward_backward(self, trainer, mb, scales, dummy):
+        """SDPO's micro-batch: the teacher's forward (no gradient), the student's, the distillation loss over
+        the teacher tokens (divided by the batch's count of them, ``scales[1]``) plus ``grpo_coef`` times the
+        GRPO loss (divided by the loss tokens, ``scales[0]``; at 0 it only gives the statistics), backward."""
+        cfg = self.sdpo
+        started = time.perf_counter()
+        targets = self.teacher_forward(trainer, mb)
+        teacher_seconds = time.perf_counter() - started
+        hidden, weight, sampled, loss_mask, inference_logprobs = trainer.forward_hidden(mb)
+        logprobs, entropy = trainer.head.token_logprobs(hidden, weight, sampled, loss_mask)
+        grpo, grpo_sums = self.loss(logprobs, inference_logprobs, mb.advantages, loss_mask, scales)
+        loss = grpo * cfg.grpo_coef
+        sums = DistillSums(*grpo_sums.as_list(), teacher_seconds=teacher_seconds)
+        if targets is not None:
+            taught = loss_mask & mb.teacher.has_teacher[:, None]
+            student = trainer.head.student_logprobs(hidden[taught], weight, targets, tail=cfg.tail)
+            per_token = divergence(student, targets.logprobs, cfg.alpha)
+            is_weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
+            loss = loss + (is_weight * per_token).sum() / max(scales[1], 1.0)
+            sums.teacher_tokens, sums.divergence = float(taught.sum()), float(per_token.detach().sum())
+        return trainer.backward(loss, sums, entropy, loss_mask, dummy)
+
+    @torch.no_grad()
+    def teacher_forward(self, trainer, mb) -> TeacherTargets | None:
+        """The teacher's distribution at the micro-batch's teacher tokens (None: no row has a teacher), with
+        the EMA teacher's weights in place for it. Under FSDP a micro-batch without a teacher still runs a
+        two-token forward: every rank must join the all-gathers."""
+        teacher = mb.teacher
+        if teacher is None:
+            if trainer.dist.world_size == 1:
+                return None
+            teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), trainer.device)
+        with self.ema.holding(trainer.compute_copy) if self.ema is not None else nullcontext():
+            self.reshard(trainer)
+            hidden, weight, mask = trainer.teacher_hidden(teacher)
+            # here, while the weight holds the teacher's values (and, under FSDP, is still gathered)
+            targets = None if mb.teacher is None else trainer.head.teacher_targets(
+                hidden[mask], weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
+            self.reshard(trainer)
+        return targets
+
+    def reshard(self, trainer) -> None:
+        """FSDP2 keeps the root module's parameters gathered after a forward (for the backward that usually
+        follows) and a later forward reuses them: around the EMA teacher's forward they must be gathered
+        anew, or the teacher would compute with the policy's (a weight check's forward before it) and the
+        student with the teacher's (after it)."""
+        if self.ema is not None:
+            trainer.reshard_root()
+
+    def after_step(self) -> None:
+        if self.ema is not None:
+            self.ema.update()
+
+    def stats(self, sums, world_size):
+        return distill_stats(DistillSums(*sums), world_size)
+
+    # ---- checkpoints and deployment ----
+
+    def state_files(self, all_ranks=True):
+        return {EMA_TEACHER: self.ema.state_dict(all_ranks=all_ranks)} if self.ema is not None else {}
+
+    def load_state_files(self, files, say) -> None:
+        """The EMA teacher as the checkpoint saved it (under FSDP rank 0 read it and hands out the shards);
+        a checkpoint without one (a GRPO run's, or teacher = "current") starts it from the resumed weights."""
+        if self.ema is None:
+            return
+        if EMA_TEACHER not in files:
+            say("The checkpoint holds no EMA teacher: SDPO's teacher starts from the resumed weights")
+            return
+        try:
+            self.ema.load_state_dict(files[EMA_TEACHER])
+        except KeyError as exc:
+            raise TrainError(f"the checkpoint's EMA teacher does not fit the model: {exc.args[0]}") from exc
+
+    def extra_bytes_per_param(self, cfg) -> int:
+        """The EMA teacher at full size (under LoRA it is the small adapter's)."""
+        return EMA_BYTES_PER_PARAM if self.sdpo.teacher == "ema" and not cfg.lora.enabled else 0
+
+    def checkpoint_files(self) -> tuple[str, ...]:
+        return (EMA_TEACHER,) if self.sdpo.teacher == "ema" else ()
