@@ -134,7 +134,7 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     count = float(sum(len(s.completion_ids) for s in samples))
     masked = 0.0
     for mb in batches:
-        _, sums = trainer.forward_backward(mb, count)
+        _, sums = trainer.forward_backward(mb, [count])  # the batch's normalisers: GRPO's is its loss-token count
         masked += sums.masked
     got = {name: param.grad.clone() for name, param in model.named_parameters()}
     want = direct_grpo_gradient(model, samples, temperature=0.9, top_p=0.95, loss_cfg=cfg.loss)
