@@ -30,7 +30,8 @@ DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 DEMO_CONFIG = Path(scirl.__file__).parent / "configs" / "demo.toml"
 SERVER_START_DEADLINE_S = 240
 RUN_DEADLINE_S = 420
-pytestmark = pytest.mark.slow
+# the runs' own deadlines govern: pytest's default 300 s would cut a run a loaded machine slows past it first
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_DEADLINE_S + 60)]
 
 
 @pytest.fixture(scope="module")
