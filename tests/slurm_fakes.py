@@ -269,14 +269,17 @@ def scancel(argv: list[str]) -> int:
     return 0
 
 
-def job_processes(job: str) -> list[int]:
-    """Every live process of job ``job`` (its environment has ``SLURM_JOB_ID=job``), this one aside."""
-    marker = f"SLURM_JOB_ID={job}".encode()
+def job_processes(job: str, state: Path | str | None = None) -> list[int]:
+    """Every live process of job ``job`` of this stand-in cluster (its environment has ``SLURM_JOB_ID=job`` and
+    the cluster's ``FAKE_SLURM_STATE``, ``state`` or this process's: two suites on one machine both number their
+    jobs from 1), this one aside."""
+    state = state or os.environ["FAKE_SLURM_STATE"]
+    markers = {f"SLURM_JOB_ID={job}".encode(), f"FAKE_SLURM_STATE={state}".encode()}
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
             try:
-                if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                if markers <= set(Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")):
                     found.append(int(entry))
             except OSError:
                 continue

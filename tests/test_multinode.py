@@ -207,7 +207,7 @@ wait
     done = subprocess.run(["sbatch", str(script)], env=env, capture_output=True, text=True, timeout=30)
     job = done.stdout.split()[-1]
     deadline = time.monotonic() + 60
-    while not (tmp_path / "state" / f"job_{job}.status").is_file() or slurm_fakes.job_processes(job):
+    while not (tmp_path / "state" / f"job_{job}.status").is_file() or slurm_fakes.job_processes(job, tmp_path / "state"):
         assert time.monotonic() < deadline, "the stand-in job did not end"
         time.sleep(0.1)
     out = (tmp_path / f"out-{job}.txt").read_text()
