@@ -132,9 +132,10 @@ def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
     return canonicalize_name(meta["Name"]), meta["Version"], meta.get_all("Requires-Dist") or []
 
 
-def wheelhouse_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str], int]:
-    """Problems of the wheels in ``directory`` against the lists, and their total size in bytes."""
-    image, wheels = read_lists(lists)
+def wheel_problems(directory: Path, pins: dict[str, str], image: dict, kinds: dict | None = None) -> tuple[list[str], int]:
+    """Problems of the wheels in ``directory`` against ``pins`` (exactly these, one version each, every wheel's
+    own requirements met by the image or the pins, less what ``kinds`` leaves out or waives), and their size."""
+    leave, waive = (kinds["leave"], kinds["waive"]) if kinds else ({}, {})
     problems, found, total = [], {}, 0
     for path in sorted(directory.glob("*.whl")):
         total += path.stat().st_size
@@ -142,12 +143,21 @@ def wheelhouse_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str]
         if name in found:
             problems.append(f"{path.name}: a second wheel of {name} ({found[name]} is there too): keep one version")
         found[name] = version
-        if name not in wheels:
-            problems.append(f"{path.name}: {name} is not in the wheel list")
-        elif wheels[name] != version:
-            problems.append(f"{path.name}: the list pins {name}=={wheels[name]}")
-        problems += requirement_problems(requires, image, wheels, f"{name} {version}")
-    problems += [f"{name}=={version}: no wheel in {directory}" for name, version in wheels.items() if name not in found]
+        if name not in pins:
+            problems.append(f"{path.name}: {name} is not in the wheel lists")
+        elif pins[name] != version:
+            problems.append(f"{path.name}: the lists pin {name}=={pins[name]}")
+        kept = [text for text in requires if canonicalize_name(Requirement(text).name) not in leave
+                and (name, canonicalize_name(Requirement(text).name)) not in waive]
+        problems += requirement_problems(kept, image, pins, f"{name} {version}")
+    problems += [f"{name}=={version}: no wheel in {directory}" for name, version in pins.items() if name not in found]
+    return problems, total
+
+
+def wheelhouse_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str], int]:
+    """Problems of stage A's wheels in ``directory`` against the lists, and their total size in bytes."""
+    image, wheels = read_lists(lists)
+    problems, total = wheel_problems(directory, wheels, image)
     if total > MAX_TOTAL_MB * 2**20:
         problems.append(f"the wheels take {total / 2**20:.1f} MiB, over the {MAX_TOTAL_MB} MiB that travel with a call")
     return problems, total
@@ -170,22 +180,7 @@ def vllm_set_problems(directory: Path, lists: Path = LISTS) -> tuple[list[str], 
     """Problems of stage B's full set in ``directory`` (stage A's wheels and the vLLM set: exactly the pins,
     one version each, every wheel's own requirements met or left out on purpose), and its size in bytes."""
     kinds = parse_lists(lists)
-    pins = {**kinds["wheel"], **kinds["vllm"]}
-    problems, found, total = [], {}, 0
-    for path in sorted(directory.glob("*.whl")):
-        total += path.stat().st_size
-        name, version, requires = wheel_metadata(path)
-        if name in found:
-            problems.append(f"{path.name}: a second wheel of {name} ({found[name]} is there too): keep one version")
-        found[name] = version
-        if pins.get(name) != version:
-            problems.append(f"{path.name}: the lists pin {name}=={pins[name]}" if name in pins else
-                            f"{path.name}: {name} is in neither wheel list")
-        kept = [text for text in requires if canonicalize_name(Requirement(text).name) not in kinds["leave"]
-                and (name, canonicalize_name(Requirement(text).name)) not in kinds["waive"]]
-        problems += requirement_problems(kept, kinds["image"], pins, f"{name} {version}")
-    problems += [f"{name}=={version}: no wheel in {directory}" for name, version in pins.items() if name not in found]
-    return problems, total
+    return wheel_problems(directory, {**kinds["wheel"], **kinds["vllm"]}, kinds["image"], kinds)
 
 
 def pack(directory: Path, part_bytes: int = PART_BYTES) -> list[Path]:
