@@ -24,6 +24,15 @@ Stages, each in its own process with its own timeout; each writes its figures to
   kernel (the flash and memory-efficient kernels' backward passes accumulate in a nondeterministic
   order unless warn_only is off, which the sampler's CUDA cumsum forbids); ``a_resume`` then times
   a training forward + backward with and without these settings: what determinism costs.
+- ``a_sweep`` (stage A): the training step alone, as ``scirl train`` builds its trainer, on one fixed batch of
+  the stage's shapes: at each micro-batch size (1/4 of the stage's to twice it on a GPU), with and without
+  activation checkpointing, with the default kernels, and with the deterministic ones at the stage's size:
+  seconds a step, MFU, the allocator's peak beside the memory plan's estimate (``scirl.run.memory``) or
+  "out of memory"; then one step under torch's profiler (the GPU's busy share of the step, the operators
+  that took its time; the table in ``OUT/a_sweep_profile.txt``). a_train's MFU is the deterministic
+  kernels' (its runs must repeat for a_resume); a_sweep's default rows are what a user's run gets.
+  At 1.7b and larger, stage A takes 2 steps and leaves a_resume out by default (``--resume`` runs it):
+  a 1.7b checkpoint is ~24 GB, a minute to write, and the check writes four.
 - stage B, vLLM (a GPU machine with ``.[gpu]``): ``b_colocated``: ``--inference.backend vllm`` in one
   process, the engine asleep during each train step and given the new weights in place after it;
   then a fresh engine with the run's settings takes the run's prompts and seeds through scirl's
@@ -46,12 +55,12 @@ the state to the host, the files, their sha256, fsync; MB = 10^6 bytes).
 Time budget, GPU defaults (``--shape 0.6b``, 5 steps of 8 questions x 16 completions = 128 x 256
 tokens, bfloat16) on one H200: ESTIMATES from the parts, not yet measured on a GPU (stage: estimate /
 timeout): probe 15 s / 60 s; model 40 s / 150 s; a_train 110 s / 240 s (start ~25 s, 5 steps of
-~10 s, checkpoint ~20 s); a_resume 200 s / 330 s (two starts, 6 steps, two checkpoints and most of a
+~10 s, checkpoint ~20 s); a_sweep 80 s / 200 s (a load, 10 settings of 3 steps of ~1.5 s, the profile); a_resume 200 s / 330 s (two starts, 6 steps, two checkpoints and most of a
 third, the weights compared, the determinism timing); b_colocated 150 s / 330 s (an engine start with
 compilation and graph capture ~60-90 s, steps of ~5-9 s, a second engine, its compilation cached, for
 the comparison); b_disaggregated 150 s / 330 s (a server start, the steps, then b_eval: the server loads
 the last checkpoint and answers 200 held-out questions). Stage A measured 386 s in all (probe to a_resume).
-Probe, model and stage A: ~6 min, inside the default ``--budget-s 400``; stage B fits another ~7
+Probe, model and stage A: ~7.5 min, inside the default ``--budget-s 480``; stage B fits another ~7
 min (``--stage b``, or a larger budget). A stage starts only when its estimate fits in what is left
 of the budget (else it is skipped, the reason recorded), and its timeout is cut to what is left.
 
@@ -59,7 +68,8 @@ CPU (``--cpu``, or no CUDA): ``--shape tiny`` (the demo model's shapes: hidden 1
 of 32, with a 4,096-token vocabulary so ids beyond the tokenizer occur as on a GPU), 2 steps of 4
 questions x 4 completions x 32 tokens, float32, 1 thread; the same stages, seconds each.
 
-    bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s 400] [--shape 0.6b] [--steps 5] [--out DIR] [--cpu]
+    bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s 480] [--shape 0.6b] [--steps 5] [--[no-]resume]
+                                 [--no-sweep] [--out DIR] [--cpu]
 """
 
 from __future__ import annotations
@@ -104,14 +114,20 @@ A_MICRO_BATCH = {"tiny": 16, "0.6b": 32, "1.7b": 16, "4b": 8, "8b": 8}
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 8 + 2  # float32 master + gradient + AdamW's two moments + the bf16 compute copy
 H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
 
-STAGES = ("probe", "model", "a_train", "a_resume", "b_colocated", "b_disaggregated", "b_eval")
+STAGES = ("probe", "model", "a_train", "a_sweep", "a_resume", "b_colocated", "b_disaggregated", "b_eval")
 # (estimate, timeout) in seconds per stage at the defaults. GPU: one H200, 0.6b, 5 steps; ESTIMATES from
 # the parts (not measured on a GPU yet). CPU: tiny, 2 steps, 1 thread, on a busy 2-core machine.
-GPU_BUDGET = {"probe": (15, 60), "model": (20, 150), "a_train": (110, 240), "a_resume": (200, 330),
+GPU_BUDGET = {"probe": (15, 60), "model": (20, 150), "a_train": (110, 240), "a_sweep": (80, 200), "a_resume": (200, 330),
               "b_colocated": (210, 330), "b_disaggregated": (190, 330)}
-CPU_BUDGET = {"probe": (10, 60), "model": (10, 120), "a_train": (20, 240), "a_resume": (45, 360),
+CPU_BUDGET = {"probe": (10, 60), "model": (10, 120), "a_train": (20, 240), "a_sweep": (20, 240), "a_resume": (45, 360),
               "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
 SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
+# GPU defaults by shape: steps, and whether the resume check runs. A 1.7b checkpoint (float32 masters and AdamW's
+# moments) is ~24 GB, ~60 s to write at the 400 MB/s measured, and the resume check writes four: left out by
+# default there (--resume runs it, with a budget to match), so probe, model, a_train and a_sweep fit the default budget
+SHAPE_STEPS = {"0.6b": 5, "1.7b": 2, "4b": 2, "8b": 2}
+RESUME_BY_DEFAULT = {"tiny", "0.6b"}
+FIXED_SHARE = 0.4  # the share of a train stage's estimate at the default steps that does not grow with steps
 RESERVE_S = 5  # kept back from the budget for the last write of the JSON
 EVAL_PER_DOMAIN = {"cuda": 50, "cpu": 10}  # b_eval: 4 domains x 50 = 200 held-out questions (a CPU: 40)
 KILL_GRACE_S = 20  # a stage past its timeout: SIGTERM (it stops its children), then SIGKILL after this
@@ -160,11 +176,15 @@ def parse_args(argv):
                         help="a: no vLLM (the transformers backend, the resume check); b: vLLM; all (default): A, then B "
                              "where vLLM imports")
     parser.add_argument("--no-vllm", action="store_true", help="the same as --stage a")
-    parser.add_argument("--budget-s", type=float, default=400.0,
-                        help="seconds for the whole check (default 400); a stage that cannot fit what is left is skipped")
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="seconds for the whole check (default 480); a stage that cannot fit what is left is skipped")
     parser.add_argument("--cpu", action="store_true", help="the CPU check (default where CUDA is not available)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="model shapes (default: 0.6b on a GPU, tiny on a CPU)")
-    parser.add_argument("--steps", type=int, help="GRPO steps (default: 5 on a GPU, 2 on a CPU; at least 2)")
+    parser.add_argument("--steps", type=int, help="GRPO steps (default: 5 on a GPU at 0.6b, 2 at larger shapes and on a "
+                                                   "CPU; at least 2 for the resume check)")
+    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
+                        help="stage A: the kill -9 resume check (a_resume; default: at 0.6b and tiny, not at larger shapes, "
+                             "whose checkpoints take a minute each to write)")
     parser.add_argument("--questions", type=int, help="questions per step (default: 8 on a GPU, 4 on a CPU)")
     parser.add_argument("--group-size", type=int, help="completions per question (default: 16 on a GPU, 4 on a CPU)")
     parser.add_argument("--max-tokens", type=int, help="completion token limit (default: 256 on a GPU, 32 on a CPU)")
@@ -185,6 +205,8 @@ def parse_args(argv):
                         help="stage B: also run the steps with a vLLM server generating (default: on a GPU)")
     parser.add_argument("--no-colocated", action="store_true",
                         help="stage B: leave b_colocated out (the server stages alone, e.g. to rerun them)")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="stage A: leave a_sweep out (the training step alone by micro-batch size and kernels)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a stage's own process
     parser.add_argument("--context", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -193,7 +215,8 @@ def parse_args(argv):
             value = getattr(args, name)
             if value is not None and value < 1:
                 parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-        if args.steps is not None and args.steps < 2 and (args.stage == "a" or args.no_vllm or args.stage == "all"):
+        resume = args.resume if args.resume is not None else (args.shape or "0.6b") in RESUME_BY_DEFAULT
+        if args.steps is not None and args.steps < 2 and resume and (args.stage == "a" or args.no_vllm or args.stage == "all"):
             parser.error("--steps must be at least 2: the resume check kills the run in checkpoint 2's write")
         if not args.budget_s > 0:
             parser.error(f"--budget-s must be positive, got {args.budget_s}")
@@ -382,18 +405,28 @@ def orchestrate(parser, args) -> int:
 
         trains = ctx["trains"]
         if not stage_a:
-            for stage in ("a_train", "a_resume"):
+            for stage in ("a_train", "a_sweep", "a_resume"):
                 check.skip(stage, "not asked for (--stage b)")
         elif not trains:
-            for stage in ("a_train", "a_resume"):
+            for stage in ("a_train", "a_sweep", "a_resume"):
                 check.skip(stage, ctx["trains_reason"])
         else:
             a_train = check.run("a_train", ctx)
             if a_train["status"] == "ok":
                 print_a_train(a_train["figures"], ctx)
-                a_resume = check.run("a_resume", {**ctx, "reference": a_train["figures"]})
-                if a_resume["status"] == "ok":
-                    print_a_resume(a_resume["figures"])
+            if args.no_sweep:
+                check.skip("a_sweep", "not asked for (--no-sweep)")
+            else:
+                sweep = check.run("a_sweep", ctx)
+                if sweep["status"] == "ok":
+                    print_a_sweep(sweep["figures"], ctx)
+            if a_train["status"] == "ok":
+                if not ctx["resume"]:
+                    check.skip("a_resume", f"not asked for at {ctx['shape']} (--resume runs it)")
+                else:
+                    a_resume = check.run("a_resume", {**ctx, "reference": a_train["figures"]})
+                    if a_resume["status"] == "ok":
+                        print_a_resume(a_resume["figures"])
             else:
                 check.skip("a_resume", "it compares against a_train's run, which did not finish")
 
@@ -457,23 +490,31 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     """The run's settings: the device's defaults under what was asked; bad combinations exit 2."""
     defaults = dict(shape="0.6b", steps=5, questions=8, group_size=16, max_tokens=256) if gpu else \
         dict(shape="tiny", steps=2, questions=4, group_size=4, max_tokens=32)
-    chosen = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
-    if gpu and chosen["shape"] == "tiny":
+    shape = args.shape or defaults["shape"]
+    if gpu and shape == "tiny":
         parser.error("--shape tiny is the CPU check's; on a GPU take 0.6b, 1.7b, 4b or 8b")
+    if gpu:
+        defaults["steps"] = SHAPE_STEPS[shape]
+    chosen = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
+    resume = args.resume if args.resume is not None else shape in RESUME_BY_DEFAULT
+    if resume and chosen["steps"] < 2:
+        parser.error("--steps must be at least 2: the resume check kills the run in checkpoint 2's write")
     if chosen["max_tokens"] >= args.seq_len:
         parser.error(f"--max-tokens {chosen['max_tokens']} leaves no room for a prompt in --seq-len {args.seq_len}")
-    shape = chosen["shape"]
     budget = GPU_BUDGET if gpu else CPU_BUDGET
-    scale = SHAPE_TIME[shape] * max(1.0, chosen["steps"] / defaults["steps"])
-    budget = {stage: (est * scale, cap * scale) if stage.startswith(("a_", "b_")) else (est, cap)
-              for stage, (est, cap) in budget.items()}
+    # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger shapes
+    # than at the estimates' (0.6b, 5 steps); the sweep does not depend on the steps
+    per_steps = FIXED_SHARE + (1 - FIXED_SHARE) * chosen["steps"] / (5 if gpu else 2)
+    budget = {stage: (est * SHAPE_TIME[shape] * (1 if stage == "a_sweep" else per_steps),
+                      cap * SHAPE_TIME[shape] * (1 if stage == "a_sweep" else max(1.0, per_steps)))
+              if stage.startswith(("a_", "b_")) else (est, cap) for stage, (est, cap) in budget.items()}
     ctx = dict(chosen, out=str(out), device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                seq_len=args.seq_len, eager=args.eager or not gpu, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
                resume_atol=args.resume_atol, keep_weights=args.keep_weights, budget=budget,
                peak_tflops=args.peak_tflops if args.peak_tflops is not None else (H200_BF16_TFLOPS if gpu else None),
                settings=GPU_SETTINGS.get(shape, dict(gpu_memory_utilization=0.5, micro_batch_size=4,
                                                      activation_checkpointing=False)),
-               a_micro_batch=A_MICRO_BATCH[shape], gpu_count=info.get("gpu_count", 0))
+               a_micro_batch=A_MICRO_BATCH[shape], gpu_count=info.get("gpu_count", 0), resume=resume)
     ctx["trains"], ctx["trains_reason"] = True, ""
     if gpu:
         need_gb = parameter_count(shape) * TRAIN_BYTES_PER_PARAM / 1e9
@@ -942,6 +983,237 @@ def determinism_cost(ctx: dict) -> dict:
             "note": "one forward + backward; CUBLAS_WORKSPACE_CONFIG is set on both sides (its cost not separated)"}
 
 
+# ---- stage A: the training step alone, by micro-batch size and kernels ----
+
+SWEEP_REPEATS = {"0.6b": 2}  # timed steps per setting (other shapes: 1), after one untimed (new shapes, kernels)
+
+
+def a_sweep_stage(ctx: dict) -> dict:
+    """The trainer's step alone, built as ``scirl train`` builds it (``make_trainer``: float32 masters, the bf16
+    compute copy, the block-wise head, GRPO's loss), on one fixed batch of the stage's shapes (the steps'
+    questions x completions, prompts of ~96 tokens, completions at the limit), for each micro-batch size,
+    with and without activation checkpointing, with the default kernels; with the deterministic ones
+    (a_train's) at the stage's micro-batch size. Per setting: seconds a step, training tokens/s, MFU (a_train's
+    formula), the allocator's peak and the memory plan's estimate of it (``scirl.run.memory``), or "out of
+    memory". One model and one trainer serve every setting (checkpointing switched on the module, the kernels
+    by torch's global switches): the weights moving between steps do not change a step's cost. Then one step at
+    the stage's micro-batch size under torch's profiler: where the time goes."""
+    os.environ.update(stage_a_env(ctx))  # before CUDA starts: cuBLAS reads its workspace setting once (both kernels pay it)
+    import torch
+
+    from scirl import algorithms
+    from scirl.distributed import Dist
+    from scirl.run.backends import make_trainer
+    from scirl.run.config import TrainConfig
+    from scirl.run.memory import ModelShape, estimate, workload
+    from scirl.trainer.model import load_model
+
+    device = torch.device(ctx["device"])
+    gpu = device.type == "cuda"
+    dtype = getattr(torch, ctx["dtype"])
+    shape = ModelShape.from_config(json.loads((Path(ctx["model_dir"]) / "config.json").read_text()))
+    samples = sweep_samples(ctx)
+    prompt_tokens = sum(len(s.prompt_ids) for s in samples)
+    completion_tokens = sum(len(s.completion_ids) for s in samples)
+    row_tokens = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    n, embedding, peak_tflops = ctx["parameters"], ctx["embedding_parameters"], ctx["peak_tflops"]
+    flops = 6 * (n - embedding) * (prompt_tokens + completion_tokens) + 6 * embedding * completion_tokens
+    settings = [("default", mbs, ck) for ck in (True, False) for mbs in sweep_sizes(ctx)]
+    if gpu:  # on a CPU the kernels are the same either way
+        settings += [("deterministic", ctx["a_micro_batch"], ck) for ck in (True, False)]
+
+    def config(mbs: int, checkpointing: bool) -> TrainConfig:
+        # the CPU's shared-prompt forward needs the KV cache, which checkpointing turns off
+        return TrainConfig(model=ctx["model_dir"], device=ctx["device"], dtype=ctx["dtype"], micro_batch_size=mbs,
+                           max_completion_tokens=ctx["max_tokens"], seq_len=ctx["seq_len"],
+                           batch_size=ctx["questions"] * ctx["group_size"], group_size=ctx["group_size"],
+                           activation_checkpointing=checkpointing, share_prompts=not checkpointing)
+
+    model = load_model(ctx["model_dir"], device, Dist(), dtype)
+    cfg = config(ctx["a_micro_batch"], False)
+    trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=Dist(), dtype=dtype)
+    repeats = SWEEP_REPEATS.get(ctx["shape"], 1)
+    rows = []
+    for kernels, mbs, checkpointing in settings:
+        cfg = config(mbs, checkpointing)
+        plan = estimate(shape, workload(cfg, shape, ranks=1, gpu_bytes=None, row_tokens=row_tokens))
+        row = {"kernels": kernels, "micro_batch_size": mbs, "activation_checkpointing": checkpointing,
+               "plan_peak_mb": plan.peak / 1e6, "plan_moment": max(plan.phases, key=plan.phases.get)}
+        set_checkpointing(trainer, checkpointing)
+        if hasattr(trainer, "share_prompts"):
+            trainer.share_prompts = cfg.share_prompts
+        try:
+            with sweep_kernels(kernels == "deterministic"):
+                batches = trainer.batches(samples, mbs, 0)
+                trainer.train_step(batches)  # untimed: this setting's shapes and kernels
+                if gpu:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                times = []
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    trainer.train_step(batches)
+                    if gpu:
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+            seconds = statistics.fmean(times)
+            row.update(step_s=seconds, steps_s=times, micro_batches=len(batches),
+                       training_tokens_per_s=(prompt_tokens + completion_tokens) / seconds,
+                       mfu=flops / seconds / (peak_tflops * 1e12) if peak_tflops else None,
+                       peak_mb=torch.cuda.max_memory_allocated() / 1e6 if gpu else None)
+            if row["peak_mb"]:
+                row["plan_over_measured"] = row["plan_peak_mb"] / row["peak_mb"]
+        except torch.OutOfMemoryError:
+            row["out_of_memory"] = True
+            trainer.optimizer.zero_grad(set_to_none=True)
+            batches = None
+        if gpu:
+            torch.cuda.empty_cache()
+        rows.append(row)
+        say(f"  {kernels} kernels, micro-batch {mbs}, checkpointing {'on' if checkpointing else 'off'}: {sweep_line(row)}")
+        write_json_atomic(stage_result(ctx, "a_sweep"), {"partial": True, "settings": rows})  # kept if a later one hangs
+    result = {"settings": rows, "batch": {"completions": len(samples), "prompt_tokens": prompt_tokens,
+                                          "completion_tokens": completion_tokens, "longest_row": row_tokens},
+              "train_flops_per_step": flops, "peak_tflops": peak_tflops, "repeats": repeats}
+    set_checkpointing(trainer, False)
+    if hasattr(trainer, "share_prompts"):
+        trainer.share_prompts = True
+    try:
+        result["profile"] = profile_step(ctx, trainer, samples)
+    except Exception as e:  # a side figure: the sweep stands without it
+        result["profile"] = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}
+    return result
+
+
+def set_checkpointing(trainer, on: bool) -> None:
+    """Activation checkpointing on the module the step runs (the bf16 copy in one bf16 process), as ``load_model``
+    turns it on."""
+    for module in {id(m): m for m in (trainer.model, trainer.compute_model)}.values():
+        if on:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            module.gradient_checkpointing_disable()
+
+
+def sweep_sizes(ctx: dict) -> list[int]:
+    """Micro-batch sizes: on a GPU powers of two from 1/4 of the stage's to twice it, within a step's completions
+    (on a CPU, half the stage's and the stage's: the code path, not the figures)."""
+    stage, completions = ctx["a_micro_batch"], ctx["questions"] * ctx["group_size"]
+    sizes = (stage // 4, stage // 2, stage, 2 * stage) if ctx["device"] == "cuda" else (stage // 2, stage)
+    return sorted({size for size in sizes if 1 <= size <= completions})
+
+
+def sweep_samples(ctx: dict) -> list:
+    """One step's completions of the stage's shapes: prompts of 90-101 tokens (a group's shared), completions at
+    the token limit (as a random model's run), sampler logprobs near a uniform distribution's, advantages +-1."""
+    import random
+
+    from scirl.rollouts.contract import Sample
+
+    rng, vocab = random.Random(0), SHAPES[ctx["shape"]][6]
+    samples = []
+    for group in range(ctx["questions"]):
+        prompt = [rng.randrange(1024) for _ in range(90 + group % 12)]  # ids the tokenizer knows, as the prompts'
+        for i in range(ctx["group_size"]):
+            completion = [rng.randrange(vocab) for _ in range(ctx["max_tokens"])]
+            samples.append(Sample(prompt, completion, [-12.0] * len(completion), (-1.0) ** i, group))
+    return samples
+
+
+class sweep_kernels:
+    """The deterministic settings of a_train's runs (``DETERMINISTIC_TRAIN``) for the duration, or nothing."""
+
+    def __init__(self, deterministic: bool):
+        self.deterministic = deterministic
+
+    def __enter__(self):
+        import torch
+
+        if self.deterministic:
+            self.before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                           torch.backends.cuda.cudnn_sdp_enabled())
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cuda.enable_flash_sdp(False)
+            torch.backends.cuda.enable_mem_efficient_sdp(False)
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.deterministic:
+            torch.use_deterministic_algorithms(False)
+            torch.backends.cuda.enable_flash_sdp(self.before[0])
+            torch.backends.cuda.enable_mem_efficient_sdp(self.before[1])
+            torch.backends.cuda.enable_cudnn_sdp(self.before[2])
+
+
+def profile_step(ctx: dict, trainer, samples: list) -> dict:
+    """One training step (default kernels, the stage's micro-batch size, no checkpointing) under torch's profiler:
+    on a GPU the step's wall time against the GPU's busy time (the sum of its kernels': a gap is time the GPU
+    waited on the host), and the operators whose own kernels took the most GPU time (on a CPU: CPU time)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    gpu = ctx["device"] == "cuda"
+    batches = trainer.batches(samples, ctx["a_micro_batch"], 0)
+    trainer.train_step(batches)
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+        started = time.perf_counter()
+        trainer.train_step(batches)
+        if gpu:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+    events = prof.key_averages()
+    # kernels are events of their own (device type CUDA); an operator's self device time is its own kernels'
+    busy_s = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e6 if gpu else None
+    key = "self_device_time_total" if gpu else "self_cpu_time_total"
+    ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: getattr(e, key), reverse=True)
+    table = Path(ctx["out"]) / "a_sweep_profile.txt"
+    table.write_text(events.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=40) + "\n")
+    return {"wall_s": wall, "gpu_busy_s": busy_s, "gpu_busy_share": busy_s / wall if gpu else None,
+            "top_ops": [{"name": e.key, "seconds": getattr(e, key) / 1e6, "calls": e.count} for e in ops[:20]],
+            "time": "GPU (the operators' own kernels)" if gpu else "CPU (the operators' own)", "table": str(table)}
+
+
+def sweep_line(row: dict) -> str:
+    if row.get("out_of_memory"):
+        return f"out of memory (the plan said {row['plan_peak_mb'] / 1e3:.1f} GB)"
+    mfu = f"MFU {100 * row['mfu']:.1f}%" if row["mfu"] is not None else "MFU n/a"
+    peak = (f"peak {row['peak_mb'] / 1e3:.1f} GB vs plan {row['plan_peak_mb'] / 1e3:.1f} GB "
+            f"({row['plan_over_measured']:.2f}x)" if row["peak_mb"] else f"plan {row['plan_peak_mb'] / 1e3:.1f} GB")
+    return f"{row['step_s']:.3f}s a step, {row['training_tokens_per_s']:.0f} tokens/s, {mfu}, {peak}"
+
+
+def print_a_sweep(f: dict, ctx: dict) -> None:
+    say("\n" + "=" * 78)
+    b = f["batch"]
+    say(f"stage A, the training step alone ({ctx['shape']} shapes, {b['completions']} completions, "
+        f"{b['prompt_tokens'] + b['completion_tokens']} tokens a step): kernels x micro-batch size x activation checkpointing")
+    say(f"{'kernels':>13} {'mb':>4} {'ckpt':>5} {'step s':>8} {'tokens/s':>9} {'MFU':>6} {'peak GB':>8} {'plan GB':>8} "
+        f"{'plan/peak':>9}")
+    for r in f["settings"]:
+        head = f"{r['kernels']:>13} {r['micro_batch_size']:>4} {'on' if r['activation_checkpointing'] else 'off':>5}"
+        if r.get("out_of_memory"):
+            say(f"{head} {'out of memory':>24} {'':>8} {r['plan_peak_mb'] / 1e3:>8.1f}")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
+        peak = f"{r['peak_mb'] / 1e3:.1f}" if r["peak_mb"] else "n/a"
+        ratio = f"{r['plan_over_measured']:.2f}" if r.get("plan_over_measured") else "n/a"
+        say(f"{head} {r['step_s']:>8.3f} {r['training_tokens_per_s']:>9.0f} {mfu:>6} {peak:>8} "
+            f"{r['plan_peak_mb'] / 1e3:>8.1f} {ratio:>9}")
+    p = f.get("profile")
+    if p and "error" in p:
+        say(f"profile: not taken ({p['error']})")
+    elif p:
+        busy = (f", GPU busy {p['gpu_busy_s']:.3f}s ({100 * p['gpu_busy_share']:.0f}%)" if p["gpu_busy_s"] is not None else "")
+        say(f"profile of one step at micro-batch {ctx['a_micro_batch']}: wall {p['wall_s']:.3f}s{busy}; most {p['time']} time: "
+            + ", ".join(f"{o['name']} {o['seconds']:.3f}s" for o in p["top_ops"][:6]) + f" (table: {p['table']})")
+
+
 def print_split(m: dict) -> None:
     """The mean step of steps 2+ and its parts' shares."""
     total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
@@ -1352,7 +1624,8 @@ def generation_only(ctx: dict, out: Path, settings: dict) -> dict:
     return compare_generation(run_dir, Path(ctx["model_dir"]), ctx["device"], list(range(1, steps + 1)), prompts)
 
 
-WORKERS = {"probe": probe_stage, "model": model_stage, "a_train": a_train_stage, "a_resume": a_resume_stage,
+WORKERS = {"probe": probe_stage, "model": model_stage, "a_train": a_train_stage, "a_sweep": a_sweep_stage,
+           "a_resume": a_resume_stage,
            "b_colocated": b_colocated_stage, "b_disaggregated": b_disaggregated_stage}
 
 

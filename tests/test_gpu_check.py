@@ -42,7 +42,7 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     assert json.loads((tmp_path / "copy.json").read_text()) == result
     assert result["status"] == "ok" and result["device"] == "cpu" and result["shape"] == "tiny"
     stages = result["stages"]
-    assert [stages[s]["status"] for s in ("probe", "model", "a_train", "a_resume")] == ["ok"] * 4
+    assert [stages[s]["status"] for s in ("probe", "model", "a_train", "a_sweep", "a_resume")] == ["ok"] * 5
     for s in ("b_colocated", "b_disaggregated"):
         assert stages[s]["status"] == "skipped"
         assert stages[s]["reason"].startswith("vLLM does not import: ImportError: a stand-in vllm"), stages[s]
@@ -59,6 +59,23 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     assert a["memory_peak_mb"] > 0 and a["deterministic"] is None
     for text in ("stage A: transformers backend", "mean of steps 2+: step", "weight sync", "checkpoint (step 2",
                  "MFU n/a", "generation:", "peak memory:"):
+        assert text in done.stdout, (text, done.stdout[-3000:])
+
+    # the step alone, by micro-batch size and checkpointing (a CPU: the default kernels only, no allocator peak)
+    sweep = stages["a_sweep"]["figures"]
+    assert [(r["kernels"], r["micro_batch_size"], r["activation_checkpointing"]) for r in sweep["settings"]] == [
+        ("default", 8, True), ("default", 16, True), ("default", 8, False), ("default", 16, False)]
+    for r in sweep["settings"]:
+        assert r["step_s"] > 0 and r["training_tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mb"] is None
+        assert r["plan_peak_mb"] > 0 and r["micro_batches"] == 16 // r["micro_batch_size"]
+    # checkpointing keeps one tensor a layer: the plan says less memory with it, at every size
+    plan = {(r["micro_batch_size"], r["activation_checkpointing"]): r["plan_peak_mb"] for r in sweep["settings"]}
+    assert plan[8, True] < plan[8, False] and plan[16, True] < plan[16, False] and plan[8, False] < plan[16, False]
+    assert sweep["batch"]["completions"] == 16 and sweep["batch"]["completion_tokens"] == 16 * 32
+    profile = sweep["profile"]
+    assert profile["wall_s"] > 0 and profile["gpu_busy_s"] is None and profile["top_ops"][0]["seconds"] > 0
+    assert any(o["name"] == "aten::mm" for o in profile["top_ops"]) and Path(profile["table"]).is_file()
+    for text in ("the training step alone", "plan/peak", "profile of one step at micro-batch 16"):
         assert text in done.stdout, (text, done.stdout[-3000:])
 
     r = stages["a_resume"]["figures"]
@@ -103,6 +120,39 @@ def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_
     assert not (tmp_path / "stages" / "a_resume.log").exists()  # never started
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["stages"]["a_resume"] == entry
+
+
+def settled(gpu_check, argv: list[str], gpu: bool = True) -> dict:
+    parser, args = gpu_check.parse_args([*argv, "--out", "unused"])
+    info = {"cuda_available": gpu, "gpu_memory_gb": 150.0, "gpu_count": 1}
+    return gpu_check.settle(parser, args, info, gpu, Path("unused"))
+
+
+def stage_a_estimate(ctx: dict) -> float:
+    stages = ["probe", "model", "a_train", "a_sweep"] + (["a_resume"] if ctx["resume"] else [])
+    return sum(ctx["budget"][s][0] for s in stages)
+
+
+def test_stage_a_fits_the_default_budget_at_0_6b_with_the_resume_check_and_at_1_7b_with_fewer_steps():
+    gpu_check = import_gpu_check()
+    _, args = gpu_check.parse_args(["--out", "unused"])
+    small = settled(gpu_check, [])
+    assert (small["shape"], small["steps"], small["resume"]) == ("0.6b", 5, True)
+    assert stage_a_estimate(small) <= args.budget_s - gpu_check.RESERVE_S
+    larger = settled(gpu_check, ["--shape", "1.7b"])
+    assert (larger["steps"], larger["resume"]) == (2, False)  # its checkpoints take a minute each
+    assert stage_a_estimate(larger) <= args.budget_s - gpu_check.RESERVE_S
+    # asked for, the resume check comes back, and its estimate grows with the steps asked for
+    asked = settled(gpu_check, ["--shape", "1.7b", "--resume", "--steps", "4"])
+    assert asked["resume"] and asked["budget"]["a_resume"][0] > settled(gpu_check, ["--shape", "1.7b", "--resume"])["budget"]["a_resume"][0]
+    assert larger["budget"]["a_sweep"][0] == 2 * small["budget"]["a_sweep"][0]  # the sweep does not depend on steps
+
+
+def test_one_step_is_enough_without_the_resume_check_and_refused_with_it(tmp_path):
+    gpu_check = import_gpu_check()
+    assert settled(gpu_check, ["--shape", "1.7b", "--steps", "1"])["steps"] == 1
+    done = run_check(["--steps", "1", "--resume", "--out", str(tmp_path)], tmp_path, timeout=60)
+    assert done.returncode == 2 and "--steps must be at least 2" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
 def test_the_deterministic_launch_runs_scirl_train():

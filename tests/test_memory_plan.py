@@ -43,6 +43,7 @@ from scirl.run.memory import (
     plan_run,
     trainer_ranks,
 )
+from scirl.trainer.head import DEFAULT_BLOCK_TOKENS
 from scirl.trainer.step import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,7 +146,8 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     shape = ModelShape.from_config(model.config.to_dict())
     c = 2 if dtype == torch.bfloat16 else 4
     work = Workload(ranks=1, compute_bytes=c, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, push_gathers=False)
+                    completion_tokens=completion, checkpointing=checkpointing, head_block=DEFAULT_BLOCK_TOKENS,
+                    push_gathers=False)  # the trainer's head: blocks of its default size
     plan = estimate(shape, work)
     state = sum(plan.terms[k] for k in ("weights", "optimizer", "compute copy"))
     trainer = step_trainer(model, torch.device("cuda"), dtype, checkpointing)
