@@ -969,15 +969,9 @@ def determinism_cost(ctx: dict) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) / reps
 
-    before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled())
     default_s = timed()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    deterministic_s = timed()
-    torch.use_deterministic_algorithms(False)
-    torch.backends.cuda.enable_flash_sdp(before[0])
-    torch.backends.cuda.enable_mem_efficient_sdp(before[1])
+    with sweep_kernels(deterministic=True):
+        deterministic_s = timed()
     return {"tokens": rows * length, "default_s": default_s, "deterministic_s": deterministic_s,
             "ratio": deterministic_s / default_s,
             "note": "one forward + backward; CUBLAS_WORKSPACE_CONFIG is set on both sides (its cost not separated)"}
@@ -1040,8 +1034,6 @@ def a_sweep_stage(ctx: dict) -> dict:
         row = {"kernels": kernels, "micro_batch_size": mbs, "activation_checkpointing": checkpointing,
                "plan_peak_mb": plan.peak / 1e6, "plan_moment": max(plan.phases, key=plan.phases.get)}
         set_checkpointing(trainer, checkpointing)
-        if hasattr(trainer, "share_prompts"):
-            trainer.share_prompts = cfg.share_prompts
         try:
             with sweep_kernels(kernels == "deterministic"):
                 batches = trainer.batches(samples, mbs, 0)
@@ -1066,7 +1058,6 @@ def a_sweep_stage(ctx: dict) -> dict:
         except torch.OutOfMemoryError:
             row["out_of_memory"] = True
             trainer.optimizer.zero_grad(set_to_none=True)
-            batches = None
         if gpu:
             torch.cuda.empty_cache()
         rows.append(row)
@@ -1076,8 +1067,6 @@ def a_sweep_stage(ctx: dict) -> dict:
                                           "completion_tokens": completion_tokens, "longest_row": row_tokens},
               "train_flops_per_step": flops, "peak_tflops": peak_tflops, "repeats": repeats}
     set_checkpointing(trainer, False)
-    if hasattr(trainer, "share_prompts"):
-        trainer.share_prompts = True
     try:
         result["profile"] = profile_step(ctx, trainer, samples)
     except Exception as e:  # a side figure: the sweep stands without it
@@ -1087,7 +1076,9 @@ def a_sweep_stage(ctx: dict) -> dict:
 
 def set_checkpointing(trainer, on: bool) -> None:
     """Activation checkpointing on the module the step runs (the bf16 copy in one bf16 process), as ``load_model``
-    turns it on."""
+    turns it on; the CPU's shared-prompt forward needs the KV cache, which checkpointing turns off (``config``)."""
+    if hasattr(trainer, "share_prompts"):
+        trainer.share_prompts = not on
     for module in {id(m): m for m in (trainer.model, trainer.compute_model)}.values():
         if on:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
