@@ -36,9 +36,10 @@ setup-vllm: $(VENV)/.vllm
 demo: setup
 	$(BIN)/scirl demo
 
-# two workers, each a whole test file at a time: a file's module-scoped vLLM server or engine starts once
+# two workers, each a whole test file at a time (a file's module-scoped vLLM server or engine starts once),
+# the files in tests/conftest.py's order, slowest first
 test: setup-vllm
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -23,20 +23,33 @@ if WORKER:
     cores = sorted(os.sched_getaffinity(0))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(WORKER.removeprefix("gw") or 0) % len(cores)]))
 
-# The slowest files, slowest first (their seconds on 2 cores, measured with --durations=0). `make test` hands
-# whole files to two workers in collection order; starting with the longest ones keeps one worker from
-# ending its share minutes before the other (one 2-minute file left for last costs a minute of wall time).
+# The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times).
+# `make test` hands whole files to two workers in this order (`--no-loadscope-reorder`: xdist's default
+# reorders files by their number of tests, which put the few-test, minutes-long vLLM files last on one worker
+# while the other sat idle for 3.5 minutes). Starting with the longest ones keeps one worker from ending its
+# share minutes before the other.
 SLOWEST_FIRST = [
-    "test_train_servers.py",  # 148 s
-    "test_train_vllm.py",  # 121 s
-    "test_slurm_job.py",  # 109 s
-    "test_gpu_check_vllm.py",  # 88 s
-    "test_deploy.py",  # 73 s
-    "test_train.py",  # 71 s
-    "test_train_eval.py",  # 53 s
-    "test_vllm_serve.py",  # 52 s
-    "test_vllm_server.py",  # 50 s
-    "test_gpu_check.py",  # 47 s
+    "test_train_servers.py",  # 202 s
+    "test_train_vllm.py",  # 160 s
+    "test_slurm_job.py",  # 118 s
+    "test_train.py",  # 108 s
+    "test_deploy.py",  # 92 s
+    "test_gpu_check_vllm.py",  # 90 s
+    "test_gpu_check.py",  # 63 s
+    "test_vllm_server.py",  # 55 s
+    "test_vllm_serve.py",  # 47 s
+    "test_demo.py",  # 36 s
+    "test_multinode.py",  # 29 s
+    "test_sdpo_train.py",  # 28 s
+    "test_fsdp_load.py",  # 27 s
+    "test_inference_vllm.py",  # 26 s
+    "test_primerl.py",  # 25 s
+    "test_server_readiness.py",  # 23 s
+    "test_train_eval.py",  # 16 s
+    "test_eval_client.py",  # 14 s
+    "test_serve.py",  # 13 s
+    "test_checkpoint.py",  # 12 s
+    "test_gpu_contracts.py",  # 11 s
 ]
 
 
