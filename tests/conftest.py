@@ -19,32 +19,33 @@ if WORKER and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times).
+# The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times;
+# runs whose process is not the point run inside the worker: ``tests/in_process.py``).
 # `make test` hands whole files to two workers in this order (`--no-loadscope-reorder`: xdist's default
 # reorders files by their number of tests, which put the few-test, minutes-long vLLM files last on one worker
 # while the other sat idle for 3.5 minutes). Starting with the longest ones keeps one worker from ending its
 # share minutes before the other.
 SLOWEST_FIRST = [
-    "test_train_servers.py",  # 202 s
-    "test_train_vllm.py",  # 160 s
-    "test_slurm_job.py",  # 118 s
-    "test_train.py",  # 108 s
-    "test_deploy.py",  # 92 s
-    "test_gpu_check_vllm.py",  # 90 s
-    "test_gpu_check.py",  # 63 s
-    "test_vllm_server.py",  # 55 s
-    "test_vllm_serve.py",  # 47 s
-    "test_demo.py",  # 36 s
-    "test_multinode.py",  # 29 s
-    "test_sdpo_train.py",  # 28 s
-    "test_fsdp_load.py",  # 27 s
-    "test_inference_vllm.py",  # 26 s
-    "test_primerl.py",  # 25 s
+    "test_train_servers.py",  # 195 s
+    "test_slurm_job.py",  # 127 s
+    "test_train_vllm.py",  # 109 s
+    "test_gpu_check_vllm.py",  # 105 s
+    "test_train.py",  # 101 s
+    "test_deploy.py",  # 90 s
+    "test_gpu_check.py",  # 61 s
+    "test_vllm_server.py",  # 41 s
+    "test_vllm_serve.py",  # 30 s
+    "test_sdpo_train.py",  # 29 s
+    "test_multinode.py",  # 25 s
+    "test_demo.py",  # 24 s
     "test_server_readiness.py",  # 23 s
-    "test_train_eval.py",  # 16 s
-    "test_eval_client.py",  # 14 s
-    "test_serve.py",  # 13 s
-    "test_checkpoint.py",  # 12 s
+    "test_primerl.py",  # 22 s
+    "test_fsdp_load.py",  # 22 s
+    "test_eval_client.py",  # 16 s
+    "test_checkpoint.py",  # 14 s
+    "test_lora.py",  # 14 s
+    "test_serve.py",  # 14 s
+    "test_train_eval.py",  # 12 s
     "test_gpu_contracts.py",  # 11 s
 ]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import scirl
+from in_process import train_here  # tests/in_process.py
 from server_process import free_port  # tests/server_process.py
 
 pytest.importorskip("vllm")
@@ -82,19 +83,15 @@ def server(request, tmp_path_factory) -> tuple[subprocess.Popen, str]:
 
 
 def train_args(questions: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", "@", str(DEMO_CONFIG), "--model", str(DEMO_BASE), "--output-dir", str(out),
+    return ["@", str(DEMO_CONFIG), "--model", str(DEMO_BASE), "--output-dir", str(out),
             "--data.source", str(questions), "--data.eval-per-domain", "10", "--batch-size", "16",
             "--group-size", "4", "--max-completion-tokens", "8", "--seq-len", "512", *extra]
 
 
-def run_scirl(args: list[str], *, nproc: int = 1, timeout: float = RUN_DEADLINE_S) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "scirl", *args]
-    else:
-        cmd = [sys.executable, "-m", "scirl", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+def run_scirl(args: list[str], *, timeout: float = RUN_DEADLINE_S) -> subprocess.CompletedProcess:
+    """``scirl ARGS`` in a process of its own (a launcher)."""
+    return subprocess.run([sys.executable, "-m", "scirl", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def rows(run: Path) -> list[dict]:
@@ -121,9 +118,10 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     from scirl.run.backends import hf_generator
 
     run = tmp_path / "run"
-    done = run_scirl(train_args(questions, run, "--deployment.num-infer-gpus", "1", "--deployment.num-train-gpus", "2",
-                                "--max-steps", "3", "--max-async-level", "1", "--optim.lr", "5e-3",
-                                "--inference.kv-cache-gib", "0.25"))
+    done = run_scirl(["train", *train_args(questions, run, "--deployment.num-infer-gpus", "1",
+                                           "--deployment.num-train-gpus", "2", "--max-steps", "3",
+                                           "--max-async-level", "1", "--optim.lr", "5e-3",
+                                           "--inference.kv-cache-gib", "0.25")])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = rows(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -158,8 +156,7 @@ def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path)
 
     _, url = server
     run = tmp_path / "run"
-    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert train_here(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3")) == 0
     tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
     prompts = [tokenizer.encode(text) for text in ("Question: what is 2+2?\nAnswer:", "The capital of France is")]
     remote = RemoteGenerator([url], tokenizer, model_name="policy", timeout_s=60)
@@ -182,12 +179,10 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
     # options shuffled per completion: each its own prompt, sampled alone, rewarded by a seeded coin
     common = ("--max-steps", "2", "--optim.lr", "5e-3", "--seed", "7", "--data.shuffle-options", "rollout",
               "--reward.mode", "random")
-    colocated = run_scirl(train_args(questions, tmp_path / "colocated", "--inference.backend", "vllm",
-                                     "--inference.kv-cache-gib", "0.25", *common))
-    assert colocated.returncode == 0, colocated.stdout[-3000:] + colocated.stderr[-3000:]
-    remote = run_scirl(train_args(questions, tmp_path / "servers", "--inference.urls", url, "--max-async-level", "0",
-                                  *common))
-    assert remote.returncode == 0, remote.stdout[-3000:] + remote.stderr[-3000:]
+    assert train_here(train_args(questions, tmp_path / "colocated", "--inference.backend", "vllm",
+                                 "--inference.kv-cache-gib", "0.25", *common)) == 0
+    assert train_here(train_args(questions, tmp_path / "servers", "--inference.urls", url, "--max-async-level", "0",
+                                 *common)) == 0
     for a, b in zip(rows(tmp_path / "colocated"), rows(tmp_path / "servers"), strict=True):
         # the weight checks measure two different samplers (and the server's first one runs before step 1)
         measured = ("time", "memory", "tokens_per_s", "weight_check")
@@ -211,8 +206,9 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     (on-policy: the run goes on from a consistent version), and every step appears exactly once."""
     _, url = server
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "4",
-                                                       "--ckpt.interval", "2", "--max-async-level", "1")]
+    cmd = [sys.executable, "-m", "scirl", "train",
+           *train_args(questions, run, "--inference.urls", url, "--max-steps", "4", "--ckpt.interval", "2",
+                       "--max-async-level", "1")]
     trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "SCIRL_CKPT_WRITE_DELAY": "0.3"})
     try:
@@ -225,8 +221,7 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     assert not (run / "weights" / "step_4").exists() and (run / "weights" / "step_2" / "manifest.json").is_file()
     killed = {step: [r["question_id"] for r in rollouts(run, step)] for step in (3, 4)}
 
-    done = run_scirl(["train", "--resume", str(run)])
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert train_here([], resume=str(run)) == 0
     assert [m["step"] for m in rows(run)] == [1, 2, 3, 4]
     assert {step: [r["question_id"] for r in rollouts(run, step)] for step in (3, 4)} == killed
     versions = {step: {(r["policy_version"], r["lag"]) for r in rollouts(run, step)} for step in (1, 2, 3, 4)}
@@ -239,16 +234,16 @@ def test_sdpo_through_the_server_one_step_ahead(server, questions, tmp_path):
     trains, and the clipped importance weight takes the lag."""
     _, url = server
     run = tmp_path / "run"
-    done = run_scirl(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3",
-                                "--max-async-level", "1", "--algorithm", "sdpo"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert train_here(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3",
+                                 "--max-async-level", "1", "--algorithm", "sdpo")) == 0
     metrics = rows(run)
     assert [m["async/lag_max"] for m in metrics] == [0, 1]
     assert all(m["sdpo/teacher_fraction"] > 0 and m["sdpo/divergence"] >= 0 and m["time/teacher"] > 0 for m in metrics)
     records = rollouts(run, 2)
     assert {r["teacher"] for r in records} <= {"solution", "feedback", "none"}
     assert any(r["teacher"] == "solution" and r["teacher_prompt_tokens"] > 0 for r in records)
-    assert "SDPO teacher" in done.stdout and (run / "weights" / "step_2" / "trainer_state" / "ema_teacher.safetensors").is_file()
+    assert "SDPO teacher" in (run / "logs" / "train.log").read_text()
+    assert (run / "weights" / "step_2" / "trainer_state" / "ema_teacher.safetensors").is_file()
 
 
 # ---- pushes that go wrong on purpose: each ends the run in one line naming the server ----
@@ -280,8 +275,8 @@ def test_a_push_that_goes_wrong_ends_the_run_naming_the_server(server, questions
     _, url = server
     run = tmp_path / "run"
     done = run_scirl_patched(PUSH_FAULT.format(fault=fault),
-                             train_args(questions, run, "--inference.urls", url, "--max-steps", "3",
-                                        "--optim.lr", "5e-3", "--deployment.verify-interval", "1"))
+                             ["train", *train_args(questions, run, "--inference.urls", url, "--max-steps", "3",
+                                        "--optim.lr", "5e-3", "--deployment.verify-interval", "1")])
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     # version 0 already fails where the server held another run's weights (the module's server is shared)
@@ -293,8 +288,8 @@ def test_a_push_that_goes_wrong_ends_the_run_naming_the_server(server, questions
 
 def run_until_checkpoint_1(questions, run: Path, url: str, *extra: str) -> subprocess.Popen:
     """A long run on ``url``, returned once its first checkpoint is there (the server is warm by then)."""
-    cmd = [sys.executable, "-m", "scirl", *train_args(questions, run, "--inference.urls", url, "--max-steps", "50",
-                                                       "--ckpt.interval", "1", *extra)]
+    cmd = [sys.executable, "-m", "scirl", "train",
+           *train_args(questions, run, "--inference.urls", url, "--max-steps", "50", "--ckpt.interval", "1", *extra)]
     trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

@@ -1,7 +1,9 @@
 """`scirl train --inference.backend vllm` on a CPU, with the real vLLM: same seed, same run; exact resume after kill -9.
 
-Each training run starts its own in-process engine (a few seconds, eager, float32), so this module
-keeps to three of them. The model is the shipped demo base (vLLM's CPU attention needs its head size).
+Each training run starts its own in-process engine (a few seconds, eager, float32). Runs whose process is not
+the point run in this one (``tests/in_process.py``: no second import of torch, transformers and vLLM); the run
+killed with -9 and the two torchrun ranks are processes of their own. The model is the shipped demo base
+(vLLM's CPU attention needs its head size).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from in_process import scirl_here, train_here  # noqa: E402  (tests/in_process.py)
 from test_train import COMPUTED_KEYS, EXACT_KEYS, assert_same_rows, final_weights, rows, wait_for  # noqa: E402
 
 DEMO_BASE = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
@@ -38,21 +41,16 @@ def vllm_args(data, out, max_steps=3, extra=()):
             "--inference.enforce-eager", "--inference.kv-cache-gib", "1", *extra]
 
 
-# every run compared bit for bit computes with the same thread count: float sums in other orders differ
+# every run compared bit for bit computes with the same thread count (those in this process too): float sums in
+# other orders differ
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def run_scirl(*args: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "scirl", *args], env=ONE_THREAD, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
 def reference(questions, tmp_path_factory):
     """Three uninterrupted steps, checkpointed after each."""
     run_dir = tmp_path_factory.mktemp("vllm") / "reference"
-    run_scirl("train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1"]))
+    assert train_here(vllm_args(questions, run_dir, extra=["--ckpt.interval", "1"])) == 0
     return run_dir
 
 
@@ -71,8 +69,8 @@ def test_with_eval_during_training_the_engine_leaves_the_run_bit_for_bit_the_sam
     """The engine that samples the rollouts also answers the eval: the same completions, losses and weights
     as the reference run with eval off (its prefix cache is emptied again, as the weight update leaves it)."""
     run_dir = tmp_path / "eval_on"
-    run_scirl("train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1", "--eval.interval", "1",
-                                                             "--eval.questions", "16"]))
+    assert train_here(vllm_args(questions, run_dir, extra=["--ckpt.interval", "1", "--eval.interval", "1",
+                                                           "--eval.questions", "16"])) == 0
     off, on = rows(reference), rows(run_dir)
     for want, have in zip(off, on, strict=True):
         for key in (*EXACT_KEYS, *COMPUTED_KEYS):
@@ -98,7 +96,7 @@ def test_vllm_run_is_reproducible_and_resumes_exactly_after_kill9(reference, que
     proc.wait()
     assert not (run_dir / "weights" / "step_3").exists() and (run_dir / "weights" / "step_2" / "manifest.json").exists()
 
-    run_scirl("train", "--resume", str(run_dir))
+    assert train_here([], resume=str(run_dir)) == 0  # here: the killed run was a process, its resume need not be
     assert_same_rows(rows(reference), rows(run_dir))  # the first two rows from the killed process, the third redone
     for step in (1, 2, 3):
         a = (reference / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
@@ -131,7 +129,7 @@ def test_sdpo_with_the_colocated_engine(questions, tmp_path):
     """SDPO with an in-process vLLM engine: the engine samples and takes the new weights as under GRPO (its
     logprobs stay the trainer's), the teacher forward is the trainer's own."""
     run_dir = tmp_path / "sdpo"
-    run_scirl("train", *vllm_args(questions, run_dir, max_steps=2, extra=["--algorithm", "sdpo", "--sdpo.top-k", "20"]))
+    assert train_here(vllm_args(questions, run_dir, max_steps=2, extra=["--algorithm", "sdpo", "--sdpo.top-k", "20"])) == 0
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)
@@ -140,16 +138,14 @@ def test_sdpo_with_the_colocated_engine(questions, tmp_path):
     assert "SDPO teacher" in (run_dir / "logs" / "train.log").read_text()
 
 
-def test_an_engine_that_never_takes_the_new_weights_ends_the_run(questions, tmp_path):
+def test_an_engine_that_never_takes_the_new_weights_ends_the_run(questions, tmp_path, monkeypatch, capsys):
     """An in-process engine whose weight update does nothing (sleep mode that kept stale weights, an
-    adapter that never arrived): the check after the first push ends the run naming the engine."""
-    patch = ("from scirl.inference.vllm import VLLMGenerator\n"
-             "VLLMGenerator.update_weights = lambda self, named_tensors: self.reset_prefix_cache()\n")
+    adapter that never arrived): the check after the first push ends the run naming the engine, in one line."""
+    from scirl.inference.vllm import VLLMGenerator
+
+    monkeypatch.setattr(VLLMGenerator, "update_weights", lambda self, named_tensors: self.reset_prefix_cache())
     args = ["train", *vllm_args(questions, tmp_path / "run", max_steps=2, extra=["--deployment.verify-interval", "1"])]
-    done = subprocess.run([sys.executable, "-c", f"{patch}from scirl.cli import main\nraise SystemExit(main({args!r}))"],
-                          env=ONE_THREAD, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    last = done.stderr.strip().splitlines()[-1]
+    assert scirl_here(args) == 1  # an exception other than the run's own error would fail this test with its traceback
+    last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("scirl train: the in-process vLLM engine does not hold the trainer's weights after the "
                            "push of version 1: "), last
-    assert "Traceback" not in done.stderr

