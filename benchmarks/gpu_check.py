@@ -836,7 +836,7 @@ def a_train_stage(ctx: dict) -> dict:
         "run_dir": str(run_dir), "wall_s": run["wall_s"], "steps": steps,
         "mean_after_first": {k: mean(k) for k in ("generate_s", "train_s", "weight_sync_s", "step_s")},
         "checkpoint": {"step": last, "bytes": ckpt_bytes, "seconds": ckpt_s,
-                       "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None},
+                       "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None},  # a "0.0s" line: no rate
         "generation_tokens_per_s": sum(s["completion_tokens"] for s in later) / sum(s["generate_s"] for s in later),
         "training_tokens_per_s": sum(s["prompt_tokens"] + s["completion_tokens"] for s in later) / train_time,
         "train_flops_per_step": flops / len(later),
@@ -1234,6 +1234,9 @@ def print_a_train(f: dict, ctx: dict) -> None:
     if c["seconds"]:
         say(f"checkpoint (step {c['step']}, at the end): {c['bytes'] / 1e6:.0f} MB in {c['seconds']:.1f}s = "
             f"{c['mb_per_s']:.0f} MB/s (the whole save: state to the host, files, sha256, fsync)")
+    elif c["seconds"] is not None:  # the run's line rounds to 0.1 s: too fast a save to give a rate
+        say(f"checkpoint (step {c['step']}, at the end): {c['bytes'] / 1e6:.0f} MB in under 0.05s (no rate: "
+            "the run's line rounds to 0.1s)")
     mfu = (f"MFU {100 * f['mfu']:.1f}% of {f['peak_tflops']:.0f} TFLOP/s" if f["mfu"] is not None
            else "MFU n/a (a CPU: no peak given, --peak-tflops)")
     say(f"training: {f['training_tokens_per_s']:.0f} tokens/s (prompt + completion), "
@@ -1428,7 +1431,7 @@ def b_disaggregated_stage(ctx: dict) -> dict:
     if skipped:
         return skipped
     from scirl.net import pick
-    from scirl.inference.remote import ServerClient
+    from scirl.inference.client import ServerClient
     from scirl.inference.vllm_command import server_command
 
     out, settings = Path(ctx["out"]), ctx["settings"]
@@ -1520,7 +1523,7 @@ def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
     as a filesystem push would (``reload_weights`` from its directory), then 200 held-out questions go through
     it as a user's eval would send them (greedy, the run's completion limit). Requests/s and generated
     tokens/s (the server's own counter)."""
-    from scirl.inference.remote import ServerClient
+    from scirl.inference.client import ServerClient
 
     out = Path(ctx["out"])
     checkpoints = sorted((run_dir / "weights").glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))

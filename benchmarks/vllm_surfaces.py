@@ -9,7 +9,7 @@ so every surface is read from source: with ``ast`` for classes, signatures, data
 decorators, plain text search for the rest. ``--table`` prints a markdown table, one column per
 release and one row per surface, instead of the JSON. Used to write ``docs/vllm-range.md``.
 
-The surfaces are those of ``scirl/inference/vllm.py``, ``vllm_command.py``, ``remote.py``,
+The surfaces are those of ``scirl/inference/vllm.py``, ``vllm_command.py``, ``client.py``,
 ``scirl/weights/nccl.py`` and ``filesystem.py``: keep the lists below in step with them.
 """
 
@@ -33,7 +33,7 @@ SERVER_FLAGS = ("--model", "--served-model-name", "--dtype", "--max-model-len", 
                 "--disable-uvicorn-access-log", "--enforce-eager", "--kv-cache-memory-bytes",
                 "--no-enable-chunked-prefill", "--gpu-memory-utilization", "--data-parallel-size",
                 "--weight-transfer-config")
-# routes scirl.inference.remote and scirl.weights call (/openapi.json is FastAPI's own)
+# routes scirl.inference.client and scirl.weights call (/openapi.json is FastAPI's own)
 SCIRL_ROUTES = ("/health", "/v1/models", "/v1/completions", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping",
                 "/server_info", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
                 "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",

@@ -31,7 +31,6 @@ SLOWEST_FIRST = [
     "test_train_vllm.py",  # 109 s
     "test_gpu_check_vllm.py",  # 105 s
     "test_train.py",  # 101 s
-    "test_deploy.py",  # 90 s
     "test_gpu_check.py",  # 61 s
     "test_vllm_server.py",  # 41 s
     "test_vllm_serve.py",  # 30 s
@@ -46,6 +45,7 @@ SLOWEST_FIRST = [
     "test_lora.py",  # 14 s
     "test_serve.py",  # 14 s
     "test_train_eval.py",  # 12 s
+    "test_deploy.py",  # 12 s alone (90 s while each launcher imported torch to read its config)
     "test_gpu_contracts.py",  # 11 s
 ]
 

@@ -141,7 +141,7 @@ def test_the_default_is_prime_rls_loss_and_its_advantages():
     """grpo: prime-rl's default loss (``tests/test_loss.py`` has its formula), on r - mean advantages."""
     cfg = TrainConfig()
     algorithm = algorithms.build(cfg)
-    assert cfg.algorithm == "grpo" and algorithm.prime_rl
+    assert cfg.algorithm == "grpo" and algorithm.spec.prime_rl and algorithms.exportable("grpo")
 
     def paper(lp):
         total = 0

@@ -55,7 +55,9 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
         assert s["generate_s"] > 0 and s["train_s"] > 0 and s["completion_tokens"] > 0 and s["prompt_tokens"] > 0
         assert s["mfu"] is None  # a CPU: no peak to take it against
     assert a["generation_tokens_per_s"] > 0 and a["training_tokens_per_s"] > 0 and a["train_flops_per_step"] > 0
-    assert a["checkpoint"]["step"] == 2 and a["checkpoint"]["bytes"] > 0 and a["checkpoint"]["mb_per_s"] > 0
+    checkpoint = a["checkpoint"]  # its save time read from the run's line, which rounds a fast save to 0.0s
+    assert checkpoint["step"] == 2 and checkpoint["bytes"] > 0 and checkpoint["seconds"] is not None
+    assert (checkpoint["mb_per_s"] > 0) if checkpoint["seconds"] > 0 else checkpoint["mb_per_s"] is None
     assert a["memory_peak_mb"] > 0 and a["deterministic"] is None
     for text in ("stage A: transformers backend", "mean of steps 2+: step", "weight sync", "checkpoint (step 2",
                  "MFU n/a", "generation:", "peak memory:"):

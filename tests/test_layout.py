@@ -8,6 +8,8 @@ as someone moves an import to the top of a file.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import scirl
@@ -147,3 +149,19 @@ def test_the_training_path_reads_in_functions_of_at_most_90_lines():
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 90:
                     long.append(f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+def test_reading_a_config_and_launching_a_run_import_neither_torch_nor_transformers():
+    """The processes that only read a config (the launcher of a run with servers and its ``--dry-run``, a Slurm
+    job's driver, ``scirl report``, the prime-rl export) start in a fraction of a second: torch, transformers and
+    peft cost ~3 s of import, and the algorithms' implementations, which import them, load only in ``build``."""
+    code = ("import contextlib, io, sys\n"
+            "import scirl.deploy.job, scirl.deploy.launch, scirl.primerl.export, scirl.report, scirl.run.config_io\n"
+            "from scirl.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+            "    rc = main(['train', '--device', 'cpu', '--algorithm', 'sdpo', '--dry-run'])\n"
+            "assert rc == 0 and 'algorithm = \"sdpo\"' in out.getvalue(), (rc, out.getvalue()[-500:])\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]", f"imported: {done.stdout.strip()}"

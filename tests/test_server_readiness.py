@@ -21,7 +21,7 @@ from asgi_server import running  # tests/asgi_server.py
 from server_process import free_port  # tests/server_process.py
 from scirl.run.config_io import load_config
 from scirl.errors import TrainError
-from scirl.inference.remote import ServerClient, ServerError, wait_until_ready
+from scirl.inference.client import ServerClient, ServerError, wait_until_ready
 from scirl.synth.questions import generate_rows, write_jsonl
 
 DEADLINE_S = 60  # "within seconds", asserted generously for a loaded 2-core machine

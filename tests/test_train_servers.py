@@ -43,7 +43,7 @@ def questions(tmp_path_factory) -> Path:
 
 
 def start_server(log_path: Path, *, core: int | None = None) -> tuple[subprocess.Popen, str]:
-    from scirl.inference.remote import ServerClient
+    from scirl.inference.client import ServerClient
     from scirl.inference.vllm_command import server_command
 
     port = free_port()

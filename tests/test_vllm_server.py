@@ -21,7 +21,8 @@ import torch
 import scirl
 from server_process import free_port, stop  # tests/server_process.py
 from scirl.inference.base import SamplingParams, encode_messages
-from scirl.inference.remote import RemoteGenerator, ServerClient, ServerError
+from scirl.inference.client import ServerClient, ServerError
+from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm_command import server_command
 from scirl.weights import filesystem
 from scirl.weights.filesystem import FilesystemWeightSync

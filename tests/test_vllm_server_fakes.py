@@ -21,7 +21,8 @@ from fastapi.responses import JSONResponse, Response
 from asgi_server import running  # tests/asgi_server.py
 from server_process import free_port  # tests/server_process.py
 from scirl.inference.base import SamplingParams
-from scirl.inference.remote import RemoteGenerator, ServerClient, ServerError
+from scirl.inference.client import ServerClient, ServerError
+from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm_command import server_command
 from scirl.weights import filesystem
 from scirl.weights.filesystem import FilesystemWeightSync, write_weights

@@ -15,32 +15,23 @@ sampler-trainer mismatch, which the ratio then also corrects).
 from __future__ import annotations
 
 import torch
-from pydantic import BaseModel, ConfigDict
 
 from scirl.rollouts.grpo import group_advantages
 from scirl.trainer.loss import LossSums
 
 
-class Section(BaseModel):
-    """A config section: unknown keys are errors; inf and nan are never a setting (``scirl.run.config``'s rule)."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
 class Algorithm:
     """prime-rl's GRPO everywhere but the loss; a subclass overrides what its paper changes."""
 
-    name: str = ""
-    section: str | None = None  # its config section ([name]); None: none of its own
-    config_model: type[Section] | None = None  # validates that section
-    prime_rl: bool = False  # prime-rl's trainer has the same loss (``scirl export prime-rl`` may write it)
-    summary: str = ""  # one line for --help and the docs
     # the advantage's division by the group's std: fixed by the paper (True, False), or None: ``[advantage]`` decides
     std_normalize: bool | None = None
 
-    def __init__(self, cfg):
-        """``cfg``: the run's ``TrainConfig``; each algorithm keeps the slice it reads (``self.cfg``: its section)."""
-        self.cfg = getattr(cfg, self.section) if self.section else None
+    def __init__(self, cfg, spec):
+        """``cfg``: the run's ``TrainConfig``; each algorithm keeps the slice it reads (``self.cfg``: its section).
+        ``spec``: its registry entry (``scirl.algorithms.Spec``: its name, its section, ...)."""
+        self.spec = spec
+        self.name = spec.name
+        self.cfg = getattr(cfg, spec.section) if spec.section else None
         self.advantage_cfg = cfg.advantage
         self.max_completion_tokens = cfg.max_completion_tokens
 
@@ -109,10 +100,6 @@ class Algorithm:
 
     def load_state_files(self, files: dict[str, dict | None], say) -> None:
         """Restore what ``state_files`` saved (``files``: name -> tensors, None where the checkpoint has none)."""
-
-    def extra_bytes_per_param(self, cfg) -> int:
-        """Bytes per model parameter a checkpoint holds beyond the weights and AdamW (the disk preflight)."""
-        return 0
 
     def rollout_metrics(self, rollouts: list[dict]) -> dict:
         """The algorithm's entries of a step's metrics row computed from its rollout records."""

@@ -12,21 +12,12 @@ Trinity-RFT's default.
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from scirl.algorithms.base import Algorithm, Section, expand, mismatch_sums
-
-
-class CispoConfig(Section):
-    eps_low: float = Field(1.0, ge=0, le=1, description="the weight's lower clip: 1 - eps_low (1: no lower bound)")
-    eps_high: float = Field(0.28, ge=0, description="the weight's upper clip: 1 + eps_high")
+from scirl.algorithms.base import Algorithm, expand, mismatch_sums
 
 
 class Cispo(Algorithm):
-    name = "cispo"
-    section = "cispo"
-    config_model = CispoConfig
-    summary = "CISPO: the clipped importance weight, detached, times A log p; token-level loss over the batch"
+    """Its settings: ``[cispo]`` (``sections.CispoConfig``)."""
+
     std_normalize = True  # the paper's
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):

@@ -13,27 +13,12 @@ the batch has its number of groups again; with ``"drop"`` the step trains on a s
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pydantic import Field
-
-from scirl.algorithms.base import Algorithm, Section, token_clip_loss
-
-
-class DapoConfig(Section):
-    eps_low: float = Field(0.2, ge=0, le=1, description="the ratio's lower clip: 1 - eps_low")
-    eps_high: float = Field(0.28, ge=0, description="the ratio's upper clip: 1 + eps_high (clip-higher)")
-    dynamic_sampling: Literal["refill", "drop", "off"] = Field(
-        "drop", description="drop: a group whose advantages are all 0 leaves the batch; refill: and further questions "
-        "are sampled in its place (one colocated rank or vLLM servers); off: [filters] decides")
-    refill_rounds: int = Field(3, ge=1, description="refill: at most this many further rounds of sampling a step")
+from scirl.algorithms.base import Algorithm, token_clip_loss
 
 
 class Dapo(Algorithm):
-    name = "dapo"
-    section = "dapo"
-    config_model = DapoConfig
-    summary = "DAPO: group-normalised advantages, clip-higher, token-level loss over the batch, flat groups dropped"
+    """Its settings: ``[dapo]`` (``sections.DapoConfig``)."""
+
     std_normalize = True  # the paper's
 
     def drops_flat_groups(self) -> bool:

@@ -10,28 +10,14 @@ with ``N`` the batch's completions (summed over micro-batches and ranks), ``L_ma
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from scirl.algorithms.base import Algorithm, Section, sequence_count, token_clip_loss
-
-
-class DrGrpoConfig(Section):
-    eps_low: float = Field(0.2, ge=0, le=1, description="the ratio's lower clip: 1 - eps_low")
-    eps_high: float = Field(0.2, ge=0, description="the ratio's upper clip: 1 + eps_high")
+from scirl.algorithms.base import Algorithm, sequence_count, token_clip_loss
 
 
 class DrGrpo(Algorithm):
-    name = "dr_grpo"
-    section = "dr_grpo"
-    config_model = DrGrpoConfig
-    summary = "Dr. GRPO: r - mean advantages, PPO clip, every token summed over a constant (completions x max tokens)"
-    std_normalize = False  # the paper's
+    """Its settings: ``[dr_grpo]`` (``sections.DrGrpoConfig``); a run asking for ``advantage.std_normalize`` is
+    refused (``sections.no_std_normalize``)."""
 
-    @staticmethod
-    def check_config(cfg) -> str | None:
-        if cfg.advantage.std_normalize:
-            return "algorithm dr_grpo has no std normalisation of the advantage: drop advantage.std_normalize"
-        return None
+    std_normalize = False  # the paper's
 
     def counts(self, micro_batches):
         return [sequence_count(micro_batches) * self.max_completion_tokens]

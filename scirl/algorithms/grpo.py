@@ -5,28 +5,16 @@ probability moved too far masked, a (log ratio)^2 term, every token of the batch
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from scirl.algorithms.base import Algorithm, Section
+from scirl.algorithms.base import Algorithm
 from scirl.trainer.loss import rl_loss
 
 
-class LossConfig(Section):
-    mask_low: float = Field(0.2, ge=0, description="mask a token with A<0 whose probability fell by more than this")
-    mask_high: float = Field(0.2, ge=0, description="mask a token with A>0 whose probability rose by more than this")
-    kl_tau: float = Field(1e-3, ge=0, description="weight of the (log ratio)^2 trainer-vs-sampler term")
-
-
 class Grpo(Algorithm):
-    name = "grpo"
-    section = "loss"
-    config_model = LossConfig
-    prime_rl = True
-    summary = "prime-rl's default loss on group advantages r - mean (the run guide's)"
+    """Its settings: ``[loss]`` (``sections.LossConfig``)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.loss_cfg = cfg.loss
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        self.loss_cfg = cfg.loss  # SDPO's GRPO term reads [loss] too
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):
         c = self.loss_cfg

@@ -10,21 +10,12 @@ A token-level gradient flows through every token of a completion by way of ``s_i
 
 from __future__ import annotations
 
-from pydantic import Field
-
-from scirl.algorithms.base import Algorithm, Section, clipped_surrogate, mismatch_sums, sequence_count
-
-
-class GspoConfig(Section):
-    eps_low: float = Field(3e-4, ge=0, le=1, description="the sequence ratio's lower clip: 1 - eps_low")
-    eps_high: float = Field(4e-4, ge=0, description="the sequence ratio's upper clip: 1 + eps_high")
+from scirl.algorithms.base import Algorithm, clipped_surrogate, mismatch_sums, sequence_count
 
 
 class Gspo(Algorithm):
-    name = "gspo"
-    section = "gspo"
-    config_model = GspoConfig
-    summary = "GSPO: a length-normalised sequence ratio, clipped per completion, completions averaged"
+    """Its settings: ``[gspo]`` (``sections.GspoConfig``)."""
+
     std_normalize = True  # the paper's
 
     def counts(self, micro_batches):

@@ -82,14 +82,15 @@ def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:
     one line when it cannot fit, else (0, what to print on stdout). ``--dry-run`` gets the whole plan (as TOML
     comments, so the output stays a config file) for the GPUs it would train on, whatever this machine has;
     a run is checked only when it trains on CUDA, and gets its verdict in one line. A CPU run has nothing to plan."""
+    if cfg.device == "cpu":  # decided before torch is imported: a CPU run's launcher never needs it
+        return 0, "# memory plan: none (device = cpu: no GPU to plan for)" if dry_run else None
     import torch
 
     from scirl.errors import PreflightError
     from scirl.run.memory import gpu_size, plan_run, render, trainer_ranks, verdict
 
-    on_gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and torch.cuda.is_available())
-    if cfg.device == "cpu" or not (dry_run or on_gpu):
-        return 0, "# memory plan: none (device = cpu: no GPU to plan for)" if dry_run else None
+    if not (dry_run or cfg.device.startswith("cuda") or torch.cuda.is_available()):
+        return 0, None  # device = auto on a machine without CUDA: a CPU run
     gpu = gpu_size(cfg.deployment)
     try:
         planned = plan_run(cfg, ranks=trainer_ranks(cfg, os.environ.get("WORLD_SIZE")), gpu=gpu)

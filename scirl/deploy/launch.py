@@ -34,8 +34,8 @@ from scirl.deploy.plan import (
 )
 from scirl.deploy.supervisor import Child, Supervisor
 from scirl.errors import DeployError, PreflightError
-from scirl.inference.remote import HEALTH_TIMEOUT_S, ServerClient, ServerError
-from scirl.inference.remote import wait_until_ready as wait_for_servers
+from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError
+from scirl.inference.client import wait_until_ready as wait_for_servers
 from scirl.run import rundir
 
 STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL

@@ -19,7 +19,7 @@ from scirl.deploy import preflight
 from scirl.deploy.plan import ServerProcess, ServerSlot, cpu_core, server_process
 from scirl.deploy.supervisor import Supervisor
 from scirl.errors import DeployError, PreflightError
-from scirl.inference.remote import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready
+from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready
 from scirl.net import host_port, pick
 
 STOP_GRACE_S = 30  # a stopped server's engines get this long before SIGKILL

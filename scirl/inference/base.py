@@ -10,12 +10,11 @@ too: the stop tokens (``eos_token_ids``), the finish reasons, the per-prompt see
 from __future__ import annotations
 
 import hashlib
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
-
-from transformers import GenerationConfig
 
 from scirl.task.prompt import render_prompt
 
@@ -120,8 +119,8 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
     config's (a model's ``generation_config``, or the one in a local model directory), without repeats."""
     candidates = [tokenizer.eos_token_id]
     if isinstance(generation_config, (str, Path)):
-        generation_config = _directory_generation_config(generation_config)
-    if generation_config is not None:
+        candidates.append(directory_eos_token_id(generation_config))
+    elif generation_config is not None:
         candidates.append(generation_config.eos_token_id)
     ids: list[int] = []
     for c in candidates:
@@ -131,10 +130,14 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
     return ids
 
 
-def _directory_generation_config(model_dir: str | Path):
+def directory_eos_token_id(model_dir: str | Path):
+    """``eos_token_id`` of a local model directory's ``generation_config.json`` (an id, a list of ids, or None).
+    Read as JSON, the one field, rather than through transformers' ``GenerationConfig``: this module is imported
+    by processes that never load a model (the launcher waiting for its servers) and transformers costs them
+    seconds."""
     if not model_dir or not Path(model_dir).is_dir():  # "" would be the current directory; a hub name has none here
         return None
     try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except OSError:  # no generation_config.json
+        return json.loads((Path(model_dir) / "generation_config.json").read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError):  # no generation_config.json, or not JSON
         return None

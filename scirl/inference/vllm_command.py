@@ -1,14 +1,33 @@
-"""The command line of one vLLM OpenAI server for a run: the launcher's servers, and the ones a user
-starts by hand, run exactly this. vLLM's flags move between releases, so they live here, beside the
-other modules that speak to vLLM."""
+"""The command line and environment of one vLLM OpenAI server for a run: the launcher's servers, and the ones a
+user starts by hand, run exactly this (and the in-process engine takes the same environment). vLLM's flags move
+between releases, so they live here, beside the other modules that speak to vLLM. Nothing here imports torch
+or vLLM: the launcher that writes these commands never loads a model."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
-from scirl.inference.vllm import OFFLINE_ENV, sampler_env
+# No usage report to vLLM's stats server (its default, a thread that posts at start-up and every 10
+# minutes): a training machine is often offline, and a run should not phone home. Every engine and
+# server scirl starts gets these.
+OFFLINE_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+
+
+def sampler_env() -> dict[str, str]:
+    """``VLLM_USE_FLASHINFER_SAMPLER=0`` where FlashInfer is not installed, unless the caller set it.
+
+    vLLM's GPU model runner builds its top-k/top-p sampler through ``flashinfer_sampler_supported()``
+    (``vllm/v1/sample/ops/topk_topp_sampler.py``, 0.25 on), which imports FlashInfer on CUDA unless this
+    variable is 0: without the package (an offline machine that cannot install it, or a vLLM set that leaves
+    it out) the engine fails at start with ``No module named 'flashinfer'``. At 0 vLLM samples with its own
+    PyTorch kernels, the same distribution. Where FlashInfer is installed, vLLM decides."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" in os.environ or importlib.util.find_spec("flashinfer") is not None:
+        return {}
+    return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
 def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_model_name: str, dtype: str,

@@ -19,7 +19,8 @@ from scirl.cpu.trainer import CPUTrainer
 from scirl.errors import TrainError
 from scirl.inference.base import Generator
 from scirl.inference.hf import HFGenerator
-from scirl.inference.remote import HEALTH_TIMEOUT_S, RemoteGenerator, ServerClient, ServerError, wait_until_ready
+from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready
+from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
 from scirl.run.config import COLOCATED_GPU_SHARE
 from scirl.trainer.step import Trainer

@@ -55,14 +55,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from scirl.files import fsync_dir, seal_digest, seal_file, write_text_atomic
+from scirl.run.rundir import LATEST, STALE_DIR, STEP_DIR
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state"
-LATEST = "latest"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # LoRA runs: the adapter, in trainer_state/ (peft's file names)
 ADAPTER_CONFIG = "adapter_config.json"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 

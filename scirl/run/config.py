@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from pydantic import Field, create_model, field_validator, model_validator
 
 from scirl import algorithms
-from scirl.algorithms.base import Section
+from scirl.algorithms.sections import Section
 from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.task.formats import known_format, parse_columns

@@ -289,7 +289,7 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
                     row_tokens=row_tokens or cfg.seq_len, completion_tokens=cfg.max_completion_tokens,
                     checkpointing=cfg.activation_checkpointing, head_block=cfg.head_block_tokens,
                     top_p=cfg.top_p, lora_parameters=lora,
-                    extra_state=algorithms.build(cfg).extra_bytes_per_param(cfg), engine_train=engine_train,
+                    extra_state=algorithms.state_bytes_per_param(cfg), engine_train=engine_train,
                     engine_push=engine_push, push_gathers=push_gathers)
 
 

@@ -16,8 +16,12 @@ import shutil
 from pathlib import Path
 
 from scirl.errors import RunDirError
-from scirl.run.checkpoint import LATEST, STALE_DIR, STEP_DIR
 
+# the checkpoints' names under weights/ (``scirl.run.checkpoint`` writes them): here, so that a launcher can
+# check a run directory without importing torch
+LATEST = "latest"  # text file "step_N"
+STEP_DIR = re.compile(r"^step_(\d+)$")  # a committed checkpoint
+STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # a write cut short, or one being replaced
 RESULTS = ("metrics.jsonl", "rollouts", "weights")
 # the last line of a run stopped on request (``stopped_line``): a launcher knows from it that the stop went well
 STOPPED_LINE = re.compile(r"^Stopped by .+ after step \d+; resume with: scirl train --resume ")

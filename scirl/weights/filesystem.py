@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from scirl.errors import PreflightError
 from scirl.files import fsync_dir, seal_file
-from scirl.inference.remote import ServerClient, ServerError, confirm_version, on_every_server
+from scirl.inference.client import ServerClient, ServerError, confirm_version, on_every_server
 from scirl.inference.vllm import with_tied_lm_head
 
 SHARD_BYTES = 2 << 30  # safetensors file size cap in a weights dir: bounds the writer's extra memory

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from scirl.inference.remote import ServerClient, ServerError, confirm_version, on_every_server
+from scirl.inference.client import ServerClient, ServerError, confirm_version, on_every_server
 from scirl.inference.vllm import with_tied_lm_head
 from scirl.weights.filesystem import ties_embeddings
 

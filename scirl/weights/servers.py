@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 
 from scirl import distributed
 from scirl.errors import TrainError
-from scirl.inference.remote import ServerClient, ServerError
+from scirl.inference.client import ServerClient, ServerError
 from scirl.net import pick
 from scirl.weights.check import Replica, WeightCheck
 from scirl.weights.filesystem import FilesystemWeightSync

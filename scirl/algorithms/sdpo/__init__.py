@@ -10,12 +10,9 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
-from typing import Literal
 
 import torch
-from pydantic import Field
 
-from scirl.algorithms.base import Section
 from scirl.algorithms.grpo import Grpo
 from scirl.algorithms.sdpo.distill import (
     DistillSums,
@@ -31,55 +28,18 @@ from scirl.trainer.targets import TeacherTargets
 from scirl.trainer.teacher import dummy_teacher_inputs
 
 EMA_TEACHER = "ema_teacher.safetensors"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer_state/
-EMA_BYTES_PER_PARAM = 4  # its float32 copy of the weights
-
-
-class SdpoConfig(Section):
-    """SDPO, self-distillation (``algorithm = "sdpo"``; Hübotter et al. 2026, arXiv 2601.20802; defaults from the
-    reference code's ``self_distillation`` section). The policy shown a successful completion of the group
-    (or feedback on a failed one) is the teacher of the policy on the plain question, on the student's own
-    completions. The orchestrator's half reads the first four fields, the trainer's half the rest."""
-
-    success_threshold: float = Field(0.5, description="a completion with reward >= this is a success: a solution "
-                                     "shown to the teacher of the other completions of its group")
-    reprompt_on_self_success: bool = Field(False, description="a success may be shown itself as the solution "
-                                           "(false: only another success of its group; a group's one success has no teacher)")
-    feedback: bool = Field(True, description="a failed completion of a group without a success is shown why it "
-                           "failed, where the reward says (no answer letter read; cut at the length limit)")
-    max_teacher_prompt_tokens: int = Field(10240, ge=1, description="a longer teacher prompt is cut in the solution "
-                                           "it shows; one that cannot fit gets no teacher")
-    alpha: float = Field(0.5, ge=0, le=1, description="the divergence: 0 forward KL(teacher||student), 1 reverse "
-                         "KL(student||teacher), between them the generalised Jensen-Shannon mixture")
-    top_k: int = Field(100, ge=0, description="the divergence over the teacher's top-k tokens of each position "
-                       "(plus a tail bucket); 0: over the full vocabulary")
-    tail: bool = Field(True, description="top-k: one bucket holding the rest of each distribution's mass "
-                       "(false: both renormalised over the k tokens)")
-    is_clip: float = Field(2.0, ge=0, description="each token's loss weighted by min(trainer/sampler probability "
-                           "of the sampled token, is_clip): async lag and sampler mismatch; 0: no weight")
-    teacher: Literal["ema", "current"] = Field("ema", description="the teacher's weights: an EMA of the policy "
-                                               "(float32, in checkpoints) or the current policy (no copy)")
-    ema_rate: float = Field(0.05, gt=0, le=1, description="after every optimizer step: ema += ema_rate * (policy - ema)")
-    grpo_coef: float = Field(0.0, ge=0, description="adds this times the GRPO loss on the same batch (the hybrid)")
-
-    def teacher_settings(self) -> TeacherSettings:
-        """What the orchestrator's half reads."""
-        return TeacherSettings(success_threshold=self.success_threshold, reprompt_on_self_success=self.reprompt_on_self_success,
-                               feedback=self.feedback, max_prompt_tokens=self.max_teacher_prompt_tokens)
 
 
 class Sdpo(Grpo):
-    """GRPO's advantages and (times ``grpo_coef``) loss, plus the distillation loss over the teacher tokens."""
+    """GRPO's advantages and (times ``grpo_coef``) loss, plus the distillation loss over the teacher tokens.
+    Its settings: ``[sdpo]`` (``sections.SdpoConfig``); its EMA teacher's size: ``sections.sdpo_state_bytes``."""
 
-    name = "sdpo"
-    section = "sdpo"
-    config_model = SdpoConfig
-    prime_rl = False
-    summary = "SDPO: self-distillation from the policy shown a success of the group (or feedback) [sdpo]"
-
-    def __init__(self, cfg):
-        super().__init__(cfg)
-        self.sdpo = cfg.sdpo
-        self.teacher = cfg.sdpo.teacher_settings()
+    def __init__(self, cfg, spec):
+        super().__init__(cfg, spec)
+        self.sdpo = c = cfg.sdpo
+        # what the orchestrator's half reads (the first four fields)
+        self.teacher = TeacherSettings(success_threshold=c.success_threshold, reprompt_on_self_success=c.reprompt_on_self_success,
+                                       feedback=c.feedback, max_prompt_tokens=c.max_teacher_prompt_tokens)
         self.ema: EmaTeacher | None = None
 
     # ---- the orchestrator's half ----
@@ -211,10 +171,3 @@ class Sdpo(Grpo):
             self.ema.load_state_dict(files[EMA_TEACHER])
         except KeyError as exc:
             raise TrainError(f"the checkpoint's EMA teacher does not fit the model: {exc.args[0]}") from exc
-
-    def extra_bytes_per_param(self, cfg) -> int:
-        """The EMA teacher at full size (under LoRA it is the small adapter's)."""
-        return EMA_BYTES_PER_PARAM if self.sdpo.teacher == "ema" and not cfg.lora.enabled else 0
-
-    def checkpoint_files(self) -> tuple[str, ...]:
-        return (EMA_TEACHER,) if self.sdpo.teacher == "ema" else ()
