@@ -231,7 +231,7 @@ def test_vllm_gets_the_merged_weights(tmp_path, one_thread):
     ~1e-9 after the adapter moved), which it can only do if the merged weights reached it (an engine left
     on the base gives ~5e-3 at step 2 with this learning rate)."""
     pytest.importorskip("vllm")
-    from test_train_vllm import DEMO_BASE, vllm_args
+    from test_train_vllm import vllm_args
 
     from scirl.demo.run import write_questions
 

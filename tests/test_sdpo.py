@@ -10,7 +10,7 @@ import torch
 
 from scirl import algorithms
 from scirl.inference.base import Completion
-from scirl.algorithms.sdpo.distill import EmaTeacher, divergence
+from scirl.algorithms.sdpo.distill import divergence
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
 from scirl.rollouts.contract import PromptedQuestion, Sample
 from scirl.run.config import TrainConfig

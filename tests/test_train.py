@@ -161,7 +161,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.step import Trainer
 
     samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 9, 10, 11, 12 and 13 tokens
     cfg = TrainConfig(optim={"lr": 1e-2})

@@ -516,7 +516,7 @@ about 10 minutes, and a timeout during it leaves an unloadable checkpoint.
 
 
 def eval_section(target: Target) -> str:
-    convert = f"""\
+    convert = """\
 ```bash
 uv run --no-sync scirl dcp-to-hf outputs/sciknoweval-grpo/grpo-cold-start/checkpoints/step_30 \\
     --out outputs/sciknoweval-grpo/hf/step_30
