@@ -10,7 +10,11 @@ the block-wise head's logprobs at the completion tokens, a loss over them) on a 
 - ``tokens``: sorted, as many rows as keep rows x longest within ``--tokens`` (``micro_batch_tokens``);
 - ``packed``: sequences laid end to end in rows of at most ``--tokens``, each with its own positions from 0
   and no attention across them (transformers' packed-sequence mask: position ids that restart, no attention
-  mask), no padding at all but the last row's.
+  mask), no padding at all but the last row's;
+- ``flex``: the same packed rows through torch's ``flex_attention`` (transformers' ``flex_attention``
+  implementation: a block mask of the sequences' causal blocks, so the blocks between sequences are skipped).
+  Timed only on CUDA: torch's CPU flex attention has no backward (``NotImplementedError``, torch 2.13), so on
+  a CPU it runs the forward alone (compiled by inductor: a C++ compiler is needed), to check its logprobs.
 
 Printed per distribution: the tokens each way computes (padding included) against the real tokens, the
 attention score elements (SDPA computes every one of a row's L x L, masked or not, unless a varlen or
@@ -18,16 +22,19 @@ block-sparse kernel skips them), the seconds of a step, and the largest differen
 from the sorted ones (the same computation: they must agree to round-off).
 
     python benchmarks/bench_packing.py [--sequences 128] [--limit 256] [--tokens 4096] [--repeats 3] [--device cpu]
+                                      [--dtype float32]
 
 On a CPU SDPA has no kernel that skips masked blocks: a packed row pays attention over its whole length,
-which padding-free sorted rows do not. On a GPU the same holds for SDPA's math and memory-efficient kernels
-(flash attention's variable-length path, not in torch's SDPA, would skip them).
+which padding-free sorted rows do not. On a GPU the same holds for SDPA's math and memory-efficient kernels;
+flex attention's block mask skips them (the ``flex`` row), as flash attention's variable-length path would
+(the flash-attn package, not in torch).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+from contextlib import contextmanager
 import statistics
 import sys
 import time
@@ -115,6 +122,7 @@ def layouts(lengths, micro_batch_size: int, tokens: int) -> dict[str, list[dict]
         "fixed": padded_batches(lengths, [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]),
         "tokens": padded_batches(lengths, chunks),
         "packed": packed_batches(lengths, by_length, tokens),
+        "flex": packed_batches(lengths, by_length, tokens),
     }
 
 
@@ -127,17 +135,19 @@ def ids_of(batch: dict, token_ids: list[list[int]]) -> torch.Tensor:
     return ids
 
 
-def step(model, head: Head, batches: list[dict], token_ids, completions: list[int]) -> dict[int, torch.Tensor]:
-    """Forward + backward of every micro-batch; the logprobs of each sequence's completion tokens."""
+def step(model, head: Head, batches: list[dict], token_ids, completions: list[int],
+         backward: bool = True) -> dict[int, torch.Tensor]:
+    """Forward + backward of every micro-batch (or the forward alone); the logprobs of each sequence's completion tokens."""
     out = {}
     for b in batches:
         ids = ids_of(b, token_ids).to(b["loss_mask"].device)
-        with hidden_states_out(model) as seen:
+        with hidden_states_out(model) as seen, torch.set_grad_enabled(backward):
             hidden = model(input_ids=ids, attention_mask=b["attention_mask"], position_ids=b["position_ids"],
                            use_cache=False).logits
         mask = b["loss_mask"][:, 1:]  # position t predicts token t + 1
         logprobs, _ = head.token_logprobs(hidden[:, :-1], seen["weight"], ids[:, 1:], mask)
-        (-logprobs.sum()).backward()
+        if backward:
+            (-logprobs.sum()).backward()
         # row by row, left to right: each sequence's completion tokens, in the order of b["index"]
         flat, start = logprobs.detach()[mask], 0
         for i in b["index"]:
@@ -146,12 +156,28 @@ def step(model, head: Head, batches: list[dict], token_ids, completions: list[in
     return out
 
 
-def attention_elements(batches: list[dict]) -> int:
-    total = 0
-    for b in batches:
-        width = b["loss_mask"].shape[1]
-        total += b["loss_mask"].shape[0] * width * width
-    return total
+def attention_elements(batches: list[dict], lengths: list[tuple[int, int]], skips_between: bool) -> int:
+    """Score elements a kernel computes: every row's L x L, or (``skips_between``: a block-sparse kernel on
+    packed rows) each sequence's own L x L only."""
+    if skips_between:
+        return sum(sum(lengths[i]) ** 2 for b in batches for i in b["index"])
+    return sum(b["loss_mask"].shape[0] * b["loss_mask"].shape[1] ** 2 for b in batches)
+
+
+def flex_available(device: torch.device) -> bool:
+    """flex_attention trains only where it has a backward: CUDA (torch's CPU path refuses backward)."""
+    return device.type == "cuda"
+
+
+@contextmanager
+def attention(model, implementation: str):
+    """The model's attention implementation switched for the duration (transformers reads it each forward)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
 
 
 def main(argv=None) -> int:
@@ -167,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=4096,
                         help="small by default: the head runs on loss tokens only, the same in every layout")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's dtype (bfloat16: a GPU's training dtype; the head's softmax stays float32)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     if args.threads:
@@ -178,9 +206,10 @@ def main(argv=None) -> int:
                          num_key_value_heads=max(1, args.hidden // 128), head_dim=64, tie_word_embeddings=True,
                          max_position_embeddings=8192)
     config._attn_implementation = "sdpa"
-    model = Qwen3ForCausalLM(config).to(device).train()
+    dtype = getattr(torch, args.dtype)
+    model = Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
     head = Head()
-    print(f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, float32; "
+    print(f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, {args.dtype}; "
           f"{args.sequences} sequences (groups of {args.group_size}), completions <= {args.limit}; micro-batches of "
           f"{args.micro_batch_size} rows (fixed, sorted) or {args.tokens} tokens (tokens, packed)")
     print(f"{'distribution':>13} {'layout':>7} {'mbs':>4} {'computed':>9} {'/ real':>7} {'attention':>10} {'s/step':>8} "
@@ -195,22 +224,30 @@ def main(argv=None) -> int:
         for layout, batches in layouts(lengths, args.micro_batch_size, args.tokens).items():
             batches = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()} for b in batches]
             computed = sum(b["loss_mask"].numel() for b in batches)
-            step(model, head, batches, token_ids, completions)  # warm-up
-            model.zero_grad(set_to_none=True)
-            times = []
-            for _ in range(args.repeats):
-                started = time.perf_counter()
-                logprobs = step(model, head, batches, token_ids, completions)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - started)
+            scores = attention_elements(batches, lengths, skips_between=layout == "flex")
+            row = f"{name:>13} {layout:>7} {len(batches):>4} {computed:>9} {computed / real:>7.2f} {scores / 1e6:>9.1f}M"
+            if layout == "flex" and not flex_available(device):
+                with attention(model, "flex_attention"):  # the forward alone: checks the layout's logprobs
+                    results[layout] = (None, step(model, head, batches, token_ids, completions, backward=False))
+                print(f"{row} {'n/a':>8} {'n/a':>9}  (flex attention has no backward on {device.type}: forward only)")
+                continue
+            with attention(model, "flex_attention" if layout == "flex" else "sdpa"):
+                step(model, head, batches, token_ids, completions)  # warm-up (flex: its compilation)
                 model.zero_grad(set_to_none=True)
+                times = []
+                for _ in range(args.repeats):
+                    started = time.perf_counter()
+                    logprobs = step(model, head, batches, token_ids, completions)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.perf_counter() - started)
+                    model.zero_grad(set_to_none=True)
             results[layout] = (statistics.median(times), logprobs)
-            print(f"{name:>13} {layout:>7} {len(batches):>4} {computed:>9} {computed / real:>7.2f} "
-                  f"{attention_elements(batches) / 1e6:>9.1f}M {results[layout][0]:>8.3f} "
-                  f"{results['sorted'][0] / results[layout][0]:>9.2f}")
-        diff = max(float((results["packed"][1][i] - results["sorted"][1][i]).abs().max()) for i in range(len(lengths)))
-        print(f"{name:>13} packed vs sorted logprobs: max |difference| {diff:.2e}")
+            print(f"{row} {results[layout][0]:>8.3f} {results['sorted'][0] / results[layout][0]:>9.2f}")
+        for layout in ("packed", "flex"):
+            if layout in results:
+                diff = max(float((results[layout][1][i] - results["sorted"][1][i]).abs().max()) for i in range(len(lengths)))
+                print(f"{name:>13} {layout} vs sorted logprobs: max |difference| {diff:.2e}")
     return 0
 
 
