@@ -28,10 +28,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from scirl.run.memory import KNOWN_SHAPES  # noqa: E402
 from scirl.synth.questions import generate_rows, write_jsonl  # noqa: E402
 from scirl.synth.tiny_model import build_tiny_model  # noqa: E402
 
-QWEN3_VOCAB = 151_936
+QWEN3_VOCAB = KNOWN_SHAPES["qwen3-8b"].vocab  # every Qwen3 dense model's: 151,936
 
 
 def big_vocabulary_model(out: Path) -> Path:
@@ -65,17 +66,11 @@ def train_rss_mb(source: Path, model: Path, data: Path, out: Path, completion_to
     with open(out.with_suffix(".log"), "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out.parent)
         _, status, usage = os.wait4(process.pid, 0)
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        sys.exit(f"scirl train ({source}, {completion_tokens} tokens) failed with {process.returncode}: "
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        sys.exit(f"scirl train ({source}, {completion_tokens} tokens) failed with {code}: "
                  f"see {out.with_suffix('.log')}")
     return usage.ru_maxrss / 1024, time.perf_counter() - start  # KiB on Linux
-
-
-def worktree(rev: str, where: Path) -> Path:
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), rev], check=True,
-                   capture_output=True)
-    return where
 
 
 def main() -> None:
@@ -92,9 +87,12 @@ def main() -> None:
     model = big_vocabulary_model(work)
     data = write_jsonl(generate_rows(n_per_domain=20, seed=0), work / "rows.jsonl")
     sides = {"this tree": REPO}
+    against = work / "against"
     try:
         if args.against:
-            sides[args.against] = worktree(args.against, work / "against")
+            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(against), args.against],
+                           check=True, capture_output=True)
+            sides[args.against] = against
         extra = {}
         print(f"1 step, 64 completions, micro-batch 8, float32, vocabulary {QWEN3_VOCAB:,}, 1 thread")
         print(f"{'code':>12}  {'RSS ' + str(args.short) + ' tok':>12}  {'RSS ' + str(args.long) + ' tok':>12}  "
@@ -108,7 +106,7 @@ def main() -> None:
             print(f"extra memory, this tree / {args.against}: {extra['this tree'] / extra[args.against]:.2f}")
     finally:
         if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(work / "against")],
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(against)],
                            check=False, capture_output=True)
     print(f"work directory: {work}")
 
