@@ -46,7 +46,7 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--no-max-steps"], "true/false"),
     (["--max-steps"], "needs a value"),
     (["loose-word"], "unexpected argument"),
-    (["--activation-checkpointing"], "share_prompts"),  # the shared-prompt forward needs the KV cache
+    (["--micro-batch-tokens", "0"], "micro_batch_tokens"),  # and no micro_batch_size: unbounded micro-batches
     # values that can only be mistakes (issue 12, item 3): refused here, not as NaN losses or an AdamW crash
     (["--optim.lr", "inf"], "optim.lr"),
     (["--optim.lr", "nan"], "optim.lr"),

@@ -18,7 +18,8 @@ from scirl.run.config import TrainConfig
 from scirl.trainer.head import Head, hidden_states_out
 from scirl.trainer.loss import rl_loss, token_logprobs
 from scirl.trainer.targets import student_logprobs, teacher_targets
-from scirl.trainer.step import Trainer, make_micro_batches
+from scirl.trainer.packing import make_micro_batches
+from scirl.trainer.step import Trainer
 from tests.test_train import fixed_samples
 
 # float32 throughout: two orders of the same float32 sums (block matmuls, softmax over a row) differ by a
@@ -43,12 +44,12 @@ def grads(loss, *tensors):
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 1.0), (1.0, 0.8), (1.3, 0.6)])
 def test_logprobs_entropy_and_gradients_equal_the_full_logits_ones(temperature, top_p, block):
     h, w, targets, mask, upstream = random_head(0)
-    lp, ent = Head(temperature, top_p, block).token_logprobs(h, w, targets, mask)
+    lp, ent = Head(temperature, top_p, block).token_logprobs(h[mask], w, targets[mask])  # the loss tokens only
     want_lp, want_ent = token_logprobs(h @ w.T, targets, temperature, top_p)
-    torch.testing.assert_close(lp, torch.where(mask, want_lp, 0.0), **TOL)
-    torch.testing.assert_close(ent, torch.where(mask, want_ent, 0.0), **TOL)
+    torch.testing.assert_close(lp, want_lp[mask], **TOL)
+    torch.testing.assert_close(ent, want_ent[mask], **TOL)
     assert not torch.isinf(lp).any()  # the target is kept in the nucleus
-    got = grads((lp * upstream).sum(), h, w)
+    got = grads((lp * upstream[mask]).sum(), h, w)
     want = grads((want_lp * upstream * mask).sum(), h, w)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **TOL)
@@ -57,8 +58,8 @@ def test_logprobs_entropy_and_gradients_equal_the_full_logits_ones(temperature, 
 def test_the_nucleus_renormalises_over_its_tokens():
     """Written out for one row: probabilities 0.5, 0.3, 0.15, 0.05; top_p 0.75 keeps the first two."""
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    w, h = torch.diag(probs.log()), torch.ones(1, 1, 4)  # logits h @ w.T = log(probs)
-    lp, ent = Head(1.0, 0.75, 8).token_logprobs(h, w, torch.tensor([[1]]), torch.ones(1, 1, dtype=torch.bool))
+    w, h = torch.diag(probs.log()), torch.ones(1, 4)  # logits h @ w.T = log(probs)
+    lp, ent = Head(1.0, 0.75, 8).token_logprobs(h, w, torch.tensor([1]))
     kept = torch.tensor([0.5, 0.3]) / 0.8
     assert lp.item() == pytest.approx(float(kept[1].log()), abs=1e-6)
     assert ent.item() == pytest.approx(float(-(kept * kept.log()).sum()), abs=1e-6)
@@ -101,19 +102,28 @@ def test_a_trainer_micro_batch_has_the_full_logits_gradients(tied, temperature, 
     cfg = TrainConfig()
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=temperature, top_p=top_p, device=torch.device("cpu"),
                       dist=Dist(), dtype=torch.float32, head_block_tokens=3)
-    (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
-    scale = float(mb.loss_mask.sum())
-    loss, sums = trainer.forward_backward(mb, [scale])
+    samples = fixed_samples(4, seed=5)
+    (mb,) = make_micro_batches(samples, max_rows=4)
+    scale = float(mb.loss_tokens)
+    loss, sums = trainer.forward_backward(trainer.on_device(mb), [scale])
 
-    logits = reference(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
-    lp, entropy = token_logprobs(logits, mb.input_ids[:, 1:], temperature, top_p)
-    mask = mb.loss_mask[:, 1:]
-    want, want_sums = rl_loss(lp, mb.inference_logprobs[:, 1:], mb.advantages, mask, mask_low=cfg.loss.mask_low,
+    lp = torch.zeros(mb.loss_mask.shape)
+    entropy = torch.zeros(mb.loss_mask.shape)
+    for r, s in enumerate(samples):  # each sample its own sequence, through the model's own head
+        logits = reference(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0]
+        prompt, completion = len(s.prompt_ids), len(s.completion_ids)
+        row_lp, row_entropy = token_logprobs(logits[prompt - 1 : prompt + completion - 1], torch.tensor(s.completion_ids),
+                                             temperature, top_p)
+        lp = lp.index_put((torch.tensor([r]), torch.arange(completion)), row_lp)
+        entropy[r, :completion] = row_entropy.detach()
+    mask = mb.loss_mask
+    want, want_sums = rl_loss(lp, mb.inference_logprobs, mb.advantages, mask, mask_low=cfg.loss.mask_low,
                               mask_high=cfg.loss.mask_high, kl_tau=cfg.loss.kl_tau, loss_scale=scale)
     want.backward()
-    assert loss == pytest.approx(float(want.detach()), abs=1e-6)
-    assert sums.masked == want_sums.masked and sums.mismatch_kl == pytest.approx(want_sums.mismatch_kl, abs=1e-5)
-    assert sums.entropy == pytest.approx(float(entropy[mask].sum()), rel=1e-5)
+    assert float(loss) == pytest.approx(float(want.detach()), abs=1e-6)
+    assert float(sums.masked) == float(want_sums.masked)
+    assert float(sums.mismatch_kl) == pytest.approx(float(want_sums.mismatch_kl), abs=1e-5)
+    assert float(sums.entropy) == pytest.approx(float(entropy[mask].sum()), rel=1e-5)
     reference_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, reference_params[name].grad, **TOL, msg=name)
@@ -157,9 +167,10 @@ def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor(block):
     cfg = TrainConfig()
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32, head_block_tokens=block)
-    (mb,) = make_micro_batches(fixed_samples(4, seed=5), 4, pad_id=0)
-    tokens = int(mb.loss_mask.sum())
-    assert tokens > 2 * 4 and mb.input_ids.numel() > 2 * tokens
+    (mb,) = make_micro_batches(fixed_samples(4, seed=5), max_rows=4)
+    tokens = mb.loss_tokens
+    assert tokens > 2 * 4 and mb.packed.input_ids.numel() > 2 * tokens
+    mb = trainer.on_device(mb)
     with VocabularyRows(vocab) as seen:
         trainer.forward_backward(mb, [float(tokens)])
     assert seen.most == min(block, tokens)

@@ -35,7 +35,8 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.lora import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     cfg.optim.lr = 1e-2
@@ -48,7 +49,7 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
     assert len(optimized) == 2 * 7 * 2 and trainer.compute_copy is None
     before = {name: t.clone() for name, t in model.state_dict().items()}
     for _ in range(2):
-        stats = trainer.train_step(make_micro_batches(fixed_samples(6, seed=1), 3, pad_id=0))
+        stats = trainer.train_step(make_micro_batches(fixed_samples(6, seed=1), max_rows=3))
         assert stats["stepped"] and stats["grad_norm"] > 0
     after = model.state_dict()
     changed = {name for name in before if not torch.equal(before[name], after[name])}
@@ -62,7 +63,8 @@ def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.lora import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)
@@ -70,7 +72,7 @@ def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_
         assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
     assert trainer.compute_copy is None and trainer.compute_model is model
-    stats = trainer.train_step(make_micro_batches(fixed_samples(4, seed=3), 2, pad_id=0))
+    stats = trainer.train_step(make_micro_batches(fixed_samples(4, seed=3), max_rows=2))
     assert stats["stepped"] and stats["grad_norm"] > 0
     merged = trainer.full_state_dict(device="cpu")
     assert {t.dtype for t in merged.values()} == {torch.float32}  # what a checkpoint holds

@@ -44,6 +44,7 @@ from scirl.run.memory import (
     trainer_ranks,
 )
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS
+from scirl.trainer.packing import make_micro_batches
 from scirl.trainer.step import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,12 +91,12 @@ def step_trainer(model, device: torch.device, dtype: torch.dtype, checkpointing:
 
 
 def step_batches(trainer: Trainer, micro_batch_size: int, prompt: int, completion: int) -> list:
-    """Two micro-batches of full-length completions after prompts that differ a little (a padding mask, as in training)."""
+    """Two micro-batches of full-length completions, groups of 4 after prompts that differ a little."""
     rng, vocab = random.Random(0), trainer.model.config.vocab_size
-    samples = [Sample([rng.randrange(vocab) for _ in range(prompt - i % 3)],
-                      [rng.randrange(vocab) for _ in range(completion)], [-1.0] * completion, (-1.0) ** i, i // 4)
-               for i in range(2 * micro_batch_size)]
-    return trainer.make_batches(samples, micro_batch_size, 0)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt - g % 3)] for g in range(micro_batch_size // 2)]
+    samples = [Sample(prompts[i // 4], [rng.randrange(vocab) for _ in range(completion)], [-1.0] * completion,
+                      (-1.0) ** i, i // 4) for i in range(2 * micro_batch_size)]
+    return make_micro_batches(samples, max_rows=micro_batch_size)
 
 
 def measured_step_extra(model, micro_batch_size: int, prompt: int, completion: int, checkpointing: bool) -> int:
@@ -126,9 +127,9 @@ def test_the_estimate_is_within_15_percent_of_a_measured_step(vocab, hidden, lay
     mbs, prompt, completion = 4, 160, 40
     model = tiny_model(vocab, hidden, layers, kv_heads)
     shape = ModelShape.from_config(model.config.to_dict())
-    work = Workload(ranks=1, compute_bytes=4, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, head_block=512, push_gathers=False,
-                    foreach=False)
+    work = Workload(ranks=1, compute_bytes=4, micro_batch_tokens=0, micro_batch_size=mbs, row_tokens=prompt + completion,
+                    completion_tokens=completion, checkpointing=checkpointing, group_size=4, attention="sdpa",
+                    head_block=512, push_gathers=False)
     plan = estimate(shape, work)
     state = sum(plan.terms[k] for k in ("weights", "optimizer"))
     measured = measured_step_extra(model, mbs, prompt, completion, checkpointing)
@@ -145,9 +146,9 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     model = tiny_model(151936, 1024, 6, 4, tied=False, heads=16)
     shape = ModelShape.from_config(model.config.to_dict())
     c = 2 if dtype == torch.bfloat16 else 4
-    work = Workload(ranks=1, compute_bytes=c, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, head_block=DEFAULT_BLOCK_TOKENS,
-                    push_gathers=False)  # the trainer's head: blocks of its default size
+    work = Workload(ranks=1, compute_bytes=c, micro_batch_tokens=0, micro_batch_size=mbs, row_tokens=prompt + completion,
+                    completion_tokens=completion, checkpointing=checkpointing, group_size=4,
+                    head_block=DEFAULT_BLOCK_TOKENS, push_gathers=False)  # the trainer's head: blocks of its default size
     plan = estimate(shape, work)
     state = sum(plan.terms[k] for k in ("weights", "optimizer", "compute copy"))
     trainer = step_trainer(model, torch.device("cuda"), dtype, checkpointing)
@@ -200,8 +201,8 @@ def test_the_full_head_is_its_logits_copies_and_the_block_wise_head_one_block_of
 def test_each_term_follows_the_config():
     shape = KNOWN_SHAPES["qwen3-8b"]
     P = shape.parameters()
-    base = Workload(ranks=2, compute_bytes=2, micro_batch_size=8, row_tokens=1024, completion_tokens=256,
-                    checkpointing=True)
+    base = Workload(ranks=2, compute_bytes=2, micro_batch_tokens=8192, micro_batch_size=None, row_tokens=1024,
+                    completion_tokens=256, checkpointing=True)
     plan = estimate(shape, base)
     assert plan.terms["weights"] == 4 * P // 2 and plan.terms["optimizer"] == 8 * P // 2
     assert estimate(shape, replace(base, extra_state=4)).terms["algorithm state"] == 4 * P // 2
@@ -215,8 +216,8 @@ def test_each_term_follows_the_config():
 
 def test_a_run_that_cannot_fit_is_refused_with_the_fix():
     shape = KNOWN_SHAPES["qwen3-8b"]
-    work = Workload(ranks=1, compute_bytes=2, micro_batch_size=8, row_tokens=4096, completion_tokens=256,
-                    checkpointing=True)
+    work = Workload(ranks=1, compute_bytes=2, micro_batch_tokens=0, micro_batch_size=8, row_tokens=4096,
+                    completion_tokens=256, checkpointing=True)
     with pytest.raises(PreflightError) as refused:
         check_fit(estimate(shape, work), 80 * GIB, "test", load_config(["@", CONFIG_8B]))
     message = str(refused.value)

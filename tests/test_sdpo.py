@@ -16,6 +16,7 @@ from scirl.rollouts.contract import PromptedQuestion, Sample
 from scirl.run.config import TrainConfig
 from scirl.task.prompt import build_messages, teacher_messages
 from scirl.task.reward import Scored
+from scirl.trainer.batching import Batching
 from scirl.trainer.targets import student_logprobs, teacher_targets
 
 # ---- the divergence, against the textbook formulas written out entry by entry ----
@@ -217,15 +218,15 @@ def samples_with_teachers(seed=0):
     return samples
 
 
-def make_trainer(model_dir, cls=None, **sdpo):
+def make_trainer(model_dir, **sdpo):
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer
 
     cfg = TrainConfig(algorithm="sdpo", sdpo=sdpo)
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = (cls or Trainer)(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"),
-                               dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
     return trainer
 
@@ -261,28 +262,29 @@ def test_the_trainer_step_is_the_direct_sdpo_gradient_with_the_teacher_held_fixe
     """teacher = "current": the teacher is the very module being trained, so any gradient through the teacher
     forward would change the step; the step equals SGD (lr 1) on the direct gradient with the teacher's logits
     taken as constants."""
-    from scirl.trainer.step import make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
 
     trainer = make_trainer(tiny_model_dir, teacher="current", alpha=alpha, top_k=top_k, is_clip=1.5)
     samples = samples_with_teachers()
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     grads = direct_gradient(trainer, samples, alpha, top_k, 1.5)
-    batches = trainer.batches(samples, 2, pad_id=0)
-    assert sum(int(mb.loss_mask.sum()) for mb in batches) == 11  # the sample without a teacher is left out
+    trainer.batching = Batching(micro_batch_size=2)
+    batches = trainer.batches(samples)
+    assert sum(mb.loss_tokens for mb in batches) == 11  # the sample without a teacher is left out
     stats = trainer.train_step(batches)
     assert stats["stepped"] and stats["sdpo/teacher_tokens"] == 11
     scale = min(1.0, 1.0 / (math.sqrt(sum(float(g.pow(2).sum()) for g in grads.values())) + 1e-6))  # clip at 1
     for name, p in trainer.model.named_parameters():
         torch.testing.assert_close(p.detach(), before[name] - scale * grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert make_micro_batches(samples, 8, pad_id=0)[0].teacher.has_teacher.tolist().count(False) == 1
+    assert make_micro_batches(samples, max_rows=8)[0].teacher.has_teacher.tolist().count(False) == 1
 
 
 def test_the_ema_teacher_follows_the_policy_after_each_step_and_is_put_back_exactly(tiny_model_dir):
-    from scirl.trainer.step import make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
 
     trainer = make_trainer(tiny_model_dir, ema_rate=0.25)
     start = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    trainer.train_step(trainer.batches(samples_with_teachers(), 8, pad_id=0))
+    trainer.train_step(trainer.batches(samples_with_teachers()))
     after = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     state = trainer.algorithm.ema.state_dict()
     assert state.keys() == start.keys() and all(t.dtype == torch.float32 for t in state.values())
@@ -299,29 +301,9 @@ def test_the_ema_teacher_follows_the_policy_after_each_step_and_is_put_back_exac
     other = make_trainer(tiny_model_dir, ema_rate=0.25)
     other.algorithm.ema.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(other.algorithm.ema.values, trainer.algorithm.ema.values))
-    assert make_micro_batches(samples_with_teachers(), 8, pad_id=0)[0].teacher.input_ids.shape[0] == 4
-
-
-@pytest.mark.parametrize("grpo_coef", [0.0, 0.5])
-def test_the_cpu_trainers_shared_prompts_give_the_same_sdpo_step(tiny_model_dir, grpo_coef):
-    from scirl.cpu.trainer import CPUTrainer, make_shared_prompt_batches
-    from scirl.trainer.step import make_micro_batches
-
-    results = []
-    for build in (make_micro_batches, make_shared_prompt_batches):
-        trainer = make_trainer(tiny_model_dir, CPUTrainer, grpo_coef=grpo_coef)
-        samples = samples_with_teachers()
-        if not grpo_coef:
-            samples = [s for s in samples if s.teacher_prompt_ids is not None]
-        results.append((trainer.train_step(build(samples, 5, pad_id=0)), trainer.full_state_dict()))
-    (plain, plain_weights), (shared, shared_weights) = results
-    taught = [s for s in samples_with_teachers() if s.teacher_prompt_ids is not None]
-    assert len(make_shared_prompt_batches(taught, 5, pad_id=0)[0].teacher.prompts.prompt_ids) == 3  # 4 rows, 3 prompts
-    for key in ("loss", "sdpo/divergence", "entropy"):
-        assert shared[key] == pytest.approx(plain[key], abs=1e-5), key
-    assert shared["sdpo/teacher_tokens"] == plain["sdpo/teacher_tokens"] == 11
-    for name, value in plain_weights.items():
-        assert torch.allclose(shared_weights[name], value, atol=1e-6), name
+    # the teacher's sequences: 4 rows after 3 distinct teacher prompts (group 1's two completions share theirs)
+    teacher = make_micro_batches(samples_with_teachers(), max_rows=8)[0].teacher.packed
+    assert teacher.sequences == 4 and teacher.layout.prompt_index.shape[0] == 3
 
 
 def test_the_metrics_row_and_step_line_say_how_many_rollouts_had_a_teacher():
@@ -379,5 +361,5 @@ def test_in_one_bf16_process_the_teacher_computes_with_the_ema_cast_and_the_copy
             assert torch.equal(compute.detach(), value.to(torch.bfloat16))
     for master, compute in trainer.compute_copy.pairs:
         assert torch.equal(compute.detach(), master.detach().to(torch.bfloat16))
-    stats = trainer.train_step(trainer.batches(samples_with_teachers(), 8, pad_id=0))
+    stats = trainer.train_step(trainer.batches(samples_with_teachers()))
     assert stats["stepped"] and stats["sdpo/divergence"] > 0  # the teacher (EMA + 0.01) differs from the student

@@ -108,18 +108,19 @@ def direct_grpo_gradient(model, samples, *, temperature, top_p, loss_cfg) -> dic
     return {name: param.grad.clone() for name, param in model.named_parameters()}
 
 
-@pytest.mark.parametrize("shared_prompts", [False, True])
-def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir, shared_prompts):
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir, share_prompts):
     """The trainer's GRPO gradient (its micro-batches, logprobs at the sampling temperature and nucleus, masking,
     KL term and global token normalisation) equals prime-rl's loss written out with plain autograd, on fixed
     samples whose sampler logprobs are stale, so that tokens are masked on both sides and the KL term is not
     zero. Both computations run here, in this process, so the tolerance is round-off of float32 sums alone.
     With ``test_grpo_runs_as_before_sdpo_existed`` (sampling and advantages on a recorded run) this pins GRPO."""
     from scirl import algorithms
-    from scirl.cpu.trainer import CPUTrainer
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
+    from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
+    from scirl.trainer.step import Trainer
     from test_train import fixed_samples
 
     cfg = TrainConfig()
@@ -127,15 +128,15 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     for i, s in enumerate(samples):  # two groups sharing prompts, for the shared-prompt batches
         s.group, s.prompt_ids = i % 2, samples[i % 2].prompt_ids
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = CPUTrainer(model, cfg.optim, algorithms.build(cfg), temperature=0.9, top_p=0.95, device=torch.device("cpu"),
-                         dist=Dist(), dtype=torch.float32, share_prompts=shared_prompts)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.9, top_p=0.95, device=torch.device("cpu"),
+                      dist=Dist(), dtype=torch.float32, batching=Batching(micro_batch_size=3, share_prompts=share_prompts))
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=0.0)  # the gradient is what is compared
-    batches = trainer.batches(samples, 3, pad_id=0)
+    batches = trainer.batches(samples)
     count = float(sum(len(s.completion_ids) for s in samples))
     masked = 0.0
     for mb in batches:
-        _, sums = trainer.forward_backward(mb, [count])  # the batch's normalisers: GRPO's is its loss-token count
-        masked += sums.masked
+        _, sums = trainer.forward_backward(trainer.on_device(mb), [count])  # GRPO's normaliser: the loss-token count
+        masked += float(sums.masked)
     got = {name: param.grad.clone() for name, param in model.named_parameters()}
     want = direct_grpo_gradient(model, samples, temperature=0.9, top_p=0.95, loss_cfg=cfg.loss)
     assert 0 < masked < count  # the masking rules are exercised, not bypassed
@@ -234,7 +235,8 @@ from scirl.run.config import TrainConfig
 from scirl.distributed import setup, teardown, exit_process
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer, make_micro_batches
+from scirl.trainer.packing import make_micro_batches
+from scirl.trainer.step import Trainer
 model_dir, samples_file, ema_file, out_file = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
@@ -243,9 +245,9 @@ model = load_model(model_dir, device, dist, torch.float32)
 trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=device, dist=dist, dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
 trainer.algorithm.ema.load_state_dict(torch.load(ema_file) if dist.rank == 0 else None)  # a teacher unlike the policy
-mine = samples[dist.rank::dist.world_size]  # uneven on purpose
+mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
 trainer.sequence_logprobs(list(range(10, 40)))  # a weight check's forward: FSDP2 leaves the root's weights gathered
-stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
+stats = trainer.train_step(make_micro_batches(mine, max_rows=2))
 state, ema = trainer.full_state_dict(), trainer.algorithm.ema.state_dict(all_ranks=False)
 if dist.rank == 0:
     torch.save({"stats": stats, "state": state, "ema": ema}, out_file)
@@ -268,7 +270,8 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     from scirl import algorithms
     from scirl.run.config import TrainConfig
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     samples = samples_with_teachers(seed=4) + samples_with_teachers(seed=5)
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
@@ -289,7 +292,7 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
                       dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
     trainer.algorithm.ema.load_state_dict(ema)
-    want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
+    want = trainer.train_step(make_micro_batches(samples, max_rows=2))
     assert got["stats"]["sdpo/teacher_tokens"] == want["sdpo/teacher_tokens"]
     for key in ("loss", "sdpo/divergence", "grad_norm"):
         assert got["stats"][key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key

@@ -160,24 +160,26 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     """Gradient accumulation with the global token count == one big batch (up to float error)."""
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer
 
-    samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 9, 10, 11, 12 and 13 tokens
+    samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 10, 9, 13, 12 and 11 tokens
     cfg = TrainConfig(optim={"lr": 1e-2})
     results = []
-    # micro_batch_tokens 24: [6, 9] (2 x 9 padded tokens), [10, 11], [12], [13] (alone: 2 x 13 > 24)
-    for micro_batch_size, micro_batch_tokens in ((6, 0), (4, 0), (1, 0), (6, 24)):
+    # micro_batch_tokens 24, in order: [6, 10], [9, 13], [12, 11] (each a row of their sum)
+    for micro_batch_size, micro_batch_tokens in ((6, 0), (4, 0), (1, 0), (None, 24)):
         torch.manual_seed(0)
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
         trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                          dtype=torch.float32, micro_batch_tokens=micro_batch_tokens)
+                          dtype=torch.float32, batching=Batching(micro_batch_tokens=micro_batch_tokens,
+                                                                 micro_batch_size=micro_batch_size))
         # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
         # would turn float noise on near-zero gradients into lr-sized differences
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        batches = trainer.batches(samples, micro_batch_size, pad_id=0)
+        batches = trainer.batches(samples)
         if micro_batch_tokens:
-            assert [tuple(mb.input_ids.shape) for mb in batches] == [(2, 9), (2, 11), (1, 12), (1, 13)]
+            assert [mb.packed.forward_tokens for mb in batches] == [16, 22, 23]
         stats = trainer.train_step(batches)
         results.append((stats, {k: v.clone() for k, v in model.state_dict().items()}))
     (ref_stats, ref_weights), *others = results
@@ -330,7 +332,8 @@ from scirl.run.config import TrainConfig
 from scirl.distributed import setup
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer, make_micro_batches
+from scirl.trainer.packing import make_micro_batches
+from scirl.trainer.step import Trainer
 model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
@@ -340,7 +343,7 @@ trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_
                   head_block_tokens=3)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
-stats = trainer.train_step(make_micro_batches(mine, 2, pad_id=0))
+stats = trainer.train_step(make_micro_batches(mine, max_rows=2))
 state = trainer.full_state_dict()
 if dist.rank == 0:
     torch.save({"stats": stats, "state": state}, out_file)
@@ -375,7 +378,8 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     samples = fixed_samples()
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
@@ -394,7 +398,7 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    want = trainer.train_step(make_micro_batches(samples, 2, pad_id=0))
+    want = trainer.train_step(make_micro_batches(samples, max_rows=2))
     assert got["stats"]["loss_tokens"] == want["loss_tokens"]
     assert got["stats"]["loss"] == pytest.approx(want["loss"], abs=1e-6)
     assert got["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
@@ -475,25 +479,26 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
 
 
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
-    """The completion-only LM head gives the same logprobs as a full forward + log_softmax / T."""
+    """The packed forward and the loss-token LM head give a full forward's log_softmax / T at each completion token."""
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
-    (mb,) = make_micro_batches(fixed_samples(4, seed=2), 4, pad_id=0)
+    samples = fixed_samples(4, seed=2)
+    (mb,) = make_micro_batches(samples, max_rows=4)
     with torch.no_grad():
-        logprobs, _, loss_mask, _ = trainer.completion_logprobs(mb)
-        first = int(mb.loss_mask.int().argmax(dim=1).min())  # logprobs start at the earliest completion token
-        assert torch.equal(loss_mask, mb.loss_mask[:, first:])
-        full = torch.log_softmax(model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits / 0.7, -1)
-    for b in range(mb.input_ids.shape[0]):
-        for t in mb.loss_mask[b].nonzero().flatten().tolist():
-            want = full[b, t - 1, mb.input_ids[b, t]]
-            assert abs(logprobs[b, t - first].item() - want.item()) < 1e-5
+        logprobs, _, loss_mask, _ = trainer.forward_logprobs(trainer.on_device(mb))
+        for r, s in enumerate(samples):
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            full = torch.log_softmax(model(input_ids=ids).logits[0] / 0.7, -1)
+            assert loss_mask[r].sum() == len(s.completion_ids)
+            for k, token in enumerate(s.completion_ids):
+                assert abs(logprobs[r, k].item() - full[len(s.prompt_ids) - 1 + k, token].item()) < 1e-5
 
 
 def test_run_dir_rules(tmp_path):
@@ -567,37 +572,6 @@ def grouped_samples(seed=0, per_completion_prompts=False):
             samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
                                   (-torch.rand(n, generator=g) * 5).tolist(), float(torch.randn(1, generator=g)), group))
     return samples
-
-
-@pytest.mark.parametrize("per_completion_prompts", [False, True])
-@pytest.mark.parametrize("micro_batch_size", [3, 5])  # one prompt per micro-batch; two, the shorter left-padded
-def test_shared_prompt_forward_equals_the_plain_one(tiny_model_dir, micro_batch_size, per_completion_prompts):
-    """Each prompt run once and continued from its KV cache: same logprobs and same update as full sequences."""
-    from scirl.run.config import TrainConfig
-    from scirl.cpu.trainer import CPUTrainer, make_shared_prompt_batches
-    from scirl.distributed import Dist
-    from scirl.trainer.model import load_model
-    from scirl.trainer.step import make_micro_batches
-
-    cfg = TrainConfig()
-    samples = grouped_samples(per_completion_prompts=per_completion_prompts)
-    if per_completion_prompts:  # one stored prompt per distinct prompt, not per group
-        assert len(make_shared_prompt_batches(samples, 5, pad_id=0)[0].prompt_ids) == 4
-    results = []
-    for build in (make_micro_batches, make_shared_prompt_batches):
-        model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = CPUTrainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
-        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        micro_batches = build(samples, micro_batch_size, pad_id=0)
-        stats = trainer.train_step(micro_batches)
-        results.append((stats, trainer.full_state_dict()))
-    (plain, plain_weights), (shared, shared_weights) = results
-    assert shared["loss_tokens"] == plain["loss_tokens"] == 16
-    for key in ("loss", "entropy", "mismatch_kl"):
-        assert shared[key] == pytest.approx(plain[key], abs=1e-5), key
-    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    for name, value in plain_weights.items():
-        assert torch.allclose(shared_weights[name], value, atol=1e-6), name
 
 
 @pytest.fixture(scope="module")
@@ -814,7 +788,8 @@ def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer, make_micro_batches
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
 
     cfg = TrainConfig()
     samples = grouped_samples()
@@ -824,7 +799,7 @@ def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
         trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
-        stats = trainer.train_step(make_micro_batches(samples, micro_batch_size, pad_id=0))
+        stats = trainer.train_step(make_micro_batches(samples, max_rows=micro_batch_size))
         assert stats["stepped"] and all(p.dtype == torch.float32 for p in model.parameters())
         assert all(p.dtype == torch.bfloat16 for p in trainer.compute_model.parameters())
         for (name, master), compute in zip(model.named_parameters(), trainer.compute_model.parameters()):

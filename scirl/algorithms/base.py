@@ -139,12 +139,13 @@ def expand(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_count(micro_batches: list) -> float:
-    """Completions with at least one loss token (a dummy micro-batch has none)."""
-    return float(sum(int(mb.loss_mask.any(dim=1).sum()) for mb in micro_batches))
+    """Completions with at least one loss token (counted when the batch was built, on the host)."""
+    return float(sum(mb.sequences for mb in micro_batches))
 
 
 def mismatch_sums(log_ratio: torch.Tensor, mask: torch.Tensor, clipped: torch.Tensor) -> LossSums:
-    """The statistics every loss reports: loss tokens, clipped ones (``masked``), the trainer-sampler k3 KL."""
+    """The statistics every loss reports: loss tokens, clipped ones (``masked``), the trainer-sampler k3 KL (device
+    scalars: nothing here waits for the device)."""
     with torch.no_grad():
         k3 = log_ratio.exp() - 1 - log_ratio
-        return LossSums(tokens=float(mask.sum()), masked=float((clipped & mask).sum()), mismatch_kl=float(k3[mask].sum()))
+        return LossSums(tokens=mask.sum(), masked=(clipped & mask).sum(), mismatch_kl=torch.where(mask, k3, 0.0).sum())

@@ -6,9 +6,7 @@ call into it:
 
 - ``generator.CPUGenerator``: ``HFGenerator`` with a preallocated KV cache and each group's prompt
   K/V kept once during decoding;
-- ``trainer.CPUTrainer``: ``Trainer`` whose forward runs each group's prompt once per micro-batch,
-  with grouped-query attention left to torch's CPU kernel;
-- ``attention``: the attention functions both register with transformers;
+- ``attention``: the decode attention it registers with transformers;
 - ``matrix_units.bf16_advice``: the line a bf16 run on a CPU without bf16 matrix units starts with;
 - ``host_memory.keep_freed_memory``: a process-wide glibc setting, which only a CLI entry point
   (never the library) may switch on.

@@ -1,8 +1,8 @@
 """Which generator and trainer a run gets, chosen once, here.
 
-The core classes (``inference.hf.HFGenerator``, ``trainer.step.Trainer``) are what a GPU runs; on a CPU
-the same contracts are served by ``scirl.cpu``'s subclasses, which only change how fast a step
-goes. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
+The trainer (``trainer.step.Trainer``) is the same on every device. The generator's core class
+(``inference.hf.HFGenerator``) is what a GPU runs; on a CPU ``scirl.cpu``'s subclass serves the same
+contract faster. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
 contract. Nothing below this module knows which one it got.
 """
 
@@ -15,7 +15,6 @@ from huggingface_hub import try_to_load_from_cache
 
 from scirl.cpu.generator import CPUGenerator
 from scirl.cpu.matrix_units import bf16_advice  # noqa: F401  (the CPU advice setup gives; scirl.cpu is reached through here)
-from scirl.cpu.trainer import CPUTrainer
 from scirl.errors import TrainError
 from scirl.inference.base import Generator
 from scirl.inference.hf import HFGenerator
@@ -23,16 +22,19 @@ from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError, 
 from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
 from scirl.run.config import COLOCATED_GPU_SHARE
+from scirl.trainer import kernels
+from scirl.trainer.batching import Batching
 from scirl.trainer.step import Trainer
 
 
 def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
-    """The trainer of ``algorithm`` (``scirl.algorithms.build(cfg)``, the one the orchestrator's half also holds)."""
-    kwargs = dict(temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist, dtype=dtype,
-                  head_block_tokens=cfg.head_block_tokens, micro_batch_tokens=cfg.micro_batch_tokens)
-    if device.type == "cpu":
-        return CPUTrainer(model, cfg.optim, algorithm, share_prompts=cfg.share_prompts, **kwargs)
-    return Trainer(model, cfg.optim, algorithm, **kwargs)
+    """The trainer of ``algorithm`` (``scirl.algorithms.build(cfg)``, the one the orchestrator's half also holds):
+    the same on every device; its decoder kernels (``kernels``) are resolved for this one."""
+    batching = Batching(micro_batch_tokens=cfg.micro_batch_tokens, micro_batch_size=cfg.micro_batch_size,
+                        share_prompts=cfg.share_prompts, attention=cfg.attention)
+    return Trainer(model, cfg.optim, algorithm, temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist,
+                   dtype=dtype, head_block_tokens=cfg.head_block_tokens, batching=batching,
+                   kernels=kernels.resolve(cfg.kernels, device))
 
 
 def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:

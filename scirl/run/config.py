@@ -19,6 +19,7 @@ from scirl.algorithms.sections import Section
 from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.task.formats import known_format, parse_columns
+from scirl.trainer.batching import DEFAULT_MICRO_BATCH_TOKENS
 
 # Bounds below refuse values that can only be mistakes (a typo'd exponent, a NaN from a script), so they
 # fail here naming the field instead of as NaN losses or a crash inside AdamW mid-run.
@@ -251,10 +252,11 @@ class RunConfig(Section):
     model: str = Field("PrimeIntellect/Qwen3-8B", min_length=1, description="hub name or local HF model directory")
     batch_size: int = Field(128, ge=1, description="completions per step")
     group_size: int = Field(16, ge=2, description="completions per question (advantages need at least 2)")
-    micro_batch_size: int = Field(8, ge=1, description="completions per forward/backward pass")
-    micro_batch_tokens: int = Field(0, ge=0, description="tokens per forward/backward pass instead (0: off): as many "
-                                    "length-sorted sequences as fit, padding counted (a longer one alone); not for "
-                                    "the CPU's shared-prompt batches")
+    micro_batch_tokens: int = Field(DEFAULT_MICRO_BATCH_TOKENS, ge=0, description="tokens per forward/backward pass: "
+                                    "whole groups packed into one row without padding, each prompt counted once (a "
+                                    "group that does not fit is split, its prompt in each part); 0: no token bound")
+    micro_batch_size: int | None = Field(None, ge=1, description="completions per forward/backward pass at most "
+                                         "(None: as many as micro_batch_tokens holds)")
     head_block_tokens: int = Field(512, ge=1, description="the LM head, its softmax and their backward run over "
                                    "blocks of this many tokens: the step's largest tensors are [block, vocabulary]")
     max_completion_tokens: int = Field(256, ge=1)
@@ -269,11 +271,17 @@ class RunConfig(Section):
         "auto", description="compute dtype over float32 master weights; auto: float32 on CPU, bfloat16 on GPU "
         "(bfloat16 on a CPU pays off where it has AMX/AVX512-BF16 matrix units)")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in backward (big models)")
+    attention: Literal["auto", "flex", "sdpa"] = Field(
+        "auto", description="the training forward's attention over packed rows: flex (torch's flex attention with a "
+        "block mask; CUDA), sdpa (per-group gathers and torch's SDPA; any device); auto: flex on CUDA, sdpa elsewhere")
+    kernels: Literal["auto", "eager", "compile", "liger"] = Field(
+        "auto", description="the decoder layers in the training forward: eager (transformers' modules), compile "
+        "(each layer compiled by torch.compile), liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
+        "auto: compile on CUDA, eager elsewhere")
     algorithm: Literal[algorithms.names()] = Field(algorithms.DEFAULT, description="the policy loss and advantages: " + "; ".join(
         f"{name}: {summary}" for name, summary in algorithms.summaries().items()) + " (each with its own section)")
-    share_prompts: bool = Field(True, description="train forward: each prompt once per micro-batch, its completions "
-                                "continued from its KV cache (a group's prompt is not recomputed per completion); "
-                                "single-process runs only, torchrun runs use full sequences")
+    share_prompts: bool = Field(True, description="train forward: each group's prompt once per micro-batch, its "
+                                "completions attending to it (false: every completion with its own copy of the prompt)")
     optim: OptimConfig = OptimConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     filters: FiltersConfig = FiltersConfig()
@@ -293,9 +301,9 @@ class RunConfig(Section):
                 f"batch_size ({self.batch_size}) must be divisible by group_size ({self.group_size}): "
                 "a step is batch_size/group_size questions with group_size completions each"
             )
-        if self.share_prompts and self.activation_checkpointing:
-            raise ValueError("share_prompts needs the KV cache in the training forward, which activation "
-                             "checkpointing turns off: set share_prompts = false with activation_checkpointing")
+        if not self.micro_batch_tokens and self.micro_batch_size is None:
+            raise ValueError("micro_batch_tokens = 0 leaves micro-batches unbounded: set micro_batch_tokens, or "
+                             "micro_batch_size (completions per forward)")
         if self.eval.interval and self.data.split == "eval":
             raise ValueError("eval.interval evaluates on the held-out split, which data.split = 'eval' trains on: "
                              "train on data.split = 'train', or set eval.interval = 0")

@@ -137,10 +137,13 @@ class Workload:
 
     ranks: int  # FSDP2 shards state over these; 1: a plain module
     compute_bytes: int  # 2: bf16 compute, 4: float32
-    micro_batch_size: int
-    row_tokens: int  # the micro-batch's longest row, prompt + completion
-    completion_tokens: int  # the head's positions per row, less one
+    micro_batch_tokens: int  # the token budget of a micro-batch's packed row (0: none)
+    micro_batch_size: int | None  # sequences per micro-batch at most (None: no bound)
+    row_tokens: int  # the longest sequence, prompt + completion
+    completion_tokens: int  # the longest completion
     checkpointing: bool
+    group_size: int = 1  # completions per prompt (the SDPA path copies a prompt's K/V to each of its completions)
+    attention: str = "flex"  # flex (GPUs) or sdpa: what the attention keeps for the backward
     head_block: int | None = None  # None: full logits; else the block-wise head's rows per block
     top_p: float = 1.0
     lora_parameters: int | None = None  # the adapter's, when LoRA trains; None: every parameter trains
@@ -148,7 +151,15 @@ class Workload:
     engine_train: int = 0  # bytes an engine holds on this GPU during the train step
     engine_push: int = 0  # and while it takes new weights
     push_gathers: bool = True  # the push gathers the full weights on this GPU in the compute dtype
-    foreach: bool = True  # AdamW's foreach kernels (GPUs): one float32 temporary of the trained parameters
+    foreach: bool = False  # AdamW's foreach kernels: one float32 temporary of the trained parameters (fused: none)
+
+    @property
+    def tokens(self) -> int:
+        """The positions of a micro-batch's packed row at most: the token budget (each prompt once) or
+        ``micro_batch_size`` sequences of ``row_tokens``, whichever is less; a sequence longer than that alone."""
+        bounds = ([self.micro_batch_tokens] if self.micro_batch_tokens else []) + (
+            [self.micro_batch_size * self.row_tokens] if self.micro_batch_size else [])
+        return max(min(bounds), self.row_tokens)
 
 
 @dataclass
@@ -191,23 +202,28 @@ def head_backward_bytes(positions: int, shape: "ModelShape", compute_bytes: int,
             + compute_bytes * positions * shape.hidden)
 
 
-def activation_bytes(shape: ModelShape, rows: int, length: int, c: int, checkpointing: bool) -> tuple[int, int]:
-    """(what autograd keeps from a micro-batch's forward of ``rows`` x ``length`` tokens, what one decoder
+def activation_bytes(shape: ModelShape, work: "Workload", c: int) -> tuple[int, int]:
+    """(what autograd keeps from a micro-batch's forward of ``work.tokens`` packed positions, what one decoder
     layer's backward adds to it): the module docstring lists the tensors."""
-    s = shape
+    s, tokens = shape, work.tokens
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_layer = ((F32 + c) * (2 * s.hidden + q + kv)  # the four RMSNorms: float32 input, compute-dtype output
-                 + 5 * c * q  # q, repeated k and v, attention output, its contiguous copy
-                 + F32 * s.heads  # SDPA's logsumexp
-                 + c * length  # the boolean padding mask, converted by SDPA per layer ([rows, 1, L, L])
+    cast = F32 if c != F32 else 0  # the norms' float32 copy of their input (none when it already is float32)
+    per_layer = ((cast + c) * (2 * s.hidden + q + kv)  # the four RMSNorms: float32 input, compute-dtype output
+                 + c * (q + 2 * kv)  # q, k, v after the rotary embedding (grouped K/V heads, not repeated)
+                 + 2 * c * q  # the attention output and its contiguous copy (o_proj's input)
+                 + F32 * s.heads  # the attention's logsumexp
                  + 4 * c * s.intermediate)  # gate, SiLU(gate), up, their product
-    outside = (F32 + c) * s.hidden + 2 * c * s.head_dim  # the final norm; rotary cos and sin
+    copies = 0
+    if work.attention == "sdpa":  # the gathers: q, k, v by group and row, the outputs before they are scattered
+        prompt = max(work.row_tokens - work.completion_tokens, 1)
+        rows = tokens / (work.completion_tokens + prompt / max(work.group_size, 1))
+        copies = c * (q + 2 * kv + q) * tokens + 2 * c * kv * int(rows * prompt)
+    outside = (cast + c) * s.hidden + 2 * c * s.head_dim  # the final norm; rotary cos and sin
     backward = 2 * c * s.intermediate + 2 * c * s.hidden  # a layer's gradients in flight (the MLP's, the stream's)
-    tokens = rows * length
-    if not checkpointing:
-        return tokens * (s.layers * per_layer + outside), tokens * backward
+    if not work.checkpointing:
+        return tokens * (s.layers * per_layer + outside) + s.layers * copies, tokens * backward
     # each layer keeps its input; the backward recomputes one layer's tensors at a time
-    return tokens * (s.layers * c * s.hidden + outside), tokens * (per_layer + backward)
+    return tokens * (s.layers * c * s.hidden + outside), tokens * (per_layer + backward) + copies
 
 
 def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
@@ -215,8 +231,8 @@ def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
     w, c, P, R = work, work.compute_bytes, shape.parameters(), work.ranks
     trained = w.lora_parameters if w.lora_parameters is not None else P
     copy = R == 1 and c != F32 and w.lora_parameters is None
-    saved, layer_backward = activation_bytes(shape, w.micro_batch_size, w.row_tokens, c, w.checkpointing)
-    positions = w.micro_batch_size * min(w.row_tokens, w.completion_tokens + 1)
+    saved, layer_backward = activation_bytes(shape, w, c)
+    positions = w.tokens  # the head's: every completion token of the row at most
     terms = {
         "weights": c * P + F32 * trained if w.lora_parameters is not None else F32 * P // R,
         "gradients": F32 * trained // R,
@@ -285,10 +301,13 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
         engine_train = engine_push = c * shape.parameters() if ranks > 1 else 0
         push_gathers = ranks > 1
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
-    return Workload(ranks=ranks, compute_bytes=c, micro_batch_size=cfg.micro_batch_size,
-                    row_tokens=row_tokens or cfg.seq_len, completion_tokens=cfg.max_completion_tokens,
-                    checkpointing=cfg.activation_checkpointing, head_block=cfg.head_block_tokens,
-                    top_p=cfg.top_p, lora_parameters=lora,
+    row = row_tokens or cfg.seq_len
+    gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpu_bytes is not None)
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "sdpa")
+    return Workload(ranks=ranks, compute_bytes=c, micro_batch_tokens=cfg.micro_batch_tokens,
+                    micro_batch_size=cfg.micro_batch_size, row_tokens=row, completion_tokens=cfg.max_completion_tokens,
+                    checkpointing=cfg.activation_checkpointing, group_size=cfg.group_size, attention=attention,
+                    head_block=cfg.head_block_tokens, top_p=cfg.top_p, lora_parameters=lora,
                     extra_state=algorithms.state_bytes_per_param(cfg), engine_train=engine_train,
                     engine_push=engine_push, push_gathers=push_gathers)
 
@@ -318,8 +337,8 @@ def gpu_size(deployment) -> tuple[int, str] | None:
 
 
 def longest_row_that_fits(shape: ModelShape, work: Workload, limit: int) -> int | None:
-    """The longest micro-batch row (prompt + completion, at most ``work.row_tokens``) whose peak fits in
-    ``limit`` bytes; None when not even a full-length completion after a one-token prompt fits."""
+    """The longest sequence (prompt + completion, at most ``work.row_tokens``) whose peak fits in ``limit``
+    bytes; None when not even a full-length completion after a one-token prompt fits."""
     low, high = work.completion_tokens + 1, work.row_tokens
     if estimate(shape, replace(work, row_tokens=low)).peak > limit:
         return None
@@ -333,15 +352,18 @@ def fixes(shape: ModelShape, work: Workload, limit: int, cfg) -> str:
     """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, as flags; else the
     combination of checkpointing and GPUs that does."""
     fits = lambda w: estimate(shape, w).peak <= limit  # noqa: E731
-    checkpointing = "--activation-checkpointing" + (" --no-share-prompts" if cfg.share_prompts else "")
+    checkpointing = "--activation-checkpointing"
     launcher = cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls
     gpus_flag = "--deployment.num-train-gpus {}" if launcher else "torchrun --nproc-per-node {}"
     found = []
     if not work.checkpointing and fits(replace(work, checkpointing=True)):
         found.append(f"activation checkpointing ({checkpointing})")
-    batch = next((m for m in range(work.micro_batch_size - 1, 0, -1) if fits(replace(work, micro_batch_size=m))), None)
-    if batch:
-        found.append(f"a smaller micro-batch (--micro-batch-size {batch})")
+    if work.tokens > work.row_tokens and fits(replace(work, micro_batch_tokens=work.row_tokens)):
+        low, high = work.row_tokens, work.tokens - 1  # the largest budget that fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(replace(work, micro_batch_tokens=mid)) else (low, mid - 1)
+        found.append(f"smaller micro-batches (--micro-batch-tokens {low})")
     if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
         least = work.compute_bytes * shape.parameters() + GIB
         share = next((u / 20 for u in range(19, 0, -1) if u / 20 * limit > least and fits(replace(
@@ -371,7 +393,7 @@ def check_fit(plan: MemoryPlan, limit: int, where: str, cfg) -> int | None:
     short = estimate(plan.shape, replace(plan.work, row_tokens=plan.work.completion_tokens + 1))
     moment = max(short.phases, key=short.phases.get)
     raise PreflightError(f"memory: a trainer GPU needs about {gib(short.peak)} at its peak ({moment}, with micro-batches "
-                         f"of {plan.work.micro_batch_size} full-length completions), the GPU has {gib(limit)} ({where}); "
+                         f"of {short.work.tokens} tokens), the GPU has {gib(limit)} ({where}); "
                          f"fix: {fixes(plan.shape, short.work, limit, cfg)}")
 
 
@@ -392,10 +414,10 @@ def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> st
     w, s = plan.work, plan.shape
     shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
     weights = "frozen base in the compute dtype + float32 adapter" if w.lora_parameters is not None else f"float32 masters{shard}"
-    fill = {"shard": shard, "weights": weights, "act": f"{w.micro_batch_size} rows x {w.row_tokens} tokens, "
+    fill = {"shard": shard, "weights": weights, "act": f"a packed row of {w.tokens} tokens, {w.attention} attention, "
             + ("checkpointed" if w.checkpointing else "no checkpointing"),
             "recompute": ": recomputed, plus its gradients" if w.checkpointing else ": its gradients",
-            "head": f"{w.micro_batch_size} x {w.completion_tokens + 1} positions x {s.vocab} vocab, "
+            "head": f"up to {w.tokens} positions x {s.vocab} vocab, "
             + (f"blocks of {w.head_block} tokens" if w.head_block else "full logits"),
             "engine": "on this GPU: colocated sampler (awake)" if w.engine_push else "none on this GPU"}
     table = Table(title=f"memory plan per trainer GPU: {s.parameters() / 1e9:.2f}B parameters, {w.ranks} trainer "
@@ -419,7 +441,7 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
                 "give --deployment.gpu-memory-gb to check the fit")
     size, where = gpu
     if row is not None:
-        return (f"fits {gib(size)} ({where}) only while a micro-batch's longest row stays under {row} tokens "
+        return (f"fits {gib(size)} ({where}) only while the longest sequence stays under {row} tokens "
                 f"(seq_len allows {plan.work.row_tokens}); the run checks its data's longest prompt before loading weights")
     tight = " (tight: CUDA's context and fragmentation take a few GB more)" if plan.peak > TIGHT * size else ""
     return f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}){tight}"
@@ -450,7 +472,7 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
         return
     plan, fits_row = planned
     raise PreflightError(
-        f"memory: micro-batches of {cfg.micro_batch_size} rows of up to {row} tokens (the data's longest prompt, "
+        f"memory: micro-batches of {plan.work.tokens} tokens with sequences of up to {row} tokens (the data's longest prompt, "
         f"{longest_prompt} tokens, + max_completion_tokens) need about {gib(plan.peak)} on a trainer GPU, which has "
         f"{gib(gpu[0])} ({gpu[1]}); rows up to {fits_row} tokens fit; fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, "
         f"or --seq-len {fits_row} (longer prompts are then left out)")

@@ -46,6 +46,9 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
         m["loss_tokens"] = train_stats["loss_tokens"]
         if algorithm is not None:
             m.update({key: value for key, value in train_stats.items() if algorithm.train_metric(key)})
+    if "forward_tokens" in train_stats:  # what the trainer's forwards computed, over all ranks (docs/architecture.md)
+        for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens"):
+            m[f"train/{key}"] = train_stats[key]
     if algorithm is not None:
         m.update(algorithm.rollout_metrics(rollouts))
     completion_tokens = sum(r["num_tokens"] for r in rollouts)

@@ -67,7 +67,7 @@ class Run:
     console: Console
     tokenizer: object
     model: torch.nn.Module  # the trained module (the optimizer's float32 masters)
-    trainer: object  # scirl.trainer.step.Trainer, or the CPU one
+    trainer: object  # scirl.trainer.step.Trainer
     questions: list[PromptedQuestion]
     digest: str  # of the questions' ids: a checkpoint records it, and a resume on other questions is refused
     start_step: int
@@ -76,7 +76,6 @@ class Run:
     source: ColocatedSource | ServerSource
     sink: object  # scirl.weights.base.WeightSink
     evaluate: Callable[[int], dict]  # eval during training: {} unless due at this step
-    pad_id: int
     wandb_run: object | None
 
     def close(self) -> None:
@@ -153,10 +152,9 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)
         sink = InProcessSink(generator, trainer, check)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
     return Run(cfg, dist, device, run_dir, say, console, tokenizer, model, trainer, questions, digest, start_step,
-               empty_steps, generator, source, sink, evaluate, pad_id, wandb_run)
+               empty_steps, generator, source, sink, evaluate, wandb_run)
 
 
 def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | None, device: torch.device,
@@ -177,6 +175,8 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
+    say(f"Trainer: micro-batches of {trainer.describe_batching()}; attention {trainer.attention}; "
+        f"decoder layers: {trainer.kernels.describe()}")
     if saved is not None:
         trainer.load_optimizer_state_dict(saved["optimizer"])
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr

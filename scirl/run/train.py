@@ -75,7 +75,7 @@ class StepResult:
     metrics: dict  # the metrics.jsonl row
 
 
-def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id: int) -> StepResult:
+def one_step(step: int, source, trainer, sink) -> StepResult:
     """One GRPO step, in either deployment; every rank calls it (it syncs)."""
     started = time.perf_counter()
     batch = source.next(step)
@@ -83,7 +83,7 @@ def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id:
     sink.make_room()
     time_sync = time.perf_counter() - t
     t = time.perf_counter()
-    stats = learn(batch, trainer, micro_batch_size=micro_batch_size, pad_id=pad_id)
+    stats = learn(batch, trainer)
     time_train = time.perf_counter() - t
     t = time.perf_counter()
     checked = sink.push(step)  # the check's metrics when one ran, else {}
@@ -100,9 +100,9 @@ def one_step(step: int, source, trainer, sink, *, micro_batch_size: int, pad_id:
     return StepResult(batch, stats, rollouts, metrics)
 
 
-def learn(batch: RolloutBatch, trainer, *, micro_batch_size: int, pad_id: int) -> dict:
+def learn(batch: RolloutBatch, trainer) -> dict:
     """The trainer's half of a step: one optimizer step on this rank's samples of ``batch``."""
-    return trainer.train_step(trainer.batches(batch.samples, micro_batch_size, pad_id))
+    return trainer.train_step(trainer.batches(batch.samples))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,8 +142,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     try:
         with progress:
             for step in range(r.start_step + 1, cfg.max_steps + 1):
-                result = one_step(step, r.source, r.trainer, r.sink, micro_batch_size=cfg.micro_batch_size,
-                                  pad_id=r.pad_id)
+                result = one_step(step, r.source, r.trainer, r.sink)
                 evaluated = r.evaluate(step)  # {} unless due; the numbers on rank 0
                 empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
                 nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0

@@ -74,6 +74,7 @@ def build_tiny_model(
     vocab_size: int = 1024,
     tokenizer=None,
     seed: int = 0,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """Write a randomly initialised Qwen3 model plus tokenizer to ``out_dir`` and return the path."""
     out_dir = Path(out_dir)
@@ -87,7 +88,7 @@ def build_tiny_model(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

@@ -170,15 +170,14 @@ class Head:
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, got {self.block_tokens}")
 
-    def token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                       mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden`` [B, T, H], ``targets`` and ``mask`` [B, T] -> logprobs and entropies [B, T]: those of
-        ``scirl.trainer.loss.token_logprobs`` where ``mask`` is set, 0 elsewhere (the head runs on the
-        masked positions only: no compute on padding or prompts)."""
-        logprobs, entropy = HeadLogprobs.apply(hidden[mask], weight, targets[mask][:, None], self.temperature,
-                                               self.top_p, self.block_tokens)
-        full = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
-        return full.index_put((mask,), logprobs.squeeze(1)), full.index_put((mask,), entropy)
+    def token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor,
+                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``hidden`` [T, H] of the positions that predict ``targets`` [T] -> their logprobs and entropies [T]:
+        those of ``scirl.trainer.loss.token_logprobs`` (the head runs on these positions only: no compute on
+        padding or prompts)."""
+        logprobs, entropy = HeadLogprobs.apply(hidden, weight, targets[:, None], self.temperature, self.top_p,
+                                               self.block_tokens)
+        return logprobs.squeeze(1), entropy
 
     @torch.no_grad()
     def teacher_targets(self, hidden: torch.Tensor, weight: torch.Tensor, *, top_k: int, tail: bool) -> TeacherTargets:

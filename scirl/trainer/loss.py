@@ -22,12 +22,13 @@ import torch
 
 @dataclass
 class LossSums:
-    """Sums over loss tokens, so micro-batches and ranks can be added before dividing."""
+    """Sums over loss tokens, so micro-batches and ranks can be added before dividing. Each is a number or a
+    device scalar: the trainer reads them back once a step, not once a micro-batch."""
 
-    tokens: float = 0.0
-    masked: float = 0.0
-    mismatch_kl: float = 0.0  # k3 estimator: ratio - 1 - log_ratio, per token
-    entropy: float = 0.0
+    tokens: float | torch.Tensor = 0.0
+    masked: float | torch.Tensor = 0.0
+    mismatch_kl: float | torch.Tensor = 0.0  # k3 estimator: ratio - 1 - log_ratio, per token
+    entropy: float | torch.Tensor = 0.0
 
     def add(self, other: "LossSums") -> "LossSums":
         return type(self)(*(a + b for a, b in zip(self.as_list(), other.as_list(), strict=True)))
@@ -73,11 +74,7 @@ def rl_loss(
 
     with torch.no_grad():
         k3 = ratio - 1 - log_ratio
-        sums = LossSums(
-            tokens=float(mask.sum()),
-            masked=float((is_masked & mask).sum()),
-            mismatch_kl=float(k3[mask].sum()),
-        )
+        sums = LossSums(tokens=mask.sum(), masked=(is_masked & mask).sum(), mismatch_kl=torch.where(mask, k3, 0.0).sum())
     return loss, sums
 
 

@@ -1,153 +1,80 @@
 """The trainer's step: micro-batched forward/backward with gradient accumulation, one AdamW step per RL
 step, and the full weights for the sampler and checkpoints.
 
-Single process (CPU or one GPU): a plain module, trained in place; the generator
-samples from the very same module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under
-torchrun (``WORLD_SIZE > 1``): the FSDP2-sharded module ``model.py`` loads (float32 masters, a bf16
-compute policy on GPU); each rank trains on its share of the batch and ``full_state_dict`` gathers
-the full tensors (for the generation copy and checkpoints). The loss-token count is all-reduced
-first, so every rank divides by the batch's global count, as prime-rl does.
+A micro-batch is one packed row of tokens (``packing.py``): each group's prompt once, its completions after
+it, no padding, and an attention that keeps completions apart (``attention.py``). The forward stops at the
+final hidden states of the positions that predict a loss token; the LM head and its softmax run there only,
+a block of tokens at a time (``head.py``). Micro-batches are sized by tokens (``micro_batch_tokens``), so
+short completions go many to a forward and long ones few. Everything the loop indexes with is built on the
+host with the batch and the step's statistics stay on the device until the step ends, so a micro-batch's
+forward and backward never wait for the GPU to tell the host a number (``tests/test_packing.py`` counts).
+
+Single process (CPU or one GPU): a plain module, trained in place; the generator samples from the very same
+module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): the
+FSDP2-sharded module ``model.py`` loads (float32 masters, a bf16 compute policy on GPU); each rank trains on
+its share of the batch (whole groups) and ``full_state_dict`` gathers the full tensors (for the generation copy
+and checkpoints). The loss-token count is all-reduced first, so every rank divides by the batch's global count,
+as prime-rl does, and every rank runs as many forwards as the busiest (FSDP2's collectives).
 
 The loss, and what a micro-batch's forward/backward computes, is the run's algorithm's (``algorithm``, built
 by ``scirl.algorithms``; this module never imports it): ``Trainer`` calls its ``forward_backward`` (by default:
 the trainer's logprobs, ``algorithm.loss`` over them and the sampler's, backward), its ``counts`` (normalisers
 beyond the loss-token count, all-reduced with it), ``new_sums``/``stats`` and ``after_step``. A self-teacher's
-forward (an algorithm that distils) runs on ``teacher_hidden`` with the sequences of ``scirl/trainer/teacher.py``.
+forward (an algorithm that distils) runs on ``teacher_hidden`` with the micro-batch's teacher sequences.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
+from scirl.trainer import attention
+from scirl.trainer.batching import Batching
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
+from scirl.trainer.kernels import Kernels
 from scirl.trainer.lora import is_lora, merged_state_dict
 from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
-from scirl.trainer.teacher import TeacherInputs, teacher_inputs
-
-
-@dataclass
-class MicroBatch:
-    """Right-padded sequences (prompt + completion). Position t of the ``*_mask``/``logprobs``
-    tensors describes the token ``input_ids[:, t]`` as a prediction target."""
-
-    input_ids: torch.Tensor  # [B, L] long
-    attention_mask: torch.Tensor  # [B, L] long
-    loss_mask: torch.Tensor  # [B, L] bool: completion tokens
-    inference_logprobs: torch.Tensor  # [B, L] float32: sampler logprobs at completion tokens
-    advantages: torch.Tensor  # [B] float32
-    teacher: TeacherInputs | None = None  # a self-teacher's sequences of the rows that have one
-
-
-def make_micro_batches(samples: list[Sample], micro_batch_size: int, pad_id: int,
-                       micro_batch_tokens: int = 0) -> list[MicroBatch]:
-    """Right-padded micro-batches of whole sequences.
-
-    Samples of similar length share a micro-batch (sorted by length; the gradient is a sum, so the
-    order does not matter), which keeps padding small when some completions stop early. With
-    ``micro_batch_tokens`` a micro-batch holds as many sequences as fit in that many tokens, padding
-    counted, instead of ``micro_batch_size`` (short sequences go many to a forward, long ones few).
-    """
-    samples = sorted(samples, key=sequence_length)
-    batches = []
-    for chunk in length_sorted_chunks(samples, micro_batch_size, micro_batch_tokens):
-        length = max(len(s.prompt_ids) + len(s.completion_ids) for s in chunk)
-        input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros((len(chunk), length), dtype=torch.long)
-        loss_mask = torch.zeros((len(chunk), length), dtype=torch.bool)
-        inference_logprobs = torch.zeros((len(chunk), length), dtype=torch.float32)
-        for b, s in enumerate(chunk):
-            check_sample(s)
-            p, c = len(s.prompt_ids), len(s.completion_ids)
-            input_ids[b, : p + c] = torch.tensor(s.prompt_ids + s.completion_ids, dtype=torch.long)
-            attention_mask[b, : p + c] = 1
-            loss_mask[b, p : p + c] = True
-            inference_logprobs[b, p : p + c] = torch.tensor(s.logprobs, dtype=torch.float32)
-        advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
-        batches.append(MicroBatch(input_ids, attention_mask, loss_mask, inference_logprobs, advantages,
-                                  teacher_inputs(chunk, pad_id)))
-    return batches
-
-
-def sequence_length(s: Sample) -> int:
-    return len(s.prompt_ids) + len(s.completion_ids)
-
-
-def length_sorted_chunks(samples: list[Sample], micro_batch_size: int, micro_batch_tokens: int = 0) -> list[list[Sample]]:
-    """Consecutive runs of ``samples`` (sorted by length): ``micro_batch_size`` each, or with ``micro_batch_tokens``
-    as many as keep rows x the longest row's length within it (a longer sequence alone)."""
-    if not micro_batch_tokens:
-        return [samples[start : start + micro_batch_size] for start in range(0, len(samples), micro_batch_size)]
-    chunks: list[list[Sample]] = []
-    for s in samples:
-        # sorted ascending: a new sample is the longest of its chunk, so the padded size is rows x its length
-        if chunks and (len(chunks[-1]) + 1) * sequence_length(s) <= micro_batch_tokens:
-            chunks[-1].append(s)
-        else:
-            chunks.append([s])
-    return chunks
-
-
-def check_sample(s: Sample) -> None:
-    c = len(s.completion_ids)
-    if len(s.logprobs) != c or c == 0:
-        raise ValueError(f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
-                         "expected one sampling logprob per completion token (and at least one token)")
-
-
-def on_device(batch, device: torch.device):
-    """A copy of a micro-batch (a dataclass of tensors, its teacher inputs nested) with every tensor on ``device``."""
-    def moved(value):
-        if value is None:
-            return None
-        return on_device(value, device) if dataclasses.is_dataclass(value) else value.to(device)
-    return type(batch)(*(moved(value) for value in vars(batch).values()))
-
-
-def dummy_micro_batch() -> MicroBatch:
-    """Two tokens, no loss token: lets a rank with fewer micro-batches join FSDP's collectives."""
-    return MicroBatch(
-        torch.zeros((1, 2), dtype=torch.long),
-        torch.ones((1, 2), dtype=torch.long),
-        torch.zeros((1, 2), dtype=torch.bool),
-        torch.zeros((1, 2), dtype=torch.float32),
-        torch.zeros(1, dtype=torch.float32),
-    )
+from scirl.trainer.packing import (MicroBatch, Packed, PackedTeacher, dummy_micro_batch, dummy_teacher, make_micro_batches,
+                                   to_device)
 
 
 class Trainer:
     """One optimizer step per RL step: micro-batched forward/backward with gradient accumulation,
-    clipping, AdamW. ``make_batches`` and ``forward_logprobs`` are the two hooks ``scirl.cpu.CPUTrainer``
-    overrides; everything else is the same on every device."""
+    clipping, AdamW; the same on every device and any number of ranks."""
 
     def __init__(self, model, optim_cfg, algorithm, *, temperature: float, device: torch.device, dist: Dist,
                  dtype: torch.dtype, top_p: float = 1.0, head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 micro_batch_tokens: int = 0):
+                 batching: Batching = Batching(), kernels: str = "eager"):
+        attention.check_supported(model)
         self.model = model  # holds the float32 master weights the optimizer steps
         self.algorithm = algorithm  # the loss and what else the run's algorithm decides (``scirl.algorithms``)
         # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
         self.temperature, self.top_p = temperature, top_p
         # the LM head and its softmax run from the final hidden states, a block of tokens at a time (``head.py``)
         self.head = Head(temperature, top_p, head_block_tokens)
-        self.micro_batch_tokens = micro_batch_tokens  # 0: micro-batches of micro_batch_size sequences
+        self.batching = batching
+        self.attention = attention.kind_for(batching.attention, device)
         self.device = device
         self.dist = dist
         self.dtype = dtype
         self.max_norm = optim_cfg.max_norm
         # all parameters, except under LoRA: the adapter's only (the base is frozen); clipped over these too
         self.trainable = [p for p in model.parameters() if p.requires_grad]
+        # torch's fused AdamW: one kernel per parameter group, and no float32 temporary the size of the
+        # parameters at the step (the multi-tensor path's), which at 8B is ~15 GiB a rank
         self.optimizer = torch.optim.AdamW(
             self.trainable,
             lr=optim_cfg.lr,
             betas=tuple(optim_cfg.betas),
             weight_decay=optim_cfg.weight_decay,
+            fused=True,
         )
         # Forward and backward run on ``compute_model``: the module itself, except in a single bf16
         # process, where it is a bf16 copy (FSDP2's mixed precision does this under torchrun). A LoRA model
@@ -155,57 +82,96 @@ class Trainer:
         copy = dist.world_size == 1 and dtype != torch.float32 and not is_lora(model)
         self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
+        # the decoder layers' kernels in the training forward (``kernels.py``): eager, compiled or Liger's
+        self.kernels = Kernels(self.compute_model, kernels)
+        self._packed = False  # inside ``packed_forwards``
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
         algorithm.attach(self)  # its own state beside the weights (an EMA teacher), made from the model
 
-    def _all_reduce(self, values: list[float], op=None) -> list[float]:
-        if self.dist.world_size == 1:
-            return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
-        return t.tolist()
+    # ---- micro-batches ----
 
-    # ---- the hooks ----
+    def batches(self, samples: list[Sample]) -> list[MicroBatch]:
+        """A step's micro-batches of the samples the algorithm learns from (``select``)."""
+        b = self.batching
+        return make_micro_batches(self.algorithm.select(samples), max_tokens=b.micro_batch_tokens,
+                                  max_rows=b.micro_batch_size, share_prompts=b.share_prompts,
+                                  pad_to=attention.pad_to(self.attention))
 
-    def make_batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list[MicroBatch]:
-        return make_micro_batches(samples, micro_batch_size, pad_id, self.micro_batch_tokens)
+    def describe_batching(self) -> str:
+        b = self.batching
+        bounds = ([f"{b.micro_batch_tokens} tokens"] if b.micro_batch_tokens else []) + (
+            [f"{b.micro_batch_size} completions"] if b.micro_batch_size else [])
+        return " or ".join(bounds) + (", each group's prompt once" if b.share_prompts else ", prompts repeated per completion")
 
-    def forward_logprobs(self, mb) -> tuple[torch.Tensor, ...]:
-        """(trainer logprobs, entropies, loss mask, sampler logprobs) of a micro-batch's completion tokens."""
-        return self.completion_logprobs(mb)
+    def on_device(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` on the trainer's device with its attention masks made there."""
+        mb = to_device(mb, self.device)
+        packed = self.prepared(mb.packed)
+        teacher = None if mb.teacher is None else dataclasses.replace(mb.teacher, packed=self.prepared(mb.teacher.packed))
+        return dataclasses.replace(mb, packed=packed, teacher=teacher)
 
-    def forward_hidden(self, mb) -> tuple[torch.Tensor, ...]:
-        """A distilling algorithm's student forward: (final hidden states [B, T, H], the head weight, the tokens they predict,
-        loss mask, sampler logprobs)."""
-        hidden, weight, targets, loss_mask, first = self.completion_hidden(mb.input_ids, mb.attention_mask, mb.loss_mask)
-        return hidden, weight, targets, loss_mask, mb.inference_logprobs[:, first:]
+    def prepared(self, packed: Packed) -> Packed:
+        return dataclasses.replace(packed, layout=attention.prepare(packed.layout, self.attention, packed.forward_tokens))
 
-    def teacher_hidden(self, teacher: TeacherInputs) -> tuple[torch.Tensor, ...]:
-        """A self-teacher's forward (under no_grad, with the teacher's weights in place): (hidden states, the head
-        weight, target mask)."""
-        hidden, weight, _, loss_mask, _ = self.completion_hidden(teacher.input_ids, teacher.attention_mask,
-                                                                 teacher.loss_mask)
-        return hidden, weight, loss_mask
+    def dummy_teacher(self) -> PackedTeacher:
+        """A teacher forward of two tokens that teaches nothing, on the device: a rank whose micro-batch has no
+        teacher joins the teacher forward's all-gathers with it."""
+        teacher = to_device(dummy_teacher(attention.pad_to(self.attention)), self.device)
+        return dataclasses.replace(teacher, packed=self.prepared(teacher.packed))
 
-    def completion_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
-        """Trainer logprobs and entropies of the completion tokens, at the sampling temperature, with
-        the loss mask and sampler logprobs aligned to them."""
-        hidden, weight, targets, loss_mask, first = self.completion_hidden(mb.input_ids, mb.attention_mask, mb.loss_mask)
-        logprobs, entropy = self.head.token_logprobs(hidden, weight, targets, loss_mask)
-        return logprobs, entropy, loss_mask, mb.inference_logprobs[:, first:]
+    # ---- the forwards ----
 
-    def completion_hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor):
-        """(final hidden states, the head weight, the tokens they predict, the loss mask aligned to them, the
-        first position kept), from the micro-batch's earliest completion token on. The LM head is not
-        applied here: ``self.head`` applies it a block of tokens at a time, at the loss tokens only."""
-        starts = loss_mask.to(torch.int8).argmax(dim=1)  # first completion position per row
-        first = max(int(starts.min()), 1)
-        length = input_ids.shape[1]
-        # hidden states of positions first-1 .. L-1; position t predicts token t+1
-        with hidden_states_out(self.compute_model) as seen:
-            hidden = self.compute_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                                        logits_to_keep=length - first + 1).logits
-        return hidden[:, :-1], seen["weight"], input_ids[:, first:], loss_mask[:, first:], first
+    @contextlib.contextmanager
+    def packed_forwards(self):
+        """Inside, the compute module's forwards take packed rows (``attention.packed_rows``) and run the decoder
+        kernels of ``self.kernels``. Held through a micro-batch's forward *and* backward: activation checkpointing
+        recomputes each layer in the backward, which must run the code the forward ran. Re-entrant."""
+        if self._packed:
+            yield
+            return
+        self._packed = True
+        try:
+            with self.kernels.active(), attention.packed_rows(self.compute_model):
+                yield
+        finally:
+            self._packed = False
+
+    def packed_hidden(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final hidden states [T, H] of the positions that predict ``packed``'s loss tokens, the head weight).
+        The LM head is not applied here: ``self.head`` applies it a block of tokens at a time."""
+        model = self.compute_model
+        with self.packed_forwards(), hidden_states_out(model) as seen:
+            hidden = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                           scirl_layout=packed.layout).logits
+        return hidden[0].index_select(0, packed.predictor), seen["weight"]
+
+    def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
+        """(trainer logprobs, entropies, loss mask, sampler logprobs) of a micro-batch's completion tokens, each
+        [rows, longest completion], at the sampling temperature and nucleus (0 off the loss tokens)."""
+        hidden, weight = self.packed_hidden(mb.packed)
+        logprobs, entropy = self.head.token_logprobs(hidden, weight, mb.packed.targets)
+        return self.on_grid(mb.packed, logprobs), self.on_grid(mb.packed, entropy), mb.loss_mask, mb.inference_logprobs
+
+    def forward_hidden(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A distilling algorithm's student forward: (hidden states [T, H] at the loss tokens, the head weight)."""
+        return self.packed_hidden(mb.packed)
+
+    def teacher_hidden(self, teacher: PackedTeacher) -> tuple[torch.Tensor, torch.Tensor]:
+        """A self-teacher's forward (under no_grad, with the teacher's weights in place): (hidden states [Tt, H] at
+        its loss tokens, in the order of ``teacher.taught``, the head weight)."""
+        return self.packed_hidden(teacher.packed)
+
+    @staticmethod
+    def on_grid(packed: Packed, values: torch.Tensor) -> torch.Tensor:
+        """[T] values of the loss tokens -> [R, C], where each sits among its row's completion tokens (0 elsewhere)."""
+        rows, longest = packed.loss_mask.shape
+        grid = values.new_zeros(rows * longest)
+        return grid.index_copy(0, packed.slot, values).view(rows, longest)
+
+    @staticmethod
+    def flat(packed: Packed, grid: torch.Tensor) -> torch.Tensor:
+        """[R, C] -> [T], the loss tokens' values in ``packed.targets``' order (the inverse of ``on_grid``)."""
+        return grid.reshape(-1).index_select(0, packed.slot)
 
     @torch.no_grad()
     def sequence_logprobs(self, token_ids: list[int]) -> list[float]:
@@ -225,59 +191,68 @@ class Trainer:
 
     # ---- the step ----
 
-    def forward_backward(self, mb, scales: list[float], dummy: bool = False) -> tuple[float, LossSums]:
-        """One micro-batch: the algorithm's forward, loss and backward (``scales``: the batch's normalisers)."""
-        return self.algorithm.forward_backward(self, on_device(mb, self.device), scales, dummy)
+    def forward_backward(self, mb: MicroBatch, scales: list[float]) -> tuple[torch.Tensor, LossSums]:
+        """One micro-batch already on the device: the algorithm's forward, loss and backward (``scales``: the
+        batch's normalisers). Returns the loss and the sums as device tensors."""
+        with self.packed_forwards():
+            return self.algorithm.forward_backward(self, mb, scales, mb.dummy)
 
     def backward(self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor,
-                 dummy: bool) -> tuple[float, LossSums]:
+                 dummy: bool) -> tuple[torch.Tensor, LossSums]:
         if dummy:
             # a rank with fewer micro-batches still joins FSDP's collectives, contributing nothing
             loss = loss * 0.0
             sums = type(sums)()
         else:
-            sums.entropy = float(entropy[loss_mask].sum())
+            sums.entropy = torch.where(loss_mask, entropy.detach(), 0.0).sum()
         # The loss is already divided by the global loss-token count, so the ranks' gradients must be
         # summed; FSDP averages them, hence the world-size factor. (FSDP's set_gradient_divide_factor(1)
         # would say the same, but needs a PREMUL_SUM reduction that gloo lacks.)
         (loss * self.dist.world_size).backward()
         if self.compute_copy is not None:
             self.compute_copy.accumulate_grads()
-        return float(loss.detach()), sums
+        return loss.detach(), sums
 
-    def train_step(self, micro_batches: list) -> dict:
+    def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
 
         Returns the batch's loss, grad norm and token statistics. ``stepped`` is False when no rank
         had a single loss token (nothing to learn from) or when the loss or the gradient norm is not
         finite (``nonfinite`` True): then the update is skipped and the weights stay as they were.
         """
-        counts = [float(sum(int(mb.loss_mask.sum()) for mb in micro_batches)), *self.algorithm.counts(micro_batches)]
-        counts = self._all_reduce(counts)
+        pad_to = attention.pad_to(self.attention)
+        counts = [float(sum(mb.loss_tokens for mb in micro_batches)), *self.algorithm.counts(micro_batches)]
+        shares = self.all_reduce([*counts, float(sum(mb.unique_tokens for mb in micro_batches))])
+        counts, unique = shares[:-1], shares[-1]
         global_tokens = counts[0]
-        max_micro_batches = len(micro_batches)
+        busiest = len(micro_batches)
         if self.dist.world_size > 1:
-            max_micro_batches = int(self._all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
+            busiest = int(self.all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
         if global_tokens == 0:
             return {"stepped": False, "loss_tokens": 0}
+        padded = micro_batches + [dummy_micro_batch(pad_to)] * (busiest - len(micro_batches))
+        forward = [float(sum(mb.packed.forward_tokens for mb in padded)), float(sum(mb.packed.padding_tokens for mb in padded))]
+        on_device = [self.on_device(mb) for mb in padded]  # copies and masks made before the loop
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = 0.0, self.algorithm.new_sums()
-        for i in range(max_micro_batches):
-            dummy = i >= len(micro_batches)
-            mb = micro_batches[i] if not dummy else dummy_micro_batch()
-            loss, mb_sums = self.forward_backward(mb, counts, dummy=dummy)
-            loss_total += loss
+        loss_total, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
+        for mb in on_device:
+            loss, mb_sums = self.forward_backward(mb, counts)
+            loss_total = loss_total + loss
             sums = sums.add(mb_sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
-        loss_total, *totals = self._all_reduce([loss_total, *sums.as_list()])
-        grad_norm = float(grad_norm)  # the global norm: every rank sees the same value
+        # the step's one wait for the device: every statistic at once (the grad norm is already global)
+        summed = self.all_reduce([loss_total, *sums.as_list(), *forward])
+        loss_total, totals, (forward_tokens, padding_tokens) = summed[0], summed[1:-2], summed[-2:]
+        grad_norm = float(grad_norm)
+        tokens_stats = {"loss_tokens": int(global_tokens), "forward_tokens": int(forward_tokens),
+                        "padding_tokens": int(padding_tokens), "unique_tokens": int(unique)}
         if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
             # one NaN applied makes every weight NaN; skipping keeps the last good weights and optimizer state
             self.optimizer.zero_grad(set_to_none=True)
-            return {"stepped": False, "nonfinite": True, "loss_tokens": int(global_tokens)}
+            return {"stepped": False, "nonfinite": True, **tokens_stats}
         self.optimizer.step()
         self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -290,7 +265,7 @@ class Trainer:
             "stepped": True,
             "loss": loss_total,
             "grad_norm": grad_norm,
-            "loss_tokens": int(tokens),
+            **tokens_stats,
             "masked_fraction": masked / max(tokens, 1),
             "mismatch_kl": mismatch_kl / max(tokens, 1),
             "entropy": entropy / max(tokens, 1),
@@ -298,9 +273,12 @@ class Trainer:
         stats.update(self.algorithm.stats(totals, self.dist.world_size))
         return stats
 
-    def batches(self, samples: list[Sample], micro_batch_size: int, pad_id: int) -> list:
-        """A step's micro-batches (``make_batches``) of the samples the algorithm learns from (``select``)."""
-        return self.make_batches(self.algorithm.select(samples), micro_batch_size, pad_id)
+    def all_reduce(self, values: list, op=None) -> list[float]:
+        """Sums (or ``op``) over ranks of numbers and device scalars, read back to the host in one go."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device) for v in values])
+        if self.dist.world_size > 1:
+            torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+        return t.tolist()
 
     # ---- state for the generation copy and checkpoints ----
 

@@ -23,9 +23,7 @@ from scirl.algorithms.sdpo.distill import (
 )
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
 from scirl.errors import TrainError
-from scirl.trainer.step import on_device
 from scirl.trainer.targets import TeacherTargets
-from scirl.trainer.teacher import dummy_teacher_inputs
 
 EMA_TEACHER = "ema_teacher.safetensors"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer_state/
 
@@ -93,7 +91,7 @@ class Sdpo(Grpo):
 
     def counts(self, micro_batches):
         """The distillation loss is divided by the batch's teacher tokens."""
-        return [float(sum(int(mb.teacher.loss_mask.sum()) for mb in micro_batches if mb.teacher is not None))]
+        return [float(sum(mb.teacher.tokens for mb in micro_batches if mb.teacher is not None))]
 
     def new_sums(self):
         return DistillSums()
@@ -106,19 +104,22 @@ class Sdpo(Grpo):
         started = time.perf_counter()
         targets = self.teacher_forward(trainer, mb)
         teacher_seconds = time.perf_counter() - started
-        hidden, weight, sampled, loss_mask, inference_logprobs = trainer.forward_hidden(mb)
-        logprobs, entropy = trainer.head.token_logprobs(hidden, weight, sampled, loss_mask)
-        grpo, grpo_sums = self.loss(logprobs, inference_logprobs, mb.advantages, loss_mask, scales)
+        hidden, weight = trainer.forward_hidden(mb)
+        token_logprobs, entropy = trainer.head.token_logprobs(hidden, weight, mb.packed.targets)
+        logprobs = trainer.on_grid(mb.packed, token_logprobs)
+        grpo, grpo_sums = self.loss(logprobs, mb.inference_logprobs, mb.advantages, mb.loss_mask, scales)
         loss = grpo * cfg.grpo_coef
         sums = DistillSums(*grpo_sums.as_list(), teacher_seconds=teacher_seconds)
         if targets is not None:
-            taught = loss_mask & mb.teacher.has_teacher[:, None]
-            student = trainer.head.student_logprobs(hidden[taught], weight, targets, tail=cfg.tail)
+            taught = mb.teacher.taught  # the student's loss tokens the teacher scored, in the teacher's order
+            student = trainer.head.student_logprobs(hidden.index_select(0, taught), weight, targets, tail=cfg.tail)
             per_token = divergence(student, targets.logprobs, cfg.alpha)
-            is_weight = importance_weight(logprobs[taught], inference_logprobs[taught], cfg.is_clip)
+            sampler = trainer.flat(mb.packed, mb.inference_logprobs)
+            is_weight = importance_weight(token_logprobs.index_select(0, taught), sampler.index_select(0, taught),
+                                          cfg.is_clip)
             loss = loss + (is_weight * per_token).sum() / max(scales[1], 1.0)
-            sums.teacher_tokens, sums.divergence = float(taught.sum()), float(per_token.detach().sum())
-        return trainer.backward(loss, sums, entropy, loss_mask, dummy)
+            sums.teacher_tokens, sums.divergence = float(mb.teacher.tokens), per_token.detach().sum()
+        return trainer.backward(loss, sums, trainer.on_grid(mb.packed, entropy), mb.loss_mask, dummy)
 
     @torch.no_grad()
     def teacher_forward(self, trainer, mb) -> TeacherTargets | None:
@@ -129,13 +130,13 @@ class Sdpo(Grpo):
         if teacher is None:
             if trainer.dist.world_size == 1:
                 return None
-            teacher = on_device(dummy_teacher_inputs(mb.loss_mask.shape[0]), trainer.device)
+            teacher = trainer.dummy_teacher()
         with self.ema.holding(trainer.compute_copy) if self.ema is not None else nullcontext():
             self.reshard(trainer)
-            hidden, weight, mask = trainer.teacher_hidden(teacher)
+            hidden, weight = trainer.teacher_hidden(teacher)
             # here, while the weight holds the teacher's values (and, under FSDP, is still gathered)
             targets = None if mb.teacher is None else trainer.head.teacher_targets(
-                hidden[mask], weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
+                hidden, weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
             self.reshard(trainer)
         return targets
 

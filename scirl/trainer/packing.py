@@ -1,0 +1,313 @@
+"""The trainer's micro-batches: one row of tokens, each group's prompt once and its completions after it.
+
+A step's samples come in groups: ``group_size`` completions of one prompt. Computing the prompt once per
+completion (whole sequences, right-padded to the longest) spends most of a forward on repeats and padding:
+SciKnowEval's prompts are ~100-350 tokens and a group's 16 completions are often shorter. Here a micro-batch
+is a single row of tokens with no padding (on CUDA, up to the attention kernel's block size at the end):
+
+    tokens     [ prompt A | A's completion 1 | A's completion 2 | ... | prompt B | B's completion 1 | ... ]
+    positions    0 .. P-1   P .. P+C1-1        P .. P+C2-1              0 ..       ...
+
+A completion's positions continue its prompt's, as when it was sampled, and the attention keeps completions
+apart (``Layout``; ``scirl/trainer/attention.py`` computes it): a token sees the earlier tokens of its own
+prompt and of its own completion, nothing else. Gradients flow through the prompt's states to every
+completion that reads them, so the update equals the one over whole sequences (``tests/test_packing.py``).
+
+The hidden state that predicts completion token k is its prompt's last position's (k = 0) or its completion
+token k - 1's (``predictor``). Everything a forward needs to index is built here, on the host, when the
+step's batches are made: the forward and backward index with these tensors and never ask the device how
+many tokens there are (no host synchronisation inside the micro-batch loop).
+
+The loss functions see a micro-batch's completions as a [rows, longest completion] grid (``slot``: where each
+loss token sits in it), the layout every algorithm's loss is written for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from scirl.rollouts.contract import Sample
+
+
+@dataclass
+class Layout:
+    """Which tokens of a packed row each token attends to, in the two forms the attention functions read.
+
+    - per token (flex attention's mask function): ``group`` (the prompt it belongs to) and ``branch`` (0 for a
+      prompt token, r + 1 for completion row r's tokens); padding is group -1, branch -1 (it sees only padding);
+    - per group and row (the SDPA path): each prompt's positions, each completion row's positions, and where
+      each position's output lies in the attention outputs laid side by side (prompts, then completion rows).
+    """
+
+    group: torch.Tensor  # [N] int32
+    branch: torch.Tensor  # [N] int32
+    prompt_index: torch.Tensor  # [G, P] long: positions of each prompt's tokens, right-padded with position 0
+    prompt_lengths: torch.Tensor  # [G] long
+    rows: torch.Tensor  # [R] long: each completion row's prompt
+    query_index: torch.Tensor  # [R, C] long: each completion row's positions, right-padded with position 0
+    unpack: torch.Tensor  # [N] long: row of each position in cat(prompt outputs [G * P], completion outputs [R * C])
+    # made on the device by ``attention.prepare`` (the trainer's attention setting): one of these two
+    completion_mask: torch.Tensor | None = None  # [R, 1, C, P + C] bool: the SDPA path's completion attention
+    block_mask: object | None = None  # flex attention's BlockMask
+
+    @property
+    def key_index(self) -> torch.Tensor:
+        """[R, P + C]: the keys each completion row attends to: its prompt's positions, then its own."""
+        return torch.cat([self.prompt_index[self.rows], self.query_index], dim=1)
+
+
+@dataclass
+class Packed:
+    """Tokens in one row (see the module's docstring) and what predicts each loss token."""
+
+    input_ids: torch.Tensor  # [1, N] long
+    position_ids: torch.Tensor  # [1, N] long
+    layout: Layout
+    predictor: torch.Tensor  # [T] long: the position whose hidden state predicts each loss token
+    targets: torch.Tensor  # [T] long: the loss tokens (every completion token, row by row)
+    slot: torch.Tensor  # [T] long: r * C + k, where each loss token sits in the [R, C] grid
+    loss_mask: torch.Tensor  # [R, C] bool
+    padding_tokens: int = 0  # positions at the end of the row that hold no token (the flex kernel's blocks)
+
+    @property
+    def forward_tokens(self) -> int:
+        """Positions the forward computes, padding included."""
+        return self.input_ids.shape[1]
+
+    @property
+    def loss_tokens(self) -> int:
+        return self.targets.shape[0]
+
+    @property
+    def sequences(self) -> int:
+        return self.loss_mask.shape[0]
+
+
+@dataclass
+class PackedTeacher:
+    """A self-teacher's sequences of a micro-batch (``Sample.teacher_prompt_ids``): the same completions after
+    the teacher's prompts, packed the same way. ``taught`` picks, from the student's loss tokens, the ones the
+    teacher scores, in the teacher's order: the same completions, token for token."""
+
+    packed: Packed
+    taught: torch.Tensor  # [Tt] long: indices into the student's loss tokens
+    has_teacher: torch.Tensor  # [R] bool: which rows of the student's micro-batch have a teacher
+
+    @property
+    def tokens(self) -> int:
+        return self.taught.shape[0]
+
+
+@dataclass
+class MicroBatch:
+    """One forward and backward: the packed tokens, the sampler's logprobs and the advantages of its rows."""
+
+    packed: Packed
+    inference_logprobs: torch.Tensor  # [R, C] float32: the sampler's logprob of each completion token
+    advantages: torch.Tensor  # [R] float32
+    teacher: PackedTeacher | None = None
+    unique_tokens: int = 0  # each distinct prompt once plus the completions: the work a forward cannot avoid
+    dummy: bool = False  # a rank's stand-in micro-batch that only joins the collectives (``dummy_micro_batch``)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.packed.loss_mask
+
+    @property
+    def loss_tokens(self) -> int:
+        return self.packed.loss_tokens
+
+    @property
+    def sequences(self) -> int:
+        return self.packed.sequences
+
+
+def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Packed:
+    """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
+    one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
+    multiple of it with padding positions (the flex kernel's block size; 1: none)."""
+    prompt_of: dict[object, int] = {}
+    prompts: list[list[int]] = []
+    members: list[list[int]] = []
+    for r, (key, prompt, completion) in enumerate(rows):
+        if not prompt or not completion:
+            raise ValueError(f"a packed row needs a prompt and a completion, got {len(prompt)} and {len(completion)} tokens")
+        if key not in prompt_of:
+            prompt_of[key] = len(prompts)
+            prompts.append(list(prompt))
+            members.append([])
+        members[prompt_of[key]].append(r)
+    n_rows, longest_prompt = len(rows), max(len(p) for p in prompts)
+    longest_completion = max(len(c) for _, _, c in rows)
+
+    tokens: list[int] = []
+    positions: list[int] = []
+    group: list[int] = []
+    branch: list[int] = []
+    prompt_index = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
+    query_index = torch.zeros((n_rows, longest_completion), dtype=torch.long)
+    unpack: list[int] = []
+    predictor = [0] * sum(len(c) for _, _, c in rows)
+    targets = [0] * len(predictor)
+    slot = [0] * len(predictor)
+    first_token = [0] * n_rows  # where row r's loss tokens start in the row-by-row order
+    for r in range(1, n_rows):
+        first_token[r] = first_token[r - 1] + len(rows[r - 1][2])
+    completions_at = len(prompts) * longest_prompt  # the completion outputs follow the prompts' in ``unpack``
+    for g, prompt in enumerate(prompts):
+        start = len(tokens)
+        tokens += prompt
+        positions += range(len(prompt))
+        group += [g] * len(prompt)
+        branch += [0] * len(prompt)
+        prompt_index[g, : len(prompt)] = torch.arange(start, start + len(prompt))
+        unpack += range(g * longest_prompt, g * longest_prompt + len(prompt))
+        last_prompt_position = len(tokens) - 1
+        for r in members[g]:
+            completion = rows[r][2]
+            begin = len(tokens)
+            tokens += completion
+            positions += range(len(prompt), len(prompt) + len(completion))
+            group += [g] * len(completion)
+            branch += [r + 1] * len(completion)
+            query_index[r, : len(completion)] = torch.arange(begin, begin + len(completion))
+            unpack += range(completions_at + r * longest_completion, completions_at + r * longest_completion + len(completion))
+            for k, token in enumerate(completion):
+                t = first_token[r] + k
+                predictor[t] = last_prompt_position if k == 0 else begin + k - 1
+                targets[t] = token
+                slot[t] = r * longest_completion + k
+    padding = -len(tokens) % pad_to
+    tokens += [0] * padding
+    positions += [0] * padding
+    group += [-1] * padding
+    branch += [-1] * padding
+    unpack += [0] * padding  # padding reads a real token's output; nothing reads padding's keys on this path
+    loss_mask = torch.zeros((n_rows, longest_completion), dtype=torch.bool)
+    for r, (_, _, completion) in enumerate(rows):
+        loss_mask[r, : len(completion)] = True
+    layout = Layout(
+        group=torch.tensor(group, dtype=torch.int32), branch=torch.tensor(branch, dtype=torch.int32),
+        prompt_index=prompt_index, prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
+        rows=torch.tensor([prompt_of[key] for key, _, _ in rows], dtype=torch.long), query_index=query_index,
+        unpack=torch.tensor(unpack, dtype=torch.long))
+    return Packed(torch.tensor([tokens], dtype=torch.long), torch.tensor([positions], dtype=torch.long), layout,
+                  torch.tensor(predictor, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
+                  torch.tensor(slot, dtype=torch.long), loss_mask, padding_tokens=padding)
+
+
+def prompt_key(s: Sample, share_prompts: bool, index: int, teacher: bool = False) -> object:
+    """Rows with equal keys share a prompt: the group and the prompt's tokens (completions of one question may
+    have seen other option orders); without sharing, every row its own."""
+    prompt = s.teacher_prompt_ids if teacher else s.prompt_ids
+    return (s.group, tuple(prompt)) if share_prompts else index
+
+
+def check_sample(s: Sample) -> None:
+    c = len(s.completion_ids)
+    if len(s.logprobs) != c or c == 0:
+        raise ValueError(f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
+                         "expected one sampling logprob per completion token (and at least one token)")
+
+
+def count_unique_tokens(samples: list[Sample], seen: set | None = None) -> int:
+    """The tokens a forward cannot avoid: each distinct prompt of a group once (``seen``: prompts already counted,
+    updated), plus every completion token."""
+    seen = set() if seen is None else seen
+    total = 0
+    for s in samples:
+        key = (s.group, tuple(s.prompt_ids))
+        total += len(s.completion_ids) + (0 if key in seen else len(s.prompt_ids))
+        seen.add(key)
+    return total
+
+
+def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: int = 1) -> MicroBatch:
+    """One micro-batch of ``chunk``'s samples (and, where they have one, their teacher's sequences)."""
+    for s in chunk:
+        check_sample(s)
+    packed = pack([(prompt_key(s, share_prompts, i), s.prompt_ids, s.completion_ids) for i, s in enumerate(chunk)],
+                  pad_to)
+    inference_logprobs = torch.zeros(packed.loss_mask.shape, dtype=torch.float32)
+    for r, s in enumerate(chunk):
+        inference_logprobs[r, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
+    return MicroBatch(packed, inference_logprobs, advantages, teacher_batch(chunk, share_prompts, pad_to),
+                      count_unique_tokens(chunk))
+
+
+def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int) -> PackedTeacher | None:
+    """The teacher's sequences of ``chunk``'s samples that have a teacher prompt (None: none has)."""
+    taught_rows = [i for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None]
+    if not taught_rows:
+        return None
+    packed = pack([(prompt_key(chunk[i], share_prompts, i, teacher=True), chunk[i].teacher_prompt_ids,
+                    chunk[i].completion_ids) for i in taught_rows], pad_to)
+    starts = [0]
+    for s in chunk:
+        starts.append(starts[-1] + len(s.completion_ids))
+    taught = [t for i in taught_rows for t in range(starts[i], starts[i + 1])]
+    has_teacher = torch.zeros(len(chunk), dtype=torch.bool)
+    has_teacher[taught_rows] = True
+    return PackedTeacher(packed, torch.tensor(taught, dtype=torch.long), has_teacher)
+
+
+def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: int | None = None,
+                       share_prompts: bool = True, pad_to: int = 1) -> list[MicroBatch]:
+    """A step's samples (this rank's) as micro-batches of whole groups where they fit.
+
+    Completions are taken in order (a group's are adjacent) into a micro-batch until the next would take it
+    past ``max_tokens`` tokens, counting each prompt once where it first enters (0: no token bound), or past
+    ``max_rows`` completions (None: no bound); a completion that alone with its prompt exceeds the budget goes
+    alone. A group split between two micro-batches has its prompt in both.
+    """
+    if not samples:
+        return []
+    chunks: list[list[Sample]] = [[]]
+    tokens, seen = 0, set()
+    for i, s in enumerate(samples):
+        key = prompt_key(s, share_prompts, i)
+        cost = len(s.completion_ids) + (0 if key in seen else len(s.prompt_ids))
+        full = (max_rows is not None and len(chunks[-1]) >= max_rows) or (max_tokens and tokens + cost > max_tokens)
+        if chunks[-1] and full:
+            chunks.append([])
+            tokens, seen = 0, set()
+            cost = len(s.completion_ids) + len(s.prompt_ids)
+        chunks[-1].append(s)
+        seen.add(key)
+        tokens += cost
+    batches, counted = [], set()
+    for chunk in chunks:  # a prompt split over micro-batches is useful work once, where it first appears
+        batches.append(dataclasses.replace(micro_batch(chunk, share_prompts=share_prompts, pad_to=pad_to),
+                                           unique_tokens=count_unique_tokens(chunk, counted)))
+    return batches
+
+
+def dummy_micro_batch(pad_to: int = 1) -> MicroBatch:
+    """One prompt token and one completion token, no weight in the loss: lets a rank with fewer micro-batches
+    join FSDP's collectives (every rank must run the same forwards)."""
+    batch = micro_batch([Sample([0], [0], [0.0], 0.0, 0)], pad_to=pad_to)
+    return dataclasses.replace(batch, dummy=True, unique_tokens=0)
+
+
+def dummy_teacher(pad_to: int = 1) -> PackedTeacher:
+    """A teacher forward of two tokens with nothing taught: a rank whose micro-batch has no teacher still joins
+    the teacher forward's all-gathers."""
+    return PackedTeacher(pack([(0, [0], [0])], pad_to), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
+
+
+def to_device(value, device: torch.device):
+    """A copy of a micro-batch (dataclasses of tensors, nested) with every tensor on ``device``: through pinned
+    host memory and without waiting on CUDA, so the copy overlaps the work before it."""
+    if isinstance(value, torch.Tensor):
+        if device.type == "cuda":
+            return value.pin_memory().to(device, non_blocking=True)
+        return value.to(device)
+    if dataclasses.is_dataclass(value):
+        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device)
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+

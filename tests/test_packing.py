@@ -1,0 +1,262 @@
+"""The trainer's packed rows (each group's prompt once, completions attending to it, no padding) compute what
+whole sequences compute: per-token logprobs, entropies, the loss and every parameter's gradient, for every
+algorithm, with LoRA, tied and untied heads, at a temperature and a nucleus; on one process and under FSDP2 on
+2 gloo ranks; and the micro-batch's forward and backward never wait for the device to tell the host a number.
+
+The reference (``per_sequence_hidden``) runs every completion as its own sequence, prompt and completion, through
+the model with transformers' own attention, and takes the hidden states that predict its tokens: what the trainer
+computed before packing. Both sides run the same head and loss on those hidden states, so a difference can only
+come from the layout and the attention; both run here, in one process, so the tolerance is float32 round-off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from scirl import algorithms
+from scirl.distributed import Dist
+from scirl.rollouts.contract import Sample
+from scirl.run.config import TrainConfig
+from scirl.trainer import attention
+from scirl.trainer.batching import Batching
+from scirl.trainer.head import hidden_states_out
+from scirl.trainer.model import load_model
+from scirl.trainer.packing import make_micro_batches, pack
+from scirl.trainer.step import Trainer
+
+CPU = torch.device("cpu")
+
+
+def grouped_samples(seed: int = 0, teachers: bool = False) -> list[Sample]:
+    """Three groups of prompts of different lengths and completions of 1-6 tokens; group 1's completions each saw
+    their own prompt (options shuffled per completion: one group, four prompts). With ``teachers``, a self-teacher's
+    prompts: one per group shared by most completions, another for one of them, none for group 2's first."""
+    g = torch.Generator().manual_seed(seed)
+    samples = []
+    for group, (n_prompt, lengths) in enumerate(((9, (4, 1, 6, 2)), (5, (3, 2, 5, 1)), (12, (6, 3)))):
+        prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
+        shown = torch.randint(10, 500, (n_prompt + 4,), generator=g).tolist()
+        for k, n in enumerate(lengths):
+            if group == 1:
+                prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
+            teacher = None
+            if teachers and (group, k) != (2, 0):
+                teacher = shown if k else torch.randint(10, 500, (n_prompt + 2,), generator=g).tolist()
+            samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
+                                  (-torch.rand(n, generator=g) * 3).tolist(), float(torch.randn(1, generator=g)), group,
+                                  teacher))
+    return samples
+
+
+def per_sequence_hidden(trainer, packed):
+    """The reference forward: every completion row of ``packed`` as its own whole sequence."""
+    model, layout, ids = trainer.compute_model, packed.layout, packed.input_ids[0]
+    hidden = []
+    for r in range(packed.loss_mask.shape[0]):
+        g = layout.rows[r]
+        prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
+        completion = ids[layout.query_index[r, : int(packed.loss_mask[r].sum())]]
+        with hidden_states_out(model) as seen:
+            states = model(input_ids=torch.cat([prompt, completion])[None], use_cache=False).logits[0]
+        hidden.append(states[len(prompt) - 1 : len(prompt) + len(completion) - 1])
+    return torch.cat(hidden), seen["weight"]
+
+
+def trainer_for(model_dir, algorithm: str, *, lora: bool = False, batching: Batching = Batching(),
+                reference: bool = False, dtype=torch.float32) -> Trainer:
+    extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm == "sdpo" else {}
+    cfg = TrainConfig(algorithm=algorithm, **extra, **({"lora": {"enabled": True, "rank": 4, "alpha": 8}} if lora else {}))
+    if lora:
+        from scirl.trainer.lora import load_model as load_lora
+
+        torch.manual_seed(0)  # the adapter's random init, the same on both sides
+        model = load_lora(str(model_dir), cfg.lora, CPU, dtype)
+    else:
+        model = load_model(str(model_dir), CPU, Dist(), dtype)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=CPU, dist=Dist(),
+                      dtype=dtype, head_block_tokens=5, batching=batching)
+    trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)  # new weights = old - gradient
+    trainer.max_norm = 1e9  # no clipping: the gradient itself is compared
+    if reference:
+        trainer.packed_hidden = types.MethodType(per_sequence_hidden, trainer)
+    return trainer
+
+
+def run_step(trainer: Trainer, samples: list[Sample]) -> tuple[dict, list, dict]:
+    """One step: its stats, every micro-batch's per-token (logprobs, entropies), and the weights after it."""
+    seen = []
+    token_logprobs = trainer.head.token_logprobs
+
+    def recording(*args):
+        logprobs, entropy = token_logprobs(*args)
+        seen.append((logprobs.detach().clone(), entropy.detach().clone()))
+        return logprobs, entropy
+
+    trainer.head.token_logprobs = recording
+    stats = trainer.train_step(trainer.batches(samples))
+    return stats, seen, {name: t.detach().clone() for name, t in trainer.model.state_dict().items()}
+
+
+def assert_same_step(got, want) -> None:
+    (stats, tokens, weights), (want_stats, want_tokens, want_weights) = got, want
+    assert stats["loss_tokens"] == want_stats["loss_tokens"]
+    for key in ("loss", "entropy", "mismatch_kl", "masked_fraction", "grad_norm"):
+        assert stats[key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), key
+    assert len(tokens) == len(want_tokens)
+    for (logprobs, entropy), (want_logprobs, want_entropy) in zip(tokens, want_tokens):
+        torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=2e-5)
+        torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=2e-5)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory):
+    from scirl.synth.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("untied"), tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("algorithm", sorted(algorithms.names()))
+def test_packed_rows_equal_whole_sequences_for_every_algorithm(tiny_model_dir, algorithm):
+    """Every algorithm (SDPO: its student and its EMA teacher's top-k targets, whose sequences are packed too) on
+    micro-batches of whole groups and of groups split between micro-batches (their prompt in each)."""
+    samples = grouped_samples(teachers=algorithm == "sdpo")
+    for batching in (Batching(), Batching(micro_batch_tokens=30)):
+        want = run_step(trainer_for(tiny_model_dir, algorithm, batching=batching, reference=True), samples)
+        assert_same_step(run_step(trainer_for(tiny_model_dir, algorithm, batching=batching), samples), want)
+
+
+@pytest.mark.parametrize("case", ["untied", "lora", "unshared"])
+def test_packed_rows_equal_whole_sequences_untied_lora_and_unshared(tiny_model_dir, untied_model_dir, case):
+    model_dir = untied_model_dir if case == "untied" else tiny_model_dir
+    batching = Batching(share_prompts=case != "unshared", micro_batch_size=5)
+    samples = grouped_samples()
+    want = run_step(trainer_for(model_dir, "grpo", lora=case == "lora", batching=batching, reference=True), samples)
+    assert_same_step(run_step(trainer_for(model_dir, "grpo", lora=case == "lora", batching=batching), samples), want)
+
+
+def test_micro_batches_pack_whole_groups_within_the_token_budget():
+    samples = grouped_samples()
+    unique = sum(len(s.completion_ids) for s in samples) + 9 + 4 * 5 + 12  # group 1's four prompts each once
+    (one,) = make_micro_batches(samples, max_tokens=10_000)
+    assert one.packed.forward_tokens == one.unique_tokens == unique and one.packed.padding_tokens == 0
+    assert one.loss_tokens == sum(len(s.completion_ids) for s in samples)
+    several = make_micro_batches(samples, max_tokens=30)
+    # within budget, except a completion that with its prompt alone exceeds it
+    assert all(mb.packed.forward_tokens <= 30 or mb.sequences == 1 for mb in several)
+    assert sum(mb.unique_tokens for mb in several) == unique  # a split group's prompt is useful work once
+    assert sum(mb.sequences for mb in several) == len(samples)
+    assert [mb.sequences for mb in make_micro_batches(samples, max_rows=4)] == [4, 4, 2]
+    unshared = make_micro_batches(samples, max_tokens=10_000, share_prompts=False)[0]
+    assert unshared.packed.forward_tokens == sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    padded = make_micro_batches(samples, max_tokens=10_000, pad_to=128)[0].packed
+    assert padded.forward_tokens == 128 and padded.padding_tokens == 128 - unique
+
+
+def test_the_flex_layout_gives_the_sdpa_paths_attention():
+    """flex attention's block mask (CUDA's default; its forward runs eagerly on a CPU, its backward not at all)
+    attends as the SDPA path's gathers do, padding included."""
+    rows = [((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids) for s in grouped_samples()]
+    packed = pack(rows, pad_to=attention.FLEX_BLOCK)
+    n = packed.forward_tokens
+    g = torch.Generator().manual_seed(0)
+    query, key, value = torch.randn(1, 4, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
+    flex = attention.prepare(packed.layout, "flex", n)
+    sdpa = attention.prepare(packed.layout, "sdpa", n)
+    with torch.no_grad():
+        got, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=flex)
+        want, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=sdpa)
+    real = n - packed.padding_tokens  # the SDPA path gives padding a copy of another token's output
+    torch.testing.assert_close(got[:, :real], want[:, :real], rtol=0, atol=1e-5)
+
+
+SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::masked_select", "aten::repeat_interleave")
+
+
+class CountSyncs(TorchDispatchMode):
+    """Records the ops that make a CUDA host wait for the device (a tensor's value read back, or an output whose
+    size depends on values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name in SYNC_OPS or name.startswith("aten::_local_scalar"):
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "gspo", "sdpo"])
+def test_a_micro_batch_forward_and_backward_never_wait_for_the_device(tiny_model_dir, algorithm):
+    trainer = trainer_for(tiny_model_dir, algorithm)
+    batches = [trainer.on_device(mb) for mb in trainer.batches(grouped_samples(teachers=algorithm == "sdpo"))]
+    scales = [100.0, 10.0]
+    with CountSyncs() as syncs:
+        for mb in batches:
+            trainer.forward_backward(mb, scales)
+    assert syncs.seen == []
+    # the check sees a sync where there is one
+    with CountSyncs() as syncs:
+        float(torch.ones(2).sum())
+    assert syncs.seen == ["aten::_local_scalar_dense"]
+
+
+FSDP_SCRIPT = r'''
+import sys, torch
+from scirl import algorithms
+from scirl.distributed import setup, exit_process, teardown
+from scirl.rollouts.contract import Sample
+from scirl.run.config import TrainConfig
+from scirl.trainer.model import load_model
+from scirl.trainer.step import Trainer
+model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
+dist, device = setup("cpu")
+samples = [Sample(**s) for s in torch.load(samples_file)]
+extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm == "sdpo" else {}
+cfg = TrainConfig(algorithm=algorithm, **extra)
+model = load_model(model_dir, device, dist, torch.float32)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
+                  dtype=torch.float32, head_block_tokens=5)
+trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
+trainer.max_norm = 1e9
+mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
+stats = trainer.train_step(trainer.batches(mine))
+state = trainer.full_state_dict()
+if dist.rank == 0:
+    torch.save({"stats": stats, "state": state}, out_file)
+teardown()
+exit_process(0)
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["grpo", "sdpo"])
+def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tmp_path, algorithm):
+    """torchrun, 2 gloo ranks, FSDP2, each rank its groups (rank 0 two, rank 1 one: a dummy micro-batch joins the
+    collectives): the update equals one process's over whole sequences."""
+    samples = grouped_samples(teachers=algorithm == "sdpo")
+    torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
+    (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"),
+         algorithm], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(tmp_path / "out.pt")
+    want_stats, _, want_weights = run_step(trainer_for(tiny_model_dir, algorithm, reference=True), samples)
+    assert got["stats"]["loss_tokens"] == want_stats["loss_tokens"]
+    assert got["stats"]["unique_tokens"] == want_stats["unique_tokens"]  # each group's prompt once, on its rank
+    for key in ("loss", "entropy", "mismatch_kl", "grad_norm"):
+        assert got["stats"][key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), key
+    for name, value in want_weights.items():
+        torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-6, msg=name)
