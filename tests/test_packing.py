@@ -260,3 +260,75 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
         assert got["stats"][key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), key
     for name, value in want_weights.items():
         torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_decoder_layers_take_the_eager_step(tiny_model_dir, checkpointing):
+    """``kernels = "compile"``: the decoder layers' forwards traced by dynamo, all layers one graph, through two
+    steps of different shapes; with activation checkpointing the backward's recompute runs the compiled forward
+    too (a recompute that ran other code would save other tensors and fail). Traced with ``aot_eager`` (no code
+    generated: inductor's kernels are what the GPU check measures); the weights equal the eager step's."""
+    from torch._dynamo.utils import counters
+
+    from scirl.trainer.kernels import Kernels
+
+    weights = {}
+    for kernels in ("eager", "compile"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = load_model(str(tiny_model_dir), CPU, Dist(), torch.float32, activation_checkpointing=checkpointing)
+        cfg = TrainConfig()
+        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=CPU, dist=Dist(),
+                          dtype=torch.float32)
+        trainer.kernels = Kernels(trainer.compute_model, kernels, backend="aot_eager")
+        trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
+        for seed in (0, 1):
+            trainer.train_step(trainer.batches(grouped_samples(seed=seed)[: 6 + 4 * seed]))
+        weights[kernels] = trainer.full_state_dict()
+        if kernels == "compile":
+            assert counters["stats"]["unique_graphs"] >= 1 and counters["stats"]["calls_captured"] > 0
+            # outside a step the layers run their class's forward again (a sampler sharing the module is unaffected)
+            assert trainer.kernels.compiled and all("forward" not in vars(layer) for layer, _ in trainer.kernels.compiled)
+    for name, value in weights["eager"].items():
+        torch.testing.assert_close(weights["compile"][name], value, rtol=0, atol=1e-6, msg=name)
+
+
+class LigerStandIn:
+    """What scirl calls of Liger-Kernel (read from liger-kernel 0.8.5's ``transformers/monkey_patch.py``): its
+    registry of model types and ``_apply_liger_kernel_to_instance(model, **kwargs)``, which dispatches on the
+    config's model type."""
+
+    def __init__(self):
+        self.calls = []
+        self.MODEL_TYPE_TO_APPLY_LIGER_FN = {"qwen3": object(), "llama": object()}
+
+    def _apply_liger_kernel_to_instance(self, model, **kwargs):
+        self.calls.append((model, kwargs))
+
+
+def test_liger_kernels_are_applied_without_their_loss_and_refused_where_they_cannot_run(tiny_model_dir, monkeypatch):
+    from scirl.errors import TrainError
+    from scirl.trainer.kernels import Kernels
+
+    model = load_model(str(tiny_model_dir), CPU, Dist(), torch.float32)
+    monkeypatch.setitem(sys.modules, "liger_kernel", None)  # not installed
+    with pytest.raises(TrainError, match=r"pip install 'scirl\[gpu\]'"):
+        Kernels(model, "liger")
+    liger = LigerStandIn()
+    package = types.ModuleType("liger_kernel")
+    transformers_part = types.ModuleType("liger_kernel.transformers")
+    transformers_part._apply_liger_kernel_to_instance = liger._apply_liger_kernel_to_instance
+    monkey_patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
+    monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN = liger.MODEL_TYPE_TO_APPLY_LIGER_FN
+    for name, module in (("liger_kernel", package), ("liger_kernel.transformers", transformers_part),
+                         ("liger_kernel.transformers.monkey_patch", monkey_patch)):
+        monkeypatch.setitem(sys.modules, name, module)
+    Kernels(model, "liger")
+    (called, kwargs), = liger.calls
+    assert called is model
+    # the norms, the rotary embedding and SwiGLU; never its losses, which would replace the model's forward
+    assert kwargs == {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+                      "fused_linear_cross_entropy": False}
+    del liger.MODEL_TYPE_TO_APPLY_LIGER_FN["qwen3"]
+    with pytest.raises(TrainError, match="qwen3"):
+        Kernels(model, "liger")

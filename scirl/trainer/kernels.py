@@ -60,7 +60,8 @@ def apply_liger(model) -> None:
 class Kernels:
     """The kernel setting of one trainer's compute module (``name`` resolved by ``resolve``)."""
 
-    def __init__(self, model, name: str):
+    def __init__(self, model, name: str, backend: str = "inductor"):
+        """``backend``: torch.compile's (tests trace with ``aot_eager``, which compiles nothing)."""
         if name not in CHOICES[1:]:
             raise ValueError(f"kernels must be one of {', '.join(CHOICES[1:])} once resolved, got {name!r}")
         self.name = name
@@ -69,7 +70,7 @@ class Kernels:
             # one compiled function per layer, all tracing the same code: dynamo treats a layer's parameters as
             # inputs (inlined built-in modules), so the layers share one graph; sizes that change between
             # micro-batches are made dynamic after the first change
-            self.compiled = [(layer, torch.compile(layer.forward)) for layer in decoder_layers(model)]
+            self.compiled = [(layer, torch.compile(layer.forward, backend=backend)) for layer in decoder_layers(model)]
         elif name == "liger":
             apply_liger(model)
 
