@@ -64,7 +64,8 @@ def read_jsonl(path):
 
 
 def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
-    from scirl.demo.run import DemoOptions, run_demo
+    from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
+    from test_train import assert_forwards_compute_the_unique_tokens
 
     out = tmp_path / "demo"
     summary = run_demo(DemoOptions(output_dir=out, train_per_domain=40, eval_per_domain=10, report=False, progress=False,
@@ -82,8 +83,25 @@ def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
     assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
     assert (out / "weights" / "step_10" / "config.json").is_file()
+    assert_forwards_compute_the_unique_tokens(out, BASE_MODEL_DIR)
     assert summary["gain_points"] == pytest.approx(100 * (after["overall_accuracy"] - before["overall_accuracy"]))
     assert summary["layout"] == "colocated: one process samples with transformers and trains"
+
+
+@pytest.mark.slow
+def test_the_demos_training_on_two_torchrun_ranks_computes_each_prompt_once(tmp_path):
+    """``torchrun --nproc-per-node 2 -m scirl train`` on the demo's config and data (2 gloo ranks, FSDP2): each rank
+    packs its groups' prompts once, and what the forwards compute is the batches' unique tokens."""
+    from scirl.demo.run import BASE_MODEL_DIR, DEMO_CONFIG, write_questions
+    from test_train import assert_forwards_compute_the_unique_tokens, torchrun_train
+
+    data = write_questions(tmp_path / "questions.jsonl", 40, 10, 0)
+    torchrun_train(["@", str(DEMO_CONFIG), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
+                    "--output-dir", str(tmp_path / "run"), "--max-steps", "3", "--eval.interval", "0"])
+    metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert {json.loads(line)["rank"] for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()} == {0, 1}
+    assert_forwards_compute_the_unique_tokens(tmp_path / "run", BASE_MODEL_DIR)
 
 
 @pytest.mark.slow

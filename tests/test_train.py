@@ -96,6 +96,25 @@ def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_forwards_compute_the_unique_tokens(run_dir: Path, model_dir) -> None:
+    """Each step's ``train/forward_tokens`` is within 10% of the unique tokens of its batches, counted here from
+    the step's rollout records (each trained group's prompt once: a group is one rank's; every trained completion's
+    tokens), and its ``train/padding_tokens`` at most 5% of them: the trainer computes each prompt once per group
+    and nothing on padding."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    for m in rows(run_dir):
+        records = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{m['step']}.jsonl").read_text().splitlines()]
+        trained = [r for r in records if not r["dropped"]]
+        prompts = {(r["rank"], r["group"], r["prompt"]) for r in trained}
+        unique = (sum(len(tokenizer(p, add_special_tokens=False).input_ids) for _, _, p in prompts)
+                  + sum(r["num_tokens"] for r in trained))
+        assert abs(m["train/forward_tokens"] - unique) <= 0.1 * unique, (m["step"], m["train/forward_tokens"], unique)
+        assert m["train/padding_tokens"] <= 0.05 * unique, (m["step"], m["train/padding_tokens"], unique)
+        assert m["train/loss_tokens"] == sum(r["num_tokens"] for r in trained)
+
+
 def run_in_process(argv, **kwargs) -> int:
     from scirl.run.train import train
 
@@ -428,6 +447,7 @@ def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir
     assert all(m["trainable/total"] == 16 for m in metrics)
     ranks = {json.loads(x)["rank"] for x in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()}
     assert ranks == {0, 1}
+    assert_forwards_compute_the_unique_tokens(run_dir, letter_model_dir)
     assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "3"], resume=True) == 0
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
 

@@ -228,8 +228,8 @@ class Trainer:
         busiest = len(micro_batches)
         if self.dist.world_size > 1:
             busiest = int(self.all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
-        if global_tokens == 0:
-            return {"stepped": False, "loss_tokens": 0}
+        if global_tokens == 0:  # no rank has a token to learn from: no forward at all
+            return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0}
         padded = micro_batches + [dummy_micro_batch(pad_to)] * (busiest - len(micro_batches))
         forward = [float(sum(mb.packed.forward_tokens for mb in padded)), float(sum(mb.packed.padding_tokens for mb in padded))]
         on_device = [self.on_device(mb) for mb in padded]  # copies and masks made before the loop
