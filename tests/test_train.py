@@ -210,6 +210,42 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
             assert torch.allclose(value, ref_weights[name], atol=1e-6), name
 
 
+def test_fused_adamw_takes_the_default_adamws_steps(tiny_model_dir):
+    """The trainer's AdamW is torch's fused one (one kernel per group, and no float32 temporary the size of the
+    parameters at the step, which the multi-tensor path makes). Given the trainer's gradients, step for step, the
+    default AdamW on a copy of the weights lands on the same weights to float32 round-off: the same update per
+    element in another order of operations. (Two whole runs would not: a near-zero gradient, which Adam divides
+    by its own root mean square, turns round-off in the weights into differences of order lr.)"""
+    from scirl.run.config import TrainConfig
+    from scirl.distributed import Dist
+    from scirl.trainer.model import load_model
+    from scirl.trainer.packing import make_micro_batches
+    from scirl.trainer.step import Trainer
+
+    cfg = TrainConfig(optim={"lr": 1e-2, "weight_decay": 0.1})
+    model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
+                      dtype=torch.float32)
+    assert trainer.optimizer.defaults["fused"]
+    copies = [p.detach().clone() for p in trainer.trainable]
+    default = torch.optim.AdamW(copies, lr=1e-2, betas=tuple(cfg.optim.betas), weight_decay=0.1, foreach=True)
+    fused_step = trainer.optimizer.step
+
+    def both_steps():
+        for copy, p in zip(copies, trainer.trainable):
+            copy.grad = p.grad.clone()
+        default.step()
+        fused_step()
+
+    trainer.optimizer.step = both_steps
+    start = [p.detach().clone() for p in trainer.trainable]
+    for seed in range(3):
+        assert trainer.train_step(make_micro_batches(fixed_samples(5, seed=seed), max_rows=3))["stepped"]
+    assert max(float((p.detach() - s).abs().max()) for p, s in zip(trainer.trainable, start)) > 1e-3  # steps taken
+    for p, copy in zip(trainer.trainable, copies):
+        torch.testing.assert_close(p.detach(), copy, rtol=0, atol=1e-7)
+
+
 def test_truncate_run_drops_rows_and_rollouts_past_the_checkpoint(tmp_path):
     from scirl.run.rundir import truncate as truncate_run
 
