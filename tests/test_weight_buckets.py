@@ -144,7 +144,8 @@ from scirl.weights.servers import ServerSink
 dist, device = setup("cpu")
 model = load_model(model_dir, device, dist, torch.bfloat16)  # FSDP2, float32 masters, bf16 compute: the wire dtype
 cfg = TrainConfig()
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.bfloat16)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist,
+                  dtype=torch.bfloat16)
 check = WeightCheck(trainer, ([1, 2, 3], 1), interval=0)
 
 def sink(transport, timeout_s, between_batches=lambda version, push: push()):

@@ -64,7 +64,8 @@ def without_hub_kernels() -> dict:
 
 
 def load_full_model(path_or_name: str):
-    """``from_pretrained`` in float32 on CPU, hub kernels off; a model that cannot be loaded is a TrainError naming it."""
+    """``from_pretrained`` in float32 on CPU, hub kernels off; a model that cannot be loaded is a TrainError
+    naming it."""
     try:
         return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32, **without_hub_kernels())
     except (OSError, ValueError) as exc:
@@ -172,7 +173,8 @@ def check_identical_ranks(model: torch.nn.Module, dist: Dist) -> None:
     for rank, theirs in enumerate(every[1:], start=1):
         if theirs == reference:
             continue
-        differs = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b), min(len(reference), len(theirs)))
+        differs = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b),
+                       min(len(reference), len(theirs)))
         ours = reference[differs] if differs < len(reference) else "(nothing)"
         other = theirs[differs] if differs < len(theirs) else "(nothing)"
         raise TrainError(f"rank {rank} runs other code than rank 0: {other} on rank {rank}, but {ours} on rank 0; "

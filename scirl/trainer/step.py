@@ -316,7 +316,8 @@ class Trainer:
     def full_state_dict(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                         all_ranks: bool = True) -> dict[str, torch.Tensor]:
         """``full_weights`` as one dict (checkpoints: on CPU, a tensor at a time; the others get {})."""
-        return {name: t for name, t in self.full_weights(device=device, dtype=dtype, all_ranks=all_ranks) if t is not None}
+        weights = self.full_weights(device=device, dtype=dtype, all_ranks=all_ranks)
+        return {name: tensor for name, tensor in weights if tensor is not None}
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state, keyed by parameter name so it survives a change of sharding.

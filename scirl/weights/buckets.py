@@ -26,10 +26,11 @@ import torch
 
 from scirl.inference.vllm import with_tied_lm_head
 
-# The two largest tensors of a language model, read first by a push in buckets: each then fills a bucket of its
-# own (one sent as it was gathered, without a copy), where the head, last in a module's order, would top up the
-# last bucket to as much as twice its size. (The in-process engine reads the module's order: vLLM's loop keeps the
-# tensor before the one it asks for, which must not be the other of these two.)
+# The two largest tensors of a language model, read first by a push in buckets: where each is larger than a
+# bucket (an 8B model's embedding and head, 1.2 GB each in bf16), each is then a bucket of its own, sent as it was
+# gathered, without a copy; last, as in the module's order, the head would top up the last bucket to as much as
+# twice its size. (The in-process engine reads the module's order: vLLM's loading loop keeps the tensor before the
+# one it asks for, which must not be the other of these two.)
 LARGEST_FIRST = ("model.embed_tokens.weight", "lm_head.weight")
 
 Spec = tuple[str, tuple[int, ...], torch.dtype]  # (HF name, full shape, dtype on the wire)

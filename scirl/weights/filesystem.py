@@ -19,7 +19,8 @@ from scirl.files import fsync_dir, seal_file
 from scirl.inference.client import ServerClient, ServerError, confirm_version, on_every_server
 from scirl.weights.buckets import buckets, declared
 
-SHARD_BYTES = 2 << 30  # a weights dir's default file size (a push's buckets otherwise): bounds the writer's extra memory
+# a weights dir's default file size (a push's bucket size otherwise): bounds the writer's extra memory
+SHARD_BYTES = 2 << 30
 
 
 def ties_embeddings(model_config) -> bool:
@@ -130,8 +131,8 @@ class FilesystemWeightSync:
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server, which then reports it as its weight
         version (checked); returns its directory."""
-        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config, tokenizer=tokenizer,
-                             shard_bytes=self.bucket_bytes)
+        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config,
+                             tokenizer=tokenizer, shard_bytes=self.bucket_bytes)
 
         def reload(client: ServerClient) -> None:
             client.reload_weights(path, timeout_s=self.timeout_s)

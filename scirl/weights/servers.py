@@ -103,8 +103,8 @@ def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_di
         if mode == "nccl":
             transport = open_nccl(clients, deployment, urls, dtype=str(trainer.dtype).removeprefix("torch."))
         else:
-            transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts", timeout_s=deployment.weight_sync_timeout_s,
-                                             bucket_bytes=bucket_bytes)
+            transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts",
+                                             timeout_s=deployment.weight_sync_timeout_s, bucket_bytes=bucket_bytes)
     sink = ServerSink(trainer, transport, tokenizer, check, replicas, between_batches, bucket_bytes=bucket_bytes,
                       rendezvous=rendezvous)
     sink.push(start_step)
