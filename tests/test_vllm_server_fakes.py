@@ -595,6 +595,7 @@ def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_t
     as the whole-model push delivered them (every tensor cast, then sent), while the push never holds more than
     one bucket of tensors (tracked as they are created and dropped); the whole-model push held all of them."""
     from scirl.trainer.full_weights import FullWeights
+    from scirl.weights.buckets import LARGEST_FIRST
 
     model = small_model()
     bucket_bytes = 1000
@@ -613,9 +614,9 @@ def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_t
         return received_by_vllm(sent, init["init_info"], update["update_info"], monkeypatch), live.peak
 
     today = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}  # what full_state_dict(dtype) gave
-    got, peak = push(lambda: FullWeights(model, device="cpu", dtype=torch.bfloat16))
+    got, peak = push(lambda: FullWeights(model, device="cpu", dtype=torch.bfloat16, first=LARGEST_FIRST))  # the sink's
     assert got.keys() == today.keys() and all(torch.equal(got[n], today[n]) for n in today)
-    specs = FullWeights(model, device="cpu", dtype=torch.bfloat16).specs
+    specs = FullWeights(model, device="cpu", dtype=torch.bfloat16, first=LARGEST_FIRST).specs
     model_bytes = sum(t.numel() * t.element_size() for t in today.values())
     assert 0 < peak <= bucket_bound(specs, bucket_bytes) < model_bytes / 3
     # the whole model at once, as pushes were before: what the tracker sees then
