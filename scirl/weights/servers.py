@@ -81,7 +81,7 @@ def missed_push_message(missed: distributed.RendezvousMissed, version: int, inde
                  else f"to send bucket {index} of {count} to the servers and start the next")
     else:
         doing = f"to join the push at bucket {index + 1} of {count}"
-    if missed.waited_s >= missed.timeout_s:
+    if missed.waited_s >= 0.99 * missed.timeout_s:  # gloo gave up at its timeout (not a rank that died)
         return (f"rank {missed.waiting} waited more than {missed.timeout_s:g}s (deployment.weight_sync_timeout_s) for "
                 f"{whom} {doing}, in the push of the weights of step {version}; raise the timeout if that is expected")
     return (f"rank {missed.waiting} lost {whom} after {missed.waited_s:.0f}s of waiting for it {doing}, in the push of "
