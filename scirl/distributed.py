@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -109,6 +110,50 @@ def gather_objects(items: list, dist: Dist) -> list:
     gathered: list = [None] * dist.world_size
     torch.distributed.all_gather_object(gathered, items)
     return [x for part in gathered for x in part]
+
+
+class RendezvousMissed(TimeoutError):
+    """A rank waited at a ``Rendezvous`` past its timeout (or lost a rank there): ``waiting`` is this rank,
+    ``missing`` the ranks it waited for."""
+
+    def __init__(self, waiting: int, missing: list[int], waited_s: float, timeout_s: float, detail: str):
+        self.waiting, self.missing, self.waited_s, self.timeout_s = waiting, missing, waited_s, timeout_s
+        super().__init__(detail)
+
+
+MONITORED_BARRIER_MISSING = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
+
+
+class Rendezvous:
+    """A point every rank must reach within ``timeout_s`` of the first: the others may only be waiting there, not
+    stuck. It is gloo's monitored barrier on a CPU group of its own, whatever the training backend (a collective
+    on the NCCL group would wait out the group's 30 minutes instead): it gives up at its own timeout, and rank 0
+    learns which ranks did not come. Every rank must create it (a new process group), in the same order."""
+
+    def __init__(self, dist: Dist, timeout_s: float):
+        self.dist, self.timeout_s = dist, timeout_s
+        self.group = None
+        if dist.world_size > 1:
+            self.group = torch.distributed.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def reach(self, timeout_s: float | None = None) -> None:
+        """Return once every rank is here; ``RendezvousMissed`` when one is not within the timeout (``timeout_s``:
+        this meeting's own, else the rendezvous's), or is gone."""
+        if self.group is None:
+            return
+        timeout_s = timeout_s or self.timeout_s
+        started = time.monotonic()
+        try:
+            torch.distributed.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s),
+                                                wait_all_ranks=True)
+        except RuntimeError as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            missing = [0]  # the other ranks wait for rank 0, which hears from them all
+            if self.dist.is_main:
+                found = MONITORED_BARRIER_MISSING.search(str(exc))
+                missing = ([int(r) for r in found.group(1).split(",")] if found
+                           else [r for r in range(1, self.dist.world_size)])
+            raise RendezvousMissed(self.dist.rank, missing, time.monotonic() - started, timeout_s, detail) from exc
 
 
 DUPLICATE_SIGNAL_S = 2.0  # a second signal this soon after the first is the same stop, delivered twice

@@ -1,5 +1,6 @@
 """Multi-rank model loading: only rank 0 reads the checkpoint, and every rank ends up with exactly the
-model a single process loads (parameters, tied weights and the non-persistent rotary buffers)."""
+model a single process loads (parameters, tied weights and the non-persistent rotary buffers), running the
+same code as every other rank (``check_identical_ranks``), which the run's log names in one line."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ import pytest
 import torch
 
 LOAD_SCRIPT = r'''
-import sys, torch
+import logging, sys, types, torch
 from transformers import PreTrainedModel
 from scirl.distributed import exit_process, setup as setup_distributed, teardown
-from scirl.trainer.model import load_model
+from scirl.errors import TrainError
+from scirl.trainer.model import check_identical_ranks, load_model
+
+lines = []  # what the run's log gets from the loader
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+logging.getLogger("scirl.trainer.model").addHandler(handler)
+logging.getLogger("scirl.trainer.model").setLevel(logging.INFO)
 
 model_dir, out_dir = sys.argv[1:3]
 # count every from_pretrained (the Auto classes end up here too)
@@ -43,7 +51,25 @@ torch.save({
     "buffers": buffers,
     "tied": model.lm_head.weight is model.model.embed_tokens.weight,
     "logits": logits,
+    "log": lines,
 }, f"{out_dir}/rank_{dist.rank}.pt")
+
+# rank 1 switches other code on after the load, as a kernel library's kernelize does (an instance's own forward),
+# then its attention implementation: every rank must refuse, naming where
+def differ(change, name):
+    if dist.rank == 1:
+        change()
+    try:
+        check_identical_ranks(model, dist)
+        message = "passed"
+    except TrainError as exc:
+        message = str(exc)
+    with open(f"{out_dir}/{name}_{dist.rank}.txt", "w") as f:
+        f.write(message)
+
+norm = model.model.norm
+differ(lambda: setattr(norm, "forward", types.MethodType(lambda self, x: x, norm)), "forward")
+differ(lambda: setattr(model.config, "_attn_implementation", "eager"), "attention")
 teardown()
 exit_process(0)
 '''
@@ -59,11 +85,18 @@ def torchrun_load(model_dir, tmp_path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir, tmp_path_factory):
+    """One two-rank load (and the later changes of rank 1's code) for the tests that read what it left."""
+    out = tmp_path_factory.mktemp("loaded")
+    torchrun_load(tiny_model_dir, out)
+    return out
+
+
 @pytest.mark.slow
-def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights(tiny_model_dir, tmp_path):
+def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights(tiny_model_dir, loaded):
     from transformers import AutoModelForCausalLM
 
-    torchrun_load(tiny_model_dir, tmp_path)
     want = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     want_params = want.state_dict()
     want_buffers = dict(want.named_buffers())
@@ -72,7 +105,7 @@ def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights
         want_logits = want(input_ids=torch.arange(3, 11).reshape(1, 8)).logits
 
     for rank in (0, 1):
-        got = torch.load(tmp_path / f"rank_{rank}.pt")
+        got = torch.load(loaded / f"rank_{rank}.pt")
         assert got["from_pretrained_calls"] == (["Qwen3ForCausalLM"] if rank == 0 else []), rank
         assert got["params"].keys() == want_params.keys()
         for name, value in want_params.items():
@@ -82,6 +115,23 @@ def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights
             assert torch.equal(got["buffers"][name], value), (rank, name)
         assert got["tied"] == (want.lm_head.weight is want.model.embed_tokens.weight), rank
         torch.testing.assert_close(got["logits"], want_logits)
+    # every rank built the same code, checked, and rank 0's log says which in one line
+    [line] = torch.load(loaded / "rank_0.pt")["log"]
+    assert line.startswith("model code: Qwen3ForCausalLM, attention: ['sdpa'], hub kernels: False; forwards ")
+    assert "from transformers: " in line and "Qwen3RMSNorm" in line and line.endswith(", the same on all 2 ranks")
+
+
+@pytest.mark.slow
+def test_a_rank_that_runs_other_code_ends_the_run_on_every_rank_naming_what_differs(loaded):
+    """After the load passed the check, rank 1 swaps the final norm's forward (what a hub kernel does to an
+    instance), then its attention implementation: the check, run again, refuses on both ranks in one line."""
+    for name, where in (("forward", "model.norm: "), ("attention", "attention: ['eager'] on rank 1, but attention: "
+                                                                    "['sdpa'] on rank 0")):
+        messages = {(loaded / f"{name}_{rank}.txt").read_text() for rank in (0, 1)}
+        assert len(messages) == 1, messages  # the same line on every rank
+        [message] = messages
+        assert message.startswith("rank 1 runs other code than rank 0: ") and "\n" not in message, message
+        assert where in message and message.endswith("every rank must build the same modules and kernels"), message
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ import torch
 import scirl
 from scirl import algorithms
 from asgi_server import running  # tests/asgi_server.py
-from test_vllm_server_fakes import FakeCommunicator, body, fake_vllm
+from test_vllm_server_fakes import FakeCommunicator, body, fake_vllm, received_by_vllm
 
 DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 
@@ -53,8 +53,8 @@ def test_a_single_process_on_cuda_gets_an_indexed_device(monkeypatch):
 
 def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     """The servers compute in the trainer's dtype (the launcher starts them so): a float32 run's weights
-    used to travel as bf16, and sampler and trainer drifted apart by bf16 rounding."""
-    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
+    used to travel as bf16, and sampler and trainer drifted apart by bf16 rounding. What vLLM's own packed
+    receiver unpacks from the push's buckets is compared."""
     from transformers import AutoTokenizer
 
     import scirl.weights.nccl as nccl
@@ -67,12 +67,6 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
 
     opened = []
     monkeypatch.setattr(nccl, "_open_nccl_endpoint", lambda *args: opened.append(FakeCommunicator(*args)) or opened[-1])
-
-    def producer(iterator, group, src, post_iter_func, **_):  # vLLM's packed producer, minus the CUDA streams
-        for item in iterator:
-            group.broadcast(post_iter_func(item), src=src)
-
-    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", producer)
     server = fake_vllm()
     with running(server) as srv:
         cfg = TrainConfig(model=str(DEMO_BASE), device="cpu", dtype="float32", output_dir=str(tmp_path),
@@ -84,8 +78,9 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
                           run_dir=tmp_path, start_step=0, check=WeightCheck(trainer, ([1, 2, 3], 1), interval=0),
                           replicas=[], between_batches=lambda version, push: push())
         info = body(server, "/update_weights")[0]["update_info"]
+        init = body(server, "/init_weight_transfer_engine")[0]["init_info"]
     assert set(info["dtype_names"]) == {"float32"}
-    sent = {name: tensor for name, (_, _, tensor) in zip(info["names"], opened[0].sent)}
+    sent = received_by_vllm([tensor for _, _, tensor in opened[0].sent], init, info, monkeypatch)
     for name, weight in model.state_dict().items():  # bit for bit
         assert sent[name].dtype == torch.float32 and torch.equal(sent[name], weight), name
     # tied embeddings: the head goes too, or vLLM keeps its old one

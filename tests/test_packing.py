@@ -58,14 +58,18 @@ def grouped_samples(seed: int = 0, teachers: bool = False) -> list[Sample]:
 def per_sequence_hidden(trainer, packed):
     """The reference forward: every completion row of ``packed`` as its own whole sequence."""
     model, layout, ids = trainer.compute_model, packed.layout, packed.input_ids[0]
+    packed_attention, model.config._attn_implementation = model.config._attn_implementation, "sdpa"
     hidden = []
-    for r in range(packed.loss_mask.shape[0]):
-        g = layout.rows[r]
-        prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
-        completion = ids[layout.query_index[r, : int(packed.loss_mask[r].sum())]]
-        with hidden_states_out(model) as seen:
-            states = model(input_ids=torch.cat([prompt, completion])[None], use_cache=False).logits[0]
-        hidden.append(states[len(prompt) - 1 : len(prompt) + len(completion) - 1])
+    try:
+        for r in range(packed.loss_mask.shape[0]):
+            g = layout.rows[r]
+            prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
+            completion = ids[layout.query_index[r, : int(packed.loss_mask[r].sum())]]
+            with hidden_states_out(model) as seen:
+                states = model(input_ids=torch.cat([prompt, completion])[None], use_cache=False).logits[0]
+            hidden.append(states[len(prompt) - 1 : len(prompt) + len(completion) - 1])
+    finally:
+        model.config._attn_implementation = packed_attention  # the trainer's step holds its own setting
     return torch.cat(hidden), seen["weight"]
 
 

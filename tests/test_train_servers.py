@@ -112,7 +112,9 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     """``scirl train`` with ``[deployment] num_infer_gpus = 1, num_train_gpus = 2`` on a CPU machine:
     the launcher starts a real vLLM server and 2 gloo trainer ranks. Batch n+1 is sampled by the
     weights of step n-1 while step n trains (lag 1), the weights reach the server through broadcasts/,
-    and the server then answers as the trained checkpoint does. Everything is gone afterwards."""
+    a file per bucket of 0.25 MiB, gathered bucket by bucket on both ranks (the first push is checked:
+    the server's logprobs are the trainer's), and the server then answers as the trained checkpoint
+    does. Everything is gone afterwards."""
     from transformers import AutoTokenizer
 
     from scirl.run.backends import hf_generator
@@ -121,7 +123,7 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     done = run_scirl(["train", *train_args(questions, run, "--deployment.num-infer-gpus", "1",
                                            "--deployment.num-train-gpus", "2", "--max-steps", "3",
                                            "--max-async-level", "1", "--optim.lr", "5e-3",
-                                           "--inference.kv-cache-gib", "0.25")])
+                                           "--inference.kv-cache-gib", "0.25", "--deployment.weight-bucket-mib", "0.25")])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = rows(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -131,6 +133,7 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     assert {r["policy_version"] for r in rollouts(run, 3)} == {1}
     assert "Off-policy 1" in done.stdout
     assert sorted(p.name for p in (run / "broadcasts").glob("step_*")) == ["step_2", "step_3"]  # the newest two
+    assert len(list((run / "broadcasts" / "step_3").glob("model-*-of-*.safetensors"))) > 3
 
     # the last version the server took is step 3's: a server started on it answers as the checkpoint does
     tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)

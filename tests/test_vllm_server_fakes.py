@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request  # module level: FastAPI resolves the handl
 from fastapi.responses import JSONResponse, Response
 
 from asgi_server import running  # tests/asgi_server.py
+from live_tensors import LiveTensors, bucket_bound  # tests/live_tensors.py
 from server_process import free_port  # tests/server_process.py
 from scirl.inference.base import SamplingParams
 from scirl.inference.client import ServerClient, ServerError
@@ -519,30 +520,108 @@ def test_the_group_refused_on_a_shared_gpu_names_the_fix():
     assert 'deployment.weight_sync = "filesystem"' in message and "\n" not in message
 
 
-def test_the_gathered_weights_are_complete_before_the_packed_producer_reads_them(monkeypatch):
-    """vLLM's packed producer reads the tensors on its own side streams; they were gathered on the
-    current stream, and only a wait for that stream orders the two."""
+class RecordingCommunicator(FakeCommunicator):
+    """Records what it sends without the copies counting as the trainer's memory (they are the servers')."""
+
+    def broadcast(self, tensor, src):
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            super().broadcast(tensor, src)
+
+
+def received_by_vllm(sent: list[torch.Tensor], init_info: dict, update_info: dict, monkeypatch) -> dict:
+    """What vLLM's own packed receiver (``packed_nccl_broadcast_consumer``, as its workers run it) makes of the
+    broadcasts ``sent``, told what the push told the servers. It cuts its receive buffers from the metadata and
+    the buffer size alone, so a bucket cut otherwise fails here. CUDA streams become no-ops on a CPU."""
+    import contextlib
+
     import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
 
-    pending: set[int] = set()  # tensors whose producing work is still queued on the current stream
+    class NoStream:
+        def synchronize(self):
+            pass
 
-    def side_stream_producer(iterator, group, src, post_iter_func, **_):
-        for item in iterator:
-            tensor = post_iter_func(item)
-            assert tensor.data_ptr() not in pending, f"{item[0]} read on a side stream before its gather finished"
-            group.broadcast(tensor, src=src)
+    monkeypatch.setattr(packed_tensor, "_get_streams", lambda device, count: tuple(NoStream() for _ in range(count)))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    queue = list(sent)
 
-    monkeypatch.setattr(packed_tensor, "packed_nccl_broadcast_producer", side_stream_producer)
+    class Replay:
+        def broadcast(self, buffer, src):
+            assert queue, "the receiver expects more broadcasts than were sent"
+            got = queue.pop(0)
+            assert (got.dtype, got.shape) == (buffer.dtype, buffer.shape), "a bucket cut otherwise than the receiver's"
+            buffer.copy_(got)
+
+    loaded = {}
+    meta = ((name, (shape, getattr(torch, dtype)))
+            for name, dtype, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]))
+    packed_tensor.packed_nccl_broadcast_consumer(
+        meta, Replay(), 0, lambda pairs: loaded.update((n, t.clone()) for n, t in pairs),
+        buffer_size_bytes=init_info["packed_buffer_size_bytes"], num_buffers=init_info["packed_num_buffers"],
+        device="cpu")
+    assert not queue, "broadcasts the receiver never took"
+    return loaded
+
+
+def test_a_packed_push_is_cut_and_laid_out_as_vllms_receiver_reads_it(monkeypatch):
+    """Each bucket is one of the workers' receive buffers: vLLM's real receiver, given the metadata and the
+    bucket size the push sent, unpacks exactly the model (bf16 on the wire, the tied head added), bucket by
+    bucket, including a tensor bigger than a bucket."""
+    model = small_model()
     opened = []
-    with running(fake_vllm()) as srv:
+    bucket_bytes = 700  # smaller than the embedding (64 x 16 bf16 = 2 KiB)
+    app = fake_vllm()
+    with running(app) as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=lambda *a: opened.append(FakeCommunicator(*a))
-                              or opened[-1], packed=True, dtype="float32", stream_sync=pending.clear)
+                              or opened[-1], packed=True, bucket_bytes=bucket_bytes)
         sync.init()
-        gathered = [("a", torch.ones(3)), ("b", torch.zeros(2))]
-        pending.update(t.data_ptr() for _, t in gathered)  # enqueued, as FSDP's full_tensor() leaves them
-        sync.push(gathered, 1)
-    assert [t.tolist() for _, _, t in opened[0].sent] == [[1.0, 1.0, 1.0], [0.0, 0.0]]
+        sync.push(model.named_parameters(), 1, model_config=model.config)
+    [init], [update] = body(app, "/init_weight_transfer_engine"), body(app, "/update_weights")
+    assert init["init_info"]["packed_buffer_size_bytes"] == bucket_bytes
+    sent = [t for _, _, t in opened[0].sent]
+    assert len(sent) > 3 and all(t.dtype == torch.uint8 for t in sent)
+    got = received_by_vllm(sent, init["init_info"], update["update_info"], monkeypatch)
+    expected = {n: p.detach().to(torch.bfloat16) for n, p in model.named_parameters()}
+    expected["lm_head.weight"] = expected["model.embed_tokens.weight"]
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+
+
+def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_the_model(monkeypatch):
+    """The trainer's full weights, cast to bf16 shard by shard and read as they are sent, reach vLLM's receiver
+    as the whole-model push delivered them (every tensor cast, then sent), while the push never holds more than
+    one bucket of tensors (tracked as they are created and dropped); the whole-model push held all of them."""
+    from scirl.trainer.full_weights import FullWeights
+    from scirl.weights.buckets import LARGEST_FIRST
+
+    model = small_model()
+    bucket_bytes = 1000
+
+    def push(named_tensors) -> tuple[dict, int]:
+        opened, app = [], fake_vllm()
+        with running(app) as srv:
+            sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
+                                  timeout_s=10, communicator_factory=lambda *a: opened.append(RecordingCommunicator(*a))
+                                  or opened[-1], packed=True, bucket_bytes=bucket_bytes)
+            sync.init()
+            with LiveTensors() as live:
+                sync.push(named_tensors(), 1, model_config=model.config)
+        [init], [update] = body(app, "/init_weight_transfer_engine"), body(app, "/update_weights")
+        sent = [t for _, _, t in opened[0].sent]
+        return received_by_vllm(sent, init["init_info"], update["update_info"], monkeypatch), live.peak
+
+    today = {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}  # what full_state_dict(dtype) gave
+    got, peak = push(lambda: FullWeights(model, device="cpu", dtype=torch.bfloat16, first=LARGEST_FIRST))  # the sink's
+    assert got.keys() == today.keys() and all(torch.equal(got[n], today[n]) for n in today)
+    specs = FullWeights(model, device="cpu", dtype=torch.bfloat16, first=LARGEST_FIRST).specs
+    model_bytes = sum(t.numel() * t.element_size() for t in today.values())
+    assert 0 < peak <= bucket_bound(specs, bucket_bytes) < model_bytes / 3
+    # the whole model at once, as pushes were before: what the tracker sees then
+    _, whole = push(lambda: {n: t.to(torch.bfloat16) for n, t in model.state_dict().items()}.items())
+    assert whole >= model_bytes
 
 
 def test_every_push_ends_with_every_server_reporting_its_version(tmp_path):

@@ -171,15 +171,20 @@ def with_tied_lm_head(named_tensors: Iterable[tuple[str, object]], ties_embeddin
     A tied HF model has no ``lm_head.weight`` among its parameters, but vLLM keeps a
     separate LM head on some platforms and, when the name is missing, logs a warning and
     keeps the OLD head (greedy outputs then drift from the trainer's). Streams: nothing is
-    held but a reference to the embedding.
+    held but a reference to the embedding, and none where the stream declares its own head
+    up front (``specs``, as the trainer's full weights do) or the model ties nothing.
     """
+    specs = getattr(named_tensors, "specs", None)
+    if specs is not None and any(spec[0] == "lm_head.weight" for spec in specs):
+        ties_embeddings = False  # it sends the head itself
     embedding, sent_head = None, False
     for name, tensor in named_tensors:
         if name == "lm_head.weight":
-            sent_head = True
-        elif name == "model.embed_tokens.weight":
+            sent_head, embedding = True, None
+        elif ties_embeddings and not sent_head and name == "model.embed_tokens.weight":
             embedding = tensor
         yield name, tensor
+        del tensor  # the reader may drop it before asking for the next (a push gathers one at a time)
     if ties_embeddings and not sent_head and embedding is not None:
         yield "lm_head.weight", embedding
 

@@ -20,6 +20,7 @@ from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
 from scirl.task.formats import known_format, parse_columns
 from scirl.trainer.batching import DEFAULT_MICRO_BATCH_TOKENS
+from scirl.weights.base import DEFAULT_BUCKET_MIB
 
 # Bounds below refuse values that can only be mistakes (a typo'd exponent, a NaN from a script), so they
 # fail here naming the field instead of as NaN losses or a crash inside AdamW mid-run.
@@ -213,6 +214,10 @@ class DeploymentConfig(Section):
     startup_timeout_s: float = Field(900, gt=0, description="longest wait for a server to become healthy")
     request_timeout_s: float = Field(600, gt=0, description="longest wait for one generation request")
     weight_sync_timeout_s: float = Field(600, gt=0, description="longest wait for servers to take new weights")
+    weight_bucket_mib: float = Field(DEFAULT_BUCKET_MIB, gt=0, description="a push gathers the weights (in the "
+                                     "compute dtype), sends them and drops them a bucket of about this many MiB at a "
+                                     "time: it adds about one bucket to a GPU, never the whole model (with NCCL, "
+                                     "also the servers' receive buffers)")
     gpu_memory_gb: float | None = Field(None, gt=0, description="each GPU's memory in GiB, for the memory plan where "
                                         "there is no GPU to ask (a login node, --dry-run on a laptop); a GPU's own "
                                         "size wins where there is one (None: the plan only prints)")

@@ -47,7 +47,7 @@ from scirl.run.config_io import to_toml_dict, write_config
 from scirl.run.eval_hook import training_eval
 from scirl.task.data import load_splits
 from scirl.trainer import lora
-from scirl.trainer.model import compute_dtype, load_model
+from scirl.trainer.model import check_identical_ranks, compute_dtype, load_model
 from scirl.weights.check import Replica, WeightCheck, probe_sequence
 from scirl.weights.inprocess import InProcessSink
 from scirl.weights.servers import start_server_sink
@@ -175,6 +175,7 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
+    check_identical_ranks(trainer.compute_model, dist)  # again, with the trainer's kernels in place
     say(f"Trainer: micro-batches of {trainer.describe_batching()}; attention {trainer.attention}; "
         f"decoder layers: {trainer.kernels.describe()}")
     if saved is not None:

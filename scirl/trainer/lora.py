@@ -10,9 +10,9 @@ What the rest of the run sees:
 - the trainer's module is peft's ``PeftModel``: its forward is the HF model's, each target linear
   computing ``W x + B(A x) * alpha/rank``; the optimizer takes the parameters that require grad,
   i.e. the adapter's; a transformers sampler shares the module and samples the LoRA model as is;
-- ``merged_state_dict`` is what ``Trainer.full_state_dict`` returns for it: HF-named tensors with
-  ``W + delta`` for each adapted layer, computed out of place (merging into the module and back
-  would round the frozen base a little differently every step). The vLLM engine loads them after
+- ``merged_parts`` and ``merge`` are what ``Trainer.full_state_dict`` (and a push) give for it: HF-named
+  tensors with ``W + delta`` for each adapted layer, computed out of place, one at a time (merging into the
+  module and back would round the frozen base a little differently every step). The vLLM engine loads them after
   each step, and a checkpoint's ``model.safetensors`` holds them (float32), so ``vllm serve`` and
   ``scirl eval`` load a checkpoint as a plain HF model;
 - a checkpoint also keeps the adapter itself (``trainer_state/adapter_model.safetensors`` and its
@@ -118,24 +118,25 @@ def hf_model(model):
     return model.get_base_model()
 
 
-@torch.no_grad()
-def merged_state_dict(model, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """HF-named tensors of the merged model: ``W + B@A * scale`` for each adapted layer (summed in
-    float32), every other tensor as is; ``dtype`` None means float32 (what checkpoints hold).
-    The module is not modified: no merge into the base and back (each round trip rounds it)."""
+def merged_parts(model) -> list[tuple[str, torch.Tensor, object]]:
+    """The merged model's tensors, none computed yet: (HF name, the module's tensor, the LoRA layer whose delta
+    ``merge`` adds to it, or None), in the module's order, the adapter's own tensors left out (folded into W)."""
     from peft.tuners.lora import LoraLayer
 
     layers = {f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
-    dtype = dtype or torch.float32
-    state = {}
-    for name, value in model.state_dict().items():
-        if any(part.startswith("lora_") for part in name.split(".")):
-            continue  # the adapter's own tensors: folded into W below
-        if name in layers:
-            delta = layers[name].get_delta_weight(ADAPTER)
-            value = value.to(device=device, dtype=torch.float32) + delta.to(device=device, dtype=torch.float32)
-        state[hf_name(name)] = value.detach().to(device=device, dtype=dtype)
-    return state
+    return [(hf_name(name), value, layers.get(name)) for name, value in model.state_dict().items()
+            if not any(part.startswith("lora_") for part in name.split("."))]
+
+
+@torch.no_grad()
+def merge(value: torch.Tensor, layer, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One tensor of the merged model: ``W + B@A * scale`` for an adapted layer (summed in float32), else ``W`` as
+    is; ``dtype`` None means float32 (what checkpoints hold). The module is not modified: no merge into the base
+    and back (each round trip rounds it)."""
+    if layer is not None:
+        delta = layer.get_delta_weight(ADAPTER)
+        value = value.to(device=device, dtype=torch.float32) + delta.to(device=device, dtype=torch.float32)
+    return value.detach().to(device=device, dtype=dtype or torch.float32)
 
 
 def hf_name(name: str) -> str:

@@ -1,16 +1,31 @@
 """Loading the policy for training: an HF causal LM with float32 master weights, sharded with FSDP2
 (``fully_shard`` per decoder layer and the root, a bf16 compute policy on GPU) under torchrun, where
-only rank 0 reads the checkpoint and broadcasts it."""
+only rank 0 reads the checkpoint and broadcasts it.
+
+Every rank builds the very same modules and kernels: under torchrun each builds the model with
+``from_config`` on the meta device, from the same config, and rank 0 reads the weights on the side (a
+``from_pretrained`` copy on CPU whose tensors it broadcasts, then drops). ``from_pretrained`` can switch
+on hub kernels (the ``kernels`` package, in recent transformers) that ``from_config`` never does, which
+would leave ranks running different RMSNorm code under one FSDP2 module; it is called with them off,
+here and in a single process. ``check_identical_ranks`` proves it (each module's class and forward, the
+attention implementation) and the run's log says which code the model runs (``kernel_line``).
+"""
 
 from __future__ import annotations
+
+import logging
+from collections import defaultdict
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from scirl import distributed
 from scirl.distributed import Dist
 from scirl.errors import TrainError
+
+log = logging.getLogger(__name__)
 
 
 def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
@@ -23,42 +38,64 @@ def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
 def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool = False):
     """Load an HF causal LM in float32 (the master weights); shard it with FSDP2 under torchrun.
 
-    Under torchrun only rank 0 reads the checkpoint (on CPU); the other ranks build the same module
-    tree on the meta device, every rank shards it, and rank 0 broadcasts the weights, each rank
-    keeping its shard. For an 8B model that is one full fp32 copy in host memory instead of one per rank.
+    Under torchrun only rank 0 reads the checkpoint (on CPU); every rank builds the same module tree
+    on the meta device, every rank shards it, and rank 0 broadcasts the weights, each rank keeping
+    its shard. For an 8B model that is one full fp32 copy in host memory instead of one per rank.
+    Every rank then checks that all run the same code (``check_identical_ranks``) and rank 0 logs it.
     """
     if dist.world_size > 1:
-        return load_sharded_model(path_or_name, device, dist, dtype, activation_checkpointing)
-    model = load_full_model(path_or_name)
-    if activation_checkpointing:
-        # non-reentrant checkpointing is the variant that composes with FSDP2
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.to(device)
-    model.train()
+        model = load_sharded_model(path_or_name, device, dist, dtype, activation_checkpointing)
+    else:
+        model = load_full_model(path_or_name)
+        if activation_checkpointing:
+            # non-reentrant checkpointing is the variant that composes with FSDP2
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(device)
+        model.train()
+    check_identical_ranks(model, dist)
+    log.info(kernel_line(model, dist))
     return model
 
 
+def without_hub_kernels() -> dict:
+    """``from_pretrained``'s keyword that keeps hub kernels off, where this transformers has them (a ``from_config``
+    model never gets them): every rank must run the same code."""
+    return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
+
+
 def load_full_model(path_or_name: str):
-    """``from_pretrained`` in float32 on CPU; a model that cannot be loaded is a TrainError naming it."""
+    """``from_pretrained`` in float32 on CPU, hub kernels off; a model that cannot be loaded is a TrainError
+    naming it."""
     try:
-        return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32, **without_hub_kernels())
     except (OSError, ValueError) as exc:
         raise TrainError(f"cannot load model {path_or_name!r} as a causal LM: {exc}") from exc
 
 
+def build_on_meta(path_or_name: str):
+    """The module tree every rank trains: ``from_config`` on the meta device (no memory; ties are made by
+    post_init as usual), with the checkpoint's generation config (what a checkpoint saves beside the weights)."""
+    config = AutoConfig.from_pretrained(path_or_name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path_or_name)
+    except OSError:  # none saved: from_config's, made from the config, as from_pretrained keeps it
+        pass
+    return model
+
+
 def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype,
                        activation_checkpointing: bool):
-    """FSDP2 load: rank 0 ``from_pretrained`` on CPU, the others a meta-device twin; shard, then broadcast."""
+    """FSDP2 load: every rank builds the model on meta, rank 0 also reads the weights on CPU; shard, then broadcast."""
     error = None
+    full_state, buffers = {}, {}  # set_model_state_dict reads rank 0's dict only
     try:
+        model = build_on_meta(path_or_name)
         if dist.is_main:
-            model = load_full_model(path_or_name)
-            full_state = model.state_dict()  # keeps the full CPU tensors alive after sharding replaces the params
-        else:
-            config = AutoConfig.from_pretrained(path_or_name)
-            with torch.device("meta"):  # the module tree without memory; ties are made by post_init as usual
-                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-            full_state = {}  # set_model_state_dict reads rank 0's dict only
+            reader = load_full_model(path_or_name)  # a source of tensors only: the module trained is ``model``
+            full_state, buffers = reader.state_dict(), dict(reader.named_buffers())
+            del reader
     except Exception as exc:
         error = exc
     # Every rank learns whether every rank got this far, so no rank waits forever in the broadcast
@@ -80,21 +117,79 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{path_or_name}: expected a decoder-only model with model.layers to shard per layer")
-    # No model.to(device) first: fully_shard moves each group's parameters to the device as it shards
-    # them, so rank 0 does not copy the whole model onto its GPU
     mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mp_policy=mp_policy)
     fully_shard(model, mp_policy=mp_policy)
-    if not dist.is_main:
-        # real (uninitialised) storage for the shards and buffers; to_empty keeps tied parameters tied
-        model.to_empty(device=device)
+    # real (uninitialised) storage for this rank's shards and the buffers; to_empty keeps tied parameters tied
+    model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
     del full_state
-    # Non-persistent buffers (rotary inv_freq) are in no state dict: on ranks > 0 they hold whatever
-    # to_empty left. Rank 0's are from_pretrained's; copy them all (they are small).
-    for _, buffer in model.named_buffers():
+    # Non-persistent buffers (rotary inv_freq) are in no state dict: to_empty left them uninitialised.
+    # Rank 0's reader computed them; copy them all (they are small).
+    for name, buffer in model.named_buffers():
+        if dist.is_main:
+            buffer.copy_(buffers[name])
         torch.distributed.broadcast(buffer, src=0)
     model.train()
     return model
+
+
+def module_code(module: torch.nn.Module) -> str:
+    """The code a module runs: its class and its forward (an instance's own, as hub kernels set it, before its
+    class's), named by module, qualified name and the code's own file and line (a wrapper that copies its
+    function's name still shows), and the hub kernel repository it came from, if any."""
+    forward = module.__dict__.get("forward") or type(module).forward
+    function = getattr(forward, "__func__", forward)
+    code = getattr(function, "__code__", None)
+    where = f" [{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}]" if code is not None else ""
+    repo = module.__dict__.get("_kernel_repo")
+    kernel = f" hub kernel {getattr(repo, 'repo_id', type(repo).__name__)}" if repo is not None else ""
+    cls = type(module)
+    return (f"{cls.__module__}.{cls.__qualname__} runs {getattr(function, '__module__', '?')}."
+            f"{getattr(function, '__qualname__', type(function).__name__)}{where}{kernel}")
+
+
+def model_code(model: torch.nn.Module) -> list[str]:
+    """What decides the model's arithmetic, one line per item: the attention implementation(s), whether hub
+    kernels are on, and every module's code (``module_code``), by module name."""
+    configs = [model.config] + [c for c in [getattr(model.config, "get_text_config", lambda: None)()] if c is not None]
+    lines = [f"attention: {sorted({str(getattr(c, '_attn_implementation', None)) for c in configs})}",
+             f"hub kernels: {bool(getattr(model, '_use_kernels', False))}"]
+    lines += [f"{name or '(root)'}: {module_code(module)}" for name, module in model.named_modules()]
+    return lines
+
+
+def check_identical_ranks(model: torch.nn.Module, dist: Dist) -> None:
+    """Every rank runs the same code (``model_code``): a TrainError (the same one line on every rank) naming the
+    first module, or the attention or kernel setting, where a rank differs from rank 0. A collective: every
+    rank calls it, e.g. again after switching kernels on."""
+    if dist.world_size == 1:
+        return
+    mine = model_code(model)
+    every = distributed.gather_objects([mine], dist)
+    reference = every[0]
+    for rank, theirs in enumerate(every[1:], start=1):
+        if theirs == reference:
+            continue
+        differs = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b),
+                       min(len(reference), len(theirs)))
+        ours = reference[differs] if differs < len(reference) else "(nothing)"
+        other = theirs[differs] if differs < len(theirs) else "(nothing)"
+        raise TrainError(f"rank {rank} runs other code than rank 0: {other} on rank {rank}, but {ours} on rank 0; "
+                         "every rank must build the same modules and kernels")
+
+
+def kernel_line(model: torch.nn.Module, dist: Dist) -> str:
+    """One line for the run's log: the attention implementation, hub kernels, and where each module class's
+    forward comes from (by package), checked the same on every rank."""
+    by_origin: dict[str, set[str]] = defaultdict(set)
+    for module in model.modules():
+        forward = module.__dict__.get("forward") or type(module).forward
+        origin = getattr(getattr(forward, "__func__", forward), "__module__", "?") or "?"
+        by_origin[origin.split(".", 1)[0]].add(type(module).__name__.removeprefix("FSDP"))
+    header, kernels = model_code(model)[:2]
+    forwards = "; ".join(f"from {origin}: {', '.join(sorted(names))}" for origin, names in sorted(by_origin.items()))
+    ranks = f", the same on all {dist.world_size} ranks" if dist.world_size > 1 else ""
+    return f"model code: {type(model).__name__.removeprefix('FSDP')}, {header}, {kernels}; forwards {forwards}{ranks}"

@@ -37,8 +37,9 @@ from scirl.rollouts.contract import Sample
 from scirl.trainer import attention
 from scirl.trainer.batching import Batching
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
+from scirl.trainer.full_weights import FullWeights
 from scirl.trainer.kernels import Kernels
-from scirl.trainer.lora import is_lora, merged_state_dict
+from scirl.trainer.lora import is_lora
 from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
 from scirl.trainer.packing import (MicroBatch, Packed, PackedTeacher, dummy_micro_batch, dummy_teacher, make_micro_batches,
@@ -282,22 +283,19 @@ class Trainer:
 
     # ---- state for the generation copy and checkpoints ----
 
+    def full_weights(self, *, device: str | torch.device, dtype: torch.dtype | None = None, all_ranks: bool = True,
+                     first: tuple[str, ...] = ()) -> FullWeights:
+        """Full (unsharded) HF-named tensors, each gathered as it is read, each rank's shard cast to ``dtype`` first
+        (``full_weights.py``): a push reads them a bucket at a time. Under FSDP every rank must read them all; with
+        ``all_ranks=False`` only rank 0 keeps them, the others read None. A LoRA model gives its merged weights.
+        ``first``: names read before the others."""
+        return FullWeights(self.model, device=device, dtype=dtype, keep=all_ranks or self.dist.is_main, first=first)
+
     def full_state_dict(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                         all_ranks: bool = True) -> dict[str, torch.Tensor]:
-        """Full (unsharded) HF-named tensors. Under FSDP every rank must call this (each tensor is an
-        all-gather); with ``all_ranks=False`` only rank 0 keeps them (checkpoints), the others get {}.
-        The generation copy asks for its own device and dtype, so an 8B model never goes through host memory.
-        A LoRA model gives its merged weights (``scirl/trainer/lora.py``), float32 unless ``dtype`` says otherwise."""
-        if is_lora(self.model):  # single process only: nothing to gather
-            return merged_state_dict(self.model, device=device, dtype=dtype)
-        keep = all_ranks or self.dist.is_main
-        state = {}
-        for name, value in self.model.state_dict().items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            if keep:
-                state[name] = value.detach().to(device=device, dtype=dtype or value.dtype)
-        return state
+        """``full_weights`` as one dict (checkpoints: on CPU, a tensor at a time; the others get {})."""
+        weights = self.full_weights(device=device, dtype=dtype, all_ranks=all_ranks)
+        return {name: tensor for name, tensor in weights if tensor is not None}
 
     def optimizer_state_dict(self) -> dict:
         """The optimizer state, keyed by parameter name so it survives a change of sharding.

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+# a push's bucket (``deployment.weight_bucket_mib``, ``scirl/weights/buckets.py``): vLLM's packed NCCL transfer's
+# default buffer size
+DEFAULT_BUCKET_MIB = 1024
+
 
 class WeightSink(Protocol):
     def make_room(self) -> None: ...

@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 from scirl.errors import PreflightError
 from scirl.files import fsync_dir, seal_file
 from scirl.inference.client import ServerClient, ServerError, confirm_version, on_every_server
-from scirl.inference.vllm import with_tied_lm_head
+from scirl.weights.buckets import buckets, declared
 
-SHARD_BYTES = 2 << 30  # safetensors file size cap in a weights dir: bounds the writer's extra memory
+# a weights dir's default file size (a push's bucket size otherwise): bounds the writer's extra memory
+SHARD_BYTES = 2 << 30
 
 
 def ties_embeddings(model_config) -> bool:
@@ -29,15 +30,18 @@ def ties_embeddings(model_config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *, model_config, tokenizer=None) -> Path:
+def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *, model_config, tokenizer=None,
+                  shard_bytes: int | None = None) -> Path:
     """Write an HF model directory vLLM can load (safetensors, ``config.json``, the tokenizer if
     given) at ``out_dir``, whole or not at all: it is written to a hidden tmp dir next to it and
     renamed into place (an existing ``out_dir`` is replaced). Returns ``out_dir``.
 
     ``model_config``: a transformers config (or its dict). For a model with tied embeddings,
     ``lm_head.weight`` is added as a copy of the embedding: vLLM's in-place reload keeps its OLD
-    head when the name is missing. Files hold at most ~2 GiB each (``model.safetensors.index.json``
-    names them), which bounds the memory the writer needs on top of the tensors."""
+    head when the name is missing. One file per bucket of ``shard_bytes`` (``buckets.plan_buckets``;
+    default ``SHARD_BYTES``; ``model.safetensors.index.json`` names them), written as soon as its tensors
+    are read: a declared stream (the trainer's full weights, gathered as they are read) never has more
+    than one file's tensors in host memory, nor more than one tensor on the GPU."""
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp")
@@ -45,32 +49,17 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
         shutil.rmtree(tmp)  # a writer that died mid-way
     tmp.mkdir()
     try:
-        seen: set[int] = set()
-        tensors: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in with_tied_lm_head(named_tensors, ties_embeddings(model_config)):
-            tensor = tensor.detach().to("cpu").contiguous()
-            if tensor.data_ptr() in seen:  # safetensors refuses tensors that share memory (a tied head)
-                tensor = tensor.clone()
-            seen.add(tensor.data_ptr())
-            tensors.append((name, tensor))
-        shards: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            if shards[-1] and size + nbytes > SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][name] = tensor
-            size += nbytes
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, str(tmp / file), metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(shard, file))
-            total = sum(t.numel() * t.element_size() for _, t in tensors)
+        stream = declared(named_tensors, ties_embeddings=ties_embeddings(model_config))
+        weight_map, total = {}, 0
+        for bucket in buckets(stream, SHARD_BYTES if shard_bytes is None else shard_bytes):
+            file = ("model.safetensors" if bucket.count == 1
+                    else f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors")
+            shard = host_tensors(bucket.pairs)
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            del shard
+        if len(set(weight_map.values())) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
         if isinstance(model_config, dict):
@@ -98,6 +87,20 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
     return out_dir
 
 
+def host_tensors(pairs: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One file's tensors in host memory, each moved there as it is read; a tensor that shares memory with
+    another of the file (a tied head) is copied: safetensors refuses shared memory."""
+    shard: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in pairs:
+        tensor = tensor.detach().to("cpu").contiguous()
+        if tensor.data_ptr() in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.data_ptr())
+        shard[name] = tensor
+    return shard
+
+
 class FilesystemWeightSync:
     """Trainer rank 0 writes each policy version as an HF model directory ``root/step_<version>``
     (``root``: the run's ``broadcasts/``) and every server reloads from that path, then drops its
@@ -110,20 +113,26 @@ class FilesystemWeightSync:
     (``PreflightError``). Passing proves each server read a complete new directory under ``root`` as
     this process wrote it; the check of the first push that follows (``weights.check``, unless
     ``deployment.verify_interval = 0``) compares its logprobs with the trainer's: it read these bytes,
-    not a stale copy."""
+    not a stale copy.
 
-    def __init__(self, clients: list[ServerClient], root: Path, *, keep: int = 2, timeout_s: float):
+    ``bucket_bytes``: one safetensors file per bucket of that size (None: ``SHARD_BYTES``), each written as its
+    tensors are gathered, so a push holds one bucket in host memory at a time."""
+
+    def __init__(self, clients: list[ServerClient], root: Path, *, keep: int = 2, timeout_s: float,
+                 bucket_bytes: int | None = None):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         # absolute: a server resolves the path in its own working directory, which need not be ours
         self.clients, self.root, self.keep, self.timeout_s = list(clients), Path(root).absolute(), keep, timeout_s
+        self.bucket_bytes = bucket_bytes
         self.servers_see_root = False  # set by the first push that every server loaded
         self.unversioned: list[str] = []  # servers that keep no weight version (set by each push)
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server, which then reports it as its weight
         version (checked); returns its directory."""
-        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config, tokenizer=tokenizer)
+        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config,
+                             tokenizer=tokenizer, shard_bytes=self.bucket_bytes)
 
         def reload(client: ServerClient) -> None:
             client.reload_weights(path, timeout_s=self.timeout_s)

@@ -1,6 +1,11 @@
 """Weights to a sampler in this process: a vLLM engine (loaded in place, its prefix cache reset; on one
 GPU it sleeps during the train step and wakes for the push), or a per-rank transformers copy under
-FSDP. A sampler that shares the trainer's very module needs no push: the optimizer step is its update."""
+FSDP. A sampler that shares the trainer's very module needs no push: the optimizer step is its update.
+
+The engine reads the trainer's full weights as a stream, each tensor gathered (in the compute dtype) when
+vLLM's reload asks for it and dropped once loaded: a push holds one tensor beyond the model, plus what vLLM's
+layer-wise reload keeps until a layer is complete (a part of one decoder layer), less than one bucket of a
+server push. A transformers copy takes them as one dict (its ``load_state_dict``)."""
 
 from __future__ import annotations
 
@@ -19,7 +24,8 @@ class InProcessSink:
         if not self.generator.needs_weight_updates:
             return {}
         trainer = self.trainer
-        self.generator.update_weights(trainer.full_state_dict(device=trainer.device, dtype=trainer.dtype).items())
+        # read as the engine loads them, a tensor gathered at a time: nothing is held but what it holds
+        self.generator.update_weights(trainer.full_weights(device=trainer.device, dtype=trainer.dtype))
         if not self.check.due(version):
             return {}
         return self.check.run(version, [self.replica()])

@@ -6,7 +6,10 @@ Never run on a GPU yet: tested against stand-ins that keep NCCL's contract (``te
 Why this is not vLLM's own trainer side (``NCCLTrainerWeightTransferEngine.send_weights``): its
 ``WeightSource`` contract differs between the releases we pin, it cannot end a broadcast whose server
 failed mid-way, and it knows nothing of the dtype, tied head and version checks around a push
-(docs/architecture.md, "Weights to the servers").
+(docs/architecture.md, "Weights to the servers"). Nor its packed producer (``packed_nccl_broadcast_producer``):
+it concatenates each chunk into a new buffer while holding the tensors it packs, and keeps up to two chunks in
+flight; this module gathers each bucket straight into the one buffer it sends (``buckets.pack``), laid out and
+cut as vLLM's packed receiver expects.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from typing import Callable, Iterable
 import torch
 
 from scirl.inference.client import ServerClient, ServerError, confirm_version, on_every_server
-from scirl.inference.vllm import with_tied_lm_head
+from scirl.weights.base import DEFAULT_BUCKET_MIB
+from scirl.weights.buckets import Declared, buckets, declared, mib_to_bytes, pack
 from scirl.weights.filesystem import ties_embeddings
 
-# vLLM's packed NCCL transfer: staging buffers per side (its defaults), sent explicitly so both sides agree
-PACKED_BUFFER_BYTES = 1 << 30
+# vLLM's packed NCCL transfer: the workers' receive buffers (the buffer size is the push's bucket size), sent
+# explicitly so both sides agree
 PACKED_NUM_BUFFERS = 2
 
 
@@ -67,9 +71,9 @@ def worker_payload_fields() -> tuple[frozenset[str], frozenset[str]] | None:
 def _synchronize_current_stream() -> None:
     """Wait until the work queued on the current CUDA stream is done (nothing to wait for without CUDA).
 
-    The full weights are gathered (FSDP all-gathers) and cast on the current stream, while vLLM's packed
-    producer copies them into its staging buffers on side streams of its own: nothing else orders the
-    two, so without this a broadcast could send memory the gather has not written yet."""
+    The gathers, the packing and the broadcasts are all queued on the current stream, in that order; the
+    CPU returns from each before the GPU has run it. A push waits for them before it returns: the servers
+    are told the version next, and the caller changes the weights at its next step."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.current_stream().synchronize()
 
@@ -100,9 +104,10 @@ class NCCLWeightSync:
     report the version (``/weight_info``).
 
     Tensors go out with HF names, cast to ``dtype`` (the trainer's compute dtype: the servers compute
-    in it too, so nothing is rounded on the way), in the order of the metadata sent. ``packed``: vLLM's
-    packed transfer (a few large broadcasts through double-buffered staging on side streams; CUDA only)
-    or one broadcast per tensor on the current stream.
+    in it too, so nothing is rounded on the way), in the order of the metadata sent, a bucket of
+    ``bucket_bytes`` at a time (``scirl/weights/buckets.py``). ``packed``: vLLM's packed transfer (each bucket
+    in one broadcast, into one of the workers' receive buffers of ``bucket_bytes``; CUDA only) or one
+    broadcast per tensor. Every broadcast runs on the current stream, after the gathers queued there.
 
     Failures never hang the trainer: a server whose ``/update_weights`` fails while the broadcast waits
     for its workers aborts the group (the run then ends naming that server); a rendezvous that a server
@@ -112,21 +117,22 @@ class NCCLWeightSync:
     ``/update_weights`` only once, before broadcasting, so a server that fails during the broadcast
     leaves the sender waiting in NCCL forever; and its worker payload puts every server at rank offset 1,
     where scirl's servers (one per CPU replica or per node) each need their own. This class keeps its
-    patterns instead: the gather ordered before the side streams, the metadata sent equal to what is
-    broadcast, every stream drained before returning.
+    patterns instead: every tensor declared before the first broadcast, the metadata sent equal to what is
+    broadcast, the stream drained before returning.
 
     ``communicator_factory(master_address, master_port, rank, world_size)`` returns an object with
     ``broadcast(tensor, src)`` (and ``destroy()``, which aborts); the default opens vLLM's PyNccl
-    endpoint. ``stream_sync()`` orders the caller's queued work before the broadcast (default: the
+    endpoint. ``stream_sync()`` waits for the queued broadcasts before the push returns (default: the
     current CUDA stream's). Tests pass stand-ins for both."""
 
     def __init__(self, clients: list[ServerClient], *, master_address: str, master_port: int, timeout_s: float,
                  communicator_factory: Callable | None = None, dtype: str = "bfloat16", packed: bool = True,
                  stream_sync: Callable[[], None] = _synchronize_current_stream,
-                 payload_fields: tuple[frozenset[str], frozenset[str]] | None = None):
+                 payload_fields: tuple[frozenset[str], frozenset[str]] | None = None,
+                 bucket_bytes: int = mib_to_bytes(DEFAULT_BUCKET_MIB)):
         if not clients:
             raise ValueError("NCCLWeightSync needs at least one server")
-        self.clients, self.timeout_s = list(clients), timeout_s
+        self.clients, self.timeout_s, self.bucket_bytes = list(clients), timeout_s, bucket_bytes
         self.master_address, self.master_port = master_address, master_port
         self.communicator_factory = communicator_factory or _open_nccl_endpoint
         self.dtype, self.packed, self.stream_sync = dtype, packed, stream_sync
@@ -150,8 +156,9 @@ class NCCLWeightSync:
                  "world_size": world_size, **packing} for offset in offsets]
 
     def packing(self) -> dict:
-        """How the broadcasts are cut, which both sides must agree on (sent at init or with each update)."""
-        return dict(zip(PACKING_FIELDS, (self.packed, PACKED_BUFFER_BYTES, PACKED_NUM_BUFFERS)))
+        """How the broadcasts are cut, which both sides must agree on (sent at init or with each update): a
+        receive buffer is one of the trainer's buckets (``buckets.plan_buckets`` cuts them as the workers do)."""
+        return dict(zip(PACKING_FIELDS, (self.packed, self.bucket_bytes, PACKED_NUM_BUFFERS)))
 
     def init(self) -> None:
         """Form the broadcast group: every server's workers join (their HTTP calls block until the
@@ -176,34 +183,36 @@ class NCCLWeightSync:
                                f"{NCCL_SHARED_GPU_HINT}") from exc
         self.communicator = opening.result()
 
-    def update_info(self, tensors: list[tuple[str, object]]) -> dict:
-        return {"names": [n for n, _ in tensors],
-                "dtype_names": [self.dtype] * len(tensors),
-                "shapes": [list(t.shape) for _, t in tensors],
+    def update_info(self, entries: list[tuple]) -> dict:
+        """The names, dtypes and shapes the workers receive, in the order broadcast: ``entries`` are specs
+        (name, shape, dtype) or (name, tensor) pairs."""
+        return {"names": [entry[0] for entry in entries],
+                "dtype_names": [self.dtype] * len(entries),
+                "shapes": [list(getattr(entry[1], "shape", entry[1])) for entry in entries],
                 **(self.packing() if self.packing_per_update else {})}
 
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config=None,
              tokenizer=None) -> None:
-        """Broadcast one policy version to every server worker. ``model_config``: adds ``lm_head.weight``
-        for a model with tied embeddings (vLLM keeps the old head otherwise). ``tokenizer``: unused (the
-        filesystem transport writes it)."""
+        """Broadcast one policy version to every server worker, a bucket at a time: every tensor is declared
+        first (one ``/update_weights``), then each bucket is gathered into one buffer, broadcast and dropped
+        before the next is gathered. ``named_tensors``: the trainer's full weights (a declared stream, read as
+        it is sent) or any (name, tensor) pairs. ``model_config``: adds ``lm_head.weight`` for a model with
+        tied embeddings (vLLM keeps the old head otherwise). ``tokenizer``: unused (the filesystem transport
+        writes it)."""
         if self.communicator is None:
             raise RuntimeError("NCCLWeightSync.push before init() (or after a failed push aborted the group)")
-        dtype = getattr(torch, self.dtype)
-        tensors = list(with_tied_lm_head(named_tensors, model_config is not None and ties_embeddings(model_config)))
-        info = self.update_info(tensors)
-        device = getattr(self.communicator, "device", None)  # PyNccl sends from its own device only
-        wire = ((name, tensor.detach().to(device=device, dtype=dtype).contiguous()) for name, tensor in tensors)
+        stream = declared(named_tensors, dtype=getattr(torch, self.dtype),
+                          ties_embeddings=model_config is not None and ties_embeddings(model_config))
+        info = self.update_info(stream.specs)
 
         self._post_all("/start_weight_update")
-        self.stream_sync()  # the gathered weights are complete before any side stream reads them
         receiving = _in_thread(lambda: self._post_all("/update_weights", {"update_info": info}))
         communicator = self.communicator
         # a server that fails while its workers should be receiving leaves this broadcast waiting for
         # them: end the group, so the broadcast returns and the server's error is what the caller sees
         receiving.add_done_callback(lambda done: done.exception() is not None and _abort(communicator))
         try:
-            self._broadcast(wire)
+            self._broadcast(stream)
             _first_failure([receiving], 2 * self.timeout_s + 1, "/update_weights")
         except BaseException:
             self.communicator = None  # aborted, or in a state no later push can trust
@@ -218,18 +227,22 @@ class NCCLWeightSync:
     def _post_all(self, route: str, payload: dict | None = None) -> None:
         on_every_server(self.clients, lambda c: c.post(route, payload, timeout_s=self.timeout_s), self.timeout_s, route)
 
-    def _broadcast(self, pairs: Iterable[tuple[str, object]]) -> None:
-        if self.packed:
-            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer  # deferred: vLLM
-
-            # drains its own side streams before it returns
-            packed_nccl_broadcast_producer(iterator=iter(pairs), group=self.communicator, src=0,
-                                           post_iter_func=lambda item: item[1], buffer_size_bytes=PACKED_BUFFER_BYTES,
-                                           num_buffers=PACKED_NUM_BUFFERS)
-        else:
-            for _, tensor in pairs:
-                self.communicator.broadcast(tensor, src=0)
-            self.stream_sync()  # the broadcasts are only enqueued: the caller may change the weights next
+    def _broadcast(self, stream: Declared) -> None:
+        """Each bucket in one broadcast (packed: the workers' receive buffer, cut as they cut it), or each
+        tensor in its own, all on the current stream, where the gathers ran: each gathered tensor is complete
+        before it is sent, and its memory is reused only by work queued after its broadcast."""
+        wire = getattr(torch, self.dtype)
+        device = getattr(self.communicator, "device", None)  # PyNccl sends from its own device only
+        for bucket in buckets(stream, self.bucket_bytes):
+            if self.packed:
+                packed = pack(bucket, device)
+                self.communicator.broadcast(packed, src=0)
+                del packed
+            else:
+                for _, tensor in bucket.pairs:
+                    self.communicator.broadcast(tensor.detach().to(device=device, dtype=wire).contiguous(), src=0)
+                    del tensor
+        self.stream_sync()  # the broadcasts are only enqueued: the caller may change the weights next
 
     def close(self) -> None:
         """Leave the group: the servers drop their end, then this process its own."""
