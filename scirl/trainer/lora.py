@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from scirl.errors import TrainError
+from scirl.trainer.model import without_hub_kernels
 
 ADAPTER = "default"  # peft's name for a model's one adapter
 COMPARED = ("r", "lora_alpha", "lora_dropout", "target_modules")  # a resume needs the same adapter shape and scale
@@ -66,7 +67,7 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
     from peft import get_peft_model, set_peft_model_state_dict
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **without_hub_kernels())
     except (OSError, ValueError) as exc:
         where = " (a LoRA resume loads the base model of config.toml's `model`, then the checkpoint's adapter)" if saved else ""
         raise TrainError(f"cannot load base model {base!r} as a causal LM{where}: {exc}") from exc
