@@ -4,10 +4,10 @@ Every shell block of README.md and docs/*.md runs here, as a reader would run it
 `make demo`. Sybil reads the pages' fenced blocks; this file says how each kind runs:
 
 - a ```bash block runs whole, as one bash script under ``set -eo pipefail``: a command that fails fails the page;
-- a ```console block is a transcript: each ``$ command`` (with the lines the shell reads on: an open quote,
-  a trailing backslash) runs and must exit
-  0, and the lines under it are output it must print, in that order, among its other lines (runs of spaces
-  compare as one; ``...`` in a line stands for any text, a line of ``...`` alone for lines left out);
+- a ```console block is a transcript: each ``$ command`` (with the lines the shell reads on after an open
+  quote or a trailing backslash) runs and must exit 0, and the lines under it are output it must print, in
+  that order, among its other lines (runs of spaces compare as one; ``...`` in a line stands for any text, a
+  line of ``...`` alone for lines left out);
 - a block whose first line says what else it needs (``# needs a GPU``, ``# needs GPUs``, ``# needs 8 GPUs``,
   ``# needs a cluster``, ``# needs the hub``, ``# needs a prime-rl checkout``, ``# needs minutes``) is not run.
 
@@ -174,6 +174,8 @@ def run_page(path: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.recorded  # the quoted figures were printed on another machine
+@pytest.mark.timeout(900)  # a page's commands one after another: about 30 s on 2 idle cores
 @pytest.mark.parametrize("page", PAGES)
 def test_every_command_of_the_page_runs_as_written(page, tmp_path):
     run_page(ROOT / page, tmp_path)
@@ -315,3 +317,32 @@ def test_the_readme_is_a_quick_start_that_begins_with_the_set_up_ci_runs():
     commands = [line.split("#")[0].strip() for line in first.content.splitlines() if not line.startswith("#")]
     assert commands[:2] == ["make demo", "make test"]
     assert "make test" in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+# ---- what the pages rely on: configs/demo.toml from any directory, the demo's questions on their own
+
+
+def test_the_demo_config_reads_its_model_beside_itself_from_any_directory(tmp_path, monkeypatch):
+    from scirl.run.config_io import load_config
+
+    demo_base = ROOT / "scirl" / "assets" / "demo-base"
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["@", str(ROOT / "configs" / "demo.toml")])
+    assert Path(cfg.model) == demo_base and (demo_base / "config.json").is_file()
+    assert cfg.data.source == "outputs/demo/data/demo_questions.jsonl"  # where you run, like output_dir
+    (tmp_path / "configs").symlink_to(ROOT / "configs")  # a clone-like directory, as the pages run in
+    assert Path(load_config(["@", "configs/demo.toml"]).model) == demo_base
+    assert load_config(["@", "configs/demo.toml", "--model", "../mine"]).model == "../mine"  # a flag: as typed
+
+
+def test_the_demo_questions_alone_are_the_file_scirl_demo_writes(tmp_path, capsys):
+    from scirl.demo.run import DemoOptions, write_questions
+    from scirl.demo.world import main
+
+    opts = DemoOptions(output_dir=tmp_path / "demo")
+    demo_file = write_questions(tmp_path / "demo.jsonl", opts.train_per_domain, opts.eval_per_domain, opts.seed)
+    assert main([str(tmp_path / "alone.jsonl")]) == 0
+    assert (tmp_path / "alone.jsonl").read_bytes() == demo_file.read_bytes()
+    assert capsys.readouterr().out == f"wrote 1200 questions to {tmp_path / 'alone.jsonl'}\n"
+    assert main([str(tmp_path / "alone.jsonl" / "under-a-file.jsonl")]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
