@@ -37,7 +37,7 @@ PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "d
 LINKED = [*PAGES, "benchmarks/README.md"]  # pages whose links are checked
 NEEDS = re.compile(r"# needs (a GPU|GPUs|\d+ GPUs|a cluster|the hub|a prime-rl checkout|minutes)$")
 FENCE_LANGUAGES = {"bash", "console", "text", "toml", "python", "json"}
-BLOCK_TIMEOUT_S = 300
+BLOCK_TIMEOUT_S = 600  # one command; a few seconds on 2 idle cores
 
 
 def needs(source: str) -> str | None:
