@@ -220,11 +220,18 @@ def test_a_block_that_needs_a_gpu_is_not_run_and_the_next_one_sees_the_last_ones
 def test_a_command_left_running_is_stopped_with_its_block(tmp_path):
     page = write_page(tmp_path, "```bash\nsleep 600 &\necho $! > pid\n```\n")
     run_page(page, tmp_path)
-    stat = Path(f"/proc/{(tmp_path / 'clone' / 'pid').read_text().strip()}/stat")
-    deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously; dead is gone or a zombie
-    while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+    pid = (tmp_path / "clone" / "pid").read_text().strip()
+
+    def alive() -> bool:  # a killed process is gone, or a zombie until its new parent reaps it
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    deadline = time.monotonic() + 30  # SIGKILL is delivered asynchronously
+    while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    assert not alive()
 
 
 # ---- what the pages hold
