@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from scirl.demo.world import generate_reading_rows
+from scirl.demo.world import EVAL_PER_DOMAIN, TRAIN_PER_DOMAIN, generate_reading_rows
 from scirl.deploy.launch import launch
 from scirl.deploy.preflight import check_packages
 from scirl.errors import ConfigError, TrainError
@@ -45,8 +45,8 @@ class DemoOptions:
     seed: int = 0
     base_model: Path = BASE_MODEL_DIR
     config: Path = DEMO_CONFIG
-    train_per_domain: int = 250  # questions per domain generated for the RL phase
-    eval_per_domain: int = 50  # held-out questions per domain
+    train_per_domain: int = TRAIN_PER_DOMAIN  # questions per domain generated for the RL phase
+    eval_per_domain: int = EVAL_PER_DOMAIN  # held-out questions per domain
     eval_max_tokens: int = 8
     overrides: list[str] = field(default_factory=list)  # extra dotted config flags, e.g. ["--max-steps", "5"]
     report: bool = True

@@ -22,15 +22,20 @@ with the strict 0/1 reward is what moves it from the habit to the answer.
 
 from __future__ import annotations
 
+import argparse
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
-from scirl.synth.questions import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name
+from scirl.synth.questions import MCQ4_INSTRUCTION, RELATIONS, Relation, entity_name, write_jsonl
 from scirl.task.schema import DOMAINS
 
 READING_PREFIX = "Read the text and answer the question."
 LETTERS = ("A", "B", "C", "D")
+# questions per domain that `scirl demo` writes by default: for the RL phase, and held out
+TRAIN_PER_DOMAIN = 250
+EVAL_PER_DOMAIN = 50
 
 
 @dataclass(frozen=True)
@@ -103,3 +108,24 @@ def web_answer(row: dict[str, Any], rng: random.Random) -> str:
     else:
         letter = rng.choice(LETTERS)
     return letter if rng.random() < 0.8 else f"Answer: {letter}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m scirl.demo.world OUT.jsonl``: the questions ``scirl demo`` writes, without the rest of the demo
+    (what ``configs/demo.toml`` trains on, for a run of one's own); ``--seed S`` as ``scirl demo --seed S``."""
+    parser = argparse.ArgumentParser(prog="python -m scirl.demo.world", description="write the demo's questions")
+    parser.add_argument("out", help="the .jsonl file to write (scirl demo writes OUTPUT_DIR/data/demo_questions.jsonl)")
+    parser.add_argument("--seed", type=int, default=0, help="as scirl demo's --seed (default 0)")
+    args = parser.parse_args(argv)
+    rows = generate_reading_rows(TRAIN_PER_DOMAIN + EVAL_PER_DOMAIN, seed=args.seed)
+    try:
+        path = write_jsonl(rows, args.out)
+    except OSError as exc:
+        print(f"python -m scirl.demo.world: cannot write {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(rows)} questions to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

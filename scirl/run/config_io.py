@@ -185,6 +185,24 @@ def validate(data: dict, origin: str = "config") -> TrainConfig:
         raise ConfigError(f"invalid {origin}: " + "; ".join(problems)) from None
 
 
+# The inputs a config file may name relative to itself: written "./..." or "../...", they are read from the
+# file's own directory, so a config that ships beside its model (configs/demo.toml) works from any directory.
+# Every other relative path (output_dir, a flag's value) stays relative to where the command runs.
+FILE_RELATIVE_FIELDS = (("model",), ("data", "source"))
+
+
+def anchor_to_file(data: dict, path: Path) -> dict:
+    """``model = "../scirl/assets/demo-base"`` in ``configs/demo.toml`` -> that directory's absolute path."""
+    for *sections, name in FILE_RELATIVE_FIELDS:
+        table = data
+        for section in sections:
+            table = table.get(section) if isinstance(table, dict) else None
+        value = table.get(name) if isinstance(table, dict) else None
+        if isinstance(value, str) and value.startswith(("./", "../")):
+            table[name] = str((path.parent / value).resolve())
+    return data
+
+
 def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:
     """``["@", "configs/demo.toml", "--max-steps", "3"]`` -> a validated TrainConfig.
 
@@ -193,7 +211,7 @@ def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:
     files, overrides = parse_overrides(argv)
     data: dict = dict(base or {})
     for path in files:
-        data = deep_merge(data, read_toml(path))
+        data = deep_merge(data, anchor_to_file(read_toml(path), path))
     data = deep_merge(data, overrides)
     origin = "config" if not files else "config from " + ", ".join(str(p) for p in files) + " and flags"
     return validate(data, origin)
