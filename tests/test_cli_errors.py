@@ -28,7 +28,8 @@ DATA_CASES = [
     ["data", "stats", "--data", "{data}", "--types", ","],
     ["data", "stats", "--data", "{data}", "--eval-per-domain", "-1"],
     ["data", "stats", "--data", "{data}", "--eval-per-domain", "many"],
-    ["data", "stats", "--data", "{data}", "--seed", "-5"],
+    ["data", "stats", "--data", "{data}", "--split-seed", "-5"],
+    ["data", "stats", "--data", "{data}", "--seed", "5"],  # the old name of --split-seed
     ["data", "stats", "--data", "{data}", "--split-method", "random"],
     ["data", "stats", "--data", "{data}", "--bogus"],
     ["data", "export", "--data", "{data}", "--split", "eval"],  # no --out
