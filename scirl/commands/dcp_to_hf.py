@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from scirl.commands.parser import Parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     from scirl.primerl.dcp_convert import DTYPES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="scirl dcp-to-hf",
         description="Convert a prime-rl trainer checkpoint (checkpoints/step_N, torch.distributed.checkpoint) "
         "to an HF model directory that `vllm serve` and `scirl eval` load. The optimizer state is not read.",

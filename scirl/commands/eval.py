@@ -292,8 +292,6 @@ def run_eval(argv: list[str]) -> int:
     if problem:
         print(f"scirl eval: {problem}", file=sys.stderr)
         return 2
-    if origin:
-        print(f"scirl eval: {origin}", file=sys.stderr)
     from scirl.eval.results import OutInUse, lock_out
 
     try:
@@ -302,12 +300,12 @@ def run_eval(argv: list[str]) -> int:
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
     try:
-        return _run_eval_locked(args, run_data)
+        return _run_eval_locked(args, run_data, origin)
     finally:
         lock.close()
 
 
-def _run_eval_locked(args, run_data) -> int:
+def _run_eval_locked(args, run_data, origin: str | None) -> int:
     if args.n_samples > 1 and args.temperature == 0:
         print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
@@ -330,10 +328,12 @@ def _run_eval_locked(args, run_data) -> int:
         return 2
     if run_data is not None:  # before any model is loaded or any request sent
         status, line = _trained_problem(args, run_data, splits, questions)
+        if status:
+            print(f"scirl eval: {line}", file=sys.stderr)
+            return status
+        print(f"scirl eval: {origin}", file=sys.stderr)  # accepted: where its settings came from
         if line:
             print(f"scirl eval: {line}", file=sys.stderr)
-        if status:
-            return status
     data_settings = {
         "data": _data_id(args.data),
         "split": args.split,
@@ -434,12 +434,33 @@ def run_compare(argv: list[str]) -> int:
             print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
             return 2
         loaded.append(data)
+    problem = _pairing_problem(args.a, args.b, *loaded)
+    if problem:
+        print(f"scirl eval compare: {problem}", file=sys.stderr)
+        return 2
     result = compare(*loaded)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print_compare(result, args.a, args.b)
     return 0
+
+
+def _pairing_problem(name_a: str, name_b: str, a: dict, b: dict) -> str | None:
+    """Why two results files cannot be paired question by question (None when they can): a question twice in one
+    file (which answer would count?), or no question in both (a difference and McNemar's test of nothing)."""
+    from collections import Counter
+
+    for name, data in ((name_a, a), (name_b, b)):
+        repeated = {qid: n for qid, n in Counter(r["id"] for r in data["records"]).items() if n > 1}
+        if repeated:
+            qid, n = next(iter(repeated.items()))
+            return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
+                    "scirl eval records each question once")
+    if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
+        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: nothing "
+                "to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's defaults)")
+    return None
 
 
 def main(argv: list[str]) -> int:

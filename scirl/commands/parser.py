@@ -181,6 +181,19 @@ def same_model(a: str, b: str) -> bool:
     return a == b or (first.exists() and second.exists() and first.resolve() == second.resolve())
 
 
+# The data settings' flags in the commands that read --data themselves (scirl eval, data, export prime-rl), whose
+# names the data layer's messages use, and in scirl train's config
+TRAIN_DATA_FLAGS = {"--data": "--data.source", "--data-format": "--data.format", "--data-columns": "--data.columns",
+                    "--eval-per-domain": "--data.eval-per-domain", "--split-method": "--data.split-method",
+                    "--split-seed": "--data.split-seed"}
+_FLAG = re.compile(r"(?<![\w.-])--[a-z][\w-]*(?![\w.-])")
+
+
+def in_train_terms(message: str) -> str:
+    """A data-layer message as ``scirl train`` says it: the data flags it names under train's names for them."""
+    return _FLAG.sub(lambda match: TRAIN_DATA_FLAGS.get(match.group(0), match.group(0)), message)
+
+
 def refused(prog: str, exc: Exception) -> int:
     """Say ``exc`` after ``prog:`` on stderr and return the exit status: a failed deployment's own
     (``DeployError.status``), else 2 (the input was refused)."""

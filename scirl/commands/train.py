@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from scirl.commands.parser import Parser, device_problem, refused, train_config, unwritable_dir
+from scirl.commands.parser import Parser, device_problem, in_train_terms, refused, train_config, unwritable_dir
 
 EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
@@ -69,10 +69,10 @@ def main(argv: list[str]) -> int:
         status = train(cfg, resume=bool(args.resume), clean=args.clean)
     except (TrainError, HubUnreachable, CheckpointWriteError) as exc:
         # a run that could not go on (RunDirError, a TrainError, is bad input: exit 2)
-        print(f"scirl train: {exc}", file=sys.stderr)
+        print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
         status = 2 if isinstance(exc, RunDirError) else 1
     except (DataSourceError, PreflightError) as exc:  # a --data.source that cannot be read, a taken nccl_port
-        print(f"scirl train: {exc}", file=sys.stderr)
+        print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
         status = 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.inference.urls:
         from scirl.distributed import exit_process
