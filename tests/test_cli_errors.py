@@ -206,6 +206,11 @@ RUN_CASES = [
     ["export", "prime-rl", "--out", "{exported}"],  # an earlier export: --force
     ["dcp-to-hf"],
     ["dcp-to-hf", "{tmp}/nowhere", "--out", "{tmp}/o"],
+    ["dcp-to-hf", "{tmp}/nowhere", "--out", "{file}/o"],  # under a plain file: before any checkpoint is read
+    ["export", "prime-rl", "--out", "{file}/x"],
+    # served under its path (vLLM's default name): the run is known, and its trained questions refused
+    ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "{run}/weights/step_1", "--eval-per-domain", "2",
+     "--out", "{tmp}/e.json"],
 ]
 
 ALL_CASES = (DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES

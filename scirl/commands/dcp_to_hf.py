@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from scirl.commands.parser import Parser
+from scirl.commands.parser import Parser, unwritable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = unwritable_dir(Path(args.out), args.out, "--out")
+    if problem:
+        print(f"scirl dcp-to-hf: {problem}", file=sys.stderr)
+        return 2
     from scirl.primerl.dcp_convert import ConvertError, convert
 
     try:

@@ -101,9 +101,7 @@ def _check(args) -> str | None:
         return "--max-reply-chars must be >= 1"
     if args.seed is not None and not 0 <= args.seed < 2**63:
         return "--seed must be in 0..2**63-1"
-    if args.model is None and (args.run is None or args.base_url is not None):
-        return "--model is required (with --base-url: the served model's name; else a model directory, or --run RUN_DIR)"
-    if args.model is not None and not args.model.strip():
+    if not args.model.strip():
         return "--model must not be empty"
     if args.timeout <= 0:
         return "--timeout must be > 0"
@@ -171,8 +169,9 @@ DATA_FLAGS = {"data": "--data", "data_format": "--data-format", "data_columns": 
 
 def _resolve_run(args) -> str | None:
     """Which run the evaluation belongs to, and which model it evaluates: ``--run``, else the run whose checkpoint
-    ``--model`` is; ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``--run`` alone
-    for the run's latest. Sets ``args.run`` and ``args.model``; returns why they cannot be used (None when they can)."""
+    ``--model`` is (with ``--base-url`` too: vLLM serves a model under its path unless told another name);
+    ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``--run`` alone for the run's
+    latest. Sets ``args.run`` and ``args.model``; returns why they cannot be used (None when they can)."""
     from scirl.run.rundir import LATEST, checkpoint_run, latest_checkpoint_dir
 
     if args.run is not None and not (Path(args.run) / "config.toml").is_file():
@@ -182,15 +181,13 @@ def _resolve_run(args) -> str | None:
             return ("--model is required: the served model's name with --base-url, else a local HF model directory "
                     "or a run's checkpoint (or --run RUN_DIR for the run's latest)")
         args.model = str(Path(args.run) / "weights" / LATEST)
-    if args.base_url is not None:
-        return None
     model_run = checkpoint_run(Path(args.model))
     if model_run is None:
         return None
     if args.run is not None and model_run.resolve() != Path(args.run).resolve():
         return f"--model {args.model} is a checkpoint of run {model_run}, not of --run {args.run}: give one run"
     args.run = args.run or str(model_run)
-    if Path(args.model).name == LATEST:
+    if Path(args.model).name == LATEST and args.base_url is None:
         step_dir = latest_checkpoint_dir(model_run)
         if step_dir is None:
             return f"--model {args.model}: run {model_run} has no checkpoint yet"

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, add_data_format_args, add_split_args, data_format_problem
+from scirl.commands.parser import Parser, add_data_format_args, add_split_args, data_format_problem, unwritable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,10 +60,7 @@ def main(argv: list[str]) -> int:
 
     from scirl.errors import DataSourceError
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"scirl export: --out {args.out} is a file; give a directory", file=sys.stderr)
-        return 2
-    problem = data_format_problem(args)
+    problem = unwritable_dir(Path(args.out), args.out, "--out") or data_format_problem(args)
     if problem:
         print(f"scirl export: {problem}", file=sys.stderr)
         return 2
@@ -77,7 +74,7 @@ def main(argv: list[str]) -> int:
     except (FileExistsError, ValueError, DataSourceError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. no permission to write --out
+    except OSError as e:  # e.g. a full disk (a directory it may not write in is refused above)
         print(f"scirl export: cannot write {args.out}: {e}", file=sys.stderr)
         return 1
     ports = result.ports
