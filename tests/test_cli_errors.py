@@ -204,6 +204,7 @@ RUN_CASES = [
     ["export", "prime-rl", "--out", "{tmp}/x", "--data-format", "arc", "--data-columns", "question=Q,options=O,answer=A"],
     ["export", "prime-rl", "--out", "{tmp}/x", "--split-seed", "-1"],
     ["export", "prime-rl", "--out", "{exported}"],  # an earlier export: --force
+    ["inference", "--model", "{tmp}/no-model"],  # before any server starts
     ["dcp-to-hf"],
     ["dcp-to-hf", "{tmp}/nowhere", "--out", "{tmp}/o"],
     ["dcp-to-hf", "{tmp}/nowhere", "--out", "{file}/o"],  # under a plain file: before any checkpoint is read

@@ -147,3 +147,16 @@ def test_ctrl_c_stops_a_server_with_130(tiny_model_dir):
         proc.kill()
     assert proc.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
+
+
+def test_a_dry_run_of_a_run_whose_model_moved_plans_without_a_traceback(tmp_path, capsys):
+    """A resume reads its checkpoint, not the model its config names, so that model may be gone; the memory plan
+    of `--device cuda --dry-run` asked the hub cache about the path and raised HFValidationError."""
+    from scirl.run.config_io import load_config, write_config
+
+    run_dir = tmp_path / "run"
+    write_config(load_config(["--model", str(tmp_path / "moved-model"), "--output-dir", str(run_dir)]),
+                 run_dir / "config.toml")
+    assert cli_main(["train", "--resume", str(run_dir), "--device", "cuda", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "no memory plan" in out and "moved-model" in out
