@@ -9,11 +9,14 @@ now the run's settings are the defaults, said in one line, and a trained questio
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
 from scirl.cli import main as cli_main
 from scirl.run.config_io import load_config
+from scirl.run.train import train
+from scirl.synth.questions import generate_rows, write_jsonl
 from scirl.task.data import load_splits
 
 EVAL_ARGS = ["--max-tokens", "2", "--batch-size", "8", "--no-progress"]
@@ -22,9 +25,6 @@ EVAL_ARGS = ["--max-tokens", "2", "--batch-size", "8", "--no-progress"]
 @pytest.fixture(scope="module")
 def trained_run(tiny_model_dir, tmp_path_factory):
     """A one-step run of the tiny model, holding out 2 questions a domain (8 in all, 40 to train on)."""
-    from scirl.run.train import train
-    from scirl.synth.questions import generate_rows, write_jsonl
-
     root = tmp_path_factory.mktemp("eval_run")
     data = write_jsonl(generate_rows(n_per_domain=12, seed=1), root / "rows.jsonl")
     run_dir = root / "run"
@@ -79,8 +79,6 @@ def test_trained_questions_are_refused_before_anything_is_evaluated(trained_run,
 
 def test_an_old_run_config_with_data_seed_still_gives_its_split(trained_run, tmp_path, capsys):
     """A run saved before data.seed was renamed data.split_seed: its held-out questions are still the defaults."""
-    import shutil
-
     run_dir, data, trained, held_out = trained_run
     old = tmp_path / "old-run"
     shutil.copytree(run_dir, old)

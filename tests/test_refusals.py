@@ -6,6 +6,7 @@ this machine lacks is one line and exit 2 before any work; Ctrl-C ends every com
 
 from __future__ import annotations
 
+import builtins
 import os
 import signal
 import subprocess
@@ -15,7 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import scirl.commands.data
+import scirl.demo.run
 from scirl.cli import main as cli_main
+from scirl.errors import RunDirError
+from scirl.run.config_io import load_config, write_config
+from scirl.run.rundir import lock
 from scirl.synth.questions import generate_rows, write_jsonl
 
 
@@ -86,11 +92,6 @@ def test_a_read_only_output_directory_is_refused(tiny_model_dir, data, tmp_path,
 
 def test_the_run_directory_lock_refuses_a_directory_it_cannot_write_in(tmp_path, monkeypatch):
     """The library's own check (a launcher's trainer, a test calling train()): a RunDirError, not a PermissionError."""
-    import builtins
-
-    from scirl.errors import RunDirError
-    from scirl.run.rundir import lock
-
     real_open = builtins.open
 
     def no_write(path, *args, **kwargs):
@@ -107,8 +108,6 @@ def test_the_run_directory_lock_refuses_a_directory_it_cannot_write_in(tmp_path,
 
 
 def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys):
-    import scirl.commands.data
-
     def interrupted(argv):
         raise KeyboardInterrupt
 
@@ -120,8 +119,6 @@ def test_ctrl_c_in_any_command_is_one_line_and_130(monkeypatch, capsys):
 def test_a_demo_whose_training_is_stopped_by_ctrl_c_exits_130(tmp_path, monkeypatch, capsys):
     """The trainer stops on Ctrl-C after its step and checkpoint and returns 130; the demo exited 1 ("training
     stopped (status 130)"). Now it says where the run is and exits 130, as the shell expects of Ctrl-C."""
-    import scirl.demo.run
-
     monkeypatch.setattr(scirl.demo.run, "train", lambda cfg, **kwargs: 128 + signal.SIGINT)
     out = tmp_path / "demo"
     assert cli_main(["demo", "--output-dir", str(out), "--no-report", "--no-progress", "--train-per-domain", "2",
@@ -152,8 +149,6 @@ def test_ctrl_c_stops_a_server_with_130(tiny_model_dir):
 def test_a_dry_run_of_a_run_whose_model_moved_plans_without_a_traceback(tmp_path, capsys):
     """A resume reads its checkpoint, not the model its config names, so that model may be gone; the memory plan
     of `--device cuda --dry-run` asked the hub cache about the path and raised HFValidationError."""
-    from scirl.run.config_io import load_config, write_config
-
     run_dir = tmp_path / "run"
     write_config(load_config(["--model", str(tmp_path / "moved-model"), "--output-dir", str(run_dir)]),
                  run_dir / "config.toml")
