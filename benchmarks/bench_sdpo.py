@@ -48,7 +48,7 @@ def main() -> None:
                        "--algorithm", "sdpo", "--max-completion-tokens", str(args.completion_tokens)])
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL_DIR)
     questions = [prompt_for(q, tokenizer) for q in load_splits(
-        str(data), eval_per_domain=50, split_method=cfg.data.split_method, seed=cfg.data.seed).train[: cfg.questions_per_step]]
+        str(data), eval_per_domain=50, split_method=cfg.data.split_method, seed=cfg.data.split_seed).train[: cfg.questions_per_step]]
     generator = hf_generator(str(BASE_MODEL_DIR), tokenizer=tokenizer, device="cpu", dtype="float32")
     if args.min_tokens:  # longer completions: EOS held back (the sampler's min_tokens)
         original = generator.generate

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 from scirl import __version__
@@ -41,8 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"scirl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(f"scirl.commands.{COMMANDS[name][0]}")
-    return int(module.main(rest) or 0)
+    try:
+        module = importlib.import_module(f"scirl.commands.{COMMANDS[name][0]}")
+        return int(module.main(rest) or 0)
+    except KeyboardInterrupt:  # Ctrl-C wherever a command has no stop of its own: one line, and 128 + SIGINT
+        print(f"\nscirl {name}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+INTERRUPTED = 128 + signal.SIGINT  # 130, what a shell reports for a command Ctrl-C ended
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The errors scirl reports to a user as one line, without a traceback.
 
 Each names what is wrong and, where there is one, the fix. The CLI maps them to exit codes:
-``ConfigError``, ``RunDirError`` and ``PreflightError`` are usage errors (2); ``DataSourceError``,
-``TrainError`` and ``DeployError`` are a run that could not go on (1). Everything else is a bug and
-keeps its traceback.
+``ConfigError``, ``RunDirError`` (a refused resume among them) and ``PreflightError`` are input refused before
+any work (2); ``DataSourceError``, ``TrainError`` and ``DeployError`` are a run that could not go on (1);
+``Stopped`` is work stopped on request (128 + the signal). Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -30,12 +30,22 @@ class TrainError(ScirlError, RuntimeError):
 
 
 class RunDirError(TrainError):
-    """A run directory that holds another run, or is in use by a live process."""
+    """A run directory that holds another run, is in use by a live process, cannot be written in, or refuses a
+    resume (another model, other questions, another seed)."""
 
 
 class PreflightError(ScirlError):
     """A deployment that cannot start here (a port taken, GPUs busy, too little disk, a package
     missing); checked before anything starts, and the message ends with the fix."""
+
+
+class Stopped(ScirlError):
+    """Work stopped on request (Ctrl-C, SIGTERM) at a point it can be taken up again from; ``status`` is what
+    the process exits with, 128 + the signal (130 for Ctrl-C)."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
 
 
 class DeployError(ScirlError, RuntimeError):

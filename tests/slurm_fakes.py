@@ -17,7 +17,8 @@ job script relies on (Slurm's man pages):
     inside an allocation only: one task per node of the step, each in a session of its own with the
     variables a task gets (``SLURMD_NODENAME``, ``SLURM_NODEID``, ``SLURM_PROCID``, ``SLURM_LOCALID``,
     ``SLURM_STEP_ID``, ``SLURM_STEP_NODELIST``, ...), their output on srun's. Signals sent to srun reach
-    every process of the step's tasks (slurmstepd signals the step's whole container). With
+    every process of the step's tasks (slurmstepd signals the step's whole container). Once the tasks run,
+    the step is recorded for the test in ``STATE/job_N.step_S`` (S from 0, the tasks' pids). With
     ``--kill-on-bad-exit=1``, a task that exits non-zero terminates the step: the others get SIGTERM, then
     SIGKILL after KILL_WAIT_S. srun reports each failed task (``srun: error: NODE: task T: ...``) and exits
     with the highest exit status (128 + signal for a signalled task). Unknown options are refused.
@@ -190,11 +191,28 @@ def srun(argv: list[str]) -> int:
     if int(options.get("ntasks", len(nodes))) != len(nodes) or options.get("ntasks-per-node", "1") != "1":
         print("srun: error: the stand-in runs one task per node", file=sys.stderr)
         return 1
-    job = os.environ["SLURM_JOB_ID"]
-    step = str(next_number(Path(os.environ["FAKE_SLURM_STATE"]) / f"job_{job}.steps") - 1)
-    tasks = [start_task(command, node, i, nodes, job, step) for i, node in enumerate(nodes)]
-    for sig in FORWARDED:
-        signal.signal(sig, lambda signum, frame: [signal_task(t, signum) for t in tasks])
+    job, state = os.environ["SLURM_JOB_ID"], Path(os.environ["FAKE_SLURM_STATE"])
+    step = str(next_number(state / f"job_{job}.steps") - 1)
+    tasks: list[subprocess.Popen] = []
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for task in list(tasks):
+            signal_task(task, signum)
+
+    for sig in FORWARDED:  # before any task starts: a signal from then on reaches every task of the step
+        signal.signal(sig, forward)
+    for i, node in enumerate(nodes):
+        if received:  # stopped before every task started: start no more
+            break
+        tasks.append(start_task(command, node, i, nodes, job, step))
+    if received:  # one that came while a task was starting, before it was in the list
+        for task in tasks:
+            signal_task(task, received[-1])
+    record = state / f"job_{job}.step_{step}"
+    record.with_suffix(".tmp").write_text(" ".join(str(task.pid) for task in tasks))
+    os.replace(record.with_suffix(".tmp"), record)
     return wait_tasks(tasks, nodes, kill_on_bad_exit=options.get("kill-on-bad-exit", "0") != "0", step=f"{job}.{step}")
 
 

@@ -1,4 +1,6 @@
-"""Every command given bad input ends with exit status 2 and one line on stderr, never a traceback (issue 12, item 14).
+"""Every command given bad input ends with exit status 2 and one line on stderr, never a traceback (issue 12, item 14),
+and every flag that line names is one the command accepts (issue 43: a fix that names a flag the command rejects
+is no fix; the flags of another command or program named before them in the line are theirs).
 
 Each case runs in-process through ``scirl.cli.main`` (argparse's usage errors arrive as SystemExit(2)).
 Placeholders in the arguments: {data} a small valid .jsonl, {model} a tiny HF model dir, {tmp} a scratch dir,
@@ -10,10 +12,16 @@ two known sets / none.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 
+from scirl.cli import COMMANDS
 from scirl.cli import main as cli_main
+from scirl.commands.parser import Parser
+from scirl.errors import ConfigError
+from scirl.run.config_io import load_config, parse_overrides, write_config
 from scirl.synth.questions import generate_rows, write_jsonl
 
 DATA_CASES = [
@@ -28,7 +36,8 @@ DATA_CASES = [
     ["data", "stats", "--data", "{data}", "--types", ","],
     ["data", "stats", "--data", "{data}", "--eval-per-domain", "-1"],
     ["data", "stats", "--data", "{data}", "--eval-per-domain", "many"],
-    ["data", "stats", "--data", "{data}", "--seed", "-5"],
+    ["data", "stats", "--data", "{data}", "--split-seed", "-5"],
+    ["data", "stats", "--data", "{data}", "--seed", "5"],  # the old name of --split-seed
     ["data", "stats", "--data", "{data}", "--split-method", "random"],
     ["data", "stats", "--data", "{data}", "--bogus"],
     ["data", "export", "--data", "{data}", "--split", "eval"],  # no --out
@@ -168,7 +177,45 @@ TRAIN_DEMO_CASES = [
     ["demo", "--deployment.num-train-gpus", "2"],  # trainer ranks without servers: the demo trains in one process
 ]
 
-ALL_CASES = DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES
+# Issue 43: an eval that knows the run, refusals before any work, exports that read their data
+RUN_CASES = [
+    ["eval", "--out", "{tmp}/e.json"],  # no model, no run
+    ["eval", "--run", "{tmp}", "--out", "{tmp}/e.json"],  # not a run directory
+    ["eval", "--run", "{run}", "--base-url", "http://127.0.0.1:9/v1", "--out", "{tmp}/e.json"],  # a served model's name
+    ["eval", "--model", "{run}/weights/step_1", "--eval-per-domain", "2", "--out", "{tmp}/e.json"],  # trained questions
+    ["eval", "--run", "{run}", "--split", "train", "--out", "{tmp}/e.json"],  # the split it trained on
+    ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--run", "{run}", "--eval-per-domain", "2",
+     "--out", "{tmp}/e.json"],  # refused before any request (nothing listens on port 9)
+    ["eval", "--model", "{empty_run}/weights/latest", "--out", "{tmp}/e.json"],  # a run without a checkpoint
+    ["eval", "--run", "{empty_run}", "--model", "{run}/weights/step_1", "--out", "{tmp}/e.json"],  # two runs
+    ["eval", "--model", "{run}/weights/step_1", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/e.json"],
+    ["eval", "compare", "{results}", "{disjoint}"],  # no question in both: nothing to pair
+    ["eval", "compare", "{results}", "{repeated}"],  # a question twice
+    ["train", "--model", "{tmp}/no-model", "--dry-run"],
+    ["train", "--model", "{tmp}/no-model", "--device", "cuda", "--dry-run"],  # was HFValidationError from the memory plan
+    ["train", "--model", "{file}", "--dry-run"],
+    ["train", "--model", "{tmp}", "--dry-run"],  # a directory without config.json
+    ["train", "--resume", "{run}", "--model", "org/another-model", "--dry-run"],  # the run trains its own model
+    ["train", "--data.seed", "3"],  # renamed: data.split_seed
+    ["train", "--output-dir", "{file}/run", "--model", "{model}", "--data.source", "{data}"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{tmp}/missing.jsonl"],  # was exit 0, the path in grpo.toml
+    ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{file_of_nothing}"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{ambiguous}"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--data-format", "arc", "--data-columns", "question=Q,options=O,answer=A"],
+    ["export", "prime-rl", "--out", "{tmp}/x", "--split-seed", "-1"],
+    ["export", "prime-rl", "--out", "{exported}"],  # an earlier export: --force
+    ["inference", "--model", "{tmp}/no-model"],  # before any server starts
+    ["dcp-to-hf"],
+    ["dcp-to-hf", "{tmp}/nowhere", "--out", "{tmp}/o"],
+    ["dcp-to-hf", "{tmp}/nowhere", "--out", "{file}/o"],  # under a plain file: before any checkpoint is read
+    ["export", "prime-rl", "--out", "{file}/x"],
+    # served under its path (vLLM's default name): the run is known, and its trained questions refused
+    ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "{run}/weights/step_1", "--eval-per-domain", "2",
+     "--out", "{tmp}/e.json"],
+]
+
+ALL_CASES = (DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES
+             + RUN_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -199,9 +246,25 @@ def places(tmp_path_factory, tiny_model_dir):
     (latin1_run / "config.toml").write_bytes(latin1_toml.read_bytes())
     results = root / "results.json"
     results.write_text(json.dumps({"records": [{"id": "a", "correct": True, "domain": "Biology"}], "settings": {}}))
+    disjoint = root / "disjoint.json"
+    disjoint.write_text(json.dumps({"records": [{"id": "b", "correct": True, "domain": "Biology"}], "settings": {}}))
+    repeated = root / "repeated.json"
+    repeated.write_text(json.dumps({"records": [{"id": "a", "correct": True}, {"id": "a", "correct": False}]}))
+    # a run (its config and a checkpoint, the tiny model: nothing here trains), and one with no checkpoint yet
+    run, empty_run = root / "run", root / "empty_run"
+    config = load_config(["--model", str(tiny_model_dir), "--data.source", str(data), "--data.eval-per-domain", "1",
+                          "--output-dir", str(run)])
+    write_config(config, run / "config.toml")
+    shutil.copytree(tiny_model_dir, run / "weights" / "step_1")
+    (run / "weights" / "latest").write_text("step_1\n")
+    write_config(config, empty_run / "config.toml")
+    exported = root / "exported"
+    exported.mkdir()
+    (exported / "grpo.toml").write_text("")
     return {"data": data, "model": tiny_model_dir, "latin1": latin1, "utf16": utf16, "file": file, "notutf8": notutf8,
             "list_json": list_json, "bad_records": bad_records, "results": results, "ambiguous": ambiguous,
-            "file_of_nothing": file_of_nothing, "latin1_toml": latin1_toml, "latin1_run": latin1_run}
+            "file_of_nothing": file_of_nothing, "latin1_toml": latin1_toml, "latin1_run": latin1_run,
+            "disjoint": disjoint, "repeated": repeated, "run": run, "empty_run": empty_run, "exported": exported}
 
 
 def run_cli(argv: list[str]) -> int:
@@ -212,12 +275,111 @@ def run_cli(argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("argv", ALL_CASES, ids=[" ".join(a) for a in ALL_CASES])
-def test_bad_input_is_one_line_and_exit_2(argv, places, tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_2(argv, places, tmp_path, capsys, monkeypatch):
     fill = {**{k: str(v) for k, v in places.items()}, "tmp": str(tmp_path)}
-    rc = run_cli([a.format(**fill) for a in argv])
+    argv = [a.format(**fill) for a in argv]
+    rc = run_cli(argv)
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("warning:")]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(("warning:", "note:"))]
     assert rc == 2, err
     assert len(lines) == 1, err
     assert lines[0].startswith("scirl"), err
+    assert_names_only_flags_it_accepts(argv, lines[0], monkeypatch)
+
+
+# ---- the flags a message names ----
+
+# Programs a message may tell one to run, with flags of their own
+OTHER_PROGRAMS = {"pip", "torchrun", "vllm", "uv", "git", "sbatch", "srun", "scancel", "huggingface-cli", "python",
+                  "python3", "nvidia-smi", "curl"}
+# The commands that take scirl train's config as flags (besides options of their own)
+TAKE_TRAIN_CONFIG = {"train", "demo", "inference", "slurm", "job"}
+FLAG = re.compile(r"--[a-z][a-z0-9-]*(?:\.[a-z0-9-]+)*")
+WORD = re.compile(r"[^\s,;:()`'\"]+|[,;:()]")
+
+
+class Captured(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def command_of(argv: list[str]) -> tuple[str, ...]:
+    """The command (and subcommand) ``argv`` runs: ("data", "stats"), ("eval", "compare"), ("train",)."""
+    name = argv[0]
+    if len(argv) > 1 and ((name == "data" and argv[1] in ("stats", "export")) or (name == "export" and argv[1] == "prime-rl")
+                          or (name == "eval" and argv[1] == "compare")):
+        return name, argv[1]
+    return (name,)
+
+
+def options_of(command: tuple[str, ...], monkeypatch) -> set[str]:
+    """The option strings of ``command``'s parser, caught as its main() asks it to parse."""
+    def catch(self, *args, **kwargs):
+        raise Captured(self)
+
+    monkeypatch.setattr(Parser, "parse_args", catch)
+    monkeypatch.setattr(Parser, "parse_known_args", catch)
+    try:
+        cli_main(list(command[:1]) + (["compare"] if command == ("eval", "compare") else []))
+    except Captured as caught:
+        parser = caught.parser
+    finally:
+        monkeypatch.undo()
+    if len(command) > 1 and command[1] != "compare":  # a subcommand's own parser
+        parser = parser._subparsers._group_actions[0].choices[command[1]]
+    return set(parser._option_string_actions)
+
+
+def accepted(command: tuple[str, ...], flag: str, options: set[str]) -> bool:
+    if flag in options:
+        return True
+    if command[0] not in TAKE_TRAIN_CONFIG:
+        return False
+    for argv in ([flag], [flag, "1"]):  # a true/false field, or one with a value
+        try:
+            parse_overrides(argv)
+            return True
+        except ConfigError:
+            continue
+    return False
+
+
+def named_flags(line: str, command: tuple[str, ...]) -> list[tuple[tuple[str, ...], str]]:
+    """(command, flag) for each flag ``line`` names: the flags of the command that said it, except where another
+    scirl command or another program is named before them in the same clause (up to , ; : or a parenthesis)."""
+    found, owner, words = [], command, WORD.findall(line)
+    for i, word in enumerate(words):
+        if word in ",;:()":
+            owner = command
+        elif word == "scirl" and i + 1 < len(words) and words[i + 1] in COMMANDS:
+            owner = (words[i + 1],)
+        elif word in OTHER_PROGRAMS:
+            owner = None
+        elif FLAG.fullmatch(word.rstrip(".")) and owner is not None:
+            found.append((owner, word.rstrip(".")))
+    return found
+
+
+def assert_names_only_flags_it_accepts(argv: list[str], line: str, monkeypatch) -> None:
+    assert not re.search(r"\b\w+=(True|False)\b", line), f"a Python argument is no flag: {line}"
+    typed = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+    for command, flag in named_flags(line, command_of(argv)):
+        if flag in typed:  # the user's own flag, named as what is wrong
+            continue
+        assert accepted(command, flag, options_of(command, monkeypatch)), \
+            f"`scirl {' '.join(command)}` does not accept {flag}, which its message names: {line}"
+
+
+def test_the_flag_check_knows_each_commands_flags(monkeypatch):
+    """The check itself: a flag of one command is not another's, train's config fields count for train."""
+    assert accepted(("train",), "--data.format", options_of(("train",), monkeypatch))
+    assert accepted(("train",), "--filters.zero-advantage.no-enforce", options_of(("train",), monkeypatch))
+    assert not accepted(("train",), "--data-format", options_of(("train",), monkeypatch))
+    assert accepted(("eval",), "--data-format", options_of(("eval",), monkeypatch))
+    assert not accepted(("eval",), "--data.format", options_of(("eval",), monkeypatch))
+    assert accepted(("data", "stats"), "--split-seed", options_of(("data", "stats"), monkeypatch))
+    assert not accepted(("data", "stats"), "--split", options_of(("data", "stats"), monkeypatch))
+    assert named_flags("x: fix: pip install 'scirl[gpu]', or --inference.backend hf", ("train",)) == [
+        (("train",), "--inference.backend")]
+    assert named_flags("stopped; resume with: scirl train --resume run", ("demo",)) == [(("train",), "--resume")]

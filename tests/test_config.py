@@ -65,7 +65,8 @@ def test_files_merge_left_to_right_and_flags_win(tmp_path):
     (["--advantage.eps", "inf"], "advantage.eps"),
     (["--top-p", "nan"], "top_p"),
     (["--seed", "-1"], "seed"),
-    (["--data.seed", str(2**64)], "data.seed"),
+    (["--data.split-seed", str(2**64)], "data.split_seed"),
+    (["--data.seed", "3"], "--data.seed: it is now --data.split-seed"),  # renamed: the flag names its new name
     (["--output-dir", ""], "output_dir"),
     (["--model", ""], "model"),
     (["--data.shuffle-options", "always"], "data.shuffle_options"),
@@ -84,6 +85,21 @@ def test_unknown_key_in_a_file_names_file_and_field(tmp_path):
     assert "optim.learning_rate" in str(exc.value) and "bad.toml" in str(exc.value)
     with pytest.raises(ConfigError, match="not found"):
         load_config(["@", str(tmp_path / "missing.toml")])
+
+
+def test_an_old_config_with_data_seed_reads_it_as_the_split_seed(tmp_path, capsys):
+    """`[data] seed` was renamed `split_seed` (the name scirl eval and scirl data give it): an old run's
+    config.toml, the base of its --resume, must still load, with one line saying so; both names is an error."""
+    old = tmp_path / "config.toml"
+    old.write_text("[data]\nseed = 7\neval_per_domain = 5\n")
+    cfg = load_config(["@", str(old)])
+    assert (cfg.data.split_seed, cfg.data.eval_per_domain) == (7, 5)
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and "seed" in notes[0] and "split_seed" in notes[0] and str(old) in notes[0]
+    assert "split_seed = 7" in (write_config(cfg, tmp_path / "new.toml")).read_text()
+    old.write_text("[data]\nseed = 7\nsplit_seed = 8\n")
+    with pytest.raises(ConfigError, match="both seed and split_seed"):
+        load_config(["@", str(old)])
 
 
 def test_resolved_config_round_trips(tmp_path):

@@ -347,6 +347,19 @@ def test_cli_stats_json(dirty_jsonl, capsys):
     assert summary["train"] + summary["eval"] + sum(summary["skipped"].values()) == summary["mcq"]
     assert sum(c["eval"] for c in summary["per_domain"].values()) == summary["eval"]
     assert sum(c["train"] + c["eval"] for c in summary["per_level"].values()) == summary["train"] + summary["eval"]
+    assert summary["split_seed"] == data.DEFAULT_SPLIT_SEED  # the name scirl eval and train's data.split_seed give it
+
+
+def test_cli_takes_the_split_seed_under_the_name_eval_and_train_give_it(dirty_jsonl, tmp_path, capsys):
+    """`--split-seed` as in scirl eval (train: data.split_seed); the old `--seed` is refused naming it."""
+    out = tmp_path / "eval.jsonl"
+    assert cli_main(["data", "export", "--data", str(dirty_jsonl), "--split", "eval", "--out", str(out),
+                     "--eval-per-domain", str(EVAL_N), "--split-seed", "7"]) == 0
+    expected = data.load_splits(str(dirty_jsonl), eval_per_domain=EVAL_N, seed=7).eval
+    assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == [q.raw for q in expected]
+    capsys.readouterr()
+    assert cli_main(["data", "stats", "--data", str(dirty_jsonl), "--seed", "7"]) == 2
+    assert "--split-seed" in capsys.readouterr().err
 
 
 def test_cli_stats_tables(dirty_jsonl, capsys):

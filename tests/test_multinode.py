@@ -197,10 +197,12 @@ def test_the_slurm_stand_ins_keep_the_contract_the_job_relies_on(tmp_path):
 #SBATCH --output={tmp_path}/out-%j.txt
 scontrol show hostnames
 srun --nodes=2 --ntasks=2 --nodelist=10.9.0.1,10.9.0.2 --kill-on-bad-exit=1 bash -c \\
-  'echo "task $SLURM_PROCID on $SLURMD_NODENAME"; [ $SLURM_PROCID = 1 ] && exit 3; exec sleep 120'
+  'echo "task $SLURM_PROCID on $SLURMD_NODENAME"
+   [ $SLURM_PROCID = 0 ] && touch {tmp_path}/task-0-said && exec sleep 120
+   until [ -e {tmp_path}/task-0-said ]; do sleep 0.1; done; exit 3'  # task 1 fails once task 0 has said its line
 echo "srun exit $?"
 srun --nodelist=10.9.0.2 sleep 120 &
-sleep 1
+until [ -e "$FAKE_SLURM_STATE/job_$SLURM_JOB_ID.step_1" ]; do sleep 0.1; done  # the step's task runs
 scancel $SLURM_JOB_ID
 wait
 """)
@@ -215,6 +217,8 @@ wait
     assert "task 0 on 10.9.0.1" in out and "task 1 on 10.9.0.2" in out
     assert "srun: error: 10.9.0.2: task 1: Exited with exit code 3" in out and "srun exit 143" in out  # task 0 ended
     assert (tmp_path / "state" / f"job_{job}.status").read_text() == str(-signal.SIGTERM)  # cancelled
+    # the background step's one task ran before the cancel (and ended with the job's every process: the wait above)
+    assert len((tmp_path / "state" / f"job_{job}.step_1").read_text().split()) == 1
 
 
 def start_job(tmp_path: Path, *, server_mode: str = "ok") -> tuple[subprocess.Popen, Path, Path]:

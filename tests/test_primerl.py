@@ -694,3 +694,32 @@ def test_other_sets_and_their_exports_load_in_the_taskset(tmp_path):
     for bad in ({"data_format": "csv"}, {"data_columns": "question=Q"}):
         with pytest.raises(ValidationError):
             SciKnowEvalConfig(id="sciknoweval", **bad)
+
+
+def test_export_reads_the_data_as_scirl_train_does_and_passes_its_format_on(tmp_path, capsys):
+    """`--data` that does not exist was written into grpo.toml (exit 0); a format or a column mapping could not be
+    passed on. Now the export reads --data first (one line, exit 2, nothing written) and the taskset gets the
+    format, the columns and the split settings, under scirl eval's names for them."""
+    from scirl.synth import other_formats as synthetic_formats
+
+    missing = tmp_path / "missing.jsonl"
+    assert cli_main(["export", "prime-rl", "--out", str(tmp_path / "x"), "--data", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("scirl export:") and str(missing) in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+    arc = write_jsonl(synthetic_formats.generate_format_rows("arc", n=60, seed=1), tmp_path / "arc.jsonl")
+    out = tmp_path / "export"
+    columns = "question=question,options=choices,answer=answerKey"
+    assert cli_main(["export", "prime-rl", "--out", str(out), "--data", str(arc), "--data-columns", columns,
+                     "--eval-per-domain", str(EVAL_PER_DOMAIN), "--split-seed", "3"]) == 0
+    assert "taskset:" in capsys.readouterr().err
+    taskset = tomllib.loads((out / "grpo.toml").read_text())["orchestrator"]["train"]["source"][0]["env"]["taskset"]
+    assert taskset == {"id": "sciknoweval", "split": "train", "data": str(arc.resolve()), "data_columns": columns,
+                       "eval_per_domain": EVAL_PER_DOMAIN, "split_seed": 3}
+    exported = [t.data.qid for t in vf.load_taskset(SciKnowEvalConfig.model_validate(taskset))]
+    assert exported == [t.data.qid for t in load(arc, data_columns=columns, split_seed=3)]
+    assert "split_seed=3" in (out / "README.md").read_text()  # the install check loads the same tasks
+    assert cli_main(["export", "prime-rl", "--out", str(out), "--force", "--data", str(arc), "--data-format", "arc"]) == 0
+    taskset = tomllib.loads((out / "grpo.toml").read_text())["orchestrator"]["train"]["source"][0]["env"]["taskset"]
+    assert taskset["data_format"] == "arc" and "data_columns" not in taskset

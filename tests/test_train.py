@@ -587,12 +587,15 @@ def test_wandb_enabled_without_wandb_is_a_clear_error(monkeypatch):
         start_wandb(load_config(["--wandb.enabled"]))
 
 
-def test_cli_reports_bad_inputs_without_a_traceback(tmp_path, capsys):
+def test_cli_reports_bad_inputs_without_a_traceback(tiny_model_dir, tmp_path, capsys):
     from scirl.commands.train import main
 
-    assert main(["--model", str(tmp_path / "model"), "--data.source", str(tmp_path / "none.jsonl"),
+    assert main(["--model", str(tiny_model_dir), "--data.source", str(tmp_path / "none.jsonl"),
                  "--output-dir", str(tmp_path / "run")]) == 2  # bad input: exit 2
     assert "none.jsonl" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "model"), "--data.source", str(tmp_path / "none.jsonl"),
+                 "--output-dir", str(tmp_path / "run")]) == 2  # a model that is not there: before anything loads
+    assert "model" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "config.toml" in capsys.readouterr().err
 
@@ -656,20 +659,54 @@ def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, c
 
     run_dir = copy_run(one_step_run, tmp_path)
     saved = (run_dir / "config.toml").read_text()
-    assert main(["--resume", str(run_dir), "--data.eval-per-domain", "3", "--max-steps", "2"]) == 1
+    assert main(["--resume", str(run_dir), "--data.eval-per-domain", "3", "--max-steps", "2"]) == 2  # refused: bad input
     assert "questions" in capsys.readouterr().err
     assert (run_dir / "config.toml").read_text() == saved
+    assert not (run_dir / "resumes.jsonl").exists()  # only a resume that went on is recorded
 
 
-def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path):
-    """`--resume RUN --optim.lr X` trains with X (the checkpoint's optimizer state must not bring the old lr back)."""
+def test_a_resume_refuses_another_model_before_anything_loads(one_step_run, tiny_model_dir, tmp_path, capsys):
+    """`--resume RUN --model OTHER` went on from RUN's checkpoint and wrote OTHER into config.toml: a record of a
+    model the run never trained. Refused in one line (exit 2); the same model spelt another way is not another."""
+    import shutil
+
+    from scirl.commands.train import main
+    from scirl.run.config_io import read_toml
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    saved = (run_dir / "config.toml").read_text()
+    other = Path(shutil.copytree(tiny_model_dir, tmp_path / "other-model"))
+    assert main(["--resume", str(run_dir), "--model", str(other), "--max-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--model" in err and str(other) in err and "Traceback" not in err
+    assert (run_dir / "config.toml").read_text() == saved and not (run_dir / "weights" / "step_2").exists()
+    model = read_toml(run_dir / "config.toml")["model"]
+    spelt_otherwise = str(Path(model).resolve()) + "/"
+    assert main(["--resume", str(run_dir), "--model", spelt_otherwise, "--max-steps", "1"]) == 0  # at max_steps: nothing to do
+    assert read_toml(run_dir / "config.toml")["model"] == model
+
+
+def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path, capsys):
+    """`--resume RUN --optim.lr X` trains with X (the checkpoint's optimizer state must not bring the old lr back),
+    says so and records the change in the run."""
     from scirl.run.checkpoint import load_trainer_state
     from scirl.commands.train import main
 
     run_dir = copy_run(one_step_run, tmp_path)
+    lr = load_config(["@", str(run_dir / "config.toml")]).optim.lr
     assert main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
     group = load_trainer_state(run_dir / "weights" / "step_2")["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.5 and group["weight_decay"] == 0.25
+    # not silently: one line says what changed, and the run records it beside the config it now holds
+    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Changed on resume")]
+    assert f"optim.lr {lr} -> 0.5" in line and "optim.weight_decay 0.01 -> 0.25" in line and "max_steps 1 -> 2" in line
+    [record] = [json.loads(row) for row in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert record["step"] == 1 and record["changed"] == {"max_steps": [1, 2], "optim.lr": [lr, 0.5],
+                                                         "optim.weight_decay": [0.01, 0.25]}
+    assert load_config(["@", str(run_dir / "config.toml")]).optim.lr == 0.5
+    assert main(["--resume", str(run_dir), "--max-steps", "3"]) == 0  # a second resume: its own row
+    rows_ = [json.loads(row) for row in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_] == [1, 2] and rows_[1]["changed"] == {"max_steps": [2, 3]}
 
 
 def test_a_hub_model_name_gives_the_generation_copy_its_cached_directory(tiny_model_dir, tmp_path, monkeypatch):
@@ -703,9 +740,9 @@ def test_resume_refuses_other_questions_or_another_seed(one_step_run, tmp_path, 
 
     run_dir = copy_run(one_step_run, tmp_path)
     other_data = write_jsonl(generate_rows(n_per_domain=12, seed=2), tmp_path / "other.jsonl")
-    assert main(["--resume", str(run_dir), "--data.source", str(other_data), "--max-steps", "2"]) == 1
+    assert main(["--resume", str(run_dir), "--data.source", str(other_data), "--max-steps", "2"]) == 2
     assert "other questions" in capsys.readouterr().err
-    assert main(["--resume", str(run_dir), "--seed", "4", "--max-steps", "2"]) == 1
+    assert main(["--resume", str(run_dir), "--seed", "4", "--max-steps", "2"]) == 2
     assert "--seed 3" in capsys.readouterr().err
     assert not (run_dir / "weights" / "step_2").exists()
 

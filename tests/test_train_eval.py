@@ -193,7 +193,7 @@ def test_eval_rows_every_interval_and_at_the_last_step(runs):
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
     held_out = {q.id: q for q in load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain,
-                                             split_method=cfg.data.split_method, seed=cfg.data.seed).split("eval")}
+                                             split_method=cfg.data.split_method, seed=cfg.data.split_seed).split("eval")}
     generator = hf_generator(str(runs["on"] / "weights" / f"step_{MAX_STEPS}"), device="cpu", dtype="float32")
     results = local.evaluate_generator(generator, [held_out[i] for i in runs["subset"]], max_tokens=cfg.max_completion_tokens)
     assert metrics[-1]["eval/accuracy"] == results["overall_accuracy"]
@@ -225,7 +225,7 @@ def test_eval_questions_are_held_out_and_never_in_a_training_batch(runs, letter_
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
     splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.seed)
+                         seed=cfg.data.split_seed)
     assert set(subset) <= {q.id for q in splits.split("eval")}
     trained = {json.loads(line)["question_id"] for step in range(1, MAX_STEPS + 1)
                for line in (runs["on"] / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()}

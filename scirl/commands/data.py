@@ -8,11 +8,11 @@ import os
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, add_data_format_args, data_format_problem, unwritable_parent
+from scirl.commands.parser import Parser, add_data_format_args, add_split_args, data_format_problem, unwritable_parent
 
 
 def add_source_args(parser: argparse.ArgumentParser) -> None:
-    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
+    from scirl.task.data import HUB_ID
     from scirl.task.schema import MCQ_TYPES
 
     parser.add_argument("--data", default=HUB_ID,
@@ -21,11 +21,8 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
                              "or one .jsonl/.json/.parquet file")
     add_data_format_args(parser)
     parser.add_argument("--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)")
-    parser.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out rows per domain (default %(default)s)")
-    parser.add_argument("--split-method", choices=SPLIT_METHODS, default=DEFAULT_SPLIT_METHOD,
-                        help="content: deterministic from row content, twins share a split (default); "
-                             "guide: the run guide's seeded permutation over rows in hub order")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SPLIT_SEED, help="split seed (default %(default)s)")
+    add_split_args(parser)
+    parser.add_argument("--seed", dest="old_seed", default=None, help=argparse.SUPPRESS)  # --split-seed's old name: refused
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +46,7 @@ def load(args: argparse.Namespace):
     if not types:
         raise ValueError("--types must name at least one row type")
     return load_splits(args.data, types=types, eval_per_domain=args.eval_per_domain,
-                       split_method=args.split_method, seed=args.seed, data_format=args.data_format, columns=args.data_columns)
+                       split_method=args.split_method, seed=args.split_seed, data_format=args.data_format, columns=args.data_columns)
 
 
 def print_tables(summary: dict) -> None:
@@ -61,7 +58,7 @@ def print_tables(summary: dict) -> None:
     console = Console()
     console.print(f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): {summary['rows']} rows read, {summary['mcq']} MCQ "
                   f"({escape(', '.join(summary['types']))}); split {summary['split_method']!r}, "
-                  f"{summary['eval_per_domain']} eval per domain, seed {summary['seed']}")
+                  f"{summary['eval_per_domain']} eval per domain, split seed {summary['split_seed']}")
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
         table = Table(title=f"by {title}")
         for col in (title, "train", "eval", "total"):
@@ -119,11 +116,9 @@ def main(argv: list[str]) -> int:
         # stats reports the counts and notes itself; the loader's per-row warnings would repeat them
         logging.getLogger("scirl.task.data").setLevel(logging.ERROR)
 
-    if args.eval_per_domain < 0:
-        print("scirl data: error: --eval-per-domain must be >= 0", file=sys.stderr)
-        return 2
-    if args.seed < 0:
-        print("scirl data: error: --seed must be >= 0", file=sys.stderr)
+    if args.old_seed is not None:
+        print("scirl data: error: --seed is now --split-seed (its name in scirl eval, and data.split_seed in scirl "
+              "train)", file=sys.stderr)
         return 2
     problem = data_format_problem(args)
     if problem:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+from scirl.commands.parser import Parser, unwritable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
     from scirl.primerl.dcp_convert import DTYPES
 
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="scirl dcp-to-hf",
         description="Convert a prime-rl trainer checkpoint (checkpoints/step_N, torch.distributed.checkpoint) "
         "to an HF model directory that `vllm serve` and `scirl eval` load. The optimizer state is not read.",
@@ -26,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = unwritable_dir(Path(args.out), args.out, "--out")
+    if problem:
+        print(f"scirl dcp-to-hf: {problem}", file=sys.stderr)
+        return 2
     from scirl.primerl.dcp_convert import ConvertError, convert
 
     try:

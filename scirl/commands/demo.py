@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser, unwritable_parent
+from scirl.commands.parser import Parser, unwritable_dir
 
 EPILOG = """\
 Anything after the options is passed to the trainer as config flags, e.g.
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
 
     from scirl.commands.train import keep_freed_memory_on_cpu
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
-    from scirl.errors import ConfigError, DataSourceError, DeployError, PreflightError, TrainError
+    from scirl.errors import ConfigError, DataSourceError, DeployError, PreflightError, Stopped, TrainError
 
     torch.set_num_threads(args.threads)
     opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     except (TrainError, DataSourceError) as exc:
         print(f"scirl demo: {exc}", file=sys.stderr)
         return 1
-    except DeployError as exc:  # an inference server or the trainer failed: the launcher's report
+    except (DeployError, Stopped) as exc:  # a server or the trainer failed (the launcher's report), or a stop
         print(f"scirl demo: {exc}", file=sys.stderr)
         return exc.status
     return 0
@@ -83,9 +83,4 @@ def arguments_problem(args: argparse.Namespace) -> str | None:
             return f"{flag} must be >= 1, got {value}"
     if args.output_dir is None:
         return None
-    path = Path(args.output_dir)
-    if not args.output_dir.strip():
-        return "--output-dir must name a directory"
-    if path.exists() and not path.is_dir():
-        return f"--output-dir {args.output_dir} is a file, not a directory"
-    return unwritable_parent(path, args.output_dir, flag="--output-dir")
+    return unwritable_dir(Path(args.output_dir), args.output_dir, "--output-dir")

@@ -7,6 +7,11 @@
 
 Every summary shows the letter bias (predicted vs gold letters, KL, accuracy by gold letter:
 ``scirl.eval.letters``); --permutations adds order robustness (``scirl.eval.permutations``).
+
+A checkpoint of a run (``RUN/weights/step_N``, ``RUN/weights/latest``) or ``--run RUN`` makes the run's data
+settings the defaults (source, format or columns, split method and seed, held-out size: its config.toml), so
+the evaluated questions are the ones it held out; a question the run trained on is refused unless
+``--allow-trained-questions``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from scirl.commands.parser import (
     Parser,
     add_data_format_args,
+    add_split_args,
     data_format_problem,
     device_problem,
     finite_float,
@@ -28,7 +34,7 @@ from scirl.commands.parser import (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, SPLIT_METHODS
+    from scirl.task.data import HUB_ID
 
     p = Parser(
         prog="scirl eval",
@@ -37,16 +43,20 @@ def build_parser() -> argparse.ArgumentParser:
         "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
     )
     p.add_argument("--base-url", default=None, help="server URL ending in /v1, e.g. http://localhost:8000/v1")
-    p.add_argument("--model", required=True, help="served model name (with --base-url), else a local HF model directory")
+    p.add_argument("--model", default=None, help="served model name (with --base-url), else a local HF model directory, "
+                   "such as a run's checkpoint RUN/weights/step_N or RUN/weights/latest (default with --run: the run's latest)")
+    p.add_argument("--run", default=None, metavar="RUN_DIR",
+                   help="a scirl train run directory: its data settings are the defaults below, and a question it trained "
+                   "on is refused (default: the run of --model when that is one of its checkpoints)")
+    p.add_argument("--allow-trained-questions", action="store_true",
+                   help="evaluate even questions the run trained on (its training split), with a warning")
     p.add_argument("--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive")
-    p.add_argument("--data", default=HUB_ID, help="hub id (a known set's: REPO[:CONFIG][@SPLIT]), raw_data directory or one "
-                   ".jsonl/.json/.parquet file (default: %(default)s)")
-    add_data_format_args(p)
-    p.add_argument("--split", default="eval", choices=("eval", "train"), help="default: %(default)s")
-    p.add_argument("--eval-per-domain", type=int, default=DEFAULT_EVAL_PER_DOMAIN, help="held-out questions per domain (default: %(default)s)")
-    p.add_argument("--split-method", default=DEFAULT_SPLIT_METHOD, choices=SPLIT_METHODS, help="default: %(default)s")
-    p.add_argument("--split-seed", type=int, default=DEFAULT_SPLIT_SEED, help="seed of the train/eval split, as in scirl data and "
-                   "the training config's data.seed (default: %(default)s)")
+    p.add_argument("--data", default=None, help="hub id (a known set's: REPO[:CONFIG][@SPLIT]), raw_data directory or one "
+                   f".jsonl/.json/.parquet file (default: the run's, else {HUB_ID})")
+    add_data_format_args(p, default=None)
+    p.add_argument("--split", default=None, choices=("eval", "train"),
+                   help="default: eval (a run's held-out split: the one it did not train on)")
+    add_split_args(p, run_defaults=True)
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
     p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")
     p.add_argument("--temperature", type=finite_float, default=0.0, help="default: %(default)s (greedy)")
@@ -91,8 +101,6 @@ def _check(args) -> str | None:
         return "--max-reply-chars must be >= 1"
     if args.seed is not None and not 0 <= args.seed < 2**63:
         return "--seed must be in 0..2**63-1"
-    if args.split_seed < 0:
-        return "--split-seed must be >= 0"
     if not args.model.strip():
         return "--model must not be empty"
     if args.timeout <= 0:
@@ -103,8 +111,6 @@ def _check(args) -> str | None:
         return "--limit must be >= 1"
     if args.batch_size < 1:
         return "--batch-size must be >= 1"
-    if args.eval_per_domain < 0:
-        return "--eval-per-domain must be >= 0"
     problem = data_format_problem(args)
     if problem:
         return problem
@@ -155,8 +161,130 @@ def _data_id(source: str) -> str:
     return source if is_hub_source(source) else str(Path(source).resolve())
 
 
+# The settings that say which questions are evaluated, by their flags: named as scirl data, scirl export prime-rl
+# and (as data.<name>) scirl train name them; a run's config.toml gives their defaults
+DATA_FLAGS = {"data": "--data", "data_format": "--data-format", "data_columns": "--data-columns",
+              "eval_per_domain": "--eval-per-domain", "split_method": "--split-method", "split_seed": "--split-seed"}
+
+
+def _resolve_run(args) -> str | None:
+    """Which run the evaluation belongs to, and which model it evaluates: ``--run``, else the run whose checkpoint
+    ``--model`` is (with ``--base-url`` too: vLLM serves a model under its path unless told another name);
+    ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``--run`` alone for the run's
+    latest. Sets ``args.run`` and ``args.model``; returns why they cannot be used (None when they can)."""
+    from scirl.run.rundir import LATEST, checkpoint_run, latest_checkpoint_dir
+
+    if args.run is not None and not (Path(args.run) / "config.toml").is_file():
+        return f"--run {args.run}: not a scirl train run directory (no config.toml)"
+    if args.model is None:
+        if args.run is None or args.base_url is not None:
+            return ("--model is required: the served model's name with --base-url, else a local HF model directory "
+                    "or a run's checkpoint (or --run RUN_DIR for the run's latest)")
+        args.model = str(Path(args.run) / "weights" / LATEST)
+    model_run = checkpoint_run(Path(args.model))
+    if model_run is None:
+        return None
+    if args.run is not None and model_run.resolve() != Path(args.run).resolve():
+        return f"--model {args.model} is a checkpoint of run {model_run}, not of --run {args.run}: give one run"
+    args.run = args.run or str(model_run)
+    if Path(args.model).name == LATEST and args.base_url is None:
+        step_dir = latest_checkpoint_dir(model_run)
+        if step_dir is None:
+            return f"--model {args.model}: run {model_run} has no checkpoint yet"
+        args.model = str(step_dir)
+    return None
+
+
+def _apply_data_defaults(args, run_data) -> str | None:
+    """Fill the data settings left out with the run's (``run_data``: its [data] section), else scirl's defaults;
+    return the line that says which run they came from (None without a run). Format and columns come from the
+    run only with its own source, and when neither is given."""
+    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID
+    from scirl.task.formats import AUTO, parse_columns
+
+    given = {key: getattr(args, key) for key in DATA_FLAGS if getattr(args, key) is not None}
+    if run_data is None:
+        defaults = {"data": HUB_ID, "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
+                    "split_seed": DEFAULT_SPLIT_SEED}
+    else:
+        defaults = {"data": run_data.source, "eval_per_domain": run_data.eval_per_domain,
+                    "split_method": run_data.split_method, "split_seed": run_data.split_seed}
+        same_source = args.data is None or _data_id(args.data) == _data_id(run_data.source)
+        if same_source and args.data_format is None and args.data_columns is None:
+            defaults["data_format"] = run_data.format
+            defaults["data_columns"] = parse_columns(run_data.columns) if run_data.columns is not None else None
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.data_format is None:
+        args.data_format = AUTO
+    if args.split is None:  # a run that trained on the eval split held out the train split
+        args.split = "train" if run_data is not None and run_data.split == "eval" else "eval"
+    if run_data is None:
+        return None
+    taken = {key: getattr(args, key) for key in DATA_FLAGS if key not in given and key in defaults
+             and getattr(args, key) is not None and getattr(args, key) != AUTO}
+    trained = "which it trained on" if args.split == run_data.split else "which it did not train on"
+    return (f"data settings of run {args.run} (its config.toml): {_flags(taken) or 'none'}"
+            + (f"; given here: {_flags(given)}" if given else "") + f"; evaluating its {args.split} split, {trained}")
+
+
+def _flags(settings: dict) -> str:
+    """``settings`` as the flags that give them, as one would type them."""
+    import shlex
+
+    return " ".join(f"{DATA_FLAGS[key]} {shlex.quote(value.as_text() if hasattr(value, 'as_text') else str(value))}"
+                    for key, value in settings.items())
+
+
+def _trained_ids(args, run_data, splits) -> set[str]:
+    """The ids of the questions the run trained on: its ``data.split`` under its own settings (``splits``, the
+    evaluation's, when those are the run's). Raises what ``load_splits`` raises for data it cannot read."""
+    columns = args.data_columns.as_dict() if args.data_columns is not None else None
+    same = (_data_id(args.data), args.data_format, columns, args.eval_per_domain, args.split_method, args.split_seed) == (
+        _data_id(run_data.source), run_data.format, run_data.columns, run_data.eval_per_domain, run_data.split_method,
+        run_data.split_seed)
+    return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}
+
+
+def _trained_problem(args, run_data, splits, questions) -> tuple[int, str | None]:
+    """(exit status, line): the refusal (2) when an evaluated question is one the run trained on, unless
+    ``--allow-trained-questions``, which turns it into a warning (0)."""
+    from scirl.task.data import DataSourceError
+
+    try:
+        trained = _trained_ids(args, run_data, splits)
+    except (DataSourceError, OSError, ValueError) as e:
+        if args.allow_trained_questions:
+            return 0, f"warning: not checked which questions run {args.run} trained on ({run_data.source}: {e})"
+        return 2, (f"cannot read the data run {args.run} trained on ({run_data.source}) to check which questions it "
+                   f"trained on: {e}; pass --allow-trained-questions to evaluate without the check")
+    overlap = sum(q.id in trained for q in questions)
+    if not overlap:
+        return 0, None
+    what = f"{overlap} of the {len(questions)} questions to evaluate are in run {args.run}'s training split"
+    if args.allow_trained_questions:
+        return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one"
+    return 2, (f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
+               "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
+               "to score them anyway")
+
+
 def run_eval(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = _resolve_run(args)
+    if problem:
+        print(f"scirl eval: {problem}", file=sys.stderr)
+        return 2
+    from scirl.errors import ConfigError
+    from scirl.run.config_io import saved_config
+
+    try:
+        run_data = saved_config(Path(args.run)).data if args.run is not None else None
+    except ConfigError as e:
+        print(f"scirl eval: --run {args.run}: {e}", file=sys.stderr)
+        return 2
+    origin = _apply_data_defaults(args, run_data)
     problem = _check(args)
     if problem:
         print(f"scirl eval: {problem}", file=sys.stderr)
@@ -169,12 +297,12 @@ def run_eval(argv: list[str]) -> int:
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
     try:
-        return _run_eval_locked(args)
+        return _run_eval_locked(args, run_data, origin)
     finally:
         lock.close()
 
 
-def _run_eval_locked(args) -> int:
+def _run_eval_locked(args, run_data, origin: str | None) -> int:
     if args.n_samples > 1 and args.temperature == 0:
         print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
@@ -195,6 +323,14 @@ def _run_eval_locked(args) -> int:
     if not questions:
         print(f"scirl eval: the {args.split} split of {args.data} is empty", file=sys.stderr)
         return 2
+    if run_data is not None:  # before any model is loaded or any request sent
+        status, line = _trained_problem(args, run_data, splits, questions)
+        if status:
+            print(f"scirl eval: {line}", file=sys.stderr)
+            return status
+        print(f"scirl eval: {origin}", file=sys.stderr)  # accepted: where its settings came from
+        if line:
+            print(f"scirl eval: {line}", file=sys.stderr)
     data_settings = {
         "data": _data_id(args.data),
         "split": args.split,
@@ -295,12 +431,33 @@ def run_compare(argv: list[str]) -> int:
             print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
             return 2
         loaded.append(data)
+    problem = _pairing_problem(args.a, args.b, *loaded)
+    if problem:
+        print(f"scirl eval compare: {problem}", file=sys.stderr)
+        return 2
     result = compare(*loaded)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
         print_compare(result, args.a, args.b)
     return 0
+
+
+def _pairing_problem(name_a: str, name_b: str, a: dict, b: dict) -> str | None:
+    """Why two results files cannot be paired question by question (None when they can): a question twice in one
+    file (which answer would count?), or no question in both (a difference and McNemar's test of nothing)."""
+    from collections import Counter
+
+    for name, data in ((name_a, a), (name_b, b)):
+        repeated = {qid: n for qid, n in Counter(r["id"] for r in data["records"]).items() if n > 1}
+        if repeated:
+            qid, n = next(iter(repeated.items()))
+            return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
+                    "scirl eval records each question once")
+    if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
+        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: nothing "
+                "to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's defaults)")
+    return None
 
 
 def main(argv: list[str]) -> int:

@@ -1,4 +1,5 @@
-"""`scirl export prime-rl --out DIR [--prime-rl-ref main|guide] [--data SRC] [--base-port N]`."""
+"""`scirl export prime-rl --out DIR [--prime-rl-ref main|guide] [--data SRC [--data-format F | --data-columns MAP]]
+[--eval-per-domain N] [--split-method M] [--split-seed S] [--base-port N]`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from scirl.commands.parser import Parser
+from scirl.commands.parser import Parser, add_data_format_args, add_split_args, data_format_problem, unwritable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
     prime.add_argument("--prime-rl-ref", choices=sorted(TARGETS), default=DEFAULT_TARGET,
                        help=f"the prime-rl commit grpo.toml is written for: {refs}; default: {DEFAULT_TARGET}")
     prime.add_argument("--data", default=None,
-                       help="data source the taskset reads (hub id, raw_data/ dir or one file); default: the hub")
+                       help="data source the taskset reads (hub id, raw_data/ dir or one file), read here first as "
+                       "scirl train reads it; default: the hub")
+    add_data_format_args(prime)
+    add_split_args(prime)
     prime.add_argument("--base-port", type=int, default=None,
                        help="first port of the block prime-rl's ports are moved to (checked free, outside the "
                        "ephemeral range); default: the first free block from 10000")
@@ -54,17 +58,23 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     from scirl.primerl.export import DROP_PATH, export
 
-    if Path(args.out).exists() and not Path(args.out).is_dir():
-        print(f"scirl export: --out {args.out} is a file; give a directory", file=sys.stderr)
+    from scirl.errors import DataSourceError
+
+    problem = unwritable_dir(Path(args.out), args.out, "--out") or data_format_problem(args)
+    if problem:
+        print(f"scirl export: {problem}", file=sys.stderr)
         return 2
+    columns = args.data_columns.as_text() if args.data_columns is not None else None
     try:
         result = export(args.out, data=args.data, base_port=args.base_port, scirl_source=args.scirl_source,
                         model=args.model, ref=args.prime_rl_ref, force=args.force,
-                        shuffle_options=args.shuffle_options, reward_mode=args.reward_mode, algorithm=args.algorithm)
-    except (FileExistsError, ValueError) as e:
+                        shuffle_options=args.shuffle_options, reward_mode=args.reward_mode, algorithm=args.algorithm,
+                        data_format=args.data_format, data_columns=columns, eval_per_domain=args.eval_per_domain,
+                        split_method=args.split_method, split_seed=args.split_seed)
+    except (FileExistsError, ValueError, DataSourceError) as e:
         print(f"scirl export: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # e.g. no permission to write --out
+    except OSError as e:  # e.g. a full disk (a directory it may not write in is refused above)
         print(f"scirl export: cannot write {args.out}: {e}", file=sys.stderr)
         return 1
     ports = result.ports

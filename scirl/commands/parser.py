@@ -65,17 +65,66 @@ def unwritable_parent(path, out: str, flag: str = "--out") -> str | None:
     return None
 
 
-def add_data_format_args(parser: argparse.ArgumentParser) -> None:
-    """--data-format and --data-columns: how the rows of --data are read (``scirl.task.formats``)."""
+def unwritable_dir(path, given: str, flag: str = "--output-dir") -> str | None:
+    """Why ``flag``'s directory cannot be used to write in (None when it can): an existing one must be a directory
+    this process may write in, a new one must be possible to create (``unwritable_parent``)."""
+    import os
+
+    if not given.strip():
+        return f"{flag} must name a directory"
+    if path.exists():
+        if not path.is_dir():
+            return f"{flag} {given} is a file, not a directory"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{flag} {given}: cannot write in it (permission denied)"
+        return None
+    return unwritable_parent(path, given, flag)
+
+
+def add_data_format_args(parser: argparse.ArgumentParser, default: str | None = "auto") -> None:
+    """--data-format and --data-columns: how the rows of --data are read (``scirl.task.formats``). ``default``
+    None: the caller fills it in (``scirl eval`` from a run's config)."""
     from scirl.task.formats import AUTO, COLUMNS_SYNTAX, FORMAT_NAMES
 
-    parser.add_argument("--data-format", default=AUTO, choices=(AUTO, *FORMAT_NAMES),
+    parser.add_argument("--data-format", default=default, choices=(AUTO, *FORMAT_NAMES),
                         help="the schema of --data's rows; auto (default): the set a hub id names, else the one the "
                              "rows' columns fit")
     parser.add_argument("--data-columns", type=column_mapping, default=None, metavar="KEY=COL,...",
                         help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX}; options may be one list "
                              "column; answer is a letter or the option's text; or distractors=COL1+COL2+... with "
                              "answer=COL the right option's text (placed among them by a hash of the question)")
+
+
+def add_split_args(parser: argparse.ArgumentParser, *, run_defaults: bool = False) -> None:
+    """--eval-per-domain, --split-method and --split-seed: how --data's questions split into train and held out
+    (``scirl.task.data``), named alike in every command that takes them (``scirl train``: ``data.<name>``).
+    ``run_defaults``: they default to None, for ``scirl eval`` to take a run's."""
+    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, SPLIT_METHODS
+
+    def default(value):
+        return (None, f"the run's, else {value}") if run_defaults else (value, str(value))
+
+    value, text = default(DEFAULT_EVAL_PER_DOMAIN)
+    parser.add_argument("--eval-per-domain", type=non_negative_int, default=value,
+                        help=f"held-out questions per domain (default: {text})")
+    value, text = default(DEFAULT_SPLIT_METHOD)
+    parser.add_argument("--split-method", choices=SPLIT_METHODS, default=value,
+                        help="content: deterministic from row content, twins share a split; guide: the run guide's "
+                             f"seeded permutation over rows in hub order (default: {text})")
+    value, text = default(DEFAULT_SPLIT_SEED)
+    parser.add_argument("--split-seed", type=non_negative_int, default=value,
+                        help=f"seed of the train/held-out split, scirl train's data.split_seed (default: {text})")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def column_mapping(text: str):
@@ -90,7 +139,7 @@ def column_mapping(text: str):
 
 def data_format_problem(args: argparse.Namespace) -> str | None:
     """Why --data-format and --data-columns cannot go together (None when they can)."""
-    if args.data_columns is not None and args.data_format != "auto":
+    if args.data_columns is not None and args.data_format not in (None, "auto"):
         return f"--data-format {args.data_format} and --data-columns contradict each other: give one of them"
     return None
 
@@ -103,6 +152,7 @@ def train_config(config_args: list[str], resume: str | None):
 
     from scirl.deploy.launch import forget_launched_servers
     from scirl.errors import ConfigError
+    from scirl.run.config import TrainConfig
     from scirl.run.config_io import load_config, parse_overrides, read_toml
 
     if not resume:
@@ -114,7 +164,34 @@ def train_config(config_args: list[str], resume: str | None):
     asked = parse_overrides(config_args)[1].get("output_dir")
     if asked is not None and Path(asked).resolve() != Path(resume).resolve():
         raise ConfigError(f"--resume {resume} continues that run in place; drop --output-dir {asked}")
-    return load_config(config_args + ["--output-dir", resume], base=base)
+    cfg = load_config(config_args + ["--output-dir", resume], base=base)
+    model = base.get("model", TrainConfig.model_fields["model"].default)
+    if not same_model(model, cfg.model):
+        raise ConfigError(f"--resume {resume} trains on from the checkpoints of its model {model}, so --model "
+                          f"{cfg.model} would not be what it trains: leave out --model, or start a run of that model "
+                          "in another --output-dir")
+    return cfg.model_copy(update={"model": model})  # as the run recorded it, however --model spelt it
+
+
+def same_model(a: str, b: str) -> bool:
+    """Whether two model settings name one model: the same text, or paths to one directory."""
+    from pathlib import Path
+
+    first, second = Path(a).expanduser(), Path(b).expanduser()
+    return a == b or (first.exists() and second.exists() and first.resolve() == second.resolve())
+
+
+# The data settings' flags in the commands that read --data themselves (scirl eval, data, export prime-rl), whose
+# names the data layer's messages use, and in scirl train's config
+TRAIN_DATA_FLAGS = {"--data": "--data.source", "--data-format": "--data.format", "--data-columns": "--data.columns",
+                    "--eval-per-domain": "--data.eval-per-domain", "--split-method": "--data.split-method",
+                    "--split-seed": "--data.split-seed"}
+_FLAG = re.compile(r"(?<![\w.-])--[a-z][\w-]*(?![\w.-])")
+
+
+def in_train_terms(message: str) -> str:
+    """A data-layer message as ``scirl train`` says it: the data flags it names under train's names for them."""
+    return _FLAG.sub(lambda match: TRAIN_DATA_FLAGS.get(match.group(0), match.group(0)), message)
 
 
 def refused(prog: str, exc: Exception) -> int:

@@ -66,9 +66,10 @@ def main(argv: list[str]) -> int:
         serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
               device=args.device, default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
               api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_request_tokens=args.max_request_tokens)
-    except PortError as e:
+    except PortError as e:  # found before the model loads: a refusal like any other
         print(f"scirl serve: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        pass
+        return 2
+    except KeyboardInterrupt:  # uvicorn shuts down on Ctrl-C, then raises it again
+        print("\nscirl serve: interrupted; the server is stopped", file=sys.stderr)
+        return 130
     return 0

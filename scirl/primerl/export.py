@@ -30,6 +30,9 @@ from pathlib import Path
 import tomli_w
 
 from scirl import algorithms
+from scirl.errors import HubUnreachable
+from scirl.task import formats
+from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, load_splits
 
 PACKAGE_NAME = "sciknoweval"
 DROP_PATH = "deps/prime-envs/environments/science/sciknoweval"
@@ -290,21 +293,60 @@ def check_taskset_settings(shuffle_options: str, reward_mode: str, algorithm: st
                          f"to draw a reproducible coin from; the taskset offers {', '.join(TASKSET_REWARD_MODES)}")
 
 
-def taskset_lines(data: str | None, shuffle_options: str = "none", reward_mode: str = "strict") -> str:
-    """The taskset keys that differ from its defaults (so the default export is the config prime-rl validated)."""
-    lines = f"data = {toml_string(data)}\n" if data is not None else ""
-    if shuffle_options != "none":
-        lines += f"shuffle_options = {toml_string(shuffle_options)}   # one option order per question (scirl's epoch 0)\n"
-    if reward_mode != "strict":
-        lines += f"reward_mode = {toml_string(reward_mode)}\n"
+# The taskset's keys that come from scirl's settings (``SciKnowEvalConfig``), with its defaults: scirl eval's flag names
+# (--data-format, --split-seed, ...), so an export reads and splits --data as scirl train and scirl eval do.
+TASKSET_DEFAULTS = {"data": None, "data_format": formats.AUTO, "data_columns": None,
+                    "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
+                    "split_seed": DEFAULT_SPLIT_SEED, "shuffle_options": "none", "reward_mode": "strict"}
+TASKSET_COMMENTS = {"shuffle_options": "one option order per question (scirl's epoch 0)"}
+
+
+def taskset_settings(**settings) -> dict:
+    """The taskset keys of ``settings`` that differ from its defaults (so the default export is the config
+    prime-rl validated), in ``TASKSET_DEFAULTS``' order."""
+    unknown = set(settings) - set(TASKSET_DEFAULTS)
+    if unknown:
+        raise TypeError(f"not taskset keys: {sorted(unknown)}")
+    return {key: settings[key] for key, default in TASKSET_DEFAULTS.items() if settings.get(key, default) != default}
+
+
+def taskset_lines(taskset: dict) -> str:
+    """``taskset`` (``taskset_settings``) as TOML lines."""
+    lines = ""
+    for key, value in taskset.items():
+        comment = f"   # {TASKSET_COMMENTS[key]}" if key in TASKSET_COMMENTS else ""
+        lines += tomli_w.dumps({key: value}).strip() + comment + "\n"
     return lines
 
 
-def grpo_toml(ports: Ports, data: str | None = None, model: str = DEFAULT_MODEL,
-              target: Target = TARGETS[DEFAULT_TARGET], shuffle_options: str = "none", reward_mode: str = "strict") -> str:
-    """The run guide's step-7 config for ``target``, with every port moved to ``ports``."""
-    check_taskset_settings(shuffle_options, reward_mode)
-    data_line = taskset_lines(data, shuffle_options, reward_mode)
+def check_data(data: str | None, *, data_format: str = formats.AUTO, data_columns: str | None = None,
+               eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN, split_method: str = DEFAULT_SPLIT_METHOD,
+               split_seed: int = DEFAULT_SPLIT_SEED) -> str | None:
+    """Read ``data`` as ``scirl train`` reads it, before anything is written: a source that does not exist, or rows
+    the format or columns cannot read, raise ``DataSourceError``, a train split without questions ``ValueError``.
+    Returns a line on what the taskset will hold. A known set's hub id is not downloaded (the training node reads
+    it), nor another hub id where the hub cannot be reached from here (the line says so)."""
+    if data is None or formats.hub_source(data) is not None:
+        return None
+    try:
+        splits = load_splits(data, eval_per_domain=eval_per_domain, split_method=split_method, seed=split_seed,
+                             data_format=data_format, columns=data_columns)
+    except HubUnreachable:
+        return f"note: {data} not checked: the hub cannot be reached from here"
+    if not splits.train:
+        raise ValueError(f"the train split of {data} is empty ({len(splits.eval)} held out, "
+                         f"{sum(splits.skipped.values())} rows skipped): the taskset would have no task")
+    return (f"taskset: {len(splits.train)} train and {len(splits.eval)} held-out questions from {data} "
+            f"({splits.data_format})")
+
+
+def grpo_toml(ports: Ports, taskset: dict | None = None, model: str = DEFAULT_MODEL,
+              target: Target = TARGETS[DEFAULT_TARGET]) -> str:
+    """The run guide's step-7 config for ``target``, with every port moved to ``ports`` and the taskset's keys
+    ``taskset`` (``taskset_settings``)."""
+    taskset = taskset or {}
+    check_taskset_settings(taskset.get("shuffle_options", "none"), taskset.get("reward_mode", "strict"))
+    data_line = taskset_lines(taskset)
     return f"""\
 # GRPO on SciKnowEval MCQ with prime-rl: the run guide's config (step 7), written by `scirl export prime-rl`.
 # Target: prime-rl {target.name} at commit {target.commit} ({target.date}), verifiers {target.verifiers}.
@@ -384,22 +426,24 @@ data_parallel_rpc_port = {ports.dp_rpc}
 """
 
 
-def check_command(data: str | None) -> str:
-    """The README's install check: loads the train split by id, as prime-rl's orchestrator does.
+def check_command(taskset: dict) -> str:
+    """The README's install check: loads the train split by id with the taskset's keys, as prime-rl's
+    orchestrator does.
 
-    ``data`` goes through shlex.quote for the shell and repr for Python, so a
+    The keys' values go through shlex.quote for the shell and repr for Python, so a
     path holding ``$(...)``, quotes or spaces stays a literal string.
     """
-    data_arg = f", data={data!r}" if data else ""
+    args = "".join(f", {key}={value!r}" for key, value in taskset.items())
     code = (
         "import verifiers.v1 as vf\n"
-        f"cfg = vf.taskset_config_type('sciknoweval')(id='sciknoweval'{data_arg})\n"
+        f"cfg = vf.taskset_config_type('sciknoweval')(id='sciknoweval'{args})\n"
         "print(len(list(vf.load_taskset(cfg))), 'train tasks')"
     )
     return f"uv run --no-sync python3 -c {shlex.quote(code)}"
 
 
-def readme(ports: Ports, data: str | None, scirl_source: str | None, target: Target) -> str:
+def readme(ports: Ports, taskset: dict, scirl_source: str | None, target: Target) -> str:
+    data = taskset.get("data")
     data_note = f"The taskset reads its questions from `{data}`." if data else (
         "The taskset reads its questions from the hub; without hub access set `data` under "
         "`[orchestrator.train.source.env.taskset]` in `grpo.toml` to a local copy "
@@ -469,7 +513,7 @@ uv pip install --python .venv/bin/python --no-deps -e {DROP_PATH}
 Check it (expect {EXPECTED_TRAIN_TASKS:,} train tasks on the full dataset, {EXPECTED_EVAL_TASKS} held out):
 
 ```bash
-{check_command(data)}
+{check_command(taskset)}
 uv run --no-sync rl @ {CONFIG_PATH} --dry-run --output-dir /tmp/sciknoweval-dry-run
 ```
 
@@ -564,13 +608,14 @@ def export(
     shuffle_options: str = "none",
     reward_mode: str = "strict",
     algorithm: str = "grpo",
+    **data_settings,
 ) -> Export:
     """Write the package, grpo.toml and README.md under ``out``.
 
-    ``data`` that names an existing local path is made absolute (the orchestrator
-    runs from the prime-rl checkout). Unless ``scirl_source`` is given, uv takes
-    scirl from ``deps/scirl`` in the prime-rl checkout: this machine's paths mean
-    nothing on the training node.
+    ``data`` is read first (``check_data``, with ``data_settings``: data_format, data_columns, eval_per_domain,
+    split_method, split_seed, the taskset's keys); one that names an existing local path is made absolute (the
+    orchestrator runs from the prime-rl checkout). Unless ``scirl_source`` is given, uv takes scirl from
+    ``deps/scirl`` in the prime-rl checkout: this machine's paths mean nothing on the training node.
     """
     if ref not in TARGETS:
         raise ValueError(f"unknown prime-rl ref {ref!r}; expected one of {', '.join(TARGETS)}")
@@ -580,9 +625,13 @@ def export(
     targets = [out / PACKAGE_NAME, out / "grpo.toml", out / "README.md"]
     existing = [str(t) for t in targets if t.exists()]
     if existing and not force:
-        raise FileExistsError(f"already exported here: {', '.join(existing)} (pass force=True / --force to overwrite)")
+        raise FileExistsError(f"already exported here: {', '.join(existing)} (--force overwrites them)")
+    taskset = taskset_settings(data=data, shuffle_options=shuffle_options, reward_mode=reward_mode, **data_settings)
+    checked = check_data(data, **data_settings)
+    if checked:
+        print(checked, file=sys.stderr)
     if data is not None and Path(data).expanduser().exists():
-        data = str(Path(data).expanduser().resolve())
+        taskset["data"] = str(Path(data).expanduser().resolve())
     ports = choose_ports(base_port)
     local_low, local_high = local_ephemeral_range()
     inside = [p for p in ports.all().values() if local_low <= p <= local_high]
@@ -592,8 +641,8 @@ def export(
               "node (check `sysctl net.ipv4.ip_local_port_range` there)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     files = copy_package(out / PACKAGE_NAME, scirl_source or DEFAULT_SCIRL_SOURCE)
-    for path, text in ((out / "grpo.toml", grpo_toml(ports, data, model, target, shuffle_options, reward_mode)),
-                       (out / "README.md", readme(ports, data, scirl_source, target))):
+    for path, text in ((out / "grpo.toml", grpo_toml(ports, taskset, model, target)),
+                       (out / "README.md", readme(ports, taskset, scirl_source, target))):
         path.write_text(text, encoding="utf-8")
         files.append(path)
     return Export(out=out, ports=ports, target=target, files=files)

@@ -17,7 +17,7 @@ from pydantic import Field, create_model, field_validator, model_validator
 from scirl import algorithms
 from scirl.algorithms.sections import Section
 from scirl.rollouts.contract import RolloutSettings
-from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED
+from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, DataSplits, load_splits
 from scirl.task.formats import known_format, parse_columns
 from scirl.trainer.batching import DEFAULT_MICRO_BATCH_TOKENS
 from scirl.weights.base import DEFAULT_BUCKET_MIB
@@ -92,12 +92,13 @@ class DataConfig(Section):
     split: Literal["train", "eval"] = "train"
     eval_per_domain: int = Field(DEFAULT_EVAL_PER_DOMAIN, ge=0, description="questions per domain held out for evaluation")
     split_method: Literal["content", "guide"] = DEFAULT_SPLIT_METHOD
-    # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train
-    seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED)
+    # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train;
+    # named as `scirl eval --split-seed` and `scirl data --split-seed` name it (before: `seed`, still read from a file)
+    split_seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED)
     format: str = Field("auto", description="schema of the source's rows: auto (the set a hub id names, else the one "
                         "the rows' columns fit) or one of scirl.task.formats.FORMAT_NAMES")
     columns: dict[str, str] | None = Field(None, description="a column mapping instead of a format, as a table or as "
-                                           "the text of --data-columns: question=Q,options=A+B+C+D,answer=ans")
+                                           "text: question=Q,options=A+B+C+D,answer=ans")
     shuffle_options: Literal["none", "epoch", "rollout"] = Field(
         "none", description="permute each question's options (the gold label follows its text): none (the row's "
         "order, as the guide trained); epoch (one order per question per epoch, shared by its group); rollout "
@@ -121,6 +122,11 @@ class DataConfig(Section):
         if self.columns is not None and self.format != "auto":
             raise ValueError(f"data.format = {self.format!r} and data.columns contradict each other: give one of them")
         return self
+
+    def load_splits(self) -> DataSplits:
+        """The source's questions, split as this section says (what the run trains on, and what it holds out)."""
+        return load_splits(self.source, eval_per_domain=self.eval_per_domain, split_method=self.split_method,
+                           seed=self.split_seed, data_format=self.format, columns=self.columns)
 
 
 class RewardConfig(Section):

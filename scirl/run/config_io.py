@@ -52,12 +52,22 @@ def _accepts(annotation, kind) -> bool:
     return False
 
 
+# Fields renamed since runs were saved under the old name: (section, old name) -> new name. A config file
+# (a run's config.toml above all, the base of its --resume) is read with the new name and a note; a flag
+# with the old name is refused, naming the new one.
+RENAMED = {("data", "seed"): "split_seed"}  # the split's seed, named as `scirl eval --split-seed` names it
+
+
 def _field_path(path: list[str], flag: str):
     """Resolve ``["optim", "lr"]`` to the annotation of that field, or raise naming the bad part."""
     model: type[BaseModel] = TrainConfig
     for i, part in enumerate(path):
         fields = model.model_fields
         if part not in fields:
+            renamed = RENAMED.get((".".join(path[:i]), part))
+            if renamed is not None:
+                new_flag = "--" + ".".join(path[:i] + [renamed]).replace("_", "-")
+                raise ConfigError(f"unknown option {flag}: it is now {new_flag}")
             where = ".".join(path[:i]) or "the top level"
             hint = difflib.get_close_matches(part, list(fields), n=1)
             hint_text = f" (did you mean {'.'.join(path[:i] + hint).replace('_', '-')}?)" if hint else ""
@@ -148,12 +158,14 @@ def parse_overrides(argv: list[str]) -> tuple[list[Path], dict]:
     return files, overrides
 
 
-def read_toml(path: Path) -> dict:
+def read_toml(path: Path, note_renamed: bool = True) -> dict:
+    """A config file as a dict, its renamed fields (``RENAMED``) under their new names (said on stderr unless
+    ``note_renamed`` is false: a file read a second time)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
         with path.open("rb") as f:
-            return tomllib.load(f)
+            return renamed_fields(tomllib.load(f), path, note_renamed)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:  # TOML is UTF-8; a Latin-1 comment is the usual culprit
@@ -161,6 +173,22 @@ def read_toml(path: Path) -> dict:
                           "TOML files must be UTF-8: save it as UTF-8") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+
+
+def renamed_fields(data: dict, path: Path, note: bool = True) -> dict:
+    """``data`` with each field of ``RENAMED`` under its new name, saying so in one line on stderr (an old run's
+    config.toml must still resume); both names at once is an error."""
+    for (section, old), new in RENAMED.items():
+        table = data.get(section)
+        if not isinstance(table, dict) or old not in table:
+            continue
+        if new in table:
+            raise ConfigError(f"{path}: [{section}] has both {old} and {new}, the old and the new name of one field: "
+                              f"keep {new}")
+        data = {**data, section: {(new if key == old else key): value for key, value in table.items()}}
+        if note:
+            print(f"note: {path}: [{section}] {old} is read as {new}, its new name", file=sys.stderr)
+    return data
 
 
 def _none_strings(data):
@@ -201,6 +229,38 @@ def anchor_to_file(data: dict, path: Path) -> dict:
         if isinstance(value, str) and value.startswith(("./", "../")):
             table[name] = str((path.parent / value).resolve())
     return data
+
+
+def saved_config(run_dir: Path, note_renamed: bool = True) -> TrainConfig:
+    """The config a run directory recorded (its ``config.toml``), validated; ``ConfigError`` when there is none."""
+    path = run_dir / "config.toml"
+    if not path.is_file():
+        raise ConfigError(f"{run_dir} is not a scirl train run directory (no config.toml)")
+    return validate(read_toml(path, note_renamed), origin=str(path))
+
+
+# Where a run is this time, not what it computes: its directory (a run copied or moved resumes where it is) and its
+# inference servers' addresses (a launcher starts new ones on each resume; a job's allocation moves them). A
+# resume does not report them as changed.
+WHERE_NOT_WHAT = ("output_dir", "inference.urls", "deployment.nccl_port", "deployment.nccl_address")
+
+
+def changed_settings(before: TrainConfig, after: TrainConfig) -> dict[str, list]:
+    """The settings that differ between two configs, by dotted name: [before, after] (None: not set), where the
+    run is aside (``WHERE_NOT_WHAT``)."""
+
+    def flat(table: dict, prefix: str = "") -> dict:
+        out = {}
+        for key, value in table.items():
+            if isinstance(value, dict):
+                out.update(flat(value, f"{prefix}{key}."))
+            else:
+                out[prefix + key] = value
+        return out
+
+    old, new = flat(to_toml_dict(before)), flat(to_toml_dict(after))
+    return {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys())
+            if old.get(key) != new.get(key) and key not in WHERE_NOT_WHAT}
 
 
 def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:

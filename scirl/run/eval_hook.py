@@ -2,7 +2,7 @@
 the policy on a fixed subset of the held-out split, for that step's ``metrics.jsonl`` row.
 
 Which questions (``eval_subset``): the first ``eval.questions`` of the held-out split
-(``splits.split("eval")``, which never overlaps the train split) in an order seeded by ``data.seed``,
+(``splits.split("eval")``, which never overlaps the train split) in an order seeded by ``data.split_seed``,
 the holdout's own seed rather than the training ``seed``: each domain's questions sorted by a hash
 of (seed, id), then the domains interleaved. So the subset is balanced across domains, the same
 after any resume and in every run on the same data whatever seed it trains with (their curves
@@ -123,13 +123,13 @@ def training_eval(cfg, splits, tokenizer, generator, dist, *, colocated: bool, s
         def fits(q: Question) -> bool:
             return len(encode_messages(tokenizer, build_messages(q))) + cfg.max_completion_tokens <= cfg.seq_len
 
-        chosen = eval_subset(held_out, cfg.eval.questions, cfg.data.seed, fits)
+        chosen = eval_subset(held_out, cfg.eval.questions, cfg.data.split_seed, fits)
         if not chosen:
             raise TrainError(f"eval.interval is set but none of the {len(held_out)} held-out questions can be evaluated "
                              f"(none held out, or every prompt + max_completion_tokens exceeds seq_len {cfg.seq_len})")
         short = (f" (of {cfg.eval.questions} asked: every held-out question that fits seq_len)"
                  if len(chosen) < cfg.eval.questions else "")
         say(f"Eval: {len(chosen)} held-out questions{short}, greedy, every {cfg.eval.interval} steps and at the last; "
-            f"the subset is seeded by data.seed ({cfg.data.seed})")
+            f"the subset is seeded by data.split_seed ({cfg.data.split_seed})")
     return TrainingEval(chosen, generator, dist, interval=cfg.eval.interval, last_step=cfg.max_steps,
                         max_tokens=cfg.max_completion_tokens, seed=cfg.seed, colocated=colocated)

@@ -116,7 +116,10 @@ def model_shape(model: str) -> tuple[ModelShape, str] | None:
     path = Path(model)
     config_file = path / "config.json" if path.is_dir() else None
     if config_file is None:  # the hub cache only: nothing is downloaded
-        cached = try_to_load_from_cache(model, "config.json")
+        try:
+            cached = try_to_load_from_cache(model, "config.json")
+        except ValueError:  # HFValidationError: neither a directory here nor a hub id (a path that does not exist)
+            cached = None
         config_file = Path(cached) if isinstance(cached, str) else None
     if config_file is not None and config_file.is_file():
         try:

@@ -13,6 +13,7 @@ import math
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 from scirl.errors import RunDirError
@@ -23,8 +24,28 @@ LATEST = "latest"  # text file "step_N"
 STEP_DIR = re.compile(r"^step_(\d+)$")  # a committed checkpoint
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # a write cut short, or one being replaced
 RESULTS = ("metrics.jsonl", "rollouts", "weights")
+RESUMES = "resumes.jsonl"  # one row per resume: the step it went on from and the settings it changed
 # the last line of a run stopped on request (``stopped_line``): a launcher knows from it that the stop went well
 STOPPED_LINE = re.compile(r"^Stopped by .+ after step \d+; resume with: scirl train --resume ")
+
+
+def checkpoint_run(path: Path) -> Path | None:
+    """The run directory a checkpoint path belongs to, ``RUN/weights/step_N`` or ``RUN/weights/latest`` (None for
+    any other path, or when RUN holds no run: no config.toml)."""
+    if path.parent.name != "weights" or not (STEP_DIR.match(path.name) or path.name == LATEST):
+        return None
+    run_dir = path.parent.parent
+    return run_dir if (run_dir / "config.toml").is_file() else None
+
+
+def latest_checkpoint_dir(run_dir: Path) -> Path | None:
+    """The checkpoint ``weights/latest`` names (None when the run has none yet)."""
+    try:
+        name = (run_dir / "weights" / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    path = run_dir / "weights" / name
+    return path if STEP_DIR.match(name) and path.is_dir() else None
 
 
 def stopped_line(signal_name: str, step: int, run_dir: Path) -> str:
@@ -60,9 +81,9 @@ def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
 
 
 def remove_run_files(run_dir: Path) -> None:
-    """Delete a run's own files: its config, metrics, rollouts, log, checkpoints and weight broadcasts,
-    not their neighbours."""
-    for path in (run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / "logs" / "train.log"):
+    """Delete a run's own files: its config, metrics, record of resumes, rollouts, log, checkpoints and weight
+    broadcasts, not their neighbours."""
+    for path in (run_dir / "config.toml", run_dir / "metrics.jsonl", run_dir / RESUMES, run_dir / "logs" / "train.log"):
         path.unlink(missing_ok=True)
     for path in (run_dir / "rollouts").glob("step_*.jsonl*"):
         path.unlink()
@@ -83,6 +104,14 @@ def remove_run_files(run_dir: Path) -> None:
             (run_dir / folder).rmdir()
 
 
+def record_resume(run_dir: Path, step: int, changed: dict[str, list] | None) -> Path:
+    """Append this resume to ``RUN/resumes.jsonl``: the step it goes on from, when, and the settings it changed
+    ([before, after] by dotted name; None: not known), so a run's record says what each stretch of it ran with."""
+    path = run_dir / RESUMES
+    append_line(path, {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "changed": changed})
+    return path
+
+
 def has_content(path: Path) -> bool:
     if path.is_dir():
         return any(path.iterdir())
@@ -98,7 +127,10 @@ def lock(run_dir: Path):
         run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file on the path, no permission
         raise RunDirError(f"cannot create the run directory {run_dir}: {exc.strerror or exc}") from None
-    handle = open(run_dir / ".lock", "a")
+    try:
+        handle = open(run_dir / ".lock", "a")
+    except OSError as exc:  # a directory this process may not write in
+        raise RunDirError(f"cannot write in the run directory {run_dir}: {exc.strerror or exc}") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -27,7 +27,7 @@ from rich.console import Console
 from transformers import AutoTokenizer
 
 from scirl import algorithms, distributed
-from scirl.errors import TrainError
+from scirl.errors import ConfigError, RunDirError, TrainError
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
@@ -43,9 +43,8 @@ from scirl.run.backends import (
     make_vllm_generator,
 )
 from scirl.run.config import TrainConfig
-from scirl.run.config_io import to_toml_dict, write_config
+from scirl.run.config_io import changed_settings, saved_config, to_toml_dict, write_config
 from scirl.run.eval_hook import training_eval
-from scirl.task.data import load_splits
 from scirl.trainer import lora
 from scirl.trainer.model import check_identical_ranks, compute_dtype, load_model
 from scirl.weights.check import Replica, WeightCheck, probe_sequence
@@ -103,8 +102,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     torch.manual_seed(cfg.seed)
 
     # ---- data, tokenizer, and where the run starts ----
-    splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.seed, data_format=cfg.data.format, columns=cfg.data.columns)
+    splits = cfg.data.load_splits()
     latest, skipped_checkpoints = None, []
     if resume:
         # rank 0 verifies (sha256 of every file, and a load) and removes stale tmp dirs; the others take its word
@@ -135,6 +133,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     if dist.is_main:
         # only now that the data, the checkpoint and the model are accepted: a refused resume must
         # not leave its flags in config.toml, the base of every later --resume
+        if resume:
+            record_changes(run_dir, cfg, start_step, say)
         write_config(cfg, run_dir / "config.toml")
 
     # ---- the seam: where batches come from, where weights go ----
@@ -242,23 +242,23 @@ def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Di
 def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, dist: distributed.Dist) -> dict:
     """The checkpoint's small state (every rank: step, RNG, data position) and, on rank 0 only, the
     optimizer state, which the trainer broadcasts shard by shard (8 ranks each reading it: 8 full
-    copies in RAM). Refuses a checkpoint made on other questions or with another seed."""
+    copies in RAM). Refuses (``RunDirError``) a checkpoint made on other questions or with another seed."""
     saved = checkpoint.load_trainer_state(path, optimizer=dist.is_main)
     if saved["adapter"] is not None and not cfg.lora.enabled:
-        raise TrainError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
+        raise RunDirError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
     if saved["adapter"] is None and cfg.lora.enabled:
-        raise TrainError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
+        raise RunDirError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
     position = saved["data_position"]
     if position["n_questions"] != n_questions:
-        raise TrainError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
+        raise RunDirError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
                          f"the data now has {n_questions}; resume needs the same data and config")
     # (epoch, cursor) index a seeded order of these very questions: other questions of the same count,
     # or another seed, would repeat some and skip others (checkpoints before these keys: unchecked)
     if position.get("questions", digest) != digest:
-        raise TrainError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
+        raise RunDirError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
                          f"({cfg.data.split} split) gives now; resume needs the same data and config")
     if position.get("seed", cfg.seed) != cfg.seed:
-        raise TrainError(f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
+        raise RunDirError(f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
                          f"not {cfg.seed}; resume with --seed {position['seed']}")
     return saved
 
@@ -272,6 +272,21 @@ def report_resume(run_dir: Path, latest, skipped: list, say) -> None:
         say(f"Skipped checkpoint {path.name}: {reason}")
     if dropped:
         log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
+
+
+def record_changes(run_dir: Path, cfg: TrainConfig, start_step: int, say) -> None:
+    """A resume's settings that differ from the run's config.toml (about to be replaced by ``cfg``): said in one
+    line and recorded in ``resumes.jsonl``, so no changed hyperparameter is applied silently and the run's record
+    keeps what each stretch of it ran with."""
+    try:
+        changed = changed_settings(saved_config(run_dir, note_renamed=False), cfg)
+    except ConfigError as exc:  # valid only with this resume's flags: nothing to compare with
+        changed = None
+        say(f"Resuming with settings the run's config.toml cannot be compared with ({exc}); it is replaced")
+    path = rundir.record_resume(run_dir, start_step, changed)
+    if changed:
+        say("Changed on resume: " + ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
+            + f" (recorded in {path})")
 
 
 def load_tokenizer(model: str):

@@ -528,7 +528,7 @@ class DataSplits:
             "skipped_total": sum(self.skipped.values()),
             "eval_per_domain": self.eval_per_domain,
             "split_method": self.split_method,
-            "seed": self.seed,
+            "split_seed": self.seed,
             "types": list(self.types),
             "per_domain": by("domain"),
             "per_type": by("type"),

@@ -410,7 +410,7 @@ def detect_format(rows: Iterable[Any]) -> Format:
         return FORMATS[most_specific.pop()]
     if most_specific:
         raise DataSourceError(f"the rows' columns fit several formats ({', '.join(sorted(most_specific))}); "
-                              "name one with --data-format (config: data.format)")
+                              "name one with --data-format")
     shown = ", ".join(sorted(columns_seen)[:12]) + (", ..." if len(columns_seen) > 12 else "")
     raise DataSourceError(f"cannot tell the data format from the columns ({shown}); name one with --data-format "
                           f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
