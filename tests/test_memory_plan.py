@@ -35,6 +35,7 @@ from scirl.run.memory import (
     check_fit,
     check_rows,
     estimate,
+    estimate_rows,
     head_bytes,
     lora_parameters,
     micro_batch_shape,
@@ -120,7 +121,7 @@ def test_the_estimate_is_within_15_percent_of_a_measured_step(vocab, hidden, lay
                     completion_tokens=completion, checkpointing=checkpointing, group_size=4, attention="sdpa", cuda=False)
     trainer = step_trainer(model, torch.device("cpu"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs))
     measured = measured_step_extra(trainer, grouped(vocab, 2, 4, prompt, completion))
-    plan = estimate(shape, work)
+    plan = estimate_rows(shape, work, work.rows)  # the plan of micro-batches of these rows
     assert abs(step_extra(plan) - measured) <= 0.15 * measured, (step_extra(plan), measured, plan.moments)
 
 
@@ -137,7 +138,7 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     c = 2 if dtype == torch.bfloat16 else 4
     work = Workload(ranks=1, compute_bytes=c, micro_batch_tokens=0, micro_batch_size=mbs, row_tokens=prompt + completion,
                     completion_tokens=completion, checkpointing=checkpointing, group_size=16, attention="flex")
-    plan = estimate(shape, work)
+    plan = estimate_rows(shape, work, work.rows)
     state = sum(plan.terms.get(k, 0) for k in STATE)
     trainer = step_trainer(model, torch.device("cuda"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs))
     batches = trainer.batches(grouped(151936, 2, 16, prompt, completion))

@@ -186,17 +186,13 @@ class Workload:
     engine_push: int = 0  # and while it takes new weights
     push_bucket: int = 0  # bytes of full weights a push gathers on this GPU at once (0: the push gathers nothing here)
     push_copy: bool = False  # the push's transport copies each bucket on this GPU (vLLM's packed NCCL broadcast)
-    cuda: bool = True  # a CUDA GPU: its context, NCCL's buffers, the caching allocator, FSDP2's side streams
-    communicators: tuple[tuple[str, int], ...] = ()  # NCCL communicators this GPU joins: (what for, ranks)
+    cuda: bool = True  # a CUDA GPU: its context, NCCL's buffers, the caching allocator's reserve
+    communicators: tuple[tuple[str, int, str], ...] = ()  # NCCL communicators on this GPU: (what for, ranks, transport)
 
     @property
     def rows(self) -> "MicroBatchShape":
+        """The largest micro-batch of rows ``row_tokens`` long."""
         return micro_batch_shape(self)
-
-    @property
-    def tokens(self) -> int:
-        """The positions of a micro-batch's packed row at most."""
-        return self.rows.tokens
 
 
 @dataclass(frozen=True)
@@ -245,8 +241,8 @@ def micro_batch_shape(w: Workload) -> MicroBatchShape:
     m = w.micro_batch_size or (1 << 40)
     if w.micro_batch_tokens:  # the most completions the budget holds with the fewest prompts they need
         m = min(m, max(completions_in_budget(w.micro_batch_tokens, prompt, completion, w), 1))
+    tokens = prompts_per_micro_batch(m, w) * prompt + m * completion  # m completions and the prompts they can span
     prompts = prompts_per_micro_batch(m, w)
-    tokens = prompts * prompt + m * completion
     if w.micro_batch_tokens and prompts > 1:
         # fewer completions leave room for more prompts: the most a micro-batch holds is where the prompts k
         # completions can span (growing with k) meets the room the budget leaves them (shrinking)
@@ -271,7 +267,7 @@ class MemoryPlan:
     shape: ModelShape
     source: str  # where the shapes came from
     work: Workload
-    rows: MicroBatchShape = None  # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    rows: MicroBatchShape | None = None  # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
     moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
 
     @property
@@ -348,6 +344,7 @@ class Activations:
 
 
 def activation_bytes(shape: ModelShape, work: Workload, rows: MicroBatchShape | None = None) -> Activations:
+    """What a micro-batch of ``rows`` (default: ``work.rows``) keeps and adds through its forward and backward."""
     s, c = shape, work.compute_bytes
     rows = rows or work.rows
     n = rows.tokens
@@ -368,13 +365,13 @@ def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int = DEFA
                top_p: float = 1.0) -> int:
     """The LM head's forward (``trainer/head.HeadLogprobs``) over ``positions`` loss tokens, a block of rows at a
     time: one block's float32 logits and their exponentials (the compute-dtype logits are freed as they are cast),
-    under top-p the nucleus's boolean mask and masked copy (or its sort, in parts of at most ``SORT_ELEMENTS``:
-    values, int64 indices, softmax, mask); three float32 numbers a position (logprob, entropy, log-sum-exp)."""
+    under top-p the nucleus's boolean mask and masked copy (or, before, its sort's values and int64 indices, in parts
+    of at most ``SORT_ELEMENTS``); three float32 numbers a position (logprob, entropy, log-sum-exp; and the cut)."""
     rows = min(block, positions)
     width = rows * vocab
     working = width * max(compute_bytes + F32, 2 * F32)
     if top_p < 1:
-        working = max(width * (3 * F32 + 1), width * F32 + min(width, SORT_ELEMENTS) * (3 * F32 + 8 + 1))
+        working = max(width * (3 * F32 + 1), width * F32 + min(width, SORT_ELEMENTS) * (F32 + 8))
     return working + positions * (3 + (top_p < 1)) * F32
 
 
@@ -425,7 +422,7 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
         "compute copy": c * P if copy else 0,
     }
     fixed = {"CUDA context": CUDA_CONTEXT if w.cuda else 0,
-             "NCCL": sum(nccl_bytes(ranks) for _, ranks in w.communicators) if w.cuda else 0}
+             "NCCL": sum(nccl_bytes(ranks) for _, ranks, _ in w.communicators) if w.cuda else 0}
     step = {**state, "gradients": F32 * trained // R, "engine": w.engine_train}
     working = gradient_working_set(shape, w, copy)
     head_trains = w.lora_parameters is None
@@ -516,8 +513,11 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
         engine_train = engine_push = c * shape.parameters() if ranks > 1 else 0
         push_bucket = bucket if ranks > 1 else 0
     nccl_push = servers and cuda and dep.weight_sync_on(True) == "nccl"
-    communicators = ((("FSDP2", ranks),) if cuda and ranks > 1 else ()) + (
-        (("weight push", 1 + dep.num_infer_gpus if not cfg.inference.urls else 0),) if nccl_push else ())
+    # FSDP2's among the trainer ranks (one node's: the launcher's, or torchrun's); rank 0's push group with the
+    # launcher's servers on the same node, or with servers elsewhere (inference.urls: their GPUs unknown here)
+    communicators = ((("FSDP2", ranks, "NVLink/PCIe"),) if cuda and ranks > 1 else ()) + (
+        (("weight push", 0, "network") if cfg.inference.urls else ("weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe"),)
+        if nccl_push else ())
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
     return Workload(ranks=ranks, compute_bytes=c, micro_batch_tokens=cfg.micro_batch_tokens,
@@ -626,8 +626,8 @@ def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
     gpus = next((r for r in range(work.ranks + 1, 257) if fits(shape, replace(work, ranks=r), gpu_bytes)), None)
     if gpus:
         state = sum(at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "algorithm state", "compute copy"))
-        found.append(f"shard the weights, gradients and AdamW moments ({gib(state)} at the peak) over more trainer GPUs "
-                     f"({gpus_flag.format(gpus)})")
+        what = "weights, gradients, AdamW moments" + (" and the algorithm's state" if at_peak.get("algorithm state") else "")
+        found.append(f"shard the {what} ({gib(state)} at the peak) over more trainer GPUs ({gpus_flag.format(gpus)})")
     if found:
         return ", or ".join(found)
     gpus = next((r for r in range(work.ranks, 257) if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
@@ -672,7 +672,8 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
     c = "bf16" if w.compute_bytes == 2 else "float32"
     shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
     lora = w.lora_parameters is not None
-    nccl = ", ".join(f"{what} ({ranks or 'server'} ranks: {gib(nccl_bytes(ranks))})" for what, ranks in w.communicators)
+    nccl = "; ".join(f"{what}: {f'{ranks} ranks' if ranks else 'rank 0 and the servers'} over {transport}, "
+                     f"{gib(nccl_bytes(ranks))}" for what, ranks, transport in w.communicators)
     return {
         "weights": "frozen base in the compute dtype + float32 adapter" if lora else f"float32 masters{shard}",
         "gradients": f"float32{shard}",
@@ -713,7 +714,13 @@ def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> st
                       "the peak" if peak else "")
     out = StringIO()
     Console(file=out, width=120, color_system=None).print(table)
-    return "\n".join([out.getvalue().rstrip(), f"shapes from {plan.source}", verdict(plan, gpu, row)])
+    lines = [out.getvalue().rstrip(), f"shapes from {plan.source}"]
+    if w.ranks > 1 and w.push_copy:  # rank 0 alone sends the push: the others hold no push group, no packed copy
+        others = estimate(s, replace(w, push_copy=False, communicators=tuple(
+            c for c in w.communicators if c[0] != "weight push")))
+        lines.append(f"the other trainer ranks: peak about {gib(others.peak)} ({others.peak_moment}), without rank 0's "
+                     "weight-push group and packed copy")
+    return "\n".join(lines + [verdict(plan, gpu, row)])
 
 
 def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
