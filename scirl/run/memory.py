@@ -601,8 +601,8 @@ def peak_terms(plan: MemoryPlan) -> dict[str, int]:
 
 
 def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
-    """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, each with the term it cuts at
-    the peak, the largest term first; else the combination of checkpointing and GPUs that does."""
+    """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, each naming the term it cuts and
+    its size at the peak, those that need no more hardware first; else the combination of checkpointing and GPUs."""
     plan = estimate(shape, work)
     at_peak = peak_terms(plan)
     checkpointing = "--activation-checkpointing"
@@ -681,12 +681,13 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
         "algorithm state": f"the algorithm's own (an EMA teacher){shard}",
         "compute copy": f"one process: {c} copy of the weights",
         "engine": "colocated sampler, awake" if w.engine_push else "a per-rank sampler copy",
-        "gathered": ("FSDP2: the root and two layers gathered, a layer's gradients and reduce-scatter buffers; "
-                     "at the end the root's" if w.ranks > 1 else "a parameter's fresh gradient (the embeddings')"),
+        "gathered": ("FSDP2: the root and two layers gathered, a layer's gradients and reduce-scatter buffers; at the "
+                     "end the root's" if w.ranks > 1 else "the compute copy's gradients, at the backward's end" if
+                     w.compute_bytes != F32 and not lora else "a parameter's fresh gradient (the embeddings')"),
         "activations": f"kept by the forward: a packed row of {rows.tokens} tokens, {w.attention} attention, "
                        + ("checkpointed" if w.checkpointing else "no checkpointing"),
         "backward": "a layer's backward: " + ("recomputed, plus its gradients" if w.checkpointing else "its gradients"),
-        "gradients in flight": "the head weight's gradient, held until the backward's end",
+        "gradients in flight": "the head weight's gradient, held through the layers' backward",
         "head": f"LM head: {rows.loss_tokens} loss tokens in blocks of {w.head_block} x {s.vocab} vocabulary",
         "head gradient": "the head weight's float32 gradient and a block's product",
         "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
@@ -735,9 +736,9 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
     if row is not None:
         return (f"fits {gib(size)} ({where}) only while the longest sequence stays under {row} tokens (seq_len allows "
                 f"{w.row_tokens}); the run checks its data's longest prompt before loading weights; {budgets}")
-    return (f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}) at any row length up to seq_len "
-            f"({w.row_tokens}), {gib(size - plan.peak)} left free ({1 - HEADROOM:.0%}, {gib(usable(size))}, is the most a "
-            f"run may plan on); {budgets} (now {w.micro_batch_tokens or 'none'})")
+    return (f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}), within the {1 - HEADROOM:.0%} "
+            f"({gib(usable(size))}) a run may plan on, at any row length up to seq_len ({w.row_tokens}): "
+            f"{gib(size - plan.peak)} left free; {budgets} (now {w.micro_batch_tokens or 'none'})")
 
 
 def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
