@@ -41,16 +41,17 @@ longest (``estimate``: a token budget leaves short prompts the most completions,
 there). A run may plan on ``1 - HEADROOM`` of the GPU; past that it is refused (``check_fit``).
 
 Checked against measurements: on a CPU, float32 and bf16, one process and FSDP2 over 2 gloo ranks, the step's
-live tensor bytes land within 10% of the estimate (``tests/test_memory_plan*.py``); on a GPU the allocator's peak
-(``tests/test_memory_plan.py``, skipped without CUDA). Not measured here: the flex path (torch has no CPU backward
-for it), the CUDA and NCCL figures, fragmentation.
+live tensor bytes land within 10% of the estimate (``tests/test_memory_plan*.py``); on a GPU against the allocator's
+peak (``tests/test_memory_plan.py``, skipped without CUDA: not yet run on one). Not measured: the flex path (torch
+has no CPU backward for it), the CUDA and NCCL figures, fragmentation.
 
 What it does not model: kernel workspaces (cuBLAS, a compiled kernel's scratch: in the headroom), a
 distilling algorithm's teacher forward (no gradient, before the student's) and its top-k tensors, the other
-micro-batches' masks built with the step's (small), the compiled kernels' own choice of what to save (``kernels =
-compile``: no more than eager's), and micro-batches of completions shorter than ``max_completion_tokens`` in
-number past what full-length ones give (the SDPA path's keys grow with rows). A run on CUDA checks again with
-its data's longest prompt (``check_rows``), before any weight loads.
+micro-batches' masks built with the step's (small), what compiled layers save (``kernels = compile``: the
+partitioner recomputes elementwise work rather than keep it, so usually less than eager's), and micro-batches of
+many completions shorter than ``max_completion_tokens`` (more rows than full-length ones give: the SDPA path's keys
+grow with the rows). A run on CUDA checks again with its data's longest prompt (``check_rows``), before any
+weight loads.
 """
 
 from __future__ import annotations
@@ -82,16 +83,17 @@ HEADROOM = 0.10
 # (PyTorch's maintainers in pytorch/pytorch#107667 and #109888); the kernels a training step loads into it (cuBLAS,
 # Triton's compiled kernels, NCCL's) add to it. An allowance, not a measurement: no GPU has checked it here
 CUDA_CONTEXT = 768 << 20
-# One NCCL communicator's buffers on each rank, within a node: 544 MB for a 2-GPU group and 688 MB for larger ones
-# (4 A100s over NVLink, NVIDIA/nccl#964: per channel and peer, Simple 4 MiB + LL128 4.7 MiB + LL 0.5 MiB); 3 or more
-# GPUs on an NVSwitch (H100 and after) add NVLink SHARP's 288 MiB a rank (vllm-project/vllm#9699). Used for servers
-# on other nodes too (at inference.urls), where the network's buffers are no larger
+# One NCCL communicator's buffers on each rank, within a node: 544 MB for a 2-GPU group and 688 MB for larger ones,
+# measured on 4 A100s over NVLink (NVIDIA/nccl#964); they grow with the channels, ~10 MiB per channel and peer (NCCL's
+# defaults: Simple 4 MiB, LL128 ~4.7 MiB, LL 0.5 MiB; seen as 10 MiB allocations on H100s in NVIDIA/nccl#1685). 3 or
+# more GPUs on an NVSwitch (H100 and after) add NVLink SHARP's 288 MiB a rank (vllm-project/vllm#9699). Used for
+# servers on other nodes too (at inference.urls): the network transport's buffers are the same sizes, on fewer channels
 NCCL_TWO_RANKS = 544 << 20
 NCCL_MORE_RANKS = (688 + 288) << 20
-# The caching allocator's fragmentation: GMLake (ASPLOS 2024) measured 15% on average (up to 33%) of PyTorch's
-# reserved memory lost to it in LLM training with recomputation and sharding. Charged on what changes size with
-# each micro-batch (a packed row's length): state, FSDP2's buffers and weight-sized gradients come back at the
-# same sizes each step and get the blocks they had
+# The caching allocator's fragmentation: GMLake (ASPLOS 2024) removed 15% on average (up to 33%) of it from PyTorch's
+# caching allocator in LLM fine-tuning with recomputation and sharding (eight LLMs on A100s of 80 GB). Charged on
+# what changes size with each micro-batch (a packed row's length): the state, FSDP2's buffers and the weight-sized
+# gradients come back at the same sizes each step and get the blocks they had
 ALLOCATOR_RESERVE = 0.15
 # A weight push gathers and sends this many bytes of full weights at a time (to become deployment's setting)
 PUSH_BUCKET_BYTES = 1 << 30
