@@ -106,7 +106,7 @@ def measured(tmp_path_factory):
 def test_each_ranks_peak_is_the_plans_within_15_percent(measured, case):
     """The plan's step (gradients, FSDP2's gathered parameters and reduce-scatter buffers, activations, head) for
     one of 2 ranks, less the sharded state before the step (weights, AdamW's moments), against each rank's
-    measured peak. Within 10% on these shapes; 15% is issue 42's bound."""
+    measured peak. Within 11% on these shapes; 15% is issue 42's bound."""
     ranks, shapes = measured
     name = case[0]
     work = workload(case, ranks=2)
