@@ -648,15 +648,14 @@ def over(plan: MemoryPlan, gpu_bytes: int, where: str) -> str:
 
 def check_fit(plan: MemoryPlan, gpu_bytes: int, where: str, cfg) -> int | None:
     """Raise ``PreflightError`` when even micro-batches of full-length completions after one-token prompts cannot
-    fit a GPU of ``gpu_bytes`` (the fixes it names fit rows up to seq_len); else return the longest row that fits
-    (None: any row up to seq_len)."""
+    fit a GPU of ``gpu_bytes`` (its figures and the fixes it names are for rows up to seq_len); else return the
+    longest row that fits (None: any row up to seq_len)."""
     if plan.peak <= usable(gpu_bytes):
         return None
     row = longest_row_that_fits(plan.shape, plan.work, gpu_bytes)
     if row is not None:
         return row
-    short = estimate(plan.shape, replace(plan.work, row_tokens=plan.work.completion_tokens + 1))
-    raise PreflightError(f"memory: a trainer GPU {over(short, gpu_bytes, where)}; "
+    raise PreflightError(f"memory: a trainer GPU {over(plan, gpu_bytes, where)}; "
                          f"fix: {fixes(plan.shape, plan.work, gpu_bytes, cfg)}")
 
 
