@@ -1,52 +1,64 @@
 """The memory plan: each trainer GPU's peak, estimated from the config and the model's shapes before any
-weight is loaded, and a run that cannot fit refused in one line with the fixes.
+weight is loaded, and a run that cannot fit refused in one line naming the term to cut and the flag that cuts it.
 
-What it models, per trainer GPU (``R`` trainer ranks, ``P`` parameters, compute dtype of ``c`` bytes):
+What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P`` parameters, compute dtype of
+``c`` bytes):
 
-- **state**: float32 master weights ``4P/R`` (FSDP2 shards them; LoRA: the frozen base in the compute
-  dtype, unsharded, plus the float32 adapter), float32 gradients ``4P/R``, AdamW's two float32 moments
-  ``8P/R``, an algorithm's own state (a float32 EMA teacher: ``4P/R``); one process in bf16 adds its compute copy ``cP`` and,
-  at the end of a backward, the copy's gradients ``cP`` (``trainer/mixed_precision.py``);
-- **FSDP2's working set**: the root's parameters (embeddings, LM head) gathered in the compute dtype
-  from forward to backward, two decoder layers gathered at a time (the current one and the prefetched
-  next), and at the end of the backward the root's unsharded gradients plus their float32 reduce-scatter
-  buffer; one process instead holds, while a micro-batch's gradient is added into ``.grad``, one
-  parameter's fresh gradient (the largest: the embeddings);
-- **activations** of a micro-batch of ``B`` rows of ``L`` tokens (right-padded to the longest row),
-  counted tensor by tensor as autograd saves them in transformers' Qwen3 layer with SDPA: two RMSNorms
-  (their float32 input and compute-dtype output), the q/k norms likewise, q, k and v (k and v repeated to
-  every head, which transformers does under a padding mask), the attention output and its contiguous
-  copy, the logsumexp, the padding mask SDPA converts per layer (``B L^2`` elements), the MLP's four
-  ``[T, intermediate]`` tensors; with activation checkpointing each layer keeps only its input, and the
-  backward recomputes one layer at a time;
-- **the head** (``head_bytes``): today's full logits over the completion positions, ``[B (C+1), V]``
-  in the compute dtype, their float32 copy, the softmax probabilities saved for the backward and the
-  float32 product the entropy takes (``trainer/loss.TargetLogprobs``); or a chunked head's float32
-  working set, given its chunk size;
-- **the engine** on a trainer GPU: a colocated vLLM engine's ``gpu_memory_utilization`` share of the GPU
-  (while awake: between train steps, and throughout when ``sleep_level = 0``), a per-rank transformers
-  copy under FSDP (``cP``), and the full weights gathered on the device in the compute dtype for a push
-  (every rank when colocated, rank 0 for servers);
-- **the optimizer step**: on a GPU AdamW's foreach kernels make one float32 temporary of the trained
-  parameters' size.
+- **state**: float32 master weights ``4P/R`` (FSDP2 shards them; LoRA: the frozen base in the compute dtype,
+  unsharded, plus the float32 adapter), float32 gradients ``4P/R``, AdamW's two float32 moments ``8P/R`` (torch's
+  fused AdamW: no temporary at the step), an algorithm's own state (a float32 EMA teacher: ``4P/R``); one process in
+  bf16 adds its compute copy ``cP`` and, through a backward, the copy's gradients (``trainer/mixed_precision.py``);
+- **FSDP2's working set**: the root's parameters (embeddings, LM head) gathered from forward to backward; in a
+  layer's backward the layer gathered, the next one prefetched, its gradients in the compute dtype and, from the
+  second layer on, the float32 reduce-scatter input of the one before; the head weight's gradient, held until the
+  root reduces it; at the backward's end the root's gradients and their float32 reduce-scatter input. One process
+  holds a parameter's fresh gradient (a tied head's until the embeddings' joins it);
+- **activations** of one packed row (``trainer/packing.py``): its shape is ``micro_batch_shape``'s, the largest
+  the packer cuts from groups of full-length completions (a token budget, a cap of ``m`` completions, and at most
+  ``ceil((m - 1) / G) + 1`` prompts of groups of ``G``). Counted tensor by tensor as autograd keeps them in
+  transformers' Qwen3 layer: each RMSNorm its input in float32 and its normalised product (in bf16 the float32
+  cast is a new tensor; in float32 the cast is the input itself, which the norm then keeps), the norms' outputs
+  the projections read, o_proj's input, the MLP's four ``[tokens, intermediate]`` tensors; the attention's (flex:
+  q, k, v with grouped heads, its output and logsumexp; sdpa: the per-group gathers, the prompts' q, k, v and the
+  completions' q with k and v over ``prompt + completion`` keys per row, both outputs and logsumexps, the mask as
+  SDPA's float bias, the key index). With checkpointing each layer keeps its input and the backward recomputes
+  one layer at a time;
+- **the head** (``trainer/head.py``) at the loss tokens only, a block of rows at a time: one block's float32
+  logits and exponentials in the forward; in the backward the gradient of the hidden states, a block recomputed,
+  and the head weight's float32 gradient with a block's product added into it;
+- **the weight push**, after the optimizer step (gradients freed): one bucket of ``PUSH_BUCKET_BYTES`` (or the
+  largest tensor) gathered at a time on every rank, its shard cast first; rank 0's NCCL transport packs a copy
+  of it (vLLM's packed broadcast); a colocated engine's ``gpu_memory_utilization`` share awake to take it (also
+  through the train step when ``sleep_level = 0``), or a per-rank transformers copy under FSDP (``cP``);
+- **outside torch's tensors**: ``CUDA_CONTEXT``, each NCCL communicator's buffers on this rank (FSDP2's among
+  the trainer ranks; on rank 0 the weight push's group with the servers when ``deployment.weight_sync`` resolves
+  to nccl), and the caching allocator's fragmentation (``ALLOCATOR_RESERVE`` of what changes size with each
+  micro-batch's length).
 
-The peak is the largest of three moments: the train step (state, gradients, working set, activations,
-head), the optimizer step, and the push (state, the engine awake, the gathered weights).
+The peak is the largest of six moments: the forward's end, the head's backward, a layer's backward, the
+backward's end, the optimizer step and the weight push; the plan is that of rows of any length up to the
+longest (``estimate``: a token budget leaves short prompts the most completions, so the head's share peaks
+there). A run may plan on ``1 - HEADROOM`` of the GPU; past that it is refused (``check_fit``).
 
-What it does not model: CUDA's context and the caching allocator's fragmentation (a few GB: the verdict
-says "tight" within 10% of the GPU), kernel workspaces (cuBLAS, SDPA's own scratch), NCCL's buffers,
-a distilling algorithm's teacher forward (no gradient, before the student's: smaller than the student's step) and its
-top-k tensors, and rows of a micro-batch whose prompts differ in length, which widen the head's window
-past ``C + 1`` positions. The activations assume the micro-batch's longest row; the run knows that length
-only once its data is read: ``--dry-run`` prints the longest row that fits next to ``seq_len`` and refuses only
-what cannot fit even with one-token prompts; a run on CUDA checks again with its longest prompt
-(``check_rows``), before any weight loads.
+Checked against measurements: on a CPU, float32 and bf16, one process and FSDP2 over 2 gloo ranks, the step's
+live tensor bytes land within 10% of the estimate (``tests/test_memory_plan*.py``); on a GPU against the allocator's
+peak (``tests/test_memory_plan.py``, skipped without CUDA: not yet run on one). Not measured: the flex path (torch
+has no CPU backward for it), the CUDA and NCCL figures, fragmentation.
+
+What it does not model: kernel workspaces (cuBLAS, a compiled kernel's scratch: in the headroom), a
+distilling algorithm's teacher forward (no gradient, before the student's) and its top-k tensors, the other
+micro-batches' masks built with the step's (small), what compiled layers save (``kernels = compile``: the
+partitioner recomputes elementwise work rather than keep it, so usually less than eager's), and micro-batches of
+many completions shorter than ``max_completion_tokens`` (more rows than full-length ones give: the SDPA path's keys
+grow with the rows). A run on CUDA checks again with its data's longest prompt (``check_rows``), before any
+weight loads.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass, field, replace
 from io import StringIO
 from pathlib import Path
@@ -59,10 +71,33 @@ from rich.table import Table
 from scirl import algorithms
 from scirl.errors import PreflightError
 from scirl.run.config import COLOCATED_GPU_SHARE
+from scirl.trainer.attention import FLEX_BLOCK
+from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, SORT_ELEMENTS
 
 GIB = 1 << 30
 F32 = 4  # bytes of a float32
-TIGHT = 0.9  # a peak above this share of the GPU is said to be tight: what the plan leaves out is a few GB
+# A run may plan on 90% of a GPU: the rest is for what the plan cannot count (cuBLAS's and compiled kernels'
+# workspaces, its own error) and for room to spare (issue 42's bound for the 8B guide layout)
+HEADROOM = 0.10
+# CUDA's context with lazy module loading (CUDA >= 11.7, PyTorch's default) is ~0.3-0.4 GB before a kernel runs
+# (PyTorch's maintainers in pytorch/pytorch#107667 and #109888); the kernels a training step loads into it (cuBLAS,
+# Triton's compiled kernels, NCCL's) add to it. An allowance, not a measurement: no GPU has checked it here
+CUDA_CONTEXT = 768 << 20
+# One NCCL communicator's buffers on each rank, within a node: 544 MB for a 2-GPU group and 688 MB for larger ones,
+# measured on 4 A100s over NVLink (NVIDIA/nccl#964); they grow with the channels, ~10 MiB per channel and peer (NCCL's
+# defaults: Simple 4 MiB, LL128 ~4.7 MiB, LL 0.5 MiB; seen as 10 MiB allocations on H100s in NVIDIA/nccl#1685). 3 or
+# more GPUs on an NVSwitch (H100 and after) add NVLink SHARP's 288 MiB a rank (vllm-project/vllm#9699). Used for
+# servers on other nodes too (at inference.urls): the network transport's buffers are the same sizes, on fewer channels
+NCCL_TWO_RANKS = 544 << 20
+NCCL_MORE_RANKS = (688 + 288) << 20
+# The caching allocator's fragmentation: GMLake (ASPLOS 2024) removed 15% on average (up to 33%) of it from PyTorch's
+# caching allocator in LLM fine-tuning with recomputation and sharding (eight LLMs on A100s of 80 GB). Charged on
+# what changes size with each micro-batch (a packed row's length): the state, FSDP2's buffers and the weight-sized
+# gradients come back at the same sizes each step and get the blocks they had
+ALLOCATOR_RESERVE = 0.15
+# A weight push gathers and sends this many bytes of full weights at a time (to become deployment's setting)
+PUSH_BUCKET_BYTES = 1 << 30
+ROW_STEP = 128  # the prompt lengths the worst row is searched over: every multiple of this, 1 and the longest
 
 
 @dataclass(frozen=True)
@@ -141,28 +176,95 @@ class Workload:
     ranks: int  # FSDP2 shards state over these; 1: a plain module
     compute_bytes: int  # 2: bf16 compute, 4: float32
     micro_batch_tokens: int  # the token budget of a micro-batch's packed row (0: none)
-    micro_batch_size: int | None  # sequences per micro-batch at most (None: no bound)
+    micro_batch_size: int | None  # completions per micro-batch at most (None: no bound)
     row_tokens: int  # the longest sequence, prompt + completion
     completion_tokens: int  # the longest completion
     checkpointing: bool
-    group_size: int = 1  # completions per prompt (the SDPA path copies a prompt's K/V to each of its completions)
+    group_size: int = 1  # completions per prompt, adjacent in a step's samples
+    share_prompts: bool = True  # each group's prompt once per micro-batch (False: once per completion)
     attention: str = "flex"  # flex (GPUs) or sdpa: what the attention keeps for the backward
-    head_block: int | None = None  # None: full logits; else the block-wise head's rows per block
+    head_block: int = DEFAULT_BLOCK_TOKENS  # the head's rows per block (``trainer/head.py``)
     top_p: float = 1.0
     lora_parameters: int | None = None  # the adapter's, when LoRA trains; None: every parameter trains
     extra_state: int = 0  # bytes per parameter the algorithm keeps beside them (an EMA teacher), sharded
     engine_train: int = 0  # bytes an engine holds on this GPU during the train step
     engine_push: int = 0  # and while it takes new weights
-    push_gathers: bool = True  # the push gathers the full weights on this GPU in the compute dtype
-    foreach: bool = False  # AdamW's foreach kernels: one float32 temporary of the trained parameters (fused: none)
+    push_bucket: int = 0  # bytes of full weights a push gathers on this GPU at once (0: the push gathers nothing here)
+    push_copy: bool = False  # the push's transport copies each bucket on this GPU (vLLM's packed NCCL broadcast)
+    cuda: bool = True  # a CUDA GPU: its context, NCCL's buffers, the caching allocator's reserve
+    communicators: tuple[tuple[str, int, str], ...] = ()  # NCCL communicators on this GPU: (what for, ranks, transport)
 
     @property
-    def tokens(self) -> int:
-        """The positions of a micro-batch's packed row at most: the token budget (each prompt once) or
-        ``micro_batch_size`` sequences of ``row_tokens``, whichever is less; a sequence longer than that alone."""
-        bounds = ([self.micro_batch_tokens] if self.micro_batch_tokens else []) + (
-            [self.micro_batch_size * self.row_tokens] if self.micro_batch_size else [])
-        return max(min(bounds), self.row_tokens)
+    def rows(self) -> "MicroBatchShape":
+        """The largest micro-batch of rows ``row_tokens`` long."""
+        return micro_batch_shape(self)
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """A micro-batch at its largest (``micro_batch_shape``), in the terms the packed row's tensors are sized by."""
+
+    tokens: int  # positions of the packed row (flex attention: padded to its block size)
+    loss_tokens: int  # the completion tokens: the head's positions
+    completions: int  # completion rows
+    prompts: int  # distinct prompts
+    prompt: int  # the longest prompt
+    completion: int  # the longest completion
+
+
+def prompts_per_micro_batch(completions: int, w: Workload) -> int:
+    """Distinct prompts among ``completions`` adjacent completions of groups of ``w.group_size``: each its own without
+    sharing; else the groups a run of that many completions can touch. With a token budget a micro-batch may start
+    anywhere in a group: ceil((m - 1) / G) + 1. Without one, micro-batches are the step's completions cut every m
+    (a rank's share starts at a group's first), so they start at multiples of gcd(m, G) within a group."""
+    m, g = completions, max(w.group_size, 1)
+    if not w.share_prompts:
+        return m
+    if w.micro_batch_tokens:
+        return min(m, -(-(m - 1) // g) + 1)
+    start = g - math.gcd(m, g)  # the latest a micro-batch can start within a group
+    return min(m, (start + m - 1) // g + 1)
+
+
+def completions_in_budget(budget: int, prompt: int, completion: int, w: Workload) -> int:
+    """The most completions of ``completion`` tokens a budget of ``budget`` tokens holds: each group of
+    ``w.group_size`` needs its prompt once (every completion its own without sharing)."""
+    if not w.share_prompts:
+        return budget // (prompt + completion)
+    g = max(w.group_size, 1)
+    groups, left = divmod(budget, prompt + g * completion)
+    return groups * g + min(max((left - prompt) // completion, 0), g - 1)
+
+
+def micro_batch_shape(w: Workload) -> MicroBatchShape:
+    """The largest micro-batch ``make_micro_batches`` (``trainer/packing.py``) cuts from groups of full-length
+    completions after prompts of ``w.row_tokens - w.completion_tokens`` tokens: each bound met at once (the token
+    budget, the completions' cap, a sequence longer than the budget alone), so every tensor sized by it is an
+    upper bound. The head's positions are the completion tokens: ``m`` completions' or the budget less one prompt."""
+    completion = max(min(w.completion_tokens, w.row_tokens - 1), 1)
+    prompt = max(w.row_tokens - completion, 1)
+    m = w.micro_batch_size or (1 << 40)
+    if w.micro_batch_tokens:  # the most completions the budget holds with the fewest prompts they need
+        m = min(m, max(completions_in_budget(w.micro_batch_tokens, prompt, completion, w), 1))
+    tokens = prompts_per_micro_batch(m, w) * prompt + m * completion  # m completions and the prompts they can span
+    prompts = prompts_per_micro_batch(m, w)
+    if w.micro_batch_tokens and prompts > 1:
+        # fewer completions leave room for more prompts: the most a micro-batch holds is where the prompts k
+        # completions can span (growing with k) meets the room the budget leaves them (shrinking)
+        span = lambda k: prompts_per_micro_batch(k, w)  # noqa: E731
+        room = lambda k: max((w.micro_batch_tokens - k * completion) // prompt, 1)  # noqa: E731
+        low, high = 1, m
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if span(mid) <= room(mid) else (low, mid - 1)
+        prompts = max(min(span(k), room(k)) for k in {low, min(low + 1, m)})
+    if w.micro_batch_tokens:
+        tokens = min(tokens, w.micro_batch_tokens)
+    tokens = max(tokens, prompt + completion)  # a sequence longer than the budget goes alone
+    loss_tokens = max(min(m * completion, tokens - prompt), completion)
+    if w.attention == "flex":
+        tokens = -(-tokens // FLEX_BLOCK) * FLEX_BLOCK
+    return MicroBatchShape(tokens, loss_tokens, m, prompts, prompt, completion)
 
 
 @dataclass
@@ -170,112 +272,221 @@ class MemoryPlan:
     shape: ModelShape
     source: str  # where the shapes came from
     work: Workload
-    terms: dict[str, int] = field(default_factory=dict)  # bytes per trainer GPU, by name
-    phases: dict[str, int] = field(default_factory=dict)  # peak bytes of each moment
+    rows: MicroBatchShape | None = None  # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Each moment's total."""
+        return {name: sum(parts.values()) for name, parts in self.moments.items()}
 
     @property
     def peak(self) -> int:
         return max(self.phases.values())
 
+    @property
+    def peak_moment(self) -> str:
+        phases = self.phases
+        return max(phases, key=phases.get)
 
-def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int | None = None, top_p: float = 1.0) -> int:
-    """The LM head's forward bytes over ``positions`` [tokens]. ``block`` None: full logits (the compute-dtype
-    logits, their float32 copy unless already float32, the float32 probabilities saved for the backward and
-    the float32 product the entropy sums; top-p adds its boolean nucleus mask). A block size (the trainer's
-    ``head_block_tokens``, ``scirl/trainer/head.py``): one block of rows over the vocabulary at a time (its
-    logits in the compute dtype, a float32 copy and its exponentials, the nucleus mask under top-p) plus a
-    few float32 numbers per position; nothing of the vocabulary's width is kept for the backward."""
-    if block is not None:  # the block's logits (a float32 copy of them unless computed in float32), exponentials
-        rows = min(block, positions)
-        copy = compute_bytes if compute_bytes != F32 else 0
-        return rows * vocab * (copy + 2 * F32 + (1 if top_p < 1 else 0)) + positions * 4 * F32
-    per_element = compute_bytes + 3 * F32 - (compute_bytes if compute_bytes == F32 else 0)
-    return positions * vocab * (per_element + (1 if top_p < 1 else 0))
+    @property
+    def terms(self) -> dict[str, int]:
+        """Each term at its largest over the moments."""
+        out: dict[str, int] = {}
+        for parts in self.moments.values():
+            for name, value in parts.items():
+                out[name] = max(out.get(name, 0), value)
+        return out
 
-
-def head_backward_bytes(positions: int, shape: "ModelShape", compute_bytes: int, block: int | None) -> int:
-    """The head's backward beyond what the forward kept. Full logits: the probabilities and their gradient.
-    Blocks: one block's logits recomputed (in float32, turned into their gradient in place), the float32
-    accumulator of the head weight's gradient and the gradient of the hidden states."""
-    if block is None:
-        return positions * shape.vocab * 2 * F32
-    rows = min(block, positions)
-    copy = compute_bytes if compute_bytes != F32 else 0  # the recomputed logits turn into their gradient in place
-    return (rows * shape.vocab * (copy + F32) + F32 * shape.vocab * shape.hidden
-            + compute_bytes * positions * shape.hidden)
+    @property
+    def allocated(self) -> dict[str, int]:
+        """Each moment's bytes in tensors: what torch's allocator counts (``torch.cuda.max_memory_allocated``)."""
+        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH) for name, parts in self.moments.items()}
 
 
-def activation_bytes(shape: ModelShape, work: "Workload", c: int) -> tuple[int, int]:
-    """(what autograd keeps from a micro-batch's forward of ``work.tokens`` packed positions, what one decoder
-    layer's backward adds to it): the module docstring lists the tensors."""
-    s, tokens = shape, work.tokens
-    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
-    cast = F32 if c != F32 else 0  # the norms' float32 copy of their input (none when it already is float32)
-    per_layer = ((cast + c) * (2 * s.hidden + q + kv)  # the four RMSNorms: float32 input, compute-dtype output
-                 + c * (q + 2 * kv)  # q, k, v after the rotary embedding (grouped K/V heads, not repeated)
-                 + 2 * c * q  # the attention output and its contiguous copy (o_proj's input)
-                 + F32 * s.heads  # the attention's logsumexp
+TERMS = ("weights", "gradients", "optimizer", "algorithm state", "compute copy", "engine", "gathered",
+         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context", "NCCL",
+         "allocator reserve")  # the plan's terms, in the table's order
+OUTSIDE_TORCH = ("CUDA context", "NCCL", "allocator reserve")  # memory a GPU holds beyond torch's live tensors
+VARYING_TERMS = ("activations", "backward", "head")  # sized by each micro-batch's length: what fragments the allocator
+
+
+def rmsnorm_bytes(c: int) -> int:
+    """Bytes per normalised element transformers' RMSNorm keeps for its backward: its input in float32 (a cast in
+    bf16; in float32 the cast is the input itself, which it then keeps) and the normalised product in the
+    compute dtype (its output is kept by whatever reads it, and counted there)."""
+    return F32 + c
+
+
+def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tuple[int, int]:
+    """(bytes a decoder layer's forward keeps for its backward, those that are copies of its input in float32 runs),
+    tensor by tensor as transformers' Qwen3 layer and the packed attention (``trainer/attention.py``) save them."""
+    n, q, kv = rows.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden  # the two RMSNorms over the stream, their outputs (q/k/v's, gate/up's input)
+                 + rmsnorm_bytes(c) * (q + kv)  # the q and k norms (their outputs feed the rotary embedding, which keeps nothing)
+                 + F32 * (2 + s.heads + s.kv_heads)  # the norms' reciprocal RMS
+                 + c * q  # o_proj's input
                  + 4 * c * s.intermediate)  # gate, SiLU(gate), up, their product
-    copies = 0
-    if work.attention == "sdpa":  # the gathers: q, k, v by group and row, the outputs before they are scattered
-        prompt = max(work.row_tokens - work.completion_tokens, 1)
-        rows = tokens / (work.completion_tokens + prompt / max(work.group_size, 1))
-        copies = c * (q + 2 * kv + q) * tokens + 2 * c * kv * int(rows * prompt)
-    outside = (cast + c) * s.hidden + 2 * c * s.head_dim  # the final norm; rotary cos and sin
-    backward = 2 * c * s.intermediate + 2 * c * s.hidden  # a layer's gradients in flight (the MLP's, the stream's)
+    kept = per_token * n
+    if w.attention == "flex":  # flex attention keeps q, k, v (grouped heads, not repeated), its output and logsumexp
+        kept += n * (c * (2 * q + 2 * kv) + F32 * s.heads)
+    else:  # per-group gathers: the prompts' q, k, v [G, P], the completions' q [R, C] and k, v over [R, P + C] keys
+        g, m, p, cl = rows.prompts, rows.completions, rows.prompt, rows.completion
+        keys = m * (p + cl)
+        kept += (g * p * (c * (2 * q + 2 * kv) + F32 * s.heads)  # q, k, v, output, logsumexp of the prompts
+                 + m * cl * (2 * c * q + F32 * s.heads)  # the completions' q, output, logsumexp
+                 + keys * (2 * c * kv + 8)  # their keys' k and v, the key index
+                 + c * m * cl * (p + cl))  # the [R, 1, C, P + C] mask, as SDPA's float bias
+    copies = F32 * s.hidden * n if c == F32 else 0  # in float32 the first RMSNorm keeps the layer's input itself
+    return kept, copies
+
+
+@dataclass(frozen=True)
+class Activations:
+    kept: int  # what autograd keeps from a micro-batch's forward
+    backward: int  # what one decoder layer's backward adds to it
+    per_layer: int  # what each layer's backward frees of ``kept`` once it is done
+
+
+def activation_bytes(shape: ModelShape, work: Workload, rows: MicroBatchShape | None = None) -> Activations:
+    """What a micro-batch of ``rows`` (default: ``work.rows``) keeps and adds through its forward and backward."""
+    s, c = shape, work.compute_bytes
+    rows = rows or work.rows
+    n = rows.tokens
+    layer, input_copy = layer_bytes(s, rows, work, c)
+    # outside the layers: rotary cos and sin, the final norm, the hidden states at the loss tokens (the head's input)
+    outside = 2 * c * s.head_dim * n + rmsnorm_bytes(c) * s.hidden * n + c * s.hidden * rows.loss_tokens
+    if work.attention == "sdpa":  # the boolean mask the SDPA path's completions read (flex's block mask is small)
+        outside += rows.completions * rows.completion * (rows.prompt + rows.completion)
+    # a layer's backward: the gradients of its output and input in flight, the MLP's widest gradients
+    backward = n * (2 * c * s.hidden + 2 * c * s.intermediate)
     if not work.checkpointing:
-        return tokens * (s.layers * per_layer + outside) + s.layers * copies, tokens * backward
-    # each layer keeps its input; the backward recomputes one layer's tensors at a time
-    return tokens * (s.layers * c * s.hidden + outside), tokens * (per_layer + backward) + copies
+        return Activations(s.layers * layer + outside, backward, layer)
+    # each layer keeps its input (the checkpoint's); the backward recomputes one layer at a time
+    return Activations(s.layers * c * s.hidden * n + outside, layer - input_copy + backward, c * s.hidden * n)
+
+
+def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int = DEFAULT_BLOCK_TOKENS,
+               top_p: float = 1.0) -> int:
+    """The LM head's forward (``trainer/head.HeadLogprobs``) over ``positions`` loss tokens, a block of rows at a
+    time: one block's float32 logits and their exponentials (the compute-dtype logits are freed as they are cast),
+    under top-p the nucleus's boolean mask and masked copy (or, before, its sort's values and int64 indices, in parts
+    of at most ``SORT_ELEMENTS``); three float32 numbers a position (logprob, entropy, log-sum-exp; and the cut)."""
+    rows = min(block, positions)
+    width = rows * vocab
+    working = width * max(compute_bytes + F32, 2 * F32)
+    if top_p < 1:
+        working = max(width * (3 * F32 + 1), width * F32 + min(width, SORT_ELEMENTS) * (F32 + 8))
+    return working + positions * (3 + (top_p < 1)) * F32
+
+
+def head_backward_bytes(positions: int, shape: ModelShape, compute_bytes: int, block: int,
+                        top_p: float = 1.0) -> int:
+    """The head's backward beyond what the forward kept, but for its weight's gradient (``head_weight_gradient``):
+    the gradient of the hidden states; a block's logits recomputed in float32 and turned into their gradient in
+    place, its cast to the compute dtype beside it, the nucleus's mask and masked copy under top-p."""
+    c, rows = compute_bytes, min(block, positions)
+    working = rows * shape.vocab * (F32 + (c if c != F32 else 0) + (F32 + 1 if top_p < 1 else 0))
+    return c * positions * shape.hidden + working
+
+
+def head_weight_gradient(shape: ModelShape, compute_bytes: int) -> int:
+    """The head weight's gradient while the head's backward runs: a float32 accumulator over the blocks and each
+    block's product in the compute dtype added into it (then its cast to the compute dtype, as large)."""
+    return (F32 + compute_bytes) * shape.vocab * shape.hidden
+
+
+def nccl_bytes(ranks: int) -> int:
+    """One NCCL communicator's buffers on one of its ranks (``NCCL_TWO_RANKS``, ``NCCL_MORE_RANKS``; 0 ranks: not
+    known here, servers at ``inference.urls``)."""
+    return NCCL_TWO_RANKS if ranks == 2 else NCCL_MORE_RANKS
 
 
 def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
-    """Every term and each moment's peak, in bytes per trainer GPU (rank 0's, the busiest)."""
+    """Every term and each moment's bytes per trainer GPU (rank 0's, the busiest), for micro-batches of any rows
+    up to ``work.row_tokens`` long: the worst of them (a longer prompt leaves a token budget fewer completions,
+    so the head's positions peak at short prompts and, under a completions' cap, the activations at long ones)."""
+    completion = min(work.completion_tokens, work.row_tokens - 1)
+    longest = max(work.row_tokens - completion, 1)
+    prompts = sorted({1, longest, *range(ROW_STEP, longest, ROW_STEP)})
+    plans = (estimate_rows(shape, work, replace(work, row_tokens=p + completion).rows, source) for p in prompts)
+    return max(plans, key=lambda plan: plan.peak)
+
+
+def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, source: str = "") -> MemoryPlan:
+    """The plan of micro-batches of ``rows``."""
     w, c, P, R = work, work.compute_bytes, shape.parameters(), work.ranks
     trained = w.lora_parameters if w.lora_parameters is not None else P
-    copy = R == 1 and c != F32 and w.lora_parameters is None
-    saved, layer_backward = activation_bytes(shape, w, c)
-    positions = w.tokens  # the head's: every completion token of the row at most
-    terms = {
+    copy = R == 1 and c != F32 and w.lora_parameters is None  # one process in bf16: the compute copy
+    act = activation_bytes(shape, w, rows)
+    saved = act.kept
+    state = {
         "weights": c * P + F32 * trained if w.lora_parameters is not None else F32 * P // R,
-        "gradients": F32 * trained // R,
         "optimizer": 2 * F32 * trained // R,
         "algorithm state": w.extra_state * trained // R,
         "compute copy": c * P if copy else 0,
-        "activations": saved,
-        "backward": layer_backward,
-        "head": head_bytes(positions, shape.vocab, c, w.head_block, w.top_p),
-        "engine": max(w.engine_train, w.engine_push),
     }
-    state = sum(terms[k] for k in ("weights", "optimizer", "algorithm state", "compute copy"))
-    base = state + terms["gradients"] + w.engine_train
-    gathered, head_grad, at_end = gradient_working_set(shape, w, copy)
-    head_backward = head_backward_bytes(positions, shape, c, w.head_block)
-    terms["gathered"] = gathered
-    phases = {
-        "forward's end": base + gathered + saved + terms["head"],
-        "head's backward": base + gathered + saved + head_backward + head_grad,
-        "a layer's backward": base + gathered + saved + layer_backward + (head_grad if R > 1 or copy else 0),
-        "backward's end": base + at_end,
-        "optimizer step": base + (F32 * trained // R if w.foreach else 0),
-        "weight push": state + w.engine_push + (c * P if w.push_gathers else 0),
+    fixed = {"CUDA context": CUDA_CONTEXT if w.cuda else 0,
+             "NCCL": sum(nccl_bytes(ranks) for _, ranks, _ in w.communicators) if w.cuda else 0}
+    step = {**state, "gradients": F32 * trained // R, "engine": w.engine_train}
+    working = gradient_working_set(shape, w, copy)
+    head_trains = w.lora_parameters is None
+    head = head_bytes(rows.loss_tokens, shape.vocab, c, w.head_block, w.top_p)
+    head_backward = head_backward_bytes(rows.loss_tokens, shape, c, w.head_block, w.top_p)
+    transient = {
+        "forward's end": {"gathered": working.forward, "activations": saved, "head": head},
+        "head's backward": {"gathered": working.forward, "activations": saved, "head": head_backward,
+                            "head gradient": head_weight_gradient(shape, c) if head_trains else 0},
+        # the last layer's backward, or the next, which has freed one layer's activations but holds the last's
+        # reduce-scatter input (FSDP2)
+        "a layer's backward": max(({"gathered": working.layer + in_flight, "activations": saved - freed,
+                                    "backward": act.backward, "gradients in flight": working.head_gradient}
+                                   for in_flight, freed in ((0, 0), (working.reduce_in_flight, act.per_layer))),
+                                  key=lambda parts: sum(parts.values())),
+        "backward's end": {"gathered": working.end},
+        "optimizer step": {},
     }
-    return MemoryPlan(shape, source, w, terms, phases)
+    moments = {}
+    for name, parts in transient.items():
+        parts = {k: v for k, v in parts.items() if v}
+        varying = sum(parts.get(k, 0) for k in VARYING_TERMS)
+        moments[name] = {**step, **parts, **fixed, "allocator reserve": int(ALLOCATOR_RESERVE * varying) if w.cuda else 0}
+    # the push: after the optimizer step (no gradients), one bucket gathered at a time (its shard cast first, on
+    # every rank), a transport's copy of it; an engine awake to take it
+    bucket = w.push_bucket + (w.push_bucket // R if R > 1 else 0) + (w.push_bucket if w.push_copy else 0)
+    push = {"push bucket": bucket}
+    moments["weight push"] = {**state, "engine": w.engine_push, **push, **fixed, "allocator reserve": 0}
+    return MemoryPlan(shape, source, work, rows, moments)
 
 
-def gradient_working_set(shape: ModelShape, w: Workload, copy: bool) -> tuple[int, int, int]:
-    """(parameters FSDP2 holds gathered through a micro-batch, the LM head's fresh gradient, what the end of
-    the backward holds beyond the state and gradients)."""
-    c, root, largest = w.compute_bytes, shape.root_parameters(), shape.vocab * shape.hidden
+@dataclass(frozen=True)
+class WorkingSet:
+    forward: int  # parameters gathered through the forward and the head (FSDP2's root)
+    layer: int  # in a decoder layer's backward: the parameters gathered, the layer's gradients before they are reduced
+    reduce_in_flight: int  # in the next layer's backward: the last one's reduce-scatter input, still kept
+    head_gradient: int  # the head weight's gradient, held through the layers' backward
+    end: int  # at the backward's end, beyond the state and the sharded gradients
+
+
+def gradient_working_set(shape: ModelShape, w: Workload, copy: bool) -> WorkingSet:
+    """FSDP2's gathered parameters and unreduced gradients, or one process's fresh gradients, at each moment."""
+    c, root, layer = w.compute_bytes, shape.root_parameters(), shape.layer_parameters()
+    head = shape.vocab * shape.hidden
     if w.ranks > 1:
-        # the root gathered from forward to backward, two layers at a time; the root's unsharded gradients
-        # wait for its reduce-scatter at the backward's end, into a float32 buffer
-        return c * root + 2 * c * shape.layer_parameters(), c * largest, c * root + c * root + F32 * root
+        # the root stays gathered from its forward to its backward. In a layer's backward: the layer gathered, the
+        # next one's all-gather done ahead (prefetched), the layer's gradients in the compute dtype; from the second
+        # layer on, the float32 reduce-scatter input of the layer before, kept until this one's is made. The root's
+        # gradients (the head's first) wait for its reduce-scatter at the backward's end, after the root reshards:
+        # their float32 copy-in beside them, then the reduced shard
+        return WorkingSet(c * root, c * root + 3 * c * layer, F32 * layer, c * head if w.lora_parameters is None else 0,
+                          F32 * root + max(c * root, F32 * root // w.ranks))
     if w.lora_parameters is not None:
-        return 0, 0, 0  # the frozen base has no gradient; the adapter's are small
+        return WorkingSet(0, 0, 0, 0, 0)  # the frozen base has no gradient; the adapter's are small
     if copy:  # the bf16 copy's gradients pile up through the backward, then go into the float32 .grad
-        return 0, c * largest, c * shape.parameters()
-    return 0, F32 * largest, F32 * largest  # a fresh gradient before it is added into .grad: the head's, the embeddings'
+        return WorkingSet(0, 0, 0, c * head, c * shape.parameters())
+    # float32, one process: a parameter's fresh gradient before it is added into .grad (the embeddings' the largest);
+    # a tied head's waits for the embedding's (autograd sums a leaf's gradients before accumulating them)
+    return WorkingSet(0, 0, 0, F32 * head if shape.tied else 0, F32 * head)
 
 
 # ---- from the config ----------------------------------------------------------------------------------
@@ -291,28 +502,37 @@ def lora_parameters(shape: ModelShape, rank: int, targets: list[str]) -> int:
 
 def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_tokens: int | None = None,
              vllm: bool = False) -> Workload:
-    """One trainer rank's ``Workload`` under ``cfg`` (a ``TrainConfig``). ``row_tokens``: the micro-batch's
-    longest row (None: ``seq_len``); ``vllm``: whether a colocated ``auto`` backend gets vLLM (installed)."""
+    """One trainer rank's ``Workload`` under ``cfg`` (a ``TrainConfig``), rank 0's where ranks differ. ``row_tokens``:
+    the longest sequence (None: ``seq_len``); ``vllm``: whether a colocated ``auto`` backend gets vLLM (installed)."""
     c = F32 if cfg.dtype == "float32" else 2  # "auto" trains in bf16 on a GPU
-    colocated = cfg.deployment.num_infer_gpus == 0 and not cfg.inference.urls
+    dep = cfg.deployment
+    servers = dep.num_infer_gpus > 0 or bool(cfg.inference.urls)
+    cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpu_bytes is not None)
     engine_train = engine_push = 0
-    push_gathers = True  # servers: rank 0 gathers the full weights for the push
-    if colocated and (cfg.inference.backend == "vllm" or (cfg.inference.backend == "auto" and vllm)):
+    bucket = max(PUSH_BUCKET_BYTES, c * shape.vocab * shape.hidden)  # a bucket holds one whole tensor at least
+    push_bucket = bucket  # servers: every rank gathers each bucket, rank 0 hands it to the transport
+    if not servers and (cfg.inference.backend == "vllm" or (cfg.inference.backend == "auto" and vllm)):
         share = int((cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE) * (gpu_bytes or 0))
         engine_train, engine_push = (share if cfg.inference.sleep_level == 0 else 0), share
-    elif colocated:  # transformers: one process samples from the trained module; under FSDP a per-rank copy
+    elif not servers:  # transformers: one process samples from the trained module; under FSDP a per-rank copy
         engine_train = engine_push = c * shape.parameters() if ranks > 1 else 0
-        push_gathers = ranks > 1
+        push_bucket = bucket if ranks > 1 else 0
+    nccl_push = servers and cuda and dep.weight_sync_on(True) == "nccl"
+    # FSDP2's among the trainer ranks (one node's: the launcher's, or torchrun's); rank 0's push group with the
+    # launcher's servers on the same node, or with servers elsewhere (inference.urls: their GPUs unknown here)
+    communicators = ((("FSDP2", ranks, "NVLink/PCIe"),) if cuda and ranks > 1 else ()) + (
+        (("weight push", 0, "network") if cfg.inference.urls else ("weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe"),)
+        if nccl_push else ())
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
-    row = row_tokens or cfg.seq_len
-    gpu = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpu_bytes is not None)
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if gpu else "sdpa")
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
     return Workload(ranks=ranks, compute_bytes=c, micro_batch_tokens=cfg.micro_batch_tokens,
-                    micro_batch_size=cfg.micro_batch_size, row_tokens=row, completion_tokens=cfg.max_completion_tokens,
-                    checkpointing=cfg.activation_checkpointing, group_size=cfg.group_size, attention=attention,
+                    micro_batch_size=cfg.micro_batch_size, row_tokens=row_tokens or cfg.seq_len,
+                    completion_tokens=cfg.max_completion_tokens, checkpointing=cfg.activation_checkpointing,
+                    group_size=cfg.group_size, share_prompts=cfg.share_prompts, attention=attention,
                     head_block=cfg.head_block_tokens, top_p=cfg.top_p, lora_parameters=lora,
                     extra_state=algorithms.state_bytes_per_param(cfg), engine_train=engine_train,
-                    engine_push=engine_push, push_gathers=push_gathers)
+                    engine_push=engine_push, push_bucket=push_bucket, push_copy=nccl_push, cuda=cuda,
+                    communicators=communicators)
 
 
 def trainer_ranks(cfg, world_size: str | None) -> int:
@@ -339,103 +559,173 @@ def gpu_size(deployment) -> tuple[int, str] | None:
 # ---- the verdict --------------------------------------------------------------------------------------
 
 
-def longest_row_that_fits(shape: ModelShape, work: Workload, limit: int) -> int | None:
-    """The longest sequence (prompt + completion, at most ``work.row_tokens``) whose peak fits in ``limit``
-    bytes; None when not even a full-length completion after a one-token prompt fits."""
+def usable(gpu_bytes: int) -> int:
+    """What a run may plan on: the GPU less ``HEADROOM`` (kernel workspaces, a compiled kernel's scratch, the
+    estimate's own error: what the plan cannot count)."""
+    return int((1 - HEADROOM) * gpu_bytes)
+
+
+def fits(shape: ModelShape, work: Workload, gpu_bytes: int) -> bool:
+    return estimate(shape, work).peak <= usable(gpu_bytes)
+
+
+def longest_row_that_fits(shape: ModelShape, work: Workload, gpu_bytes: int) -> int | None:
+    """The longest sequence (prompt + completion, at most ``work.row_tokens``) such that micro-batches of rows up to
+    it fit; None when not even a full-length completion after a one-token prompt fits."""
     low, high = work.completion_tokens + 1, work.row_tokens
-    if estimate(shape, replace(work, row_tokens=low)).peak > limit:
+    if not fits(shape, replace(work, row_tokens=low), gpu_bytes):
         return None
-    while low < high:  # the peak grows with the row length
+    while low < high:  # the plan of rows up to a length grows with the length
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if estimate(shape, replace(work, row_tokens=mid)).peak <= limit else (low, mid - 1)
+        low, high = (mid, high) if fits(shape, replace(work, row_tokens=mid), gpu_bytes) else (low, mid - 1)
     return low
 
 
-def fixes(shape: ModelShape, work: Workload, limit: int, cfg) -> str:
-    """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, as flags; else the
-    combination of checkpointing and GPUs that does."""
-    fits = lambda w: estimate(shape, w).peak <= limit  # noqa: E731
+BUDGET_SEARCH_LIMIT = 1 << 20  # token budgets past this are "any"
+
+
+def largest_budget_that_fits(shape: ModelShape, work: Workload, gpu_bytes: int) -> int | None:
+    """The largest ``micro_batch_tokens`` whose micro-batches fit (a multiple of 128 under flex attention, whose
+    rows are padded to it), with rows up to ``work.row_tokens``; 0 when none does; None when any does (a
+    ``micro_batch_size`` cap binds first)."""
+    step = FLEX_BLOCK if work.attention == "flex" else 1
+    budget = lambda tokens: replace(work, micro_batch_tokens=tokens * step)  # noqa: E731
+    if fits(shape, budget(BUDGET_SEARCH_LIMIT // step), gpu_bytes):
+        return None
+    low, high = 0, BUDGET_SEARCH_LIMIT // step
+    while low < high:  # in units of ``step``; budget 0 would be "no bound", so 1 unit is the least tried
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(shape, budget(mid), gpu_bytes) else (low, mid - 1)
+    return low * step
+
+
+def peak_terms(plan: MemoryPlan) -> dict[str, int]:
+    """The terms of the moment at the peak, largest first."""
+    parts = plan.moments[plan.peak_moment]
+    return dict(sorted(((k, v) for k, v in parts.items() if v), key=lambda kv: -kv[1]))
+
+
+def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
+    """The changes to ``cfg`` (a ``TrainConfig``) that each alone make ``work`` fit, each naming the term it cuts and
+    its size at the peak, those that need no more hardware first; else the combination of checkpointing and GPUs."""
+    plan = estimate(shape, work)
+    at_peak = peak_terms(plan)
     checkpointing = "--activation-checkpointing"
     launcher = cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls
     gpus_flag = "--deployment.num-train-gpus {}" if launcher else "torchrun --nproc-per-node {}"
-    found = []
-    if not work.checkpointing and fits(replace(work, checkpointing=True)):
-        found.append(f"activation checkpointing ({checkpointing})")
-    if work.tokens > work.row_tokens and fits(replace(work, micro_batch_tokens=work.row_tokens)):
-        low, high = work.row_tokens, work.tokens - 1  # the largest budget that fits
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fits(replace(work, micro_batch_tokens=mid)) else (low, mid - 1)
-        found.append(f"smaller micro-batches (--micro-batch-tokens {low})")
+    found: list[str] = []  # what costs no hardware first, each naming the term it cuts and its size at the peak
+    activations = sum(at_peak.get(k, 0) for k in ("activations", "backward", "head"))
+    if not work.checkpointing and fits(shape, replace(work, checkpointing=True), gpu_bytes):
+        found.append(f"cut the activations ({gib(activations)} at the peak) with {checkpointing}")
+    budget = largest_budget_that_fits(shape, work, gpu_bytes)
+    if budget and budget < plan.rows.tokens:
+        found.append(f"cut the activations ({gib(activations)} at the peak) with --micro-batch-tokens {budget}")
     if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
         least = work.compute_bytes * shape.parameters() + GIB
-        share = next((u / 20 for u in range(19, 0, -1) if u / 20 * limit > least and fits(replace(
-            work, engine_push=int(u / 20 * limit), engine_train=int(u / 20 * limit) if work.engine_train else 0))), None)
+        share = next((u / 20 for u in range(19, 0, -1) if u / 20 * gpu_bytes > least and fits(shape, replace(
+            work, engine_push=int(u / 20 * gpu_bytes), engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0),
+            gpu_bytes)), None)
         if share:
-            found.append(f"a smaller engine share (--inference.gpu-memory-utilization {share:g})")
-    gpus = next((r for r in range(work.ranks + 1, 257) if fits(replace(work, ranks=r))), None)
+            found.append(f"cut the colocated engine's share ({gib(work.engine_push)}) with "
+                         f"--inference.gpu-memory-utilization {share:g}")
+    gpus = next((r for r in range(work.ranks + 1, 257) if fits(shape, replace(work, ranks=r), gpu_bytes)), None)
     if gpus:
-        found.append(f"more trainer GPUs ({gpus_flag.format(gpus)})")
+        state = sum(at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "algorithm state", "compute copy"))
+        what = "weights, gradients, AdamW moments" + (" and the algorithm's state" if at_peak.get("algorithm state") else "")
+        found.append(f"shard the {what} ({gib(state)} at the peak) over more trainer GPUs ({gpus_flag.format(gpus)})")
     if found:
         return ", or ".join(found)
-    gpus = next((r for r in range(work.ranks, 257) if fits(replace(work, checkpointing=True, ranks=r))), None)
+    gpus = next((r for r in range(work.ranks, 257) if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
     if gpus is None:
         return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
     together = ([] if work.checkpointing else [checkpointing]) + ([gpus_flag.format(gpus)] if gpus != work.ranks else [])
     return "no one change fits; together: " + " ".join(together)
 
 
-def check_fit(plan: MemoryPlan, limit: int, where: str, cfg) -> int | None:
-    """Raise ``PreflightError`` when even a micro-batch of full-length completions after one-token prompts
-    cannot fit in ``limit`` bytes; else return the longest row that fits (None: any row up to seq_len)."""
-    if plan.peak <= limit:
+def over(plan: MemoryPlan, gpu_bytes: int, where: str) -> str:
+    """``needs about X GiB at its peak (moment, ...), over the Y GiB a run may plan on of a GPU of Z GiB (where)``."""
+    return (f"needs about {gib(plan.peak)} at its peak ({plan.peak_moment}, micro-batches of up to {plan.rows.tokens} "
+            f"tokens), over the {gib(usable(gpu_bytes))} a run may plan on of the GPU's {gib(gpu_bytes)} ({where}; "
+            f"{HEADROOM:.0%} is left for what the plan cannot count)")
+
+
+def check_fit(plan: MemoryPlan, gpu_bytes: int, where: str, cfg) -> int | None:
+    """Raise ``PreflightError`` when even micro-batches of full-length completions after one-token prompts cannot
+    fit a GPU of ``gpu_bytes`` (its figures and the fixes it names are for rows up to seq_len); else return the
+    longest row that fits (None: any row up to seq_len)."""
+    if plan.peak <= usable(gpu_bytes):
         return None
-    row = longest_row_that_fits(plan.shape, plan.work, limit)
+    row = longest_row_that_fits(plan.shape, plan.work, gpu_bytes)
     if row is not None:
         return row
-    short = estimate(plan.shape, replace(plan.work, row_tokens=plan.work.completion_tokens + 1))
-    moment = max(short.phases, key=short.phases.get)
-    raise PreflightError(f"memory: a trainer GPU needs about {gib(short.peak)} at its peak ({moment}, with micro-batches "
-                         f"of {short.work.tokens} tokens), the GPU has {gib(limit)} ({where}); "
-                         f"fix: {fixes(plan.shape, short.work, limit, cfg)}")
+    raise PreflightError(f"memory: a trainer GPU {over(plan, gpu_bytes, where)}; "
+                         f"fix: {fixes(plan.shape, plan.work, gpu_bytes, cfg)}")
 
 
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-NOTES = {
-    "weights": "{weights}", "gradients": "float32{shard}", "optimizer": "AdamW: two float32 moments{shard}",
-    "algorithm state": "the algorithm's own (an EMA teacher){shard}", "compute copy": "one process: bf16 copy of the weights",
-    "gathered": "FSDP2: root + two layers in the compute dtype", "activations": "kept by the forward ({act})",
-    "backward": "one layer's backward{recompute}", "head": "{head}", "engine": "{engine}",
-}
+def gib_figure(n: float) -> str:
+    return f"{n / GIB:.1f}" if n else ""
+
+
+def notes(plan: MemoryPlan) -> dict[str, str]:
+    """What each term is, in the table's words."""
+    w, s, rows = plan.work, plan.shape, plan.rows
+    c = "bf16" if w.compute_bytes == 2 else "float32"
+    shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
+    lora = w.lora_parameters is not None
+    nccl = "; ".join(f"{what}: {f'{ranks} ranks' if ranks else 'rank 0 and the servers'} over {transport}, "
+                     f"{gib(nccl_bytes(ranks))}" for what, ranks, transport in w.communicators)
+    return {
+        "weights": "frozen base in the compute dtype + float32 adapter" if lora else f"float32 masters{shard}",
+        "gradients": f"float32{shard}",
+        "optimizer": f"AdamW's two float32 moments{shard} (fused: no temporary at the step)",
+        "algorithm state": f"the algorithm's own (an EMA teacher){shard}",
+        "compute copy": f"one process: {c} copy of the weights",
+        "engine": "colocated sampler, awake" if w.engine_push else "a per-rank sampler copy",
+        "gathered": ("FSDP2: the root and two layers gathered, a layer's gradients and reduce-scatter buffers; at the "
+                     "end the root's" if w.ranks > 1 else "the compute copy's gradients, at the backward's end" if
+                     w.compute_bytes != F32 and not lora else "a parameter's fresh gradient (the embeddings')"),
+        "activations": f"kept by the forward: a packed row of {rows.tokens} tokens, {w.attention} attention, "
+                       + ("checkpointed" if w.checkpointing else "no checkpointing"),
+        "backward": "a layer's backward: " + ("recomputed, plus its gradients" if w.checkpointing else "its gradients"),
+        "gradients in flight": "the head weight's gradient, held through the layers' backward",
+        "head": f"LM head: {rows.loss_tokens} loss tokens in blocks of {w.head_block} x {s.vocab} vocabulary",
+        "head gradient": "the head weight's float32 gradient and a block's product",
+        "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
+                       + (" (+ the shards' cast)" if w.ranks > 1 else "") + (", NCCL's packed copy" if w.push_copy else ""),
+        "CUDA context": "the driver's context and the kernels a step loads (an allowance)",
+        "NCCL": nccl,
+        "allocator reserve": f"fragmentation: {ALLOCATOR_RESERVE:.0%} of what changes size with each micro-batch",
+    }
 
 
 def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
-    """The plan as text: a table of the terms, each moment's peak, the verdict."""
+    """The plan as text: a table of the terms, each moment's total, the verdict."""
     w, s = plan.work, plan.shape
-    shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
-    weights = "frozen base in the compute dtype + float32 adapter" if w.lora_parameters is not None else f"float32 masters{shard}"
-    fill = {"shard": shard, "weights": weights, "act": f"a packed row of {w.tokens} tokens, {w.attention} attention, "
-            + ("checkpointed" if w.checkpointing else "no checkpointing"),
-            "recompute": ": recomputed, plus its gradients" if w.checkpointing else ": its gradients",
-            "head": f"up to {w.tokens} positions x {s.vocab} vocab, "
-            + (f"blocks of {w.head_block} tokens" if w.head_block else "full logits"),
-            "engine": "on this GPU: colocated sampler (awake)" if w.engine_push else "none on this GPU"}
-    table = Table(title=f"memory plan per trainer GPU: {s.parameters() / 1e9:.2f}B parameters, {w.ranks} trainer "
-                  f"rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute", title_justify="left")
-    for column in ("term", "GiB", "what"):
-        table.add_column(column, justify="right" if column == "GiB" else "left")
-    for name, value in plan.terms.items():
-        if value:
-            table.add_row(name, f"{value / GIB:.1f}", NOTES[name].format(**fill))
+    table = Table(title=f"memory plan per trainer GPU, GiB (rank 0's): {s.parameters() / 1e9:.2f}B parameters, {w.ranks} "
+                  f"trainer rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute", title_justify="left")
+    for column in ("term", "at peak", "largest", "what"):
+        table.add_column(column, justify="right" if column in ("at peak", "largest") else "left")
+    what, at_peak, largest = notes(plan), plan.moments[plan.peak_moment], plan.terms
+    for name in TERMS:
+        if largest.get(name):
+            table.add_row(name, gib_figure(at_peak.get(name, 0)), gib_figure(largest[name]), what[name])
     for name, value in plan.phases.items():
-        table.add_row(f"[b]{name}[/b]" if value == plan.peak else name, f"{value / GIB:.1f}", "peak" if value == plan.peak else "")
+        peak = name == plan.peak_moment
+        table.add_row(f"[b]{name}[/b]" if peak else name, gib_figure(value) if peak else "", gib_figure(value),
+                      "the peak" if peak else "")
     out = StringIO()
-    Console(file=out, width=110, color_system=None).print(table)
-    lines = [out.getvalue().rstrip(), f"shapes from {plan.source}", verdict(plan, gpu, row)]
-    return "\n".join(lines)
+    Console(file=out, width=120, color_system=None).print(table)
+    lines = [out.getvalue().rstrip(), f"shapes from {plan.source}"]
+    if w.ranks > 1 and w.push_copy:  # rank 0 alone sends the push: the others hold no push group, no packed copy
+        others = estimate(s, replace(w, push_copy=False, communicators=tuple(
+            c for c in w.communicators if c[0] != "weight push")))
+        lines.append(f"the other trainer ranks: peak about {gib(others.peak)} ({others.peak_moment}), without rank 0's "
+                     "weight-push group and packed copy")
+    return "\n".join(lines + [verdict(plan, gpu, row)])
 
 
 def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
@@ -443,11 +733,16 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
         return (f"peak about {gib(plan.peak)}; the GPU's size is unknown here (no CUDA device): "
                 "give --deployment.gpu-memory-gb to check the fit")
     size, where = gpu
+    w = plan.work
+    budget = largest_budget_that_fits(plan.shape, w, size)
+    budgets = ("micro-batches of any token budget fit" if budget is None
+               else f"micro_batch_tokens fits up to {budget}" if budget else "no micro_batch_tokens fits")
     if row is not None:
-        return (f"fits {gib(size)} ({where}) only while the longest sequence stays under {row} tokens "
-                f"(seq_len allows {plan.work.row_tokens}); the run checks its data's longest prompt before loading weights")
-    tight = " (tight: CUDA's context and fragmentation take a few GB more)" if plan.peak > TIGHT * size else ""
-    return f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}){tight}"
+        return (f"fits {gib(size)} ({where}) only while the longest sequence stays under {row} tokens (seq_len allows "
+                f"{w.row_tokens}); the run checks its data's longest prompt before loading weights; {budgets}")
+    return (f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}), within the {1 - HEADROOM:.0%} "
+            f"({gib(usable(size))}) a run may plan on, at any row length up to seq_len ({w.row_tokens}): "
+            f"{gib(size - plan.peak)} left free; {budgets} (now {w.micro_batch_tokens or 'none'})")
 
 
 def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
@@ -467,7 +762,7 @@ def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | 
 
 def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
     """A run on CUDA, once its prompts are known and before any weight loads: refuse (``PreflightError``)
-    when micro-batches of its longest prompt plus a full-length completion cannot fit a trainer GPU."""
+    when micro-batches of rows up to its longest prompt plus a full-length completion cannot fit a trainer GPU."""
     row = min(cfg.seq_len, longest_prompt + cfg.max_completion_tokens)
     gpu = gpu_size(cfg.deployment)
     planned = plan_run(cfg, ranks=ranks, gpu=gpu, row_tokens=row)  # refuses what even the shortest rows cannot fit
@@ -475,7 +770,6 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
         return
     plan, fits_row = planned
     raise PreflightError(
-        f"memory: micro-batches of {plan.work.tokens} tokens with sequences of up to {row} tokens (the data's longest prompt, "
-        f"{longest_prompt} tokens, + max_completion_tokens) need about {gib(plan.peak)} on a trainer GPU, which has "
-        f"{gib(gpu[0])} ({gpu[1]}); rows up to {fits_row} tokens fit; fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, "
-        f"or --seq-len {fits_row} (longer prompts are then left out)")
+        f"memory: with sequences of up to {row} tokens (the data's longest prompt, {longest_prompt} tokens, + "
+        f"max_completion_tokens) a trainer GPU {over(plan, gpu[0], gpu[1])}; rows up to {fits_row} tokens fit; "
+        f"fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, or --seq-len {fits_row} (longer prompts are then left out)")
