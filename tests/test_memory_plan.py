@@ -29,7 +29,6 @@ from scirl.run.memory import (
     KNOWN_SHAPES,
     NCCL_MORE_RANKS,
     NCCL_TWO_RANKS,
-    PUSH_BUCKET_BYTES,
     ModelShape,
     Workload,
     check_fit,
@@ -248,8 +247,13 @@ def test_a_push_adds_a_bucket_not_the_model():
     shape = KNOWN_SHAPES["qwen3-8b"]
     cfg = load_config(["@", CONFIG_8B])
     work = workload(cfg, shape, ranks=2, gpu_bytes=80 * GIB)
-    bucket = max(PUSH_BUCKET_BYTES, 2 * shape.vocab * shape.hidden)  # the embeddings are a tensor larger than a bucket
+    bucket = max(int(cfg.deployment.weight_bucket_mib * (1 << 20)), 2 * shape.vocab * shape.hidden)  # the embeddings
     assert work.push_bucket == bucket and work.push_copy
+    smaller = workload(load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "256"]), shape, ranks=2,
+                       gpu_bytes=80 * GIB)
+    assert smaller.push_bucket == bucket  # a bucket holds a whole tensor at least: the embeddings'
+    assert workload(load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "4096"]), shape, ranks=2,
+                    gpu_bytes=80 * GIB).push_bucket == 4 << 30
     push = estimate(shape, work).moments["weight push"]
     assert push["push bucket"] == bucket + bucket // 2 + bucket < 2 * shape.parameters()
     over_files = workload(load_config(["@", CONFIG_8B, "--deployment.weight-sync", "filesystem"]), shape, ranks=2,

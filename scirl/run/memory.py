@@ -26,7 +26,7 @@ What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P
 - **the head** (``trainer/head.py``) at the loss tokens only, a block of rows at a time: one block's float32
   logits and exponentials in the forward; in the backward the gradient of the hidden states, a block recomputed,
   and the head weight's float32 gradient with a block's product added into it;
-- **the weight push**, after the optimizer step (gradients freed): one bucket of ``PUSH_BUCKET_BYTES`` (or the
+- **the weight push**, after the optimizer step (gradients freed): one bucket of ``deployment.weight_bucket_mib`` (or the
   largest tensor) gathered at a time on every rank, its shard cast first; rank 0's NCCL transport packs a copy
   of it (vLLM's packed broadcast); a colocated engine's ``gpu_memory_utilization`` share awake to take it (also
   through the train step when ``sleep_level = 0``), or a per-rank transformers copy under FSDP (``cP``);
@@ -95,8 +95,6 @@ NCCL_MORE_RANKS = (688 + 288) << 20
 # what changes size with each micro-batch (a packed row's length): the state, FSDP2's buffers and the weight-sized
 # gradients come back at the same sizes each step and get the blocks they had
 ALLOCATOR_RESERVE = 0.15
-# A weight push gathers and sends this many bytes of full weights at a time (to become deployment's setting)
-PUSH_BUCKET_BYTES = 1 << 30
 ROW_STEP = 128  # the prompt lengths the worst row is searched over: every multiple of this, 1 and the longest
 
 
@@ -509,7 +507,8 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     servers = dep.num_infer_gpus > 0 or bool(cfg.inference.urls)
     cuda = cfg.device.startswith("cuda") or (cfg.device == "auto" and gpu_bytes is not None)
     engine_train = engine_push = 0
-    bucket = max(PUSH_BUCKET_BYTES, c * shape.vocab * shape.hidden)  # a bucket holds one whole tensor at least
+    # a push gathers and sends deployment.weight_bucket_mib of full weights at a time, one whole tensor at least
+    bucket = max(int(dep.weight_bucket_mib * (1 << 20)), c * shape.vocab * shape.hidden)
     push_bucket = bucket  # servers: every rank gathers each bucket, rank 0 hands it to the transport
     if not servers and (cfg.inference.backend == "vllm" or (cfg.inference.backend == "auto" and vllm)):
         share = int((cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE) * (gpu_bytes or 0))
