@@ -173,8 +173,8 @@ def test_the_flex_layout_gives_the_sdpa_paths_attention():
     n = packed.forward_tokens
     g = torch.Generator().manual_seed(0)
     query, key, value = torch.randn(1, 4, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
-    flex = attention.prepare(packed.layout, "flex", n)
-    sdpa = attention.prepare(packed.layout, "sdpa", n)
+    flex = attention.prepare(packed.layout, "flex", n, torch.float32)
+    sdpa = attention.prepare(packed.layout, "sdpa", n, torch.float32)
     with torch.no_grad():
         got, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=flex)
         want, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=sdpa)

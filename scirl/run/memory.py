@@ -20,8 +20,8 @@ What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P
   cast is a new tensor; in float32 the cast is the input itself, which the norm then keeps), the norms' outputs
   the projections read, o_proj's input, the MLP's four ``[tokens, intermediate]`` tensors; the attention's (flex:
   q, k, v with grouped heads, its output and logsumexp; sdpa: the per-group gathers, the prompts' q, k, v and the
-  completions' q with k and v over ``prompt + completion`` keys per row, both outputs and logsumexps, the mask as
-  SDPA's float bias, the key index). With checkpointing each layer keeps its input and the backward recomputes
+  completions' q with k and v over ``prompt + completion`` keys per row, both outputs and logsumexps; the key index
+  and the additive mask once per micro-batch, shared by the layers). With checkpointing each layer keeps its input and the backward recomputes
   one layer at a time;
 - **the head** (``trainer/head.py``) at the loss tokens only, a block of rows at a time: one block's float32
   logits and exponentials in the forward; in the backward the gradient of the hidden states, a block recomputed,
@@ -333,8 +333,7 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
         keys = m * (p + cl)
         kept += (g * p * (c * (2 * q + 2 * kv) + F32 * s.heads)  # q, k, v, output, logsumexp of the prompts
                  + m * cl * (2 * c * q + F32 * s.heads)  # the completions' q, output, logsumexp
-                 + keys * (2 * c * kv + 8)  # their keys' k and v, the key index
-                 + c * m * cl * (p + cl))  # the [R, 1, C, P + C] mask, as SDPA's float bias
+                 + keys * 2 * c * kv)  # their keys' k and v
     copies = F32 * s.hidden * n if c == F32 else 0  # in float32 the first RMSNorm keeps the layer's input itself
     return kept, copies
 
@@ -354,8 +353,9 @@ def activation_bytes(shape: ModelShape, work: Workload, rows: MicroBatchShape | 
     layer, input_copy = layer_bytes(s, rows, work, c)
     # outside the layers: rotary cos and sin, the final norm, the hidden states at the loss tokens (the head's input)
     outside = 2 * c * s.head_dim * n + rmsnorm_bytes(c) * s.hidden * n + c * s.hidden * rows.loss_tokens
-    if work.attention == "sdpa":  # the boolean mask the SDPA path's completions read (flex's block mask is small)
-        outside += rows.completions * rows.completion * (rows.prompt + rows.completion)
+    if work.attention == "sdpa":  # made once per micro-batch, read by every layer (flex's block mask is small):
+        keys = rows.completions * (rows.prompt + rows.completion)  # the completions' key index and additive mask
+        outside += keys * 8 + c * rows.completion * keys
     # a layer's backward: the gradients of its output and input in flight, the MLP's widest gradients
     backward = n * (2 * c * s.hidden + 2 * c * s.intermediate)
     if not work.checkpointing:

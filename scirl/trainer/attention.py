@@ -19,6 +19,7 @@ same attention (``tests/test_packing.py`` checks one against the other and both 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -42,16 +43,21 @@ def pad_to(kind: str) -> int:
     return FLEX_BLOCK if kind == "flex" else 1
 
 
-def prepare(layout: Layout, kind: str, length: int) -> Layout:
-    """The layout with the mask its attention reads, made on the layout's device (before the micro-batch
-    loop: making a block mask is work of its own)."""
+def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layout:
+    """The layout with what its attention reads, made on the layout's device once per micro-batch (every layer
+    shares it): flex attention's block mask, or the SDPA path's completion keys and additive mask in the compute
+    ``dtype`` (a boolean mask would be turned into one by every layer's call, and kept by each for its backward)."""
     if kind == "flex":
-        return type(layout)(**{**vars(layout), "block_mask": flex_block_mask(layout, length)})
-    return type(layout)(**{**vars(layout), "completion_mask": completion_mask(layout)})
+        return dataclasses.replace(layout, block_mask=flex_block_mask(layout, length))
+    allowed = completion_mask(layout)
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+    return dataclasses.replace(layout, key_index=torch.cat([layout.prompt_index[layout.rows], layout.query_index], dim=1),
+                               completion_bias=bias)
 
 
 def completion_mask(layout: Layout) -> torch.Tensor:
-    """[R, 1, C, P + C] bool: completion row r's query k sees its prompt's real tokens and its own tokens up to k."""
+    """[R, 1, C, P + C] bool: completion row r's query k sees its prompt's real tokens and its own tokens up to k
+    (keys: its prompt's positions, then its own)."""
     prompt_len, completion_len = layout.prompt_index.shape[1], layout.query_index.shape[1]
     device = layout.prompt_index.device
     key = torch.arange(prompt_len + completion_len, device=device)
@@ -91,7 +97,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise ValueError("packed attention needs the micro-batch's layout (the trainer's forward passes scirl_layout)")
     if kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
         raise ValueError("packed attention handles plain full attention only (no sliding window, no softcap)")
-    if layout.block_mask is None and layout.completion_mask is None:
+    if layout.block_mask is None and layout.completion_bias is None:
         raise ValueError("the micro-batch's layout has no mask: Trainer.on_device (attention.prepare) makes it")
     if layout.block_mask is not None:
         out = compiled_flex_attention()(query, key, value, block_mask=layout.block_mask, scale=scaling, enable_gqa=True)
@@ -111,8 +117,8 @@ def grouped_sdpa(query, key, value, layout: Layout, scale, dropout: float) -> to
                                              scale=scale, enable_gqa=True)
     keys = layout.key_index
     completions = F.scaled_dot_product_attention(take(q, layout.query_index), take(k, keys), take(v, keys),
-                                                 attn_mask=layout.completion_mask, dropout_p=dropout, scale=scale,
-                                                 enable_gqa=True)
+                                                 attn_mask=layout.completion_bias.to(query.dtype), dropout_p=dropout,
+                                                 scale=scale, enable_gqa=True)
     outputs = torch.cat([prompts.transpose(1, 2).flatten(0, 1), completions.transpose(1, 2).flatten(0, 1)])
     return outputs.index_select(0, layout.unpack)[None]
 

@@ -49,14 +49,11 @@ class Layout:
     rows: torch.Tensor  # [R] long: each completion row's prompt
     query_index: torch.Tensor  # [R, C] long: each completion row's positions, right-padded with position 0
     unpack: torch.Tensor  # [N] long: row of each position in cat(prompt outputs [G * P], completion outputs [R * C])
-    # made on the device by ``attention.prepare`` (the trainer's attention setting): one of these two
-    completion_mask: torch.Tensor | None = None  # [R, 1, C, P + C] bool: the SDPA path's completion attention
+    # made on the device by ``attention.prepare`` (the trainer's attention setting), once per micro-batch and shared
+    # by every layer: the SDPA path's two, or flex attention's block mask
+    key_index: torch.Tensor | None = None  # [R, P + C] long: the keys each completion row attends to
+    completion_bias: torch.Tensor | None = None  # [R, 1, C, P + C]: 0 where a completion's query may look, -inf elsewhere
     block_mask: object | None = None  # flex attention's BlockMask
-
-    @property
-    def key_index(self) -> torch.Tensor:
-        """[R, P + C]: the keys each completion row attends to: its prompt's positions, then its own."""
-        return torch.cat([self.prompt_index[self.rows], self.query_index], dim=1)
 
 
 @dataclass

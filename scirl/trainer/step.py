@@ -112,7 +112,8 @@ class Trainer:
         return dataclasses.replace(mb, packed=packed, teacher=teacher)
 
     def prepared(self, packed: Packed) -> Packed:
-        return dataclasses.replace(packed, layout=attention.prepare(packed.layout, self.attention, packed.forward_tokens))
+        return dataclasses.replace(packed, layout=attention.prepare(packed.layout, self.attention, packed.forward_tokens,
+                                                                    self.dtype))
 
     def dummy_teacher(self) -> PackedTeacher:
         """A teacher forward of two tokens that teaches nothing, on the device: a rank whose micro-batch has no
@@ -233,12 +234,12 @@ class Trainer:
             return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0}
         padded = micro_batches + [dummy_micro_batch(pad_to)] * (busiest - len(micro_batches))
         forward = [float(sum(mb.packed.forward_tokens for mb in padded)), float(sum(mb.packed.padding_tokens for mb in padded))]
-        on_device = [self.on_device(mb) for mb in padded]  # copies and masks made before the loop
 
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
-        for mb in on_device:
-            loss, mb_sums = self.forward_backward(mb, counts)
+        for mb in padded:
+            # the copy and the masks are queued on the device, which then waits for nothing the host holds
+            loss, mb_sums = self.forward_backward(self.on_device(mb), counts)
             loss_total = loss_total + loss
             sums = sums.add(mb_sums)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
