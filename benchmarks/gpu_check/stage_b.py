@@ -8,7 +8,8 @@
   weights go over NCCL only when the server and the trainer have GPUs of their own, else (one GPU, shared; or a
   CPU) through the filesystem: NCCL refuses two ranks of one communicator on one device;
 - ``b_eval`` (in b_disaggregated's process, recorded as a stage of its own): the server loads the run's last
-  checkpoint and ``scirl eval`` sends it 200 held-out questions.
+  checkpoint and ``scirl eval`` sends it 200 held-out questions, sampled at temperature 1 (greedy replies of the
+  EOS-biased model would end at their first token).
 """
 
 from __future__ import annotations
@@ -254,8 +255,8 @@ def disaggregated_figures(metrics: list[dict], run: dict, server_start_s: float,
 def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
     """``scirl eval`` of the run's last checkpoint through the run's own server: the server loads the checkpoint
     as a filesystem push would (``reload_weights`` from its directory), then 200 held-out questions go through
-    it as a user's eval would send them (greedy, the run's completion limit). Requests/s and generated
-    tokens/s (the server's own counter)."""
+    it as a user's eval would send them (the run's completion limit; sampled at temperature 1 with a seed rather
+    than greedy, see below). Requests/s and generated tokens/s (the server's own counter)."""
     from scirl.inference.client import ServerClient
 
     out = Path(ctx["out"])
@@ -277,7 +278,10 @@ def eval_through_server(ctx: dict, url: str, run_dir: Path) -> dict:
     say(f"  b_eval: scirl eval of {last.name} through the server, {4 * per_domain} questions")
     cmd = [sys.executable, "-m", "scirl", "eval", "--base-url", f"{url}/v1", "--model", "policy",
            "--data", ctx["eval_data"], "--eval-per-domain", str(per_domain), "--max-tokens", str(ctx["max_tokens"]),
-           "--concurrency", "64", "--out", str(results), "--no-progress"]
+           "--concurrency", "64", "--out", str(results), "--no-progress",
+           # sampled as in training, not greedy: the model's EOS bias (model.py) makes EOS its likeliest token, so
+           # greedy replies would end at once; sampled, they have the run's lengths
+           "--temperature", "1.0", "--seed", "0"]
     started = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
     seconds = time.perf_counter() - started
