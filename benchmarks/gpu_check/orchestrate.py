@@ -69,7 +69,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    parser = Parser(description=DESCRIPTION)
+    parser = Parser(prog="benchmarks/gpu_check.sh", description=DESCRIPTION)
     parser.add_argument("--stage", choices=("all", "a", "b"), default="all",
                         help="a: no vLLM (the transformers backend, the resume check); b: vLLM; all (default): A, then B "
                              "where vLLM imports")

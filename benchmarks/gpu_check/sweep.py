@@ -11,7 +11,9 @@ the model's EOS bias gives), setting by setting:
   settings (``launch.DETERMINISTIC_TRAIN``: on the flex path cuBLAS's fixed workspace and torch's deterministic
   algorithms, which make the packed rows' index_select backward a sorted sum; flex attention's own backward is
   deterministic as it is, so there is no attention kernel to switch), and Liger-Kernel's RMSNorm, RoPE and SwiGLU
-  where ``liger_kernel`` imports (last: Liger patches transformers' modules for the whole process).
+  where ``liger_kernel`` imports (last: Liger patches transformers' modules for the whole process). cuBLAS's fixed
+  workspace is set for the whole stage (cuBLAS reads it once), so the deterministic row's difference from the
+  others is torch's deterministic algorithms alone (and SDPA's math kernel, which the flex path does not use).
 
 A CPU runs the grid alone with the eager layers and the SDPA path (torch's flex attention has no CPU backward,
 compiling costs more than it saves there, Liger is CUDA's): the code path, not the figures.
