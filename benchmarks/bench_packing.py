@@ -1,33 +1,33 @@
-"""Micro-batches by tokens: length-sorted padded rows against packed rows, measured.
+"""The trainer's micro-batches: the layout choices a run still makes, measured on the trainer's own step.
 
-One step's sequences (prompt + completion) under a completion-length distribution, cut into micro-batches
-four ways, each a forward + backward of the trainer's computation (the model to its final hidden states,
-the block-wise head's logprobs at the completion tokens, a loss over them) on a random Qwen3:
+Every micro-batch is one packed row with no padding (on CUDA, up to flex attention's 128-token block at its end):
+that much is settled (``scirl/trainer/packing.py``). What a run still chooses, each against scirl's defaults
+(each group's prompt once, micro-batches of 8,192 tokens, the device's attention):
 
-- ``fixed``: micro_batch_size rows in the order they were sampled, right-padded (scirl before micro-batches
-  were sorted);
-- ``sorted``: micro_batch_size rows sorted by length, right-padded (scirl's default);
-- ``tokens``: sorted, as many rows as keep rows x longest within ``--tokens`` (``micro_batch_tokens``);
-- ``packed``: sequences laid end to end in rows of at most ``--tokens``, each with its own positions from 0
-  and no attention across them (transformers' packed-sequence mask: position ids that restart, no attention
-  mask), no padding at all but the last row's;
-- ``flex``: the same packed rows through torch's ``flex_attention`` (transformers' ``flex_attention``
-  implementation: a block mask of the sequences' causal blocks, so the blocks between sequences are skipped).
-  Timed only on CUDA: torch's CPU flex attention has no backward (``NotImplementedError``, torch 2.13), so on
-  a CPU it runs the forward alone (compiled by inductor: a C++ compiler is needed), to check its logprobs.
+- ``share_prompts = false``: every completion with its own copy of its prompt (the per-sequence forward), against
+  each group's prompt once;
+- ``micro_batch_tokens``: smaller token budgets (``--tokens``, 2,048 and 4,096 by default), so more micro-batches;
+- ``attention``: flex attention (a block mask that skips the blocks no token attends to) against the SDPA path (the
+  prompts and the completion rows gathered into batches of their own). Timed on CUDA only: torch's flex attention
+  has no CPU backward, so on a CPU its forward alone runs (eagerly), to check its logprobs.
 
-Printed per distribution: the tokens each way computes (padding included) against the real tokens, the
-attention score elements (SDPA computes every one of a row's L x L, masked or not, unless a varlen or
-block-sparse kernel skips them), the seconds of a step, and the largest difference of the packed logprobs
-from the sorted ones (the same computation: they must agree to round-off).
+One step's samples: ``--questions`` groups of ``--group-size`` completions, prompts of the mission's lengths
+(``gpu_check/model.py``: 100-350 tokens) and completions under a length distribution (``geometric``: the mission's,
+EOS at 1/100 a token up to the limit; ``at the limit``: a random model's, a long-thinking policy's early on;
+``bimodal``: half answer in under a sixth of the limit, half reason at length). Each setting gets a trainer as ``scirl
+train`` builds it (``make_trainer``: GRPO, the block-wise head, AdamW) over the same random Qwen3 weights; printed
+per setting: micro-batches, the positions the forwards computed (padding included) against the useful tokens (each
+group's prompt once plus the completions), the seconds of a train step (after an untimed one, the median of
+``--rounds``, the settings taking turns and the order reversed every other round, so that a shared machine's load
+hits them alike) and its speed against the defaults' (above 1: faster), and the largest difference of its per-token logprobs from the defaults' (the same computation: they
+must agree to round-off).
 
-    python benchmarks/bench_packing.py [--sequences 128] [--limit 256] [--tokens 4096] [--repeats 3] [--device cpu]
-                                      [--dtype float32]
+    python benchmarks/bench_packing.py [--questions 2] [--group-size 16] [--limit 256] [--tokens 2048,4096]
+                                      [--rounds 3] [--threads 1] [--device cpu] [--dtype float32]
+    python benchmarks/bench_packing.py --device cuda --questions 8 --hidden 1024 --layers 28 --vocab 151936 --dtype bfloat16
 
-On a CPU SDPA has no kernel that skips masked blocks: a packed row pays attention over its whole length,
-which padding-free sorted rows do not. On a GPU the same holds for SDPA's math and memory-efficient kernels;
-flex attention's block mask skips them (the ``flex`` row), as flash attention's variable-length path would
-(the flash-attn package, not in torch).
+(Before micro-batches were packed this script compared right-padded rows, sorted and not, with packed ones;
+packing won once the attention stopped computing across sequences: ``benchmarks/README.md`` keeps those figures.)
 """
 
 from __future__ import annotations
@@ -37,218 +37,157 @@ import random
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+import warnings
 from pathlib import Path
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from scirl.trainer.head import Head, hidden_states_out  # noqa: E402
+from gpu_check.model import completion_lengths, prompt_lengths  # noqa: E402  (a sibling package: benchmarks/ is on sys.path)
+from scirl import algorithms  # noqa: E402
+from scirl.distributed import Dist  # noqa: E402
+from scirl.rollouts.contract import Sample  # noqa: E402
+from scirl.run.backends import make_trainer  # noqa: E402
+from scirl.run.config import TrainConfig  # noqa: E402
 
+PROMPT_VOCAB = 1024  # prompt ids a tokenizer's text gives; completions range over the whole vocabulary
 DISTRIBUTIONS = {
-    # completions that all run to the limit (a random model; a long-thinking policy early on)
-    "at the limit": lambda rng, limit: limit,
-    # an MCQ policy: half answer in a few dozen tokens, half reason at length, some cut at the limit
-    "bimodal": lambda rng, limit: (rng.randint(8, limit // 6) if rng.random() < 0.5
-                                   else min(limit, rng.randint(limit // 2, int(1.2 * limit)))),
-    "uniform": lambda rng, limit: rng.randint(1, limit),
+    "geometric": lambda rng, limit, n: completion_lengths(n, limit, seed=rng.randrange(1 << 30)),
+    "at the limit": lambda rng, limit, n: [limit] * n,
+    "bimodal": lambda rng, limit, n: [rng.randint(1, max(1, limit // 6)) if rng.random() < 0.5
+                                      else min(limit, rng.randint(limit // 2, int(1.2 * limit))) for _ in range(n)],
 }
 
 
-def sequences(distribution: str, n: int, limit: int, group: int, seed: int = 0) -> list[tuple[int, int]]:
-    """(prompt length, completion length) per sequence; a group's completions share a prompt length."""
-    rng = random.Random(seed)
+def step_samples(distribution: str, questions: int, group: int, limit: int, vocab: int, seed: int = 0) -> list[Sample]:
+    """One step's samples: a prompt per group of the mission's lengths, completions of the distribution's."""
+    rng = random.Random(f"{distribution}-{seed}")
+    lengths = DISTRIBUTIONS[distribution](rng, limit, questions * group)
+    samples = []
+    for g, prompt_length in enumerate(prompt_lengths(questions, seed)):
+        prompt = [rng.randrange(PROMPT_VOCAB) for _ in range(prompt_length)]
+        for i in range(group):
+            completion = [rng.randrange(vocab) for _ in range(lengths[g * group + i])]
+            samples.append(Sample(prompt, completion, [-8.0] * len(completion), (-1.0) ** i, g))
+    return samples
+
+
+def settings(device: torch.device, tokens: list[int]) -> list[tuple[str, dict]]:
+    """(name, the run config's fields) of every setting, scirl's defaults first: the others are compared with them.
+    On a CPU flex attention runs eagerly, a reference implementation that holds a row's whole score matrix: its
+    check takes rows of 2,048 tokens (the logprobs do not depend on how a step is cut)."""
+    other = ("attention = sdpa", {"attention": "sdpa"}) if device.type == "cuda" else (
+        "attention = flex (2048-token rows)", {"attention": "flex", "micro_batch_tokens": 2048})
+    return ([("defaults", {}), ("share_prompts = false", {"share_prompts": False})]
+            + [(f"micro_batch_tokens = {n}", {"micro_batch_tokens": n}) for n in tokens] + [other])
+
+
+def trainable(device: torch.device, fields: dict) -> bool:
+    """Whether the setting's step can run here: flex attention trains on CUDA only (no CPU backward in torch)."""
+    return device.type == "cuda" or fields.get("attention") != "flex"
+
+
+def run_config(args, fields: dict) -> TrainConfig:
+    return TrainConfig(model="bench-packing-random-qwen3", device=args.device, dtype=args.dtype, kernels=args.kernels,
+                       batch_size=args.questions * args.group_size, group_size=args.group_size,
+                       max_completion_tokens=args.limit, seq_len=4096, **fields)
+
+
+def logprobs_of(trainer, samples: list[Sample]) -> torch.Tensor:
+    """Every completion token's logprob under the trainer's forward, sample by sample, in one flat tensor."""
     out = []
-    for g in range(n // group):
-        prompt = rng.randint(80, 160)
-        out += [(prompt, DISTRIBUTIONS[distribution](rng, limit)) for _ in range(group)]
-    return out
+    with torch.no_grad():
+        for mb in trainer.batches(samples):
+            logprobs, _, mask, _ = trainer.forward_logprobs(trainer.on_device(mb))
+            out.append(logprobs[mask].float().cpu())  # row by row: the samples' order
+    return torch.cat(out)
 
 
-def padded_batches(lengths: list[tuple[int, int]], rows: list[list[int]]) -> list[dict]:
-    """Right-padded micro-batches of the given sequence indices."""
-    batches = []
-    for idx in rows:
-        width = max(sum(lengths[i]) for i in idx)
-        mask = torch.zeros(len(idx), width, dtype=torch.long)
-        loss = torch.zeros(len(idx), width, dtype=torch.bool)
-        for r, i in enumerate(idx):
-            p, c = lengths[i]
-            mask[r, : p + c] = 1
-            loss[r, p : p + c] = True
-        batches.append({"index": idx, "attention_mask": mask, "loss_mask": loss, "position_ids": None})
-    return batches
-
-
-def packed_batches(lengths: list[tuple[int, int]], order: list[int], tokens: int) -> list[dict]:
-    """Rows of sequences end to end, at most ``tokens`` each (a longer sequence alone); one row per micro-batch."""
-    rows, current, used = [], [], 0
-    for i in order:
-        n = sum(lengths[i])
-        if current and used + n > tokens:
-            rows.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += n
-    if current:
-        rows.append(current)
-    batches = []
-    for idx in rows:
-        width = sum(sum(lengths[i]) for i in idx)
-        positions = torch.cat([torch.arange(sum(lengths[i])) for i in idx])[None]
-        loss = torch.zeros(1, width, dtype=torch.bool)
-        start = 0
-        for i in idx:
-            p, c = lengths[i]
-            loss[0, start + p : start + p + c] = True
-            start += p + c
-        batches.append({"index": idx, "attention_mask": None, "loss_mask": loss, "position_ids": positions})
-    return batches
-
-
-def layouts(lengths, micro_batch_size: int, tokens: int) -> dict[str, list[dict]]:
-    n = len(lengths)
-    by_length = sorted(range(n), key=lambda i: sum(lengths[i]))
-    chunks, current = [], []
-    for i in by_length:  # ascending: a new sequence is its chunk's longest
-        if current and (len(current) + 1) * sum(lengths[i]) > tokens:
-            chunks.append(current)
-            current = []
-        current.append(i)
-    chunks.append(current)
-    packed = packed_batches(lengths, by_length, tokens)
-    return {  # sorted first: the others are compared with it
-        "sorted": padded_batches(lengths, [by_length[s : s + micro_batch_size] for s in range(0, n, micro_batch_size)]),
-        "fixed": padded_batches(lengths, [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]),
-        "tokens": padded_batches(lengths, chunks),
-        "packed": packed,
-        "flex": packed,  # the same rows, through flex attention
-    }
-
-
-def ids_of(batch: dict, token_ids: list[list[int]]) -> torch.Tensor:
-    if batch["position_ids"] is not None:
-        return torch.tensor([[t for i in batch["index"] for t in token_ids[i]]])
-    ids = torch.zeros(batch["attention_mask"].shape, dtype=torch.long)
-    for r, i in enumerate(batch["index"]):
-        ids[r, : len(token_ids[i])] = torch.tensor(token_ids[i])
-    return ids
-
-
-def step(model, head: Head, batches: list[dict], token_ids, completions: list[int],
-         backward: bool = True) -> dict[int, torch.Tensor]:
-    """Forward + backward of every micro-batch (or the forward alone); the logprobs of each sequence's completion tokens."""
-    out = {}
-    for b in batches:
-        ids = ids_of(b, token_ids).to(b["loss_mask"].device)
-        with hidden_states_out(model) as seen, torch.set_grad_enabled(backward):
-            hidden = model(input_ids=ids, attention_mask=b["attention_mask"], position_ids=b["position_ids"],
-                           use_cache=False).logits
-        mask = b["loss_mask"][:, 1:]  # position t predicts token t + 1
-        logprobs, _ = head.token_logprobs(hidden[:, :-1], seen["weight"], ids[:, 1:], mask)
-        if backward:
-            (-logprobs.sum()).backward()
-        # row by row, left to right: each sequence's completion tokens, in the order of b["index"]
-        flat, start = logprobs.detach()[mask], 0
-        for i in b["index"]:
-            out[i] = flat[start : start + completions[i]]
-            start += completions[i]
-    return out
-
-
-def attention_elements(batches: list[dict], lengths: list[tuple[int, int]], skips_between: bool) -> int:
-    """Score elements a kernel computes: every row's L x L, or (``skips_between``: a block-sparse kernel on
-    packed rows) each sequence's own L x L only."""
-    if skips_between:
-        return sum(sum(lengths[i]) ** 2 for b in batches for i in b["index"])
-    return sum(b["loss_mask"].shape[0] * b["loss_mask"].shape[1] ** 2 for b in batches)
-
-
-def flex_available(device: torch.device) -> bool:
-    """flex_attention trains only where it has a backward: CUDA (torch's CPU path refuses backward)."""
-    return device.type == "cuda"
-
-
-@contextmanager
-def attention(model, implementation: str):
-    """The model's attention implementation switched for the duration (transformers reads it each forward)."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation(implementation)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
+def timed_step(trainer, batches: list, device: torch.device) -> tuple[float, dict]:
+    """(seconds, the trainer's statistics) of one train step."""
+    started = time.perf_counter()
+    stats = trainer.train_step(batches)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, stats
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=2, help="groups in the step")
+    parser.add_argument("--group-size", type=int, default=16)
     parser.add_argument("--limit", type=int, default=256, help="completion token limit")
-    parser.add_argument("--micro-batch-size", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens per micro-batch (tokens and packed layouts)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--tokens", default="2048,4096", help="micro_batch_tokens to compare with the default 8192")
+    parser.add_argument("--rounds", type=int, default=3, help="timed steps of each setting, the settings taking turns")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096,
                         help="small by default: the head runs on loss tokens only, the same in every layout")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the model's dtype (bfloat16: a GPU's training dtype; the head's softmax stays float32)")
+                        help="the compute dtype (bfloat16: a GPU's; over float32 master weights, as scirl trains)")
+    parser.add_argument("--kernels", default="auto", choices=["auto", "eager", "compile", "liger"],
+                        help="the decoder layers (auto: compiled on CUDA, eager on a CPU)")
+    parser.add_argument("--distributions", default=",".join(DISTRIBUTIONS), help="which completion-length distributions")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    try:
+        tokens = [int(n) for n in args.tokens.split(",") if n]
+    except ValueError:
+        parser.error(f"--tokens takes comma-separated integers, got {args.tokens!r}")
+    unknown = [d for d in args.distributions.split(",") if d not in DISTRIBUTIONS]
+    if unknown:
+        parser.error(f"--distributions: unknown {', '.join(unknown)} (known: {', '.join(DISTRIBUTIONS)})")
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.manual_seed(0)
+    # a CPU's flex row runs eagerly on purpose (its forward alone, to check the logprobs): torch's advice is for speed
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
     config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                          num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
                          num_key_value_heads=max(1, args.hidden // 128), head_dim=64, tie_word_embeddings=True,
                          max_position_embeddings=8192)
-    config._attn_implementation = "sdpa"
-    dtype = getattr(torch, args.dtype)
-    model = Qwen3ForCausalLM(config).to(device=device, dtype=dtype).train()
-    head = Head()
-    print(f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, {args.dtype}; "
-          f"{args.sequences} sequences (groups of {args.group_size}), completions <= {args.limit}; micro-batches of "
-          f"{args.micro_batch_size} rows (fixed, sorted) or {args.tokens} tokens (tokens, packed)")
-    print(f"{'distribution':>13} {'layout':>7} {'mbs':>4} {'computed':>9} {'/ real':>7} {'attention':>10} {'s/step':>8} "
-          f"{'vs sorted':>9}")
-    for name in DISTRIBUTIONS:
-        lengths = sequences(name, args.sequences, args.limit, args.group_size)
-        rng = random.Random(1)
-        token_ids = [[rng.randrange(args.vocab) for _ in range(p + c)] for p, c in lengths]
-        completions = [c for _, c in lengths]
-        real = sum(p + c for p, c in lengths)
-        results = {}
-        for layout, batches in layouts(lengths, args.micro_batch_size, args.tokens).items():
-            batches = [{k: (v.to(device) if torch.is_tensor(v) else v) for k, v in b.items()} for b in batches]
-            computed = sum(b["loss_mask"].numel() for b in batches)
-            scores = attention_elements(batches, lengths, skips_between=layout == "flex")
-            row = f"{name:>13} {layout:>7} {len(batches):>4} {computed:>9} {computed / real:>7.2f} {scores / 1e6:>9.1f}M"
-            if layout == "flex" and not flex_available(device):
-                with attention(model, "flex_attention"):  # the forward alone: checks the layout's logprobs
-                    results[layout] = (None, step(model, head, batches, token_ids, completions, backward=False))
-                print(f"{row} {'n/a':>8} {'n/a':>9}  (flex attention has no backward on {device.type}: forward only)")
+    model = Qwen3ForCausalLM(config).to(device).train()  # float32 masters, as load_model gives them
+    start = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    print(f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, {args.dtype}, "
+          f"kernels {args.kernels}; {args.questions} groups x {args.group_size} completions <= {args.limit} tokens, "
+          f"prompts of 100-350 tokens")
+    print(f"{'lengths':>12} {'setting':>34} {'mbs':>4} {'forward':>8} {'useful':>7} {'/ useful':>8} {'s/step':>8} "
+          f"{'speed':>6} {'max |dlogprob|':>14}")
+    for distribution in args.distributions.split(","):
+        samples = step_samples(distribution, args.questions, args.group_size, args.limit, args.vocab)
+        reference, runs = None, []
+        for name, fields in settings(device, tokens):
+            model.load_state_dict(start)  # every setting's logprobs from the same weights: they must agree
+            cfg = run_config(args, fields)
+            trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=Dist(), dtype=dtype)
+            logprobs = logprobs_of(trainer, samples)
+            reference = logprobs if reference is None else reference
+            run = {"name": name, "diff": float((logprobs - reference).abs().max()), "times": []}
+            if trainable(device, fields):
+                run.update(trainer=trainer, batches=trainer.batches(samples))
+                trainer.train_step(run["batches"])  # untimed: new shapes, compilation on CUDA
+            runs.append(run)
+        timed = [run for run in runs if "trainer" in run]
+        for round_ in range(args.rounds):  # the settings in turn, reversed every other round: the machine's load hits all
+            for run in timed if round_ % 2 == 0 else timed[::-1]:
+                seconds, run["stats"] = timed_step(run["trainer"], run["batches"], device)
+                run["times"].append(seconds)
+        base = statistics.median(runs[0]["times"])
+        for run in runs:
+            row = f"{distribution:>12} {run['name']:>34}"
+            if "trainer" not in run:
+                print(f"{row} {'':>4} {'':>8} {'':>7} {'':>8} {'n/a':>8} {'n/a':>6} {run['diff']:>14.2e}  "
+                      f"(flex attention has no backward on {device.type}: its forward alone)")
                 continue
-            with attention(model, "flex_attention" if layout == "flex" else "sdpa"):
-                step(model, head, batches, token_ids, completions)  # warm-up (flex: its compilation)
-                model.zero_grad(set_to_none=True)
-                times = []
-                for _ in range(args.repeats):
-                    started = time.perf_counter()
-                    logprobs = step(model, head, batches, token_ids, completions)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - started)
-                    model.zero_grad(set_to_none=True)
-            results[layout] = (statistics.median(times), logprobs)
-            print(f"{row} {results[layout][0]:>8.3f} {results['sorted'][0] / results[layout][0]:>9.2f}")
-        for layout in ("packed", "flex"):
-            if layout in results:
-                diff = max(float((results[layout][1][i] - results["sorted"][1][i]).abs().max()) for i in range(len(lengths)))
-                print(f"{name:>13} {layout} vs sorted logprobs: max |difference| {diff:.2e}")
+            seconds, stats = statistics.median(run["times"]), run["stats"]
+            print(f"{row} {len(run['batches']):>4} {stats['forward_tokens']:>8} {stats['unique_tokens']:>7} "
+                  f"{stats['forward_tokens'] / stats['unique_tokens']:>8.2f} {seconds:>8.3f} {base / seconds:>6.2f} "
+                  f"{run['diff']:>14.2e}")
+        del runs, timed
     return 0
 
 

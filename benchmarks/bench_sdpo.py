@@ -58,7 +58,6 @@ def main() -> None:
     print(f"generation {batch.time_generate:.3f}s; {len(batch.samples)} samples, {taught} with a teacher; "
           f"completion tokens {statistics.fmean(len(s.completion_ids) for s in batch.samples):.1f} on average")
 
-    pad = tokenizer.pad_token_id
     trainers = {}
     for algorithm in ("grpo", "sdpo"):
         run_cfg = cfg.model_copy(update={"algorithm": algorithm})
@@ -69,7 +68,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name, trainer in trainers.items():
             started = time.perf_counter()
-            stats = trainer.train_step(trainer.batches(batch.samples, cfg.micro_batch_size, pad))
+            stats = trainer.train_step(trainer.batches(batch.samples))
             seconds[name].append(time.perf_counter() - started)
             if name == "sdpo":
                 teacher.append(stats["time/teacher"])

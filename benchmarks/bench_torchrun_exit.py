@@ -33,7 +33,7 @@ from scirl.run.config import TrainConfig
 from scirl.distributed import exit_process, setup, teardown
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer, make_micro_batches
+from scirl.trainer.step import Trainer
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)
@@ -41,7 +41,7 @@ trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, devi
 g = torch.Generator().manual_seed(0)
 samples = [Sample(torch.randint(10, 500, (4 + i,), generator=g).tolist(), torch.randint(10, 500, (3,), generator=g).tolist(),
                   [-1.0, -2.0, -0.5], 0.5 - i % 2, i) for i in range(6)]
-trainer.train_step(make_micro_batches(samples[dist.rank::2], 2, pad_id=0))
+trainer.train_step(trainer.batches(samples[dist.rank::2]))
 state = trainer.full_state_dict()
 ENDING
 """

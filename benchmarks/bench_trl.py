@@ -5,7 +5,9 @@ thread count, and do the same work per step: 8 questions x 16 completions = 128 
 exactly 256 tokens (EOS held back: scirl's ``min_tokens``; TRL's ``min_new_tokens`` through
 transformers, ``min_tokens`` through vLLM), reward = scirl's lenient answer check, advantage =
 reward - group mean (TRL: ``scale_rewards="none"``), no KL/reference model (TRL: ``beta=0``), no
-gradient checkpointing, micro-batches of 32 with gradient accumulation to one AdamW step.
+gradient checkpointing, micro-batches of at most 32 completions with gradient accumulation to one AdamW step
+(TRL: 32 a micro-batch; scirl: its packed rows, each group's prompt once, within its default budget of 8,192
+tokens and at most 32 completions: ``--micro-batch-tokens`` changes the budget).
 
 CPU (``--device cpu``, the default): a tiny model (hidden 256, 4 layers), fp32, both frameworks
 sampling through transformers. CUDA (``--device cuda``): a random-init model with a Qwen3 release's
@@ -21,10 +23,15 @@ sampler shares the trained module; the vLLM engine is built first, as ``scirl tr
 colocated source and sink ``scirl.run.setup`` wires; only the run-directory logging and checkpoints
 are left out. Each framework and sampler runs in a process of its own, one after the other (so GPU
 memory and its peaks do not mix); a side that fails is reported with its last lines and the others
-still run. The first ``--warmup`` steps are not timed.
+still run. The first ``--warmup`` steps are not timed; ``--rounds`` runs every side again, the order
+reversed every other round, so a change in the machine's load hits them alike.
+
+``--against REV`` adds a third side: scirl's step as another revision of this repository has it, that
+revision's own copy of this script (``--only scirl``) run from a ``git worktree`` of it, with the same
+settings and model, in the same run: today's step beside an older one's.
 
     pip install trl   # the benchmark's extra dependency; it keeps the installed torch
-    python benchmarks/bench_trl.py --steps 3 --threads 1
+    python benchmarks/bench_trl.py --steps 3 --threads 1 [--rounds 2] [--against REV]
     python benchmarks/bench_trl.py --device cuda --steps 3 --json out.json   # one GPU, trl + vllm installed
 """
 
@@ -33,10 +40,12 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -46,7 +55,9 @@ import threading
 import time
 from pathlib import Path
 
-from gpu_check import SHAPES, DeviceMemoryPeak, build_model  # a sibling script: benchmarks/ is on sys.path
+from gpu_check import SHAPES, DeviceMemoryPeak, build_model  # a sibling package: benchmarks/ is on sys.path
+
+REPO = Path(__file__).resolve().parents[1]
 
 # scirl's default seq_len, which its engine takes as max_model_len; TRL's engine gets the same
 MAX_MODEL_LEN = 4096
@@ -83,8 +94,6 @@ def peak_allocated_mb() -> float | None:
 
 
 def run_scirl(model_dir: Path, questions: list, args) -> dict:
-    import dataclasses
-
     import torch
 
     from scirl import algorithms
@@ -108,10 +117,11 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     # max_model_len, on a GPU asleep (level 2) during each train step
     engine = {"inference": {"backend": "vllm", "gpu_memory_utilization": args.gpu_memory_utilization,
                             "enforce_eager": args.enforce_eager}} if vllm else {}
+    budget = {"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}
     cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
                       micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device=args.device, dtype=args.dtype,
                       reward={"mode": "lenient"}, optim={"lr": args.lr},
-                      filters={"zero_advantage": {"enforce": False}}, **engine)
+                      filters={"zero_advantage": {"enforce": False}}, **budget, **engine)
     assert cfg.seq_len == MAX_MODEL_LEN
     dist, device = (Dist(), torch.device("cpu")) if args.device == "cpu" else setup(args.device)
     dtype = compute_dtype(cfg.dtype, device)
@@ -123,7 +133,6 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
     generator = generator or make_generator(trainer, cfg.model, tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else generator.eos_ids[0]
     batch = [PromptedQuestion(q, encode_messages(tokenizer, build_messages(q)), render_prompt(tokenizer, build_messages(q)))
              for q in questions]
     # the benchmark's only addition to a training step: fixed-length completions (EOS held back)
@@ -144,7 +153,7 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     steps = []
     for step in range(1, args.steps + 1):
         t0, cpu0 = time.perf_counter(), time.process_time()
-        result = one_step(step, source, trainer, sink, micro_batch_size=cfg.micro_batch_size, pad_id=pad_id)
+        result = one_step(step, source, trainer, sink)
         t1, cpu1 = time.perf_counter(), time.process_time()
         m = result.metrics
         tokens = sum(r["num_tokens"] for r in result.rollouts)
@@ -152,10 +161,11 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
         assert tokens == args.questions * args.group * args.tokens, f"scirl completions were not {args.tokens} long"
         steps.append({"seconds": t1 - t0, "generate": m["time/generate"], "train": m["time/train"] + m["time/weight_sync"],
                       "sync": m["time/weight_sync"], "completion_tokens": tokens, "cpu_seconds": cpu1 - cpu0,
-                      "cpu_generate": cpu_generate[-1]})
+                      "cpu_generate": cpu_generate[-1],
+                      **{key: m[f"train/{key}"] for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")}})
         print(f"scirl ({args.sampler}) step {step}: {t1 - t0:.1f}s (generate {m['time/generate']:.1f}s, train "
               f"{m['time/train']:.1f}s, weight sync {m['time/weight_sync']:.1f}s), {tokens} tokens", file=sys.stderr, flush=True)
-    result = {"framework": "scirl", "sampler": args.sampler, "steps": steps, "training_batches": type(trainer).__name__,
+    result = {"framework": "scirl", "sampler": args.sampler, "steps": steps, "training_batches": trainer.describe_batching(),
               "generator": type(generator).__name__, "peak_allocated_mb": peak_allocated_mb()}
     if hasattr(generator, "close"):
         generator.close()
@@ -298,11 +308,23 @@ def summarize(timed: list[dict]) -> dict:
     }
 
 
-def run_side(framework: str, sampler: str, settings: list, env: dict, args) -> tuple[dict | None, dict | None]:
-    """One framework with one sampler in a fresh process: (its result, or None; its error, or None)."""
-    result_path = Path(args.work) / f"result-{sampler}-{framework}.json"
+@dataclasses.dataclass(frozen=True)
+class Side:
+    """A column of the tables: ``framework`` (what ``--only`` runs) from ``source``, a tree of this repository (this
+    one, or another revision's worktree: its own copy of this script and its own scirl)."""
+
+    name: str
+    framework: str
+    source: Path = REPO
+
+
+def run_side(side: Side, sampler: str, settings: list, env: dict, args) -> tuple[dict | None, dict | None]:
+    """One side with one sampler in a fresh process: (its result, or None; its error, or None)."""
+    result_path = Path(args.work) / f"result-{sampler}-{side.name}.json"
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, *map(str, settings), "--sampler", sampler, "--only", framework, "--result", result_path]
+    script = side.source / "benchmarks" / "bench_trl.py"
+    cmd = [sys.executable, script, *map(str, settings), "--sampler", sampler, "--only", side.framework, "--result", result_path]
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(side.source), env.get("PYTHONPATH")]))}
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     timed_out = False
     # on a GPU the device's used memory (vLLM's pools included, which torch's statistics miss), sampled meanwhile
@@ -339,8 +361,8 @@ def run_side(framework: str, sampler: str, settings: list, env: dict, args) -> t
     if returncode == 0 and result is not None:
         return result, None
     why = f"timed out after {args.side_timeout_s:g}s" if timed_out else f"exit code {returncode}"
-    error = {"framework": framework, "sampler": sampler, "error": why, "completed": result is not None, "last_lines": list(tail)}
-    print(f"\n{framework} ({sampler} sampler) FAILED: {why}; its last lines:\n  " + "\n  ".join(tail) + "\n",
+    error = {"framework": side.name, "sampler": sampler, "error": why, "completed": result is not None, "last_lines": list(tail)}
+    print(f"\n{side.name} ({sampler} sampler) FAILED: {why}; its last lines:\n  " + "\n  ".join(tail) + "\n",
           file=sys.stderr, flush=True)
     return result, error
 
@@ -349,21 +371,23 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-def pair_ratios(s: dict) -> dict:
-    """TRL / scirl of every figure (above 1: TRL takes longer, or more memory)."""
-    keys = ("s_per_step", "s_per_step_median", "generate_s", "train_s", "sync_s", "tokens_per_s", "cpu_s_per_step",
-            "peak_allocated_mb", "device_peak_mb")
-    return {k: ratio(s["trl"].get(k), s["scirl"].get(k)) for k in keys} if s.get("scirl") and s.get("trl") else {}
+RATIO_KEYS = ("s_per_step", "s_per_step_median", "generate_s", "train_s", "sync_s", "tokens_per_s", "cpu_s_per_step",
+              "peak_allocated_mb", "device_peak_mb")
+
+
+def pair_ratios(s: dict, over: str = "trl", under: str = "scirl") -> dict:
+    """``over`` / ``under`` of every figure (by default TRL / scirl: above 1, TRL takes longer, or more memory)."""
+    return {k: ratio(s[over].get(k), s[under].get(k)) for k in RATIO_KEYS} if s.get(over) and s.get(under) else {}
 
 
 def print_cpu_pair(summaries: dict, header: str) -> None:
     print(header)
-    print(f"{'':8}{'s/step':>10}{'generate s':>12}{'train s':>10}{'tokens/s':>10}{'CPU s/step':>12}{'CPU gen s':>11}")
+    print(f"{'':16}{'s/step':>10}{'generate s':>12}{'train s':>10}{'tokens/s':>10}{'CPU s/step':>12}{'CPU gen s':>11}")
     for name, s in summaries.items():
         if s is None:
-            print(f"{name:8}  failed (see above)")
+            print(f"{name:16}  failed (see above)")
             continue
-        print(f"{name:8}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}"
+        print(f"{name:16}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}"
               f"{s['cpu_s_per_step']:12.1f}{s['cpu_generate_s']:11.1f}")
     r = pair_ratios(summaries)
     if r:
@@ -377,17 +401,17 @@ def print_gpu_pair(summaries: dict, header: str) -> None:
         return f"{value:{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
     print(header)
-    print(f"{'':10}{'s/step':>8}{'generate s':>12}{'train s':>9}{'(sync s)':>10}{'tokens/s':>10}{'peak alloc MB':>15}"
+    print(f"{'':16}{'s/step':>8}{'generate s':>12}{'train s':>9}{'(sync s)':>10}{'tokens/s':>10}{'peak alloc MB':>15}"
           f"{'device MB':>11}")
     rows = [(name, s, (2, 2, 2, 2, 0, 0, 0)) for name, s in summaries.items()] + [
         ("TRL/scirl", pair_ratios(summaries) or None, (2, 2, 2, 2, 2, 2, 2))]
     for name, s, d in rows:
         if s is None:
-            print(f"{name:10}  " + ("failed (see above)" if name != "TRL/scirl" else "n/a: a side failed"))
+            print(f"{name:16}  " + ("failed (see above)" if name != "TRL/scirl" else "n/a: a side failed"))
             continue
         keys = ("s_per_step", "generate_s", "train_s", "sync_s", "tokens_per_s", "peak_allocated_mb", "device_peak_mb")
         widths = (8, 12, 9, 10, 10, 15, 11)
-        print(f"{name:10}" + "".join(cell(s.get(k), w, p) for k, w, p in zip(keys, widths, d)))
+        print(f"{name:16}" + "".join(cell(s.get(k), w, p) for k, w, p in zip(keys, widths, d)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,7 +433,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--questions", type=int, default=8)
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256, help="completion length (forced)")
-    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--micro-batch", type=int, default=32, help="completions a micro-batch (scirl: at most)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="scirl's micro-batch token budget (default: scirl's, 8192; not passed to --against's side)")
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="also run scirl's side as revision REV of this repository has it (a git worktree of it)")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
@@ -452,10 +480,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     samplers = ["hf", "vllm"] if args.sampler == "both" else [args.sampler]
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp, against_tree(args.against, Path(tmp)) as against:
         args.work = args.work or tmp
         Path(args.work).mkdir(parents=True, exist_ok=True)
-        build_inputs(Path(args.work), args)  # once, outside the timed runs
+        build_inputs(Path(args.work), args)  # once, outside the timed runs: every side reuses the model
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
                    TOKENIZERS_PARALLELISM="false")
         settings = ["--steps", args.steps, "--threads", args.threads, "--questions", args.questions, "--group", args.group,
@@ -463,25 +491,46 @@ def main(argv: list[str] | None = None) -> int:
                     "--layers", args.layers, "--lr", args.lr, "--dtype", args.dtype, "--work", args.work,
                     "--device", args.device, "--gpu-memory-utilization", args.gpu_memory_utilization]
         settings += (["--shape", args.shape] if args.shape else []) + (["--enforce-eager"] if args.enforce_eager else [])
-        runs = {sampler: {"scirl": [], "trl": []} for sampler in samplers}
+        sides = [Side("scirl", "scirl"), Side("trl", "trl")]
+        if against is not None:
+            sides.insert(1, Side(f"scirl@{args.against}", "scirl", against))
+        own = ["--micro-batch-tokens", args.micro_batch_tokens] if args.micro_batch_tokens else []  # this tree's flag
+        runs = {sampler: {side.name: [] for side in sides} for sampler in samplers}
         errors: list[dict] = []
         peaks: dict = collections.defaultdict(dict)
         report = functools.partial(write_report, args, runs, peaks, errors)
-        # alternate the frameworks so a change in the machine's load hits both alike
-        for _ in range(args.rounds):
+        # every side in turn, the order reversed every other round, so a change in the machine's load hits them alike
+        for round_ in range(args.rounds):
             for sampler in samplers:
                 side_env = {**VLLM_ENV, **env} if sampler == "vllm" else env
-                for framework in ("scirl", "trl"):
-                    result, error = run_side(framework, sampler, settings, side_env, args)
+                for side in sides if round_ % 2 == 0 else sides[::-1]:
+                    result, error = run_side(side, sampler, settings + (own if side.source == REPO else []), side_env, args)
                     if result is not None:
-                        runs[sampler][framework] += result["steps"][args.warmup:]
+                        runs[sampler][side.name] += result["steps"][args.warmup:]
                         for key in ("peak_allocated_mb", "device_peak_mb"):
                             if result.get(key) is not None:
-                                peaks[(sampler, framework)][key] = max(result[key], peaks[(sampler, framework)].get(key, 0))
+                                peaks[(sampler, side.name)][key] = max(result[key], peaks[(sampler, side.name)].get(key, 0))
                     if error is not None:
                         errors.append(error)
                     report(final=False)  # after each side: a run cut short keeps what it measured
         return report(final=True)
+
+
+@contextlib.contextmanager
+def against_tree(rev: str | None, tmp: Path):
+    """A ``git worktree`` of revision ``rev`` of this repository for the duration (None: no revision asked for)."""
+    if rev is None:
+        yield None
+        return
+    tree = tmp / f"against-{rev}"
+    made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True)
+    if made.returncode != 0:
+        raise SystemExit(f"bench_trl: --against {rev}: git worktree add failed: {made.stderr.strip().splitlines()[-1]}")
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
+        shutil.rmtree(tree, ignore_errors=True)
 
 
 def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> int:
@@ -491,6 +540,8 @@ def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> in
         summaries = {name: ({**summarize(timed), **peaks[(sampler, name)]} if timed else None) for name, timed in steps.items()}
         pairs[sampler] = {"results": summaries, "ratios": pair_ratios(summaries),
                           "errors": [e for e in errors if e["sampler"] == sampler]}
+        if args.against:  # this tree's scirl against the other revision's: above 1, the other revision takes longer
+            pairs[sampler]["against_ratios"] = pair_ratios(summaries, f"scirl@{args.against}", "scirl")
     if final:
         per_step = args.questions * args.group
         model = f"{args.shape} shapes" if args.shape else f"model hidden {args.hidden} x {args.layers} layers"
@@ -506,6 +557,10 @@ def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> in
                           f"{', eager' if args.enforce_eager else ''}" if sampler == "vllm" else "")
                 print_gpu_pair(s, f"\n{'vLLM' if sampler == 'vllm' else 'transformers'} sampler, {args.dtype}{engine}: "
                                + header.lstrip("\n"))
+            if pair.get("against_ratios"):
+                r = {k: f"{v:.2f}x" if v is not None else "n/a" for k, v in pair["against_ratios"].items()}
+                print(f"scirl@{args.against} / scirl (this tree): train {r['train_s']}, step {r['s_per_step']} "
+                      f"(median {r['s_per_step_median']}), CPU time {r['cpu_s_per_step']} (above 1: this tree is faster)")
         for e in errors:
             print(f"FAILED: {e['framework']} ({e['sampler']} sampler): {e['error']}")
     if args.json:

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# GPU check of GRPO on one GPU, offline, in stages within a time budget (benchmarks/gpu_check.py says
-# what each stage measures; benchmarks/README.md, how to run it on a GPU machine with no network).
+# GPU check of GRPO on one GPU, offline, in stages within a time budget (benchmarks/gpu_check/, a package
+# of its stages, says what each measures; benchmarks/README.md, how to run it on a GPU machine with no network).
 #
-#   stage A, no vLLM: the transformers backend, 5 steps of 128 completions x 256 tokens on a random
-#     model with Qwen3-0.6B's shapes (a_train); the training step alone by micro-batch size, with and
-#     without activation checkpointing, default and deterministic kernels, against the memory plan, and
-#     one step profiled (a_sweep); then the run killed (kill -9) in a checkpoint's write and resumed: its
-#     final weights must equal the uninterrupted run's (a_resume; not by default at 1.7b and larger).
-#     Step split, tokens/s, MFU, peak memory, checkpoint MB/s.
+#   stage A, no vLLM: the transformers backend, 4 steps of 8 questions x 16 completions (prompts of
+#     100-350 tokens, completions of mixed lengths up to 256) on a random model with Qwen3-0.6B's shapes
+#     (a_train); the training step alone by micro-batch tokens, with and without activation checkpointing,
+#     compiled / eager / Liger kernels, flex / SDPA attention, deterministic settings, against the memory
+#     plan, and one step profiled (a_sweep); then the run killed (kill -9) in a checkpoint's write and
+#     resumed: its final weights must equal the uninterrupted run's (a_resume; not by default at 1.7b and
+#     larger). Step split, the trainer's token counts, useful tokens/s, MFU, peak memory, checkpoint MB/s.
 #   stage B, vLLM (where it imports): vLLM colocated, the adapter vs raw generation comparison, and
 #     a vLLM server with the trainer beside it (weights over NCCL only with a GPU each).
 #
@@ -17,14 +18,16 @@
 #
 # Python: $PYTHON if set, else the repo's .venv when there is one, else python3.
 # Usage: bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s S] [--shape 0.6b|1.7b|4b|8b] [--steps N]
-#                                      [--[no-]resume] [--no-sweep] [--out DIR] [--json FILE] [--cpu] [--eager]
+#                                      [--[no-]resume] [--micro-batch-tokens N] [--no-sweep] [--out DIR] [--json FILE]
+#                                      [--cpu] [--eager]
 #                                      [--disaggregated]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the repository's scirl, and the check itself (benchmarks/gpu_check, run as `python -m gpu_check`)
+export PYTHONPATH="$PWD:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 # vLLM logs to stderr; a long run keeps them in the per-run log instead of the terminal
 export VLLM_LOGGING_LEVEL="${VLLM_LOGGING_LEVEL:-WARNING}"
 # everything it loads is local: a hub lookup would only wait on a machine without network
@@ -38,4 +41,4 @@ for arg in "$@"; do
 done
 # a budget that is not a number: the Python side says so in one line
 if [[ "$budget" =~ ^[0-9]+([.][0-9]*)?$ ]]; then backstop=$(( ${budget%.*} + 60 )); else backstop=540; fi
-exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-$backstop}" "$PYTHON" benchmarks/gpu_check.py "$@"
+exec timeout --kill-after=15 "${GPU_CHECK_TIMEOUT:-$backstop}" "$PYTHON" -m gpu_check "$@"

@@ -1,15 +1,18 @@
 """``benchmarks/gpu_check.sh`` on a CPU: the GPU check's own code paths with a tiny model.
 
-- stage A (no vLLM): the transformers backend's steps and figures, then kill -9 in a checkpoint's
-  write, ``--resume``, and the final weights bit-equal to the uninterrupted run's; stage B skipped,
-  with its reason, where vLLM does not import (a stand-in ``vllm`` package that fails to import);
-- bad input: one line, exit 2; the budget: a stage that cannot fit is skipped, not started.
+- stage A (no vLLM): the transformers backend's steps and figures (the trainer's token counts, prompts and
+  completions of the mission's lengths), the training step alone by micro-batch tokens and checkpointing, then
+  kill -9 in a checkpoint's write, ``--resume``, and the final weights bit-equal to the uninterrupted run's;
+  stage B skipped, with its reason, where vLLM does not import (a stand-in ``vllm`` package that fails to import);
+- bad input: one line, exit 2; the budget: a stage that cannot fit is skipped, not started;
+- the completion lengths the model is built for: the sampler of the sweep's batch against the stated distribution.
 
 Stage B (vLLM) is ``tests/test_gpu_check_vllm.py``: a file of its own, so the two run on different workers.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -49,35 +52,49 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     assert result["stage_b"].startswith("skipped: vLLM does not import")
     assert "[b_colocated] skipped: vLLM does not import" in done.stdout
 
+    model = stages["model"]["figures"]  # the EOS bias: EOS sampled at the rate that keeps the mission's lengths at 32 tokens
+    assert abs(model["eos"]["measured"] - model["eos"]["rate"]) < 0.05 * model["eos"]["rate"]
     a = stages["a_train"]["figures"]
     assert [s["step"] for s in a["steps"]] == [1, 2]
     for s in a["steps"]:
         assert s["generate_s"] > 0 and s["train_s"] > 0 and s["completion_tokens"] > 0 and s["prompt_tokens"] > 0
-        assert s["mfu"] is None  # a CPU: no peak to take it against
-    assert a["generation_tokens_per_s"] > 0 and a["training_tokens_per_s"] > 0 and a["train_flops_per_step"] > 0
+        # the trainer's counts: each group's prompt once plus its completions (one micro-batch of 8192 tokens holds the
+        # step), no padding on a CPU, the loss on every completion token; MFU n/a (a CPU: no peak to take it against)
+        assert s["unique_tokens"] == s["forward_tokens"] == s["prompt_tokens"] + s["completion_tokens"]
+        assert s["padding_tokens"] == 0 and s["loss_tokens"] == s["completion_tokens"] and s["mfu"] is None
+    assert a["generation_tokens_per_s"] > 0 and a["useful_tokens_per_s"] > 0 and a["train_flops_per_step"] > 0
+    # the mission's lengths: prompts of 100-350 tokens (to within a word), completions of mixed lengths up to the limit
+    assert 100 <= a["prompts"]["min"] and a["prompts"]["max"] <= 360 and a["prompts"]["count"] == 8
+    assert 1 <= a["completions"]["median"] < 32 and a["completions"]["at_limit"] < 0.5
     checkpoint = a["checkpoint"]  # its save time read from the run's line, which rounds a fast save to 0.0s
     assert checkpoint["step"] == 2 and checkpoint["bytes"] > 0 and checkpoint["seconds"] is not None
     assert (checkpoint["mb_per_s"] > 0) if checkpoint["seconds"] > 0 else checkpoint["mb_per_s"] is None
     assert a["memory_peak_mb"] > 0 and a["deterministic"] is None
     for text in ("stage A: transformers backend", "mean of steps 2+: step", "weight sync", "checkpoint (step 2",
-                 "MFU n/a", "generation:", "peak memory:"):
+                 "MFU n/a", "generation:", "peak memory:", "tokens a step:", "at the limit (designed: mean 12.0"):
         assert text in done.stdout, (text, done.stdout[-3000:])
 
-    # the step alone, by micro-batch size and checkpointing (a CPU: the default kernels only, no allocator peak)
+    # the step alone, by micro-batch tokens and checkpointing (a CPU: the eager layers and the SDPA path, no allocator peak)
     sweep = stages["a_sweep"]["figures"]
-    assert [(r["kernels"], r["micro_batch_size"], r["activation_checkpointing"]) for r in sweep["settings"]] == [
-        ("default", 8, True), ("default", 16, True), ("default", 8, False), ("default", 16, False)]
+    assert [(r["kernels"], r["attention"], r["micro_batch_tokens"], r["activation_checkpointing"], r["deterministic"])
+            for r in sweep["settings"]] == [("eager", "sdpa", 512, False, False), ("eager", "sdpa", 1024, False, False),
+                                            ("eager", "sdpa", 512, True, False), ("eager", "sdpa", 1024, True, False)]
+    batch = sweep["batch"]
+    assert batch["completions"] == 16 and 100 <= batch["prompt_mean"] <= 350 and 1 <= batch["completion_mean"] < 32
     for r in sweep["settings"]:
-        assert r["step_s"] > 0 and r["training_tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mb"] is None
-        assert r["plan_peak_mb"] > 0 and r["micro_batches"] == 16 // r["micro_batch_size"]
+        assert r["step_s"] > 0 and r["useful_tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mb"] is None
+        assert r["plan_peak_mb"] > 0 and r["largest_micro_batch"] <= r["micro_batch_tokens"] and r["padding_tokens"] == 0
+        # the same useful work however it is cut; a group split between micro-batches computes its prompt twice
+        assert r["unique_tokens"] == batch["unique_tokens"] <= r["forward_tokens"]
+    mbs = {(r["micro_batch_tokens"], r["activation_checkpointing"]): r["micro_batches"] for r in sweep["settings"]}
+    assert mbs[512, False] == mbs[512, True] > mbs[1024, False] == mbs[1024, True] >= 1
     # checkpointing keeps one tensor a layer: the plan says less memory with it, at every size
-    plan = {(r["micro_batch_size"], r["activation_checkpointing"]): r["plan_peak_mb"] for r in sweep["settings"]}
-    assert plan[8, True] < plan[8, False] and plan[16, True] < plan[16, False] and plan[8, False] < plan[16, False]
-    assert sweep["batch"]["completions"] == 16 and sweep["batch"]["completion_tokens"] == 16 * 32
+    plan = {(r["micro_batch_tokens"], r["activation_checkpointing"]): r["plan_peak_mb"] for r in sweep["settings"]}
+    assert plan[512, True] < plan[512, False] and plan[1024, True] < plan[1024, False] and plan[512, False] < plan[1024, False]
     profile = sweep["profile"]
     assert profile["wall_s"] > 0 and profile["gpu_busy_s"] is None and profile["top_ops"][0]["seconds"] > 0
     assert any(o["name"] == "aten::mm" for o in profile["top_ops"]) and Path(profile["table"]).is_file()
-    for text in ("the training step alone", "plan/peak", "profile of one step at micro-batch 16"):
+    for text in ("the training step alone", "plan/peak", "profile of one step (eager kernels, sdpa attention"):
         assert text in done.stdout, (text, done.stdout[-3000:])
 
     r = stages["a_resume"]["figures"]
@@ -103,13 +120,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     assert "Traceback" not in done.stderr
 
 
-def import_gpu_check():
+def import_gpu_check(module: str = "orchestrate"):
+    """A module of the package ``benchmarks/gpu_check`` (benchmarks/ on the module path, as the scripts have it)."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        import gpu_check
+        return importlib.import_module(f"gpu_check.{module}")
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
-    return gpu_check
 
 
 def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_path):
@@ -139,7 +156,7 @@ def test_stage_a_fits_the_default_budget_at_0_6b_with_the_resume_check_and_at_1_
     gpu_check = import_gpu_check()
     _, args = gpu_check.parse_args(["--out", "unused"])
     small = settled(gpu_check, [])
-    assert (small["shape"], small["steps"], small["resume"]) == ("0.6b", 5, True)
+    assert (small["shape"], small["steps"], small["resume"]) == ("0.6b", 4, True)
     assert stage_a_estimate(small) <= args.budget_s - gpu_check.RESERVE_S
     larger = settled(gpu_check, ["--shape", "1.7b"])
     assert (larger["steps"], larger["resume"]) == (2, False)  # its checkpoints take a minute each
@@ -159,9 +176,26 @@ def test_one_step_is_enough_without_the_resume_check_and_refused_with_it(tmp_pat
 
 def test_the_deterministic_launch_runs_scirl_train():
     """On a GPU, stage A launches ``scirl train`` through a prelude that sets the deterministic kernels: the same CLI."""
-    gpu_check = import_gpu_check()
-    cmd = gpu_check.scirl_command(["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True)
+    launch = import_gpu_check("launch")
+    cmd = launch.scirl_command(["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "max_steps = 3" in done.stdout and 'backend = "hf"' in done.stdout
+
+
+def test_the_completion_lengths_are_the_stated_geometric_distribution():
+    """The sweep's batch draws its lengths from ``completion_lengths``, the runs' model is biased to the same rate:
+    at the 256-token limit EOS at 1/100 a token gives a mean of 92.4 tokens, a median of 69 and 7.6% at the limit."""
+    model = import_gpu_check("model")
+    assert model.eos_rate(256) == pytest.approx(0.01)
+    stated = model.length_distribution(256)
+    assert stated["mean"] == pytest.approx(92.37, abs=0.01) and stated["median"] == 69
+    assert stated["at_limit"] == pytest.approx(0.0763, abs=1e-4)
+    drawn = model.completion_lengths(20_000, 256, seed=0)
+    # the mean of 20,000 draws of a distribution whose standard deviation is 77.1: within 4 sigma of 0.545
+    assert abs(sum(drawn) / len(drawn) - stated["mean"]) < 2.2 and max(drawn) == 256 and min(drawn) == 1
+    # the share that reaches the limit, no EOS in the first 255 tokens: within 4 sigma of 0.0019
+    assert abs(sum(n == 256 for n in drawn) / len(drawn) - 0.99 ** 255) < 0.0076
+    # a CPU's 32-token limit keeps the shape: the same share of completions reaches it
+    assert model.length_distribution(32)["at_limit"] == pytest.approx(stated["at_limit"], rel=1e-9)

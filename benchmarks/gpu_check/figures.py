@@ -1,0 +1,205 @@
+"""The figures: the training FLOPs and MFU of a step (useful tokens only), and every stage's printed report.
+
+MFU counts the work a step cannot avoid, so that computing less cannot make it look better and sharing a prompt
+cannot inflate it:
+
+    FLOPs = 6 D U + 6 V H L
+
+with D the parameters every token's matmuls use (the decoder layers; N minus the embedding, and minus the LM head
+when it is not tied), U the useful tokens (``train/unique_tokens``: each group's prompt once, plus every
+completion token), V H the LM head, which runs at the L loss tokens only (``train/loss_tokens``). Padding (on CUDA
+a packed row is rounded up to flex attention's 128-token blocks) and a prompt computed again (a group split between
+micro-batches, or ``share_prompts = false``) are not counted; ``train/forward_tokens`` (positions the forwards
+computed) and ``train/padding_tokens`` are reported beside it, so the work the trainer did is in view too.
+Attention's own FLOPs (the query-key products, which grow with the context) are left out, as in the earlier figures.
+MFU = FLOPs / train seconds / the device's peak (989 TFLOP/s, H200 bf16 dense, the datasheet's; ``--peak-tflops``
+for another GPU; none on a CPU).
+"""
+
+from __future__ import annotations
+
+from .common import say
+
+FLOP_FORMULA = ("6 D U + 6 V H L; D the decoder's parameters (N less the embedding and an untied head), U useful "
+                "tokens (train/unique_tokens: each group's prompt once, plus the completions), V H the LM head, L loss "
+                "tokens (the head runs at those only); padding, repeated prompts and attention's own FLOPs not counted")
+TOKEN_KEYS = ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")
+
+
+def train_flops(dense_parameters: int, head_parameters: int, unique_tokens: int, loss_tokens: int) -> float:
+    return 6 * dense_parameters * unique_tokens + 6 * head_parameters * loss_tokens
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float | None) -> float | None:
+    return flops / seconds / (peak_tflops * 1e12) if peak_tflops and seconds > 0 else None
+
+
+def step_work(m: dict, ctx: dict, seconds: float) -> dict:
+    """A metrics row's token counts (the trainer's: every rank, padding included or not) and what they make of
+    ``seconds`` of training: FLOPs, useful tokens/s, MFU. A step with no trainable token has zeros."""
+    tokens = {key: m.get(f"train/{key}", 0) for key in TOKEN_KEYS}
+    flops = train_flops(ctx["dense_parameters"], ctx["head_parameters"], tokens["unique_tokens"], tokens["loss_tokens"])
+    return {**tokens, "train_flops": flops, "useful_tokens_per_s": tokens["unique_tokens"] / seconds if seconds else None,
+            "mfu": mfu(flops, seconds, ctx["peak_tflops"])}
+
+
+def percent(value: float | None, digits: int = 1) -> str:
+    return f"{100 * value:.{digits}f}%" if value is not None else "n/a"
+
+
+def print_split(m: dict) -> None:
+    """The mean step of steps 2+ and its parts' shares."""
+    total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
+    say(f"mean of steps 2+: step {m['step_s']:.3f}s = generate {m['generate_s']:.3f}s ({100 * m['generate_s'] / total:.0f}%)"
+        f" + train {m['train_s']:.3f}s ({100 * m['train_s'] / total:.0f}%)"
+        f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)")
+
+
+def print_peak(allocator_mb: float, device_mb: float | None) -> None:
+    say(f"peak memory: {allocator_mb:.0f} MB (torch allocator, training process)"
+        + (f"; device {device_mb:.0f} MB (nvidia-smi)" if device_mb is not None else ""))
+
+
+def print_tokens(f: dict) -> None:
+    """A run's or a step's token counts: what the forwards computed against the useful work."""
+    say(f"tokens a step: {f['forward_tokens']:.0f} computed by the forwards ({f['padding_tokens']:.0f} of them padding), "
+        f"{f['unique_tokens']:.0f} useful (each group's prompt once + the completions), {f['loss_tokens']:.0f} loss tokens")
+
+
+def print_a_train(f: dict, ctx: dict) -> None:
+    say("\n" + "=" * 78)
+    say(f"stage A: transformers backend, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, "
+        f"{ctx['dtype']}, {ctx['questions']} questions x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens a "
+        f"step, micro-batches of {f['micro_batch_tokens']} tokens")
+    say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'gen tok/s':>10} {'useful':>7} "
+        f"{'forward':>8} {'useful tok/s':>13} {'MFU':>6} {'peak MB':>9}")
+    for s in f["steps"]:
+        say(f"{s['step']:>4} {s['generate_s']:>11.3f} {s['train_s']:>9.3f} {s['weight_sync_s']:>8.3f} {s['step_s']:>8.3f} "
+            f"{s['generation_tokens_per_s']:>10.0f} {s['unique_tokens']:>7} {s['forward_tokens']:>8} "
+            f"{s['useful_tokens_per_s']:>13.0f} {percent(s['mfu']):>6} {s['peak_mb']:>9.0f}")
+    print_split(f["mean_after_first"])
+    p, c, e = f["prompts"], f["completions"], f["expected_completions"]
+    say(f"prompts: {p['count']} of {p['min']}-{p['max']} tokens, mean {p['mean']:.0f}; completions: mean {c['mean']:.1f} "
+        f"tokens, median {c['median']:.0f}, {percent(c['at_limit'])} at the limit (designed: mean {e['mean']:.1f}, median "
+        f"{e['median']}, {percent(e['at_limit'])}; EOS {percent(f['eos_rate'], 2)} a token as built)")
+    print_tokens(f["tokens_mean_after_first"])
+    ck = f["checkpoint"]
+    if ck["seconds"]:
+        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in {ck['seconds']:.1f}s = "
+            f"{ck['mb_per_s']:.0f} MB/s (the whole save: state to the host, files, sha256, fsync)")
+    elif ck["seconds"] is not None:  # the run's line rounds to 0.1 s: too fast a save to give a rate
+        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in under 0.05s (no rate: "
+            "the run's line rounds to 0.1s)")
+    rate = (f"MFU {percent(f['mfu'])} of {f['peak_tflops']:.0f} TFLOP/s" if f["mfu"] is not None
+            else "MFU n/a (a CPU: no peak given, --peak-tflops)")
+    say(f"training: {f['useful_tokens_per_s']:.0f} useful tokens/s, {f['train_flops_per_step'] / 1e12:.2f} TFLOP a step, "
+        f"{rate}{' (the deterministic settings: a_sweep has the default ones)' if f['deterministic'] else ''}; "
+        f"FLOPs = {f['flop_formula']}")
+    say(f"generation: {f['generation_tokens_per_s']:.0f} tokens/s (completion tokens / generate time)")
+    print_peak(f["memory_peak_mb"], f.get("device_peak_mb"))
+    if f["deterministic"]:
+        say("deterministic: " + ", ".join(f"{k} {v}" for k, v in f["deterministic"].items()))
+
+
+def print_a_resume(f: dict) -> None:
+    c = f["compare"]
+    verdict = ("bit-equal" if c["bit_equal"] else
+               f"NOT bit-equal: {c['tensors_differing']} of {c['tensors']} tensors, {c['elements_differing']} elements "
+               f"differ, max |diff| {c['max_abs_diff']:.3e} (allowed {c['atol']:g})")
+    say(f"resume: kill -9 in checkpoint {f['killed_in_checkpoint']}'s write, resumed from step {f['resumed_from']}: "
+        f"the final weights are {verdict} against the uninterrupted run's -> {'PASS' if c['pass'] else 'FAIL'}")
+    same = [step for step, equal in f["same_completions"].items() if not equal]
+    say("completions: the same at every step" if not same else f"completions differ at steps {', '.join(same)}")
+
+
+def sweep_setting(row: dict) -> str:
+    return (f"{row['kernels']} kernels, {row['attention']} attention, {row['micro_batch_tokens']} tokens a micro-batch, "
+            f"checkpointing {'on' if row['activation_checkpointing'] else 'off'}"
+            + (", deterministic" if row["deterministic"] else ""))
+
+
+def sweep_line(row: dict) -> str:
+    if row.get("error"):
+        return f"failed: {row['error']}"
+    if row.get("out_of_memory"):
+        return f"out of memory (the plan said {row['plan_peak_mb'] / 1e3:.1f} GB)"
+    peak = (f"peak {row['peak_mb'] / 1e3:.1f} GB vs plan {row['plan_peak_mb'] / 1e3:.1f} GB "
+            f"({row['plan_over_measured']:.2f}x)" if row["peak_mb"] else f"plan {row['plan_peak_mb'] / 1e3:.1f} GB")
+    return (f"{row['step_s']:.3f}s a step ({row['micro_batches']} micro-batches), {row['useful_tokens_per_s']:.0f} useful "
+            f"tokens/s, MFU {percent(row['mfu'])}, {peak}")
+
+
+def print_a_sweep(f: dict, ctx: dict) -> None:
+    say("\n" + "=" * 78)
+    b = f["batch"]
+    say(f"stage A, the training step alone ({ctx['shape']} shapes, {b['completions']} completions of {b['completion_mean']:.0f} "
+        f"tokens on average after prompts of {b['prompt_mean']:.0f}; {b['unique_tokens']} useful tokens a step): "
+        "kernels x attention x micro-batch tokens x activation checkpointing")
+    say(f"{'kernels':>8} {'attn':>5} {'tokens':>6} {'ckpt':>4} {'det':>3} {'mbs':>3} {'forward':>7} {'pad':>5} {'step s':>7} "
+        f"{'useful/s':>9} {'MFU':>6} {'peak GB':>7} {'plan GB':>7} {'plan/peak':>9}")
+    for r in f["settings"]:
+        head = (f"{r['kernels']:>8} {r['attention']:>5} {r['micro_batch_tokens']:>6} "
+                f"{'on' if r['activation_checkpointing'] else 'off':>4} {'yes' if r['deterministic'] else 'no':>3}")
+        if r.get("error") or r.get("out_of_memory"):
+            say(f"{head} {sweep_line(r)}")
+            continue
+        peak = f"{r['peak_mb'] / 1e3:.1f}" if r["peak_mb"] else "n/a"
+        ratio = f"{r['plan_over_measured']:.2f}" if r.get("plan_over_measured") else "n/a"
+        say(f"{head} {r['micro_batches']:>3} {r['forward_tokens']:>7} {r['padding_tokens']:>5} {r['step_s']:>7.3f} "
+            f"{r['useful_tokens_per_s']:>9.0f} {percent(r['mfu']):>6} {peak:>7} {r['plan_peak_mb'] / 1e3:>7.1f} {ratio:>9}")
+    if f.get("not_run"):
+        say("not run: " + "; ".join(f["not_run"]))
+    p = f.get("profile")
+    if p and "error" in p:
+        say(f"profile: not taken ({p['error']})")
+    elif p:
+        busy = (f", GPU busy {p['gpu_busy_s']:.3f}s ({100 * p['gpu_busy_share']:.0f}%)" if p["gpu_busy_s"] is not None else "")
+        say(f"profile of one step ({p['setting']}): wall {p['wall_s']:.3f}s{busy}; most {p['time']} time: "
+            + ", ".join(f"{o['name']} {o['seconds']:.3f}s" for o in p["top_ops"][:6]) + f" (table: {p['table']})")
+
+
+def print_b_colocated(f: dict, ctx: dict) -> None:
+    g = f["generation"]
+    say("\n" + "=" * 78)
+    if "summary" not in f:
+        say(f"stage B, {ctx['shape']}: generation only: adapter {g['adapter']['tokens_per_s']:.0f} tokens/s | raw "
+            f"vllm.LLM.generate {g['raw']['tokens_per_s']:.0f} (adapter/raw "
+            f"{g['adapter']['tokens_per_s'] / g['raw']['tokens_per_s']:.2f})")
+        return
+    s = f["summary"]
+    say(f"stage B: vLLM colocated, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, {ctx['dtype']}, "
+        f"{ctx['questions'] * ctx['group_size']} completions x <= {ctx['max_tokens']} tokens per step")
+    say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'tokens':>7} {'gen tok/s':>10} "
+        f"{'MFU':>6} {'mismatch KL':>12} {'peak MB':>9}")
+    for r in s["steps"]:
+        say(f"{r['step']:>4} {r['generate_s']:>11.3f} {r['train_s']:>9.3f} {r['weight_sync_s']:>8.3f} {r['step_s']:>8.3f} "
+            f"{r['completion_tokens']:>7} {r['completion_tokens'] / r['generate_s']:>10.0f} {percent(r['mfu']):>6} "
+            f"{r['mismatch_kl']:>12.2e} {r['peak_mb']:>9.0f}")
+    print_split(s["mean_after_first"])
+    raw = g["raw"]["tokens_per_s"]
+    say(f"generation tokens/s: training {s['training_generation_tokens_per_s']:.0f} | adapter {g['adapter']['tokens_per_s']:.0f}"
+        f" | raw vllm.LLM.generate {raw:.0f}  (adapter/raw {g['adapter']['tokens_per_s'] / raw:.2f},"
+        f" training/raw {s['training_generation_tokens_per_s'] / raw:.2f})")
+    say(f"mismatch KL: max {s['mismatch_kl_max']:.2e}")
+    checks = [(r["step"], r["weight_check_s"]) for r in s["steps"] if r.get("weight_check_s") is not None]
+    if checks:
+        say(f"push check (probe logprobs vs the trainer's): {checks[0][1]:.3f}s after step {checks[0][0]}'s push")
+    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"))
+
+
+def print_b_disaggregated(d: dict) -> None:
+    say(f"disaggregated ({'server and trainer on separate GPUs' if d['split_gpus'] else 'server and trainer sharing'}, "
+        f"weights through {d['weight_sync']}), server up in {d['server_start_s']:.0f}s:")
+    say(f"{'step':>4} {'generate s':>11} {'waited s':>9} {'train s':>9} {'sync s':>8} {'step s':>8} {'lag':>4}")
+    for r in d["steps"]:
+        say(f"{r['step']:>4} {r['generate_s']:>11.3f} {r['wait_for_batch_s']:>9.3f} {r['train_s']:>9.3f} "
+            f"{r['weight_sync_s']:>8.3f} {r['step_s']:>8.3f} {r['lag_max']:>4}")
+    m = d["mean_after_first"]
+    say(f"disaggregated mean of steps 2+: step {m['step_s']:.3f}s = waited for batch {m['wait_for_batch_s']:.3f}s + "
+        f"train {m['train_s']:.3f}s + weight sync {m['weight_sync_s']:.3f}s; generation {m['generate_s']:.3f}s, "
+        f"overlap {100 * d['overlap']:.0f}%")
+
+
+def print_b_eval(e: dict) -> None:
+    say(f"b_eval: scirl eval of {e['checkpoint']} through the server: {e['questions']} questions in {e['wall_s']:.1f}s, "
+        f"{e['requests_per_s']:.1f} requests/s, {e['reply_tokens_per_s']:.0f} reply tokens/s")
