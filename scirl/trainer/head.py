@@ -61,10 +61,18 @@ def hidden_states_out(model: torch.nn.Module):
         del head.forward  # the class's forward again
 
 
-def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 logits / temperature of a block of rows: the matmul in the compute dtype, as the model's
-    head computes them, then cast (the full-logits path's ``logits.float()``)."""
-    logits = F.linear(hidden, weight).float()
+    head computes them, then cast (the full-logits path's ``logits.float()``); into ``out`` when given (a
+    buffer the blocks share: one [block, V] allocation a pass instead of one a block, which a CPU's heap
+    would otherwise scatter)."""
+    if out is None:
+        logits = F.linear(hidden, weight).float()
+    elif weight.dtype == torch.float32:
+        logits = torch.mm(hidden, weight.t(), out=out)
+    else:
+        logits = out.copy_(F.linear(hidden, weight))
     return logits.div_(temperature) if temperature != 1.0 else logits
 
 
@@ -104,15 +112,18 @@ class HeadLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(ids.shape[0], dtype=torch.float32)
         logsumexp = hidden.new_empty(ids.shape[0], dtype=torch.float32)
         cut = hidden.new_empty(ids.shape[0], dtype=torch.float32) if top_p < 1.0 else None
+        logits_buffer, probs_buffer = (hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]),
+                                                        dtype=torch.float32) for _ in range(2))
         for start in range(0, hidden.shape[0], block_tokens):
             rows = slice(start, start + block_tokens)
-            logits = block_logits(hidden[rows], weight, temperature)
+            n = min(block_tokens, hidden.shape[0] - start)
+            logits = block_logits(hidden[rows], weight, temperature, out=logits_buffer[:n])
             if cut is not None:
                 cut[rows] = nucleus_cut(logits, top_p)
             masked = in_nucleus(logits, None if cut is None else cut[rows], ids[rows])
             # the full-logits path's steps (``TargetLogprobs``): shift, exp, normalise
             shift = masked.amax(dim=-1, keepdim=True)
-            probs = (masked - shift).exp_()
+            probs = torch.sub(masked, shift, out=probs_buffer[:n]).exp_()
             total = probs.sum(dim=-1, keepdim=True)
             probs.div_(total)
             lse = (shift + total.log()).squeeze(-1)
@@ -122,6 +133,7 @@ class HeadLogprobs(torch.autograd.Function):
             # (a batched matmul: a dot product per row without a [block, V] product tensor)
             entropy[rows] = lse - torch.bmm(probs[:, None], logits[:, :, None]).view(-1)
             del logits, masked, probs
+        del logits_buffer, probs_buffer
         ctx.save_for_backward(hidden, weight, ids, logsumexp, cut)
         ctx.settings = (temperature, block_tokens)
         ctx.mark_non_differentiable(entropy)
@@ -135,10 +147,12 @@ class HeadLogprobs(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if want_hidden else None
         # summed over blocks in float32 (one matmul over all tokens accumulates in float32 as well)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        buffer = hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], block_tokens):
             rows = slice(start, start + block_tokens)
+            n = min(block_tokens, hidden.shape[0] - start)
             g = grad_logprobs[rows].float()
-            logits = in_nucleus(block_logits(hidden[rows], weight, temperature),
+            logits = in_nucleus(block_logits(hidden[rows], weight, temperature, out=buffer[:n]),
                                 None if cut is None else cut[rows], ids[rows])
             # d logprob(id) / d logit = onehot(id) - p, then through the division by the temperature
             grad = logits.sub_(logsumexp[rows, None]).exp_().mul_(-g.sum(dim=1, keepdim=True))
