@@ -35,7 +35,8 @@ def run_loss(algorithm, logprobs: torch.Tensor) -> tuple[float, torch.Tensor]:
     """The algorithm's loss as the trainer takes it: rows {0} and {1, 2} as two micro-batches, the normalisers
     summed over both before either loss (``train_step``), the two losses added, backward."""
     parts = [slice(0, 1), slice(1, 3)]
-    batches = [SimpleNamespace(loss_mask=MASK[p]) for p in parts]
+    # what ``counts`` reads of a micro-batch: its loss mask, its completions (counted when it was built)
+    batches = [SimpleNamespace(loss_mask=MASK[p], sequences=int(MASK[p].any(dim=1).sum())) for p in parts]
     scales = [float(MASK.sum()), *algorithm.counts(batches)]
     total = sum(algorithm.loss(logprobs[p], SAMPLER[p], ADVANTAGES[p], MASK[p], scales)[0] for p in parts)
     total.backward()
