@@ -20,33 +20,37 @@ if WORKER and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(1)
 
 # The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times;
-# runs whose process is not the point run inside the worker: ``tests/in_process.py``).
-# `make test` hands whole files to two workers in this order (`--no-loadscope-reorder`: xdist's default
-# reorders files by their number of tests, which put the few-test, minutes-long vLLM files last on one worker
-# while the other sat idle for 3.5 minutes). Starting with the longest ones keeps one worker from ending its
-# share minutes before the other.
+# a session fixture counts in the first file that asks for it; runs whose process is not the point run inside
+# the worker: ``tests/in_process.py``). `make test` hands whole files to two workers in this order
+# (`--no-loadscope-reorder`: xdist's default reorders files by their number of tests, which put the few-test,
+# minutes-long vLLM files last on one worker while the other sat idle for 3.5 minutes). Starting with the
+# longest ones keeps one worker from ending its share minutes before the other.
 SLOWEST_FIRST = [
-    "test_train_servers.py",  # 195 s
-    "test_slurm_job.py",  # 127 s
-    "test_train_vllm.py",  # 109 s
-    "test_gpu_check_vllm.py",  # 105 s
-    "test_train.py",  # 101 s
-    "test_gpu_check.py",  # 61 s
-    "test_vllm_server.py",  # 41 s
-    "test_vllm_serve.py",  # 30 s
-    "test_sdpo_train.py",  # 29 s
-    "test_multinode.py",  # 25 s
-    "test_demo.py",  # 24 s
-    "test_server_readiness.py",  # 23 s
-    "test_primerl.py",  # 22 s
-    "test_fsdp_load.py",  # 22 s
-    "test_eval_client.py",  # 16 s
-    "test_checkpoint.py",  # 14 s
-    "test_lora.py",  # 14 s
+    "test_train_servers.py",  # 134 s
+    "test_docs.py",  # 94 s
+    "test_slurm_job.py",  # 91 s
+    "test_train.py",  # 75 s
+    "test_gpu_check_vllm.py",  # 75 s
+    "test_train_vllm.py",  # 66 s
+    "test_gpu_check.py",  # 45 s
+    "test_vllm_server.py",  # 34 s
+    "test_packing.py",  # 27 s
+    "test_vllm_serve.py",  # 26 s
+    "test_demo.py",  # 25 s
+    "test_sdpo_train.py",  # 23 s
+    "test_server_readiness.py",  # 22 s
+    "test_inference_hf.py",  # 22 s
+    "test_deploy.py",  # 15 s
     "test_serve.py",  # 14 s
-    "test_train_eval.py",  # 12 s
-    "test_deploy.py",  # 12 s alone (90 s while each launcher imported torch to read its config)
-    "test_gpu_contracts.py",  # 11 s
+    "test_eval_client.py",  # 14 s
+    "test_memory_plan_fsdp.py",  # 14 s
+    "test_multinode.py",  # 13 s
+    "test_primerl.py",  # 13 s
+    "test_weight_buckets.py",  # 12 s
+    "test_checkpoint.py",  # 12 s
+    "test_fsdp_load.py",  # 12 s
+    "test_train_eval.py",  # 11 s
+    "test_gpu_contracts.py",  # 10 s
 ]
 
 
