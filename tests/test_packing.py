@@ -11,6 +11,7 @@ come from the layout and the attention; both run here, in one process, so the to
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -24,14 +25,24 @@ from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
-from scirl.trainer import attention
+from scirl.trainer import attention, packing
 from scirl.trainer.batching import Batching
 from scirl.trainer.head import hidden_states_out
 from scirl.trainer.model import load_model
-from scirl.trainer.packing import make_micro_batches, pack
+from scirl.trainer.packing import completion_grids, make_micro_batches, pack
 from scirl.trainer.step import Trainer
 
 CPU = torch.device("cpu")
+
+
+DEFAULT_GRID_OVERHEAD = packing.GRID_OVERHEAD_PAIRS
+
+
+@pytest.fixture(autouse=True)
+def grids_of_every_length(monkeypatch):
+    """The SDPA path's completions in as many grids of similar lengths as the lengths allow: at these tests' few
+    tokens a grid's fixed cost would keep one grid, and the split into grids is what these tests must cover."""
+    monkeypatch.setattr(packing, "GRID_OVERHEAD_PAIRS", 0)
 
 
 def grouped_samples(seed: int = 0, teachers: bool = False) -> list[Sample]:
@@ -64,7 +75,9 @@ def per_sequence_hidden(trainer, packed):
         for r in range(packed.loss_mask.shape[0]):
             g = layout.rows[r]
             prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
-            completion = ids[layout.query_index[r, : int(packed.loss_mask[r].sum())]]
+            grid = next(grid for grid in layout.grids if r in grid.rows.tolist())
+            i = grid.rows.tolist().index(r)
+            completion = ids[grid.query_index[i, : int(packed.loss_mask[r].sum())]]
             with hidden_states_out(model) as seen:
                 states = model(input_ids=torch.cat([prompt, completion])[None], use_cache=False).logits[0]
             hidden.append(states[len(prompt) - 1 : len(prompt) + len(completion) - 1])
@@ -135,7 +148,9 @@ def test_packed_rows_equal_whole_sequences_for_every_algorithm(tiny_model_dir, a
     samples = grouped_samples(teachers=algorithm == "sdpo")
     for batching in (Batching(), Batching(micro_batch_tokens=30)):
         want = run_step(trainer_for(tiny_model_dir, algorithm, batching=batching, reference=True), samples)
-        assert_same_step(run_step(trainer_for(tiny_model_dir, algorithm, batching=batching), samples), want)
+        trainer = trainer_for(tiny_model_dir, algorithm, batching=batching)
+        assert max(len(mb.packed.layout.grids) for mb in trainer.batches(samples)) > 1
+        assert_same_step(run_step(trainer, samples), want)
 
 
 @pytest.mark.parametrize("case", ["untied", "lora", "unshared"])
@@ -169,7 +184,8 @@ def test_the_flex_layout_gives_the_sdpa_paths_attention():
     """flex attention's block mask (CUDA's default; its forward runs eagerly on a CPU, its backward not at all)
     attends as the SDPA path's gathers do, padding included."""
     rows = [((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids) for s in grouped_samples()]
-    packed = pack(rows, pad_to=attention.FLEX_BLOCK)
+    packed = pack(rows, pad_to=attention.FLEX_BLOCK, max_grids=packing.MAX_GRIDS)
+    assert len(packed.layout.grids) == packing.MAX_GRIDS
     n = packed.forward_tokens
     g = torch.Generator().manual_seed(0)
     query, key, value = torch.randn(1, 4, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
@@ -180,6 +196,36 @@ def test_the_flex_layout_gives_the_sdpa_paths_attention():
         want, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=sdpa)
     real = n - packed.padding_tokens  # the SDPA path gives padding a copy of another token's output
     torch.testing.assert_close(got[:, :real], want[:, :real], rtol=0, atol=1e-5)
+
+
+def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch):
+    """The SDPA path pads each grid's completions to its longest: long ones, middling ones and short ones each
+    get a grid of their own; equal lengths one grid; and the split is the cheapest of all splits into consecutive
+    runs of lengths (checked against every one of them)."""
+    monkeypatch.setattr(packing, "GRID_OVERHEAD_PAIRS", DEFAULT_GRID_OVERHEAD)
+    lengths = [40] * 5 + [256] * 3 + [3] * 3 + [40] * 5
+    assert completion_grids(lengths, 200) == [[5, 6, 7], [0, 1, 2, 3, 4, 11, 12, 13, 14, 15], [8, 9, 10]]
+    assert completion_grids(lengths, 200, max_grids=1) == [[5, 6, 7, 0, 1, 2, 3, 4, 11, 12, 13, 14, 15, 8, 9, 10]]
+    assert completion_grids([7] * 5, 100) == [[0, 1, 2, 3, 4]]
+
+    def cost(grid, prompt_len):
+        width = max(lengths[r] for r in grid)
+        return len(grid) * width * (prompt_len + width) + packing.GRID_OVERHEAD_PAIRS
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        lengths = torch.randint(1, 60, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
+        prompt_len = int(torch.randint(1, 100, (1,), generator=g))
+        monkeypatch.setattr(packing, "GRID_OVERHEAD_PAIRS", int(torch.randint(0, 3000, (1,), generator=g)))
+        grids = completion_grids(lengths, prompt_len)
+        assert sorted(r for grid in grids for r in grid) == list(range(len(lengths)))
+        assert 1 <= len(grids) <= packing.MAX_GRIDS
+        widths = sorted(set(lengths), reverse=True)
+        runs = [[r for r in range(len(lengths)) if lengths[r] == w] for w in widths]
+        best = min(sum(cost([r for run in runs[i:j] for r in run], prompt_len) for i, j in zip((0, *cuts), (*cuts, len(runs))))
+                   for k in range(min(packing.MAX_GRIDS, len(runs)))
+                   for cuts in itertools.combinations(range(1, len(runs)), k))
+        assert sum(cost(grid, prompt_len) for grid in grids) == best, (lengths, prompt_len, grids)
 
 
 SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::masked_select", "aten::repeat_interleave")

@@ -329,6 +329,7 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
     if w.attention == "flex":  # flex attention keeps q, k, v (grouped heads, not repeated), its output and logsumexp
         kept += n * (c * (2 * q + 2 * kv) + F32 * s.heads)
     else:  # per-group gathers: the prompts' q, k, v [G, P], the completions' q [R, C] and k, v over [R, P + C] keys
+        # (full-length rows: one grid; completions of mixed lengths are split into smaller grids, which keep less)
         g, m, p, cl = rows.prompts, rows.completions, rows.prompt, rows.completion
         keys = m * (p + cl)
         kept += (g * p * (c * (2 * q + 2 * kv) + F32 * s.heads)  # q, k, v, output, logsumexp of the prompts

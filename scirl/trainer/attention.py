@@ -11,9 +11,11 @@ same attention (``tests/test_packing.py`` checks one against the other and both 
   group and branch ids. It skips the blocks no token of a block attends to (other groups, other completions),
   reads grouped K/V heads in place, and is compiled to one fused kernel. torch has no CPU backward for it;
 - ``sdpa`` (everywhere else): the prompts' queries as one batch [groups, heads, P, d] under a causal mask, the
-  completions' as another [rows, heads, C, d] over their prompt's keys and their own, both through torch's
-  ``scaled_dot_product_attention`` (with grouped K/V heads), gathered and scattered back with the layout's
-  host-built indices. The completions' keys hold a copy of their prompt's K/V per row: memory, not compute.
+  completions' in a few grids of similar lengths, each [rows, heads, C, d] over their prompts' keys and their
+  own (``packing.completion_grids``: one grid padded to the longest completion would spend most of its
+  attention on padding when lengths differ), all through torch's ``scaled_dot_product_attention`` (with
+  grouped K/V heads), gathered and scattered back with the layout's host-built indices. The completions' keys
+  hold a copy of their prompt's K/V per row: memory, not compute.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from scirl.trainer.packing import Layout
+from scirl.trainer.packing import MAX_GRIDS, CompletionGrid, Layout
 
 PACKED_ATTENTION = "scirl_packed"
 FLEX_BLOCK = 128  # flex attention's block size: a packed row is padded to a multiple of it
@@ -43,27 +45,35 @@ def pad_to(kind: str) -> int:
     return FLEX_BLOCK if kind == "flex" else 1
 
 
+def max_grids(kind: str) -> int:
+    """How many grids of similar lengths the micro-batches' completions are split into (flex needs none)."""
+    return 1 if kind == "flex" else MAX_GRIDS
+
+
 def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layout:
     """The layout with what its attention reads, made on the layout's device once per micro-batch (every layer
     shares it): flex attention's block mask, or the SDPA path's completion keys and additive mask in the compute
     ``dtype`` (a boolean mask would be turned into one by every layer's call, and kept by each for its backward)."""
     if kind == "flex":
         return dataclasses.replace(layout, block_mask=flex_block_mask(layout, length))
-    allowed = completion_mask(layout)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
-    return dataclasses.replace(layout, key_index=torch.cat([layout.prompt_index[layout.rows], layout.query_index], dim=1),
-                               completion_bias=bias)
+    grids = []
+    for grid in layout.grids:
+        allowed = completion_mask(layout, grid)
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+        keys = torch.cat([layout.prompt_index[grid.prompts, : grid.prompt_len], grid.query_index], dim=1)
+        grids.append(dataclasses.replace(grid, key_index=keys, bias=bias))
+    return dataclasses.replace(layout, grids=grids)
 
 
-def completion_mask(layout: Layout) -> torch.Tensor:
-    """[R, 1, C, P + C] bool: completion row r's query k sees its prompt's real tokens and its own tokens up to k
-    (keys: its prompt's positions, then its own)."""
-    prompt_len, completion_len = layout.prompt_index.shape[1], layout.query_index.shape[1]
-    device = layout.prompt_index.device
+def completion_mask(layout: Layout, grid: CompletionGrid) -> torch.Tensor:
+    """[Rk, 1, Ck, Pk + Ck] bool: the grid's row r's query k sees its prompt's real tokens and its own tokens up
+    to k (keys: its prompt's positions, then its own)."""
+    prompt_len, completion_len = grid.prompt_len, grid.query_index.shape[1]
+    device = grid.query_index.device
     key = torch.arange(prompt_len + completion_len, device=device)
     query = torch.arange(completion_len, device=device)
-    in_prompt = key[None, None, :] < layout.prompt_lengths[layout.rows][:, None, None]  # [R, 1, P + C]
-    own = (key[None, :] >= prompt_len) & (key[None, :] - prompt_len <= query[:, None])  # [C, P + C]
+    in_prompt = key[None, None, :] < layout.prompt_lengths[grid.prompts][:, None, None]  # [Rk, 1, Pk + Ck]
+    own = (key[None, :] >= prompt_len) & (key[None, :] - prompt_len <= query[:, None])  # [Ck, Pk + Ck]
     return (in_prompt | own[None])[:, None]
 
 
@@ -97,7 +107,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
         raise ValueError("packed attention needs the micro-batch's layout (the trainer's forward passes scirl_layout)")
     if kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
         raise ValueError("packed attention handles plain full attention only (no sliding window, no softcap)")
-    if layout.block_mask is None and layout.completion_bias is None:
+    if layout.block_mask is None and any(grid.bias is None for grid in layout.grids):
         raise ValueError("the micro-batch's layout has no mask: Trainer.on_device (attention.prepare) makes it")
     if layout.block_mask is not None:
         out = compiled_flex_attention()(query, key, value, block_mask=layout.block_mask, scale=scaling, enable_gqa=True)
@@ -115,11 +125,14 @@ def grouped_sdpa(query, key, value, layout: Layout, scale, dropout: float) -> to
     prompts = F.scaled_dot_product_attention(take(q, layout.prompt_index), take(k, layout.prompt_index),
                                              take(v, layout.prompt_index), dropout_p=dropout, is_causal=True,
                                              scale=scale, enable_gqa=True)
-    keys = layout.key_index
-    completions = F.scaled_dot_product_attention(take(q, layout.query_index), take(k, keys), take(v, keys),
-                                                 attn_mask=layout.completion_bias.to(query.dtype), dropout_p=dropout,
-                                                 scale=scale, enable_gqa=True)
-    outputs = torch.cat([prompts.transpose(1, 2).flatten(0, 1), completions.transpose(1, 2).flatten(0, 1)])
+    outputs = [prompts.transpose(1, 2).flatten(0, 1)]
+    for grid in layout.grids:
+        keys = grid.key_index
+        completions = F.scaled_dot_product_attention(take(q, grid.query_index), take(k, keys), take(v, keys),
+                                                     attn_mask=grid.bias.to(query.dtype), dropout_p=dropout,
+                                                     scale=scale, enable_gqa=True)
+        outputs.append(completions.transpose(1, 2).flatten(0, 1))
+    outputs = torch.cat(outputs)
     return outputs.index_select(0, layout.unpack)[None]
 
 

@@ -33,13 +33,29 @@ from scirl.rollouts.contract import Sample
 
 
 @dataclass
+class CompletionGrid:
+    """Completion rows of similar lengths, as the SDPA path computes them: one [rows, longest of them] grid of
+    queries over their prompts' keys and their own. A micro-batch's rows are split into a few such grids
+    (``completion_grids``) so that a short completion is not padded to the micro-batch's longest."""
+
+    rows: torch.Tensor  # [Rk] long: which of the micro-batch's completion rows
+    prompts: torch.Tensor  # [Rk] long: each row's prompt
+    query_index: torch.Tensor  # [Rk, Ck] long: each row's positions, right-padded with position 0
+    prompt_len: int = 0  # Pk: the longest of these rows' prompts (their keys' prompt part)
+    # made on the device by ``attention.prepare``, once per micro-batch and shared by every layer
+    key_index: torch.Tensor | None = None  # [Rk, Pk + Ck] long: the keys each row attends to
+    bias: torch.Tensor | None = None  # [Rk, 1, Ck, Pk + Ck]: 0 where a query may look, -inf elsewhere
+
+
+@dataclass
 class Layout:
     """Which tokens of a packed row each token attends to, in the two forms the attention functions read.
 
     - per token (flex attention's mask function): ``group`` (the prompt it belongs to) and ``branch`` (0 for a
       prompt token, r + 1 for completion row r's tokens); padding is group -1, branch -1 (it sees only padding);
-    - per group and row (the SDPA path): each prompt's positions, each completion row's positions, and where
-      each position's output lies in the attention outputs laid side by side (prompts, then completion rows).
+    - per group and row (the SDPA path): each prompt's positions, the completion rows in grids of similar
+      lengths, and where each position's output lies in the attention outputs laid side by side (prompts, then
+      each grid's rows).
     """
 
     group: torch.Tensor  # [N] int32
@@ -47,13 +63,9 @@ class Layout:
     prompt_index: torch.Tensor  # [G, P] long: positions of each prompt's tokens, right-padded with position 0
     prompt_lengths: torch.Tensor  # [G] long
     rows: torch.Tensor  # [R] long: each completion row's prompt
-    query_index: torch.Tensor  # [R, C] long: each completion row's positions, right-padded with position 0
-    unpack: torch.Tensor  # [N] long: row of each position in cat(prompt outputs [G * P], completion outputs [R * C])
-    # made on the device by ``attention.prepare`` (the trainer's attention setting), once per micro-batch and shared
-    # by every layer: the SDPA path's two, or flex attention's block mask
-    key_index: torch.Tensor | None = None  # [R, P + C] long: the keys each completion row attends to
-    completion_bias: torch.Tensor | None = None  # [R, 1, C, P + C]: 0 where a completion's query may look, -inf elsewhere
-    block_mask: object | None = None  # flex attention's BlockMask
+    grids: list[CompletionGrid]
+    unpack: torch.Tensor  # [N] long: row of each position in cat(prompt outputs [G * P], each grid's [Rk * Ck])
+    block_mask: object | None = None  # flex attention's BlockMask, made by ``attention.prepare``
 
 
 @dataclass
@@ -122,10 +134,11 @@ class MicroBatch:
         return self.packed.sequences
 
 
-def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Packed:
+def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_grids: int = 1) -> Packed:
     """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
     one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
-    multiple of it with padding positions (the flex kernel's block size; 1: none)."""
+    multiple of it with padding positions (the flex kernel's block size; 1: none). ``max_grids``: how many
+    grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
     prompt_of: dict[object, int] = {}
     prompts: list[list[int]] = []
     members: list[list[int]] = []
@@ -145,7 +158,22 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Pa
     group: list[int] = []
     branch: list[int] = []
     prompt_index = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
-    query_index = torch.zeros((n_rows, longest_completion), dtype=torch.long)
+    lengths = [len(c) for _, _, c in rows]
+    prompt_lengths = [len(prompts[prompt_of[key]]) for key, _, _ in rows]
+    grid_rows = completion_grids(lengths, longest_prompt, max_grids)
+    grids = [CompletionGrid(torch.tensor(members_k, dtype=torch.long),
+                            torch.tensor([prompt_of[rows[r][0]] for r in members_k], dtype=torch.long),
+                            torch.zeros((len(members_k), max(lengths[r] for r in members_k)), dtype=torch.long),
+                            prompt_len=max(prompt_lengths[r] for r in members_k))
+             for members_k in grid_rows]
+    # where completion row r's outputs start in the attention outputs, and its grid's row
+    out_start, grid_of = [0] * n_rows, [(0, 0)] * n_rows
+    offset = len(prompts) * longest_prompt  # the completion outputs follow the prompts' in ``unpack``
+    for k, (grid, members_k) in enumerate(zip(grids, grid_rows)):
+        width = grid.query_index.shape[1]
+        for i, r in enumerate(members_k):
+            out_start[r], grid_of[r] = offset + i * width, (k, i)
+        offset += len(members_k) * width
     unpack: list[int] = []
     predictor = [0] * sum(len(c) for _, _, c in rows)
     targets = [0] * len(predictor)
@@ -153,7 +181,6 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Pa
     first_token = [0] * n_rows  # where row r's loss tokens start in the row-by-row order
     for r in range(1, n_rows):
         first_token[r] = first_token[r - 1] + len(rows[r - 1][2])
-    completions_at = len(prompts) * longest_prompt  # the completion outputs follow the prompts' in ``unpack``
     for g, prompt in enumerate(prompts):
         start = len(tokens)
         tokens += prompt
@@ -170,8 +197,9 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Pa
             positions += range(len(prompt), len(prompt) + len(completion))
             group += [g] * len(completion)
             branch += [r + 1] * len(completion)
-            query_index[r, : len(completion)] = torch.arange(begin, begin + len(completion))
-            unpack += range(completions_at + r * longest_completion, completions_at + r * longest_completion + len(completion))
+            k_grid, i = grid_of[r]
+            grids[k_grid].query_index[i, : len(completion)] = torch.arange(begin, begin + len(completion))
+            unpack += range(out_start[r], out_start[r] + len(completion))
             for k, token in enumerate(completion):
                 t = first_token[r] + k
                 predictor[t] = last_prompt_position if k == 0 else begin + k - 1
@@ -189,11 +217,58 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1) -> Pa
     layout = Layout(
         group=torch.tensor(group, dtype=torch.int32), branch=torch.tensor(branch, dtype=torch.int32),
         prompt_index=prompt_index, prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-        rows=torch.tensor([prompt_of[key] for key, _, _ in rows], dtype=torch.long), query_index=query_index,
+        rows=torch.tensor([prompt_of[key] for key, _, _ in rows], dtype=torch.long), grids=grids,
         unpack=torch.tensor(unpack, dtype=torch.long))
     return Packed(torch.tensor([tokens], dtype=torch.long), torch.tensor([positions], dtype=torch.long), layout,
                   torch.tensor(predictor, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
                   torch.tensor(slot, dtype=torch.long), loss_mask, padding_tokens=padding)
+
+
+GRID_OVERHEAD_PAIRS = 16384  # a grid's fixed cost (its calls, gathers and mask) in query-key pairs' worth of work
+MAX_GRIDS = 4
+
+
+def completion_grids(lengths: list[int], prompt_len: int, max_grids: int = MAX_GRIDS) -> list[list[int]]:
+    """The completion rows (indices into ``lengths``) split into at most ``max_grids`` grids of similar lengths,
+    longest first, so that the query-key pairs the SDPA path computes (a grid of n rows of at most L tokens:
+    n * L * (prompt_len + L), plus a fixed cost a grid) are fewest: with mixed lengths one grid padded to the
+    longest is mostly padding. Rows of one length stay together; the best split of the distinct lengths into
+    consecutive runs is a small dynamic programme (at most a few hundred distinct lengths)."""
+    order = sorted(range(len(lengths)), key=lambda r: (-lengths[r], r))
+    runs: list[list[int]] = []  # rows of equal length, longest first
+    for r in order:
+        if runs and lengths[runs[-1][0]] == lengths[r]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    widths = [lengths[run[0]] for run in runs]
+    before = [0]  # rows in runs[:i]
+    for run in runs:
+        before.append(before[-1] + len(run))
+    n = len(runs)
+
+    def cost(i: int, j: int) -> int:  # one grid of runs[i:j], as wide as runs[i]
+        return (before[j] - before[i]) * widths[i] * (prompt_len + widths[i]) + GRID_OVERHEAD_PAIRS
+
+    # best[j]: the least cost of runs[:j] in at most k grids; cuts[k][j]: where the last of them starts when
+    # k grids beat k - 1 (None: they do not)
+    best = [cost(0, j) if j else 0 for j in range(n + 1)]
+    cuts: list[list[int | None]] = [[0] * (n + 1)]
+    for _ in range(1, max_grids):
+        improved, cut = list(best), [None] * (n + 1)
+        for j in range(2, n + 1):
+            for i in range(1, j):
+                total = best[i] + cost(i, j)
+                if total < improved[j]:
+                    improved[j], cut[j] = total, i
+        best = improved
+        cuts.append(cut)
+    grids, j = [], n
+    for cut in reversed(cuts):
+        if cut[j] is not None:
+            grids.append([r for run in runs[cut[j]:j] for r in run])
+            j = cut[j]
+    return grids[::-1]
 
 
 def prompt_key(s: Sample, share_prompts: bool, index: int, teacher: bool = False) -> object:
@@ -222,27 +297,27 @@ def count_unique_tokens(samples: list[Sample], seen: set | None = None) -> int:
     return total
 
 
-def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: int = 1) -> MicroBatch:
+def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: int = 1, max_grids: int = 1) -> MicroBatch:
     """One micro-batch of ``chunk``'s samples (and, where they have one, their teacher's sequences)."""
     for s in chunk:
         check_sample(s)
     packed = pack([(prompt_key(s, share_prompts, i), s.prompt_ids, s.completion_ids) for i, s in enumerate(chunk)],
-                  pad_to)
+                  pad_to, max_grids)
     inference_logprobs = torch.zeros(packed.loss_mask.shape, dtype=torch.float32)
     for r, s in enumerate(chunk):
         inference_logprobs[r, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
     advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
-    return MicroBatch(packed, inference_logprobs, advantages, teacher_batch(chunk, share_prompts, pad_to),
+    return MicroBatch(packed, inference_logprobs, advantages, teacher_batch(chunk, share_prompts, pad_to, max_grids),
                       count_unique_tokens(chunk))
 
 
-def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int) -> PackedTeacher | None:
+def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int, max_grids: int) -> PackedTeacher | None:
     """The teacher's sequences of ``chunk``'s samples that have a teacher prompt (None: none has)."""
     taught_rows = [i for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None]
     if not taught_rows:
         return None
     packed = pack([(prompt_key(chunk[i], share_prompts, i, teacher=True), chunk[i].teacher_prompt_ids,
-                    chunk[i].completion_ids) for i in taught_rows], pad_to)
+                    chunk[i].completion_ids) for i in taught_rows], pad_to, max_grids)
     starts = [0]
     for s in chunk:
         starts.append(starts[-1] + len(s.completion_ids))
@@ -253,7 +328,7 @@ def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int) -> Pack
 
 
 def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: int | None = None,
-                       share_prompts: bool = True, pad_to: int = 1) -> list[MicroBatch]:
+                       share_prompts: bool = True, pad_to: int = 1, max_grids: int = 1) -> list[MicroBatch]:
     """A step's samples (this rank's) as micro-batches of whole groups where they fit.
 
     Completions are taken in order (a group's are adjacent) into a micro-batch until the next would take it
@@ -278,7 +353,8 @@ def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: 
         tokens += cost
     batches, counted = [], set()
     for chunk in chunks:  # a prompt split over micro-batches is useful work once, where it first appears
-        batches.append(dataclasses.replace(micro_batch(chunk, share_prompts=share_prompts, pad_to=pad_to),
+        batches.append(dataclasses.replace(micro_batch(chunk, share_prompts=share_prompts, pad_to=pad_to,
+                                                       max_grids=max_grids),
                                            unique_tokens=count_unique_tokens(chunk, counted)))
     return batches
 
@@ -303,6 +379,8 @@ def to_device(value, device: torch.device):
         if device.type == "cuda":
             return value.pin_memory().to(device, non_blocking=True)
         return value.to(device)
+    if isinstance(value, list):
+        return [to_device(v, device) for v in value]
     if dataclasses.is_dataclass(value):
         return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device)
                                              for f in dataclasses.fields(value) if f.init})

@@ -96,7 +96,7 @@ class Trainer:
         b = self.batching
         return make_micro_batches(self.algorithm.select(samples), max_tokens=b.micro_batch_tokens,
                                   max_rows=b.micro_batch_size, share_prompts=b.share_prompts,
-                                  pad_to=attention.pad_to(self.attention))
+                                  pad_to=attention.pad_to(self.attention), max_grids=attention.max_grids(self.attention))
 
     def describe_batching(self) -> str:
         b = self.batching
