@@ -24,6 +24,7 @@ import hmac
 import ipaddress
 import json
 import math
+import signal
 import socket
 import sys
 import time
@@ -339,6 +340,18 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering the signal that stopped it. uvicorn raises that signal again on its way out,
+    after putting back the handler it found: in a process started with SIGINT ignored (a script's background job,
+    ``nohup``) that raise is ignored and the process exited 0 as if nothing had stopped it."""
+
+    stopped_by: int | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
+
+
 def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
           device: str = "cpu", default_max_tokens: int = 256, max_batch: int = 32, api_key: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
@@ -362,8 +375,11 @@ def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_m
         on_ready=lambda: print(f"scirl serve: ready at http://{host}:{bound}/v1 (model {name!r})", flush=True),
     )
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+    server = _Server(config)
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
+        if server.stopped_by == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C: the command says so and exits 130
     finally:
         sock.close()
         generator.close()

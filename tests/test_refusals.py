@@ -146,6 +146,20 @@ def test_ctrl_c_stops_a_server_with_130(tiny_model_dir):
     assert "interrupted" in err and "Traceback" not in err
 
 
+def test_ctrl_c_that_uvicorn_swallows_still_ends_the_server_with_130(tiny_model_dir, monkeypatch, capsys):
+    """uvicorn raises the SIGINT it caught again on its way out, after putting back the handler it found; in a
+    process started with SIGINT ignored (a script's background job, `nohup`) that raise is ignored and the server
+    exited 0. The server remembers the signal itself."""
+    import uvicorn
+
+    def caught_sigint_and_returned(self, sockets=None):
+        self.handle_exit(signal.SIGINT, None)  # what uvicorn's handler does with Ctrl-C
+
+    monkeypatch.setattr(uvicorn.Server, "run", caught_sigint_and_returned)
+    assert cli_main(["serve", str(tiny_model_dir), "--port", "0"]) == 130
+    assert "scirl serve: interrupted; the server is stopped" in capsys.readouterr().err
+
+
 def test_a_dry_run_of_a_run_whose_model_moved_plans_without_a_traceback(tmp_path, capsys):
     """A resume reads its checkpoint, not the model its config names, so that model may be gone; the memory plan
     of `--device cuda --dry-run` asked the hub cache about the path and raised HFValidationError."""
