@@ -73,10 +73,10 @@ def per_sequence_hidden(trainer, packed):
     hidden = []
     try:
         for r in range(packed.loss_mask.shape[0]):
-            g = layout.rows[r]
-            prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
             grid = next(grid for grid in layout.grids if r in grid.rows.tolist())
             i = grid.rows.tolist().index(r)
+            g = grid.prompts[i]
+            prompt = ids[layout.prompt_index[g, : layout.prompt_lengths[g]]]
             completion = ids[grid.query_index[i, : int(packed.loss_mask[r].sum())]]
             with hidden_states_out(model) as seen:
                 states = model(input_ids=torch.cat([prompt, completion])[None], use_cache=False).logits[0]

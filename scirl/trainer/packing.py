@@ -62,7 +62,6 @@ class Layout:
     branch: torch.Tensor  # [N] int32
     prompt_index: torch.Tensor  # [G, P] long: positions of each prompt's tokens, right-padded with position 0
     prompt_lengths: torch.Tensor  # [G] long
-    rows: torch.Tensor  # [R] long: each completion row's prompt
     grids: list[CompletionGrid]
     unpack: torch.Tensor  # [N] long: row of each position in cat(prompt outputs [G * P], each grid's [Rk * Ck])
     block_mask: object | None = None  # flex attention's BlockMask, made by ``attention.prepare``
@@ -150,21 +149,19 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_g
             prompts.append(list(prompt))
             members.append([])
         members[prompt_of[key]].append(r)
-    n_rows, longest_prompt = len(rows), max(len(p) for p in prompts)
-    longest_completion = max(len(c) for _, _, c in rows)
+    lengths = [len(c) for _, _, c in rows]
+    n_rows, longest_prompt, longest_completion = len(rows), max(len(p) for p in prompts), max(lengths)
 
     tokens: list[int] = []
     positions: list[int] = []
     group: list[int] = []
     branch: list[int] = []
     prompt_index = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
-    lengths = [len(c) for _, _, c in rows]
-    prompt_lengths = [len(prompts[prompt_of[key]]) for key, _, _ in rows]
     grid_rows = completion_grids(lengths, longest_prompt, max_grids)
     grids = [CompletionGrid(torch.tensor(members_k, dtype=torch.long),
                             torch.tensor([prompt_of[rows[r][0]] for r in members_k], dtype=torch.long),
                             torch.zeros((len(members_k), max(lengths[r] for r in members_k)), dtype=torch.long),
-                            prompt_len=max(prompt_lengths[r] for r in members_k))
+                            prompt_len=max(len(rows[r][1]) for r in members_k))
              for members_k in grid_rows]
     # where completion row r's outputs start in the attention outputs, and its grid's row
     out_start, grid_of = [0] * n_rows, [(0, 0)] * n_rows
@@ -175,12 +172,12 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_g
             out_start[r], grid_of[r] = offset + i * width, (k, i)
         offset += len(members_k) * width
     unpack: list[int] = []
-    predictor = [0] * sum(len(c) for _, _, c in rows)
+    predictor = [0] * sum(lengths)
     targets = [0] * len(predictor)
     slot = [0] * len(predictor)
     first_token = [0] * n_rows  # where row r's loss tokens start in the row-by-row order
     for r in range(1, n_rows):
-        first_token[r] = first_token[r - 1] + len(rows[r - 1][2])
+        first_token[r] = first_token[r - 1] + lengths[r - 1]
     for g, prompt in enumerate(prompts):
         start = len(tokens)
         tokens += prompt
@@ -216,8 +213,7 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_g
         loss_mask[r, : len(completion)] = True
     layout = Layout(
         group=torch.tensor(group, dtype=torch.int32), branch=torch.tensor(branch, dtype=torch.int32),
-        prompt_index=prompt_index, prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long),
-        rows=torch.tensor([prompt_of[key] for key, _, _ in rows], dtype=torch.long), grids=grids,
+        prompt_index=prompt_index, prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long), grids=grids,
         unpack=torch.tensor(unpack, dtype=torch.long))
     return Packed(torch.tensor([tokens], dtype=torch.long), torch.tensor([positions], dtype=torch.long), layout,
                   torch.tensor(predictor, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
