@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scirl import hub
 from scirl.task import data
 from scirl.synth import questions as synthetic
 from scirl.cli import main as cli_main
@@ -169,11 +170,11 @@ def test_only_real_hub_answers_count_as_hub_access():
     import httpx
 
     request = httpx.Request("GET", "https://hub.example/api/datasets/x")
-    assert data.hub_answer_problem(httpx.Response(200, json={"id": "x"}, request=request)) is None
-    assert data.hub_answer_problem(httpx.Response(401, json={"error": "Repository not found"}, request=request)) is None
-    assert data.hub_answer_problem(httpx.Response(404, request=request))  # an empty answer from a proxy
-    assert data.hub_answer_problem(httpx.Response(200, text="<html>log in to the wifi</html>", request=request))
-    assert data.hub_answer_problem(httpx.Response(503, json={"error": "down"}, request=request))
+    assert hub.answer_problem(httpx.Response(200, json={"id": "x"}, request=request)) is None
+    assert hub.answer_problem(httpx.Response(401, json={"error": "Repository not found"}, request=request)) is None
+    assert hub.answer_problem(httpx.Response(404, request=request))  # an empty answer from a proxy
+    assert hub.answer_problem(httpx.Response(200, text="<html>log in to the wifi</html>", request=request))
+    assert hub.answer_problem(httpx.Response(503, json={"error": "down"}, request=request))
 
 
 @pytest.mark.timeout(120)
@@ -182,9 +183,9 @@ def test_cli_default_source_offline_exits_with_advice(tmp_path):
                HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
     proc = subprocess.run([sys.executable, "-m", "scirl", "data", "stats", "--json"], env=env,
                           capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a missing resource, refused before any work as every command refuses it
     assert proc.stdout == ""
-    assert "--data" in proc.stderr and data.HUB_ID in proc.stderr
+    assert "--data" in proc.stderr and data.HUB_ID in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 # --- validation, dedup, accounting ---------------------------------------------------------------
