@@ -13,6 +13,7 @@ import platform
 import re
 import sys
 from importlib import metadata
+from pathlib import Path
 
 SIDE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")  # scirl imports none of them
 REMOVE_SIDE_PACKAGES = "pip uninstall -y " + " ".join(SIDE_PACKAGES)
@@ -43,8 +44,7 @@ def side_package_problem() -> str | None:
         torch = metadata.distribution("torch")
     except metadata.PackageNotFoundError:
         return None
-    torch_cuda = any(torch.locate_file("torch/lib").glob("libtorch_cuda*"))
-    cuda_builds_by_default = sys.platform == "linux" and platform.machine() == "x86_64"
+    torch_cuda = any(Path(torch.locate_file("torch/lib")).glob("libtorch_cuda*"))
     broken = []
     for name in SIDE_PACKAGES:
         try:
@@ -55,7 +55,7 @@ def side_package_problem() -> str | None:
                       None)
         if pinned is not None and public(pinned) != public(torch.version):
             broken.append(f"{name} {dist.version} (built for torch {pinned})")
-        elif cuda_builds_by_default and not torch_cuda and not local_label(dist.version).startswith("cpu"):
+        elif cuda_builds_by_default() and not torch_cuda and not local_label(dist.version).startswith("cpu"):
             broken.append(f"{name} {dist.version} (a CUDA build)")
     if not broken:
         return None
@@ -63,6 +63,12 @@ def side_package_problem() -> str | None:
     return (f"{', '.join(broken)} cannot load beside torch {torch.version}: importing it fails (operator "
             f"torchvision::nms does not exist, or the like) and takes transformers' model classes with it; scirl "
             f"needs none of them, fix: pip uninstall -y {names}")
+
+
+def cuda_builds_by_default() -> bool:
+    """Whether the registry's builds of the vision packages here are CUDA ones (x86-64 Linux), so that a version
+    without ``+cpu`` is one."""
+    return sys.platform == "linux" and platform.machine() == "x86_64"
 
 
 def public(version: str) -> str:

@@ -371,6 +371,30 @@ def test_cli_stats_tables(dirty_jsonl, capsys):
         assert word in out
 
 
+def test_the_stats_header_lists_what_the_file_holds(clean_rows, tmp_path, capsys, monkeypatch):
+    """The header listed every MCQ type scirl accepts, whatever the file held (issue 49)."""
+    rows = [r for r in clean_rows if r["type"] == "mcq-4-choices"][:6] + [r for r in clean_rows if r["type"] == "mcq-2-choices"][:2]
+    path = synthetic.write_jsonl(rows, tmp_path / "rows.jsonl")
+    monkeypatch.setenv("COLUMNS", "250")  # one line
+    assert cli_main(["data", "stats", "--data", str(path)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "8 MCQ (mcq-4-choices 6, mcq-2-choices 2)" in header and "mcq-3-choices" not in header
+    assert data.load_splits(str(path)).summary()["mcq_types"] == {"mcq-4-choices": 6, "mcq-2-choices": 2}
+
+
+def test_a_file_none_of_whose_lines_is_json_is_refused_naming_its_line(tmp_path):
+    """A CSV named .jsonl was read as "2 MCQ", each line skipped as bad JSON; a pretty-printed .json file with a
+    syntax error is named at its own line, not at the first line of a JSON-lines reading."""
+    table = tmp_path / "table.jsonl"
+    table.write_text("\nquestion,A,B\nq,a,b\n")
+    with pytest.raises(data.DataSourceError, match=r"table.jsonl:2: not JSON \(Expecting value\)"):
+        data.load_splits(str(table))
+    broken = tmp_path / "rows.json"
+    broken.write_text('[\n {"question": "q",\n  "answerKey": "A",},\n]\n')
+    with pytest.raises(data.DataSourceError, match=r"rows.json:3: not JSON \(Expecting property name"):
+        data.load_splits(str(broken))
+
+
 def test_cli_export_round_trip(dirty_jsonl, tmp_path):
     for split in ("eval", "train"):
         out = tmp_path / f"{split}.jsonl"
