@@ -845,8 +845,8 @@ def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, cap
     # SciKnowEval's columns (so the format is known), but no domain
     row = {"question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A", "type": "mcq-2-choices"}
     bad.write_text((json.dumps(row) + "\n") * 3)
-    assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 1
-    assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err
+    assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 2
+    assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err  # no usable rows: bad input, as in eval
 
 
 def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_masters(letter_model_dir, data_file,

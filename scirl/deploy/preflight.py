@@ -74,14 +74,14 @@ def check_model(model: str) -> None:
 
 def check_hub_model(model: str) -> None:
     """A hub model id that the hub cannot give now, refused in seconds: without this the loaders retry for a minute
-    before failing (``scirl.hub``). Under ``HF_HUB_OFFLINE`` the local cache answers, and nothing is asked."""
-    if Path(model).expanduser().exists() or hub.offline():
+    before failing (``scirl.hub``). Under ``HF_HUB_OFFLINE`` the local cache alone answers, and nothing is asked."""
+    if Path(model).expanduser().exists():
         return
-    problem = hub.probe(f"models/{model}")
+    cached = hub_model_config(model, download=False) is not None
+    problem = ("its config.json is not there" if not cached else None) if hub.offline() else hub.probe(f"models/{model}")
     if problem is not None:
         raise PreflightError(hub.unreachable(f"model {model!r}", problem, "--model a local model directory (one saved "
-                                             "by save_pretrained)", cached=hub_model_config(model, download=False)
-                                             is not None))
+                                             "by save_pretrained)", cached=cached))
 
 
 def hub_model_config(model: str, download: bool = True) -> Path | None:

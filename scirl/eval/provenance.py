@@ -60,17 +60,8 @@ def run_name(results: dict[str, Any]) -> str | None:
     return run if isinstance(run, str) else None
 
 
-def warning(results: dict[str, Any], of: int, among: set[str] | None = None, what: str = "questions") -> str | None:
-    """``"175 of the 200 questions were trained on by run R: not a held-out figure"``, or None when no question of
-    the file (or of ``among``) was trained on or nothing checked them."""
-    count = trained_count(results, among)
-    if not count:
-        return None
-    return f"{count} of the {of} {what} were trained on by run {run_name(results)}: not a held-out figure"
-
-
 def label(results: dict[str, Any], of: int | None = None) -> str:
-    """Short words for a table cell or a plot legend: ``"175 of 200 trained on"``, ``"none trained on"``,
+    """Short words for a table cell: ``"175 of 200 trained on"``, ``"none trained on"``,
     ``"not checked"``."""
     count = trained_count(results)
     if count is None:
