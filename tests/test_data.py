@@ -373,7 +373,8 @@ def test_cli_stats_tables(dirty_jsonl, capsys):
 
 def test_the_stats_header_lists_what_the_file_holds(clean_rows, tmp_path, capsys, monkeypatch):
     """The header listed every MCQ type scirl accepts, whatever the file held (issue 49)."""
-    rows = [r for r in clean_rows if r["type"] == "mcq-4-choices"][:6] + [r for r in clean_rows if r["type"] == "mcq-2-choices"][:2]
+    rows = ([r for r in clean_rows if r["type"] == "mcq-4-choices"][:6]
+            + [r for r in clean_rows if r["type"] == "mcq-2-choices"][:2])
     path = synthetic.write_jsonl(rows, tmp_path / "rows.jsonl")
     monkeypatch.setenv("COLUMNS", "250")  # one line
     assert cli_main(["data", "stats", "--data", str(path)]) == 0

@@ -118,7 +118,8 @@ def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_ev
 
     assert cli_main(["report", str(run)]) == 0
     err = capsys.readouterr().err
-    assert f"accuracy after (eval_final.json): {n} of the {len(asked)} questions trained on by run {run.resolve()}" in err
+    assert f"accuracy after (eval_final.json): {n} of the {len(asked)} questions trained on by run {run.resolve()}" \
+        in err
     assert "accuracy before" not in err  # the held-out one needs no word
     page = (run / "report" / "report.html").read_text()
     assert "accuracy after (not held out)" in page and "accuracy before (not held out)" not in page

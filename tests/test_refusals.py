@@ -263,7 +263,7 @@ def test_vision_packages_built_for_another_torch_are_named_at_start_up(tiny_mode
     site = tmp_path / "site"
     fake_distribution(site, "torchvision", "0.1.0", ["torch==1.0.0"])
     (site / "torchvision").mkdir()
-    (site / "torchvision" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")\n')
+    (site / "torchvision" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "scirl", *train_argv(tiny_model_dir, data, tmp_path / "run")],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -53,7 +53,7 @@ def main(argv: list[str]) -> int:
             if problem:
                 raise ValueError(problem)
             page = write_report(args.run_dir, out_dir=args.out, warn=warn)
-    except (OSError, ValueError) as e:  # a missing run dir or file, files with nothing to pair, an --out that cannot be a directory
+    except (OSError, ValueError) as e:  # a missing run or file, files with nothing to pair, an --out not a directory
         print(f"scirl report: {e}", file=sys.stderr)
         return 2
     print(page)

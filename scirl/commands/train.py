@@ -22,7 +22,8 @@ vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, port
 def main(argv: list[str]) -> int:
     from scirl.run.config_io import field_reference
 
-    parser = Parser(prog="scirl train", description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).",
+    parser = Parser(prog="scirl train",
+                    description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).",
                     epilog=f"{EPILOG}\nconfig fields, with their defaults:\n{field_reference()}",
                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "

@@ -78,7 +78,10 @@ def check_hub_model(model: str) -> None:
     if Path(model).expanduser().exists():
         return
     cached = hub_model_config(model, download=False) is not None
-    problem = ("its config.json is not there" if not cached else None) if hub.offline() else hub.probe(f"models/{model}")
+    if hub.offline():
+        problem = None if cached else "its config.json is not there"
+    else:
+        problem = hub.probe(f"models/{model}")
     if problem is not None:
         raise PreflightError(hub.unreachable(f"model {model!r}", problem, "--model a local model directory (one saved "
                                              "by save_pretrained)", cached=cached))

@@ -165,6 +165,7 @@ def pairing_problem(name_a: str, name_b: str, a: dict[str, Any], b: dict[str, An
             return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
                     "scirl eval records each question once")
     if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
-        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: nothing "
-                "to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's defaults)")
+        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: "
+                "nothing to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's "
+                "defaults)")
     return None

@@ -128,8 +128,8 @@ def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | 
     a, b = read_eval(a_path, notes), read_eval(b_path, notes)
     if a is None or b is None:
         raise ValueError("; ".join(notes))
-    problem = pairing_problem(str(a_path), str(b_path), *({"records": [r for r in record_list(ev.data)
-                                                                       if isinstance(r.get("id"), str)]} for ev in (a, b)))
+    paired = ({"records": [r for r in record_list(ev.data) if isinstance(r.get("id"), str)]} for ev in (a, b))
+    problem = pairing_problem(str(a_path), str(b_path), *paired)
     if problem:  # a difference and McNemar's test of nothing would read as "no change"
         raise ValueError(problem)
     out_dir = Path(out_dir) if out_dir is not None else b_path.parent

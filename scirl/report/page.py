@@ -115,8 +115,10 @@ def key_numbers(run: RunInputs, comparison: dict[str, Any] | None) -> list[tuple
         low, high = comparison["difference_ci95"]
         p = comparison["mcnemar"]["p_value"]
         trained = trained_counts(comparison, "before", "after")
-        cards.append(("accuracy change" + (" (not held out)" if trained else ""), f"{100 * comparison['difference']:+.1f} pts",
-                      f"paired on {comparison['common_questions']} questions; 95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"
+        cards.append(("accuracy change" + (" (not held out)" if trained else ""),
+                      f"{100 * comparison['difference']:+.1f} pts",
+                      f"paired on {comparison['common_questions']} questions; "
+                      f"95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"
                       + (f"; trained on: {trained}" if trained else "")))
     eval_steps, eval_accuracy = series(metrics, "eval/accuracy")
     if eval_accuracy:
@@ -222,8 +224,9 @@ def trained_counts(comparison: dict[str, Any], a: str, b: str) -> str:
 
 
 def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
-    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th><th>questions</th>"
-            "<th>trained on</th><th>letter bias KL</th><th>option orders: consistent / mean</th><th>per domain</th></tr>")
+    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th>"
+            "<th>questions</th><th>trained on</th><th>letter bias KL</th><th>option orders: consistent / mean</th>"
+            "<th>per domain</th></tr>")
     body = []
     for role, ev in evaluations:
         table = accuracy_table(ev)

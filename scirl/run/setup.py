@@ -146,8 +146,9 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
     else:
         if trainer.algorithm.refill_rounds() and dist.world_size > 1:
-            raise ConfigError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which colocated "
-                              "ranks cannot (each would draw its own): train on one rank, on vLLM servers, or drop them")
+            raise ConfigError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
+                              "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
+                              "or drop them")
         sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
         source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)

@@ -202,7 +202,7 @@ def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
     check_utf8_bom(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (ValueError, RecursionError) as e:  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
+    except (ValueError, RecursionError) as e:  # not one JSON document (or not UTF-8): read it line by line
         try:
             return read_jsonl(path)
         except DataSourceError:

@@ -431,8 +431,8 @@ def check_columns(wanted: list[str], rows: list[Any], said: str) -> None:
     missing = [column for column in wanted if column not in seen]
     if seen and missing:
         shown = ", ".join(sorted(seen)[:12]) + (", ..." if len(seen) > 12 else "")
-        raise DataSourceError(f"{said.format(column=missing[0])}, which no row has (the rows' columns: {shown})"
-                              + (f"; {len(missing) - 1} more of its columns are missing too" if len(missing) > 1 else ""))
+        more = f"; {len(missing) - 1} more of its columns are missing too" if len(missing) > 1 else ""
+        raise DataSourceError(f"{said.format(column=missing[0])}, which no row has (the rows' columns: {shown}){more}")
 
 
 def known_format(name: str) -> str:
