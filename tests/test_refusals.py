@@ -287,3 +287,18 @@ def test_a_cuda_build_of_a_vision_package_beside_a_cpu_torch_is_recognised(tmp_p
                                                     "2.13.0+cpu")
     monkeypatch.setattr(extras, "cuda_builds_by_default", lambda: False)  # elsewhere its builds are the CPU ones
     assert extras.side_package_problem() is None
+
+
+def test_a_server_that_is_not_there_is_a_missing_resource(data, tmp_path, capsys):
+    """`scirl eval --base-url` with nothing listening: refused before any question is asked, exit 2 (was 1, the
+    code of a failure during the work)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    argv = ["eval", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--data", str(data),
+            "--eval-per-domain", "1", "--out", str(tmp_path / "e.json"), "--no-progress"]
+    assert cli_main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("scirl eval: cannot reach") and "Is the server running?" in last
