@@ -7,6 +7,7 @@ import signal
 import sys
 
 from scirl import __version__
+from scirl.extras import side_package_problem
 
 COMMANDS = {
     "data": ("data", "inspect and export the MCQ splits (SciKnowEval or another science MCQ set)"),
@@ -21,6 +22,10 @@ COMMANDS = {
     "export": ("export", "export the task for other frameworks (prime-rl)"),
     "dcp-to-hf": ("dcp_to_hf", "an HF model from a prime-rl DCP checkpoint"),
 }
+
+
+# the commands that load a model through transformers (``scirl eval compare`` does not)
+LOAD_MODELS = {"eval", "serve", "train", "inference", "job", "demo", "dcp-to-hf"}
 
 
 def usage() -> str:
@@ -42,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"scirl: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name in LOAD_MODELS and rest[:1] != ["compare"] and not {"-h", "--help"} & set(rest):
+        problem = side_package_problem()  # before any work: a model load would end in a 75-line traceback
+        if problem:
+            print(f"scirl {name}: {problem}", file=sys.stderr)
+            return 2
     try:
         module = importlib.import_module(f"scirl.commands.{COMMANDS[name][0]}")
         return int(module.main(rest) or 0)

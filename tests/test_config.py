@@ -175,3 +175,36 @@ def test_inference_section_parses_from_flags_and_round_trips(tmp_path):
 def test_inference_section_refuses_bad_values(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config(argv)
+
+
+def leaf_fields(model, prefix=""):
+    """(dotted name, pydantic field) of every setting of the config, sections walked."""
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from leaf_fields(field.annotation, f"{prefix}{name}.")
+        else:
+            yield prefix + name, field
+
+
+def test_train_help_lists_every_field_with_its_default_and_what_it_means(capsys):
+    """`scirl train --help` pointed to --dry-run (issue 49); it lists the config's sections and fields, read from
+    the config classes, so a field added there is listed, and one without a description is caught here."""
+    import json
+
+    from scirl.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # descriptions are wrapped
+    fields = list(leaf_fields(TrainConfig))
+    assert len(fields) > 90
+    for name, field in fields:
+        default = field.get_default(call_default_factory=True)
+        shown = "unset" if default is None else json.dumps(list(default) if isinstance(default, tuple) else default)
+        assert field.description, f"{name} has no description"
+        assert f"--{name.replace('_', '-')} {shown}: {' '.join(field.description.split())}" in text, name
+    for section in ("[optim]", "[data]", "[filters.gibberish]", "[deployment]", "[sdpo]", "[loss]"):
+        assert section in text

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from scirl import hub
 from scirl.task import data
 from scirl.synth import questions as synthetic
 from scirl.cli import main as cli_main
@@ -169,11 +170,11 @@ def test_only_real_hub_answers_count_as_hub_access():
     import httpx
 
     request = httpx.Request("GET", "https://hub.example/api/datasets/x")
-    assert data.hub_answer_problem(httpx.Response(200, json={"id": "x"}, request=request)) is None
-    assert data.hub_answer_problem(httpx.Response(401, json={"error": "Repository not found"}, request=request)) is None
-    assert data.hub_answer_problem(httpx.Response(404, request=request))  # an empty answer from a proxy
-    assert data.hub_answer_problem(httpx.Response(200, text="<html>log in to the wifi</html>", request=request))
-    assert data.hub_answer_problem(httpx.Response(503, json={"error": "down"}, request=request))
+    assert hub.answer_problem(httpx.Response(200, json={"id": "x"}, request=request)) is None
+    assert hub.answer_problem(httpx.Response(401, json={"error": "Repository not found"}, request=request)) is None
+    assert hub.answer_problem(httpx.Response(404, request=request))  # an empty answer from a proxy
+    assert hub.answer_problem(httpx.Response(200, text="<html>log in to the wifi</html>", request=request))
+    assert hub.answer_problem(httpx.Response(503, json={"error": "down"}, request=request))
 
 
 @pytest.mark.timeout(120)
@@ -182,9 +183,9 @@ def test_cli_default_source_offline_exits_with_advice(tmp_path):
                HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
     proc = subprocess.run([sys.executable, "-m", "scirl", "data", "stats", "--json"], env=env,
                           capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a missing resource, refused before any work as every command refuses it
     assert proc.stdout == ""
-    assert "--data" in proc.stderr and data.HUB_ID in proc.stderr
+    assert "--data" in proc.stderr and data.HUB_ID in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 # --- validation, dedup, accounting ---------------------------------------------------------------
@@ -368,6 +369,31 @@ def test_cli_stats_tables(dirty_jsonl, capsys):
     out = capsys.readouterr().out
     for word in ("Chemistry", "mcq-2-choices", "L3", "conflicting_answers", "bad_json"):
         assert word in out
+
+
+def test_the_stats_header_lists_what_the_file_holds(clean_rows, tmp_path, capsys, monkeypatch):
+    """The header listed every MCQ type scirl accepts, whatever the file held (issue 49)."""
+    rows = ([r for r in clean_rows if r["type"] == "mcq-4-choices"][:6]
+            + [r for r in clean_rows if r["type"] == "mcq-2-choices"][:2])
+    path = synthetic.write_jsonl(rows, tmp_path / "rows.jsonl")
+    monkeypatch.setenv("COLUMNS", "250")  # one line
+    assert cli_main(["data", "stats", "--data", str(path)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "8 MCQ (mcq-4-choices 6, mcq-2-choices 2)" in header and "mcq-3-choices" not in header
+    assert data.load_splits(str(path)).summary()["mcq_types"] == {"mcq-4-choices": 6, "mcq-2-choices": 2}
+
+
+def test_a_file_none_of_whose_lines_is_json_is_refused_naming_its_line(tmp_path):
+    """A CSV named .jsonl was read as "2 MCQ", each line skipped as bad JSON; a pretty-printed .json file with a
+    syntax error is named at its own line, not at the first line of a JSON-lines reading."""
+    table = tmp_path / "table.jsonl"
+    table.write_text("\nquestion,A,B\nq,a,b\n")
+    with pytest.raises(data.DataSourceError, match=r"table.jsonl:2: not JSON \(Expecting value\)"):
+        data.load_splits(str(table))
+    broken = tmp_path / "rows.json"
+    broken.write_text('[\n {"question": "q",\n  "answerKey": "A",},\n]\n')
+    with pytest.raises(data.DataSourceError, match=r"rows.json:3: not JSON \(Expecting property name"):
+        data.load_splits(str(broken))
 
 
 def test_cli_export_round_trip(dirty_jsonl, tmp_path):

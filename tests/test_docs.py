@@ -262,6 +262,25 @@ def test_every_code_block_says_what_it_is_and_shell_is_run_or_marked(page):
     assert not problems, f"{page}:\n" + "\n".join(problems)
 
 
+@pytest.mark.parametrize("page", LINKED)
+def test_no_line_of_prose_is_printed_twice_in_a_row(page):
+    """A sentence of docs/data-formats.md stood twice, one line after the other (issue 49)."""
+    lines = (ROOT / page).read_text(encoding="utf-8").splitlines()
+    twice = [f"line {n + 2}: {b}" for n, (a, b) in enumerate(zip(lines, lines[1:])) if a == b and len(b.split()) > 3]
+    assert not twice, f"{page}:\n" + "\n".join(twice)
+
+
+def test_the_serve_example_waits_quietly_for_the_servers_ready_line(tmp_path):
+    """docs/evaluation.md's wait for `scirl serve`'s URL printed a grep error while serve.log did not exist yet."""
+    page = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
+    [wait] = [line for line in page.splitlines() if line.startswith("until url=")]
+    script = ("(sleep 1; echo 'scirl serve: ready at http://127.0.0.1:1/v1' > serve.log; sleep 60) &\nserver=$!\n"
+              f"{wait}\necho \"$url\"\nkill $server\n")  # the log appears a second after the first look
+    done = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout == "http://127.0.0.1:1/v1\n" and done.stderr == "", done.stderr
+
+
 def slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")

@@ -121,6 +121,24 @@ def test_a_second_eval_on_the_same_out_is_refused(data_file, tmp_path, capsys):
     lock_out(out).close()  # released with its holder: the next run may take it
 
 
+def test_an_eval_leaves_no_lock_file_behind(data_file, tmp_path):
+    """Every eval left `OUT.lock` beside its results (issue 49): the lock's file goes with the lock."""
+    from scirl.commands.eval import main
+    from scirl.eval.results import lock_out
+
+    out = tmp_path / "e.json"
+    with running(fake_server(reply="Answer: A")) as srv:
+        assert main(["--base-url", srv.url, "--model", "m", "--data", str(data_file), "--eval-per-domain", "1",
+                     "--out", str(out), "--no-progress"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["e.json", "e.records.jsonl"]
+    first = lock_out(out)
+    first.close()
+    second = lock_out(out)  # a new file, held by the next one alone
+    assert (tmp_path / "e.json.lock").exists()
+    second.close()
+    assert not (tmp_path / "e.json.lock").exists()
+
+
 def test_echoed_credentials_are_blanked(data_file, tmp_path, capsys):
     """Before: a server echoing the Authorization header leaked base64(user:password) into failed[].error."""
     from scirl.commands.eval import main

@@ -88,3 +88,65 @@ def test_an_old_run_config_with_data_seed_still_gives_its_split(trained_run, tmp
     assert cli_main(["eval", "--model", str(old / "weights" / "step_1"), "--out", str(out), *EVAL_ARGS]) == 0
     assert evaluated_ids(out) == held_out
     assert "is read as split_seed" in capsys.readouterr().err
+
+
+def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_eval(trained_run, tiny_model_dir,
+                                                                                    tmp_path, capsys):
+    """Issue 49: `--allow-trained-questions` scored questions the run trained on, and its results file recorded
+    nothing of it: `scirl report RUN` showed it as the "accuracy after", `scirl eval compare` paired it without a
+    word, and eval's first line said "which it did not train on". The file now records the count, and every
+    figure it touches says it."""
+    run_dir, data, trained, held_out = trained_run
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)  # the report writes into it
+    model = run / "weights" / "step_1"
+    assert cli_main(["eval", "--run", str(run), "--model", str(tiny_model_dir), "--out", str(run / "eval_base.json"),
+                     *EVAL_ARGS]) == 0  # held out
+    capsys.readouterr()
+    other_split = ["--eval-per-domain", "4", "--split-seed", "7", "--allow-trained-questions"]
+    after = run / "eval_final.json"
+    assert cli_main(["eval", "--model", str(model), *other_split, "--out", str(after), *EVAL_ARGS]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    asked = evaluated_ids(after)
+    n = len(asked & trained)
+    assert n > 0 and first.startswith("scirl eval: data settings of run")
+    assert f"{n} of which it trained on" in first and "did not train on" not in first  # as the warning says
+    recorded = json.loads(after.read_text())["trained_on"]
+    assert recorded["questions"] == n and set(recorded["ids"]) == asked & trained
+    assert recorded["run"] == str(run.resolve()) and recorded["allowed"]
+    assert json.loads((run / "eval_base.json").read_text())["trained_on"]["questions"] == 0
+
+    assert cli_main(["report", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert f"accuracy after (eval_final.json): {n} of the {len(asked)} questions trained on by run {run.resolve()}" \
+        in err
+    assert "accuracy before" not in err  # the held-out one needs no word
+    page = (run / "report" / "report.html").read_text()
+    assert "accuracy after (not held out)" in page and "accuracy before (not held out)" not in page
+    assert f"{n} of the {len(asked)} questions trained on by run" in page
+
+    # two files on those questions: the difference is not a held-out one either, on either side
+    base = tmp_path / "base-other-split.json"
+    assert cli_main(["eval", "--run", str(run), "--model", str(tiny_model_dir), *other_split, "--out", str(base),
+                     *EVAL_ARGS]) == 0
+    capsys.readouterr()
+    assert cli_main(["eval", "compare", str(base), str(after)]) == 0
+    out = capsys.readouterr().out
+    unwrapped = "".join(out.split())  # rich folds a long path across lines
+    for side, name in (("A", base), ("B", after)):
+        assert f"{side}({name}):{n}ofthe{len(asked)}commonquestionsweretrainedon" in unwrapped
+    assert cli_main(["eval", "compare", str(base), str(after), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trained_on"] == {"a": n, "b": n}
+    assert cli_main(["report", "--compare", str(base), str(after), "--out", str(tmp_path / "cmp")]) == 0
+    assert f"{n} of the {len(asked)} common questions were trained on" in capsys.readouterr().err
+
+
+def test_a_plain_eval_names_its_data_split_and_seed_in_one_line(trained_run, tiny_model_dir, tmp_path, capsys):
+    run_dir, data, trained, held_out = trained_run
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--model", str(tiny_model_dir), "--data", str(data), "--eval-per-domain", "2",
+                     "--split-seed", "5", "--out", str(out), *EVAL_ARGS]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first == (f"scirl eval: 8 questions: the eval split of {data} (--eval-per-domain 2 --split-method content "
+                     "--split-seed 5); no run given, so not checked against a training split")
+    assert json.loads(out.read_text())["trained_on"]["questions"] is None  # not checked, and the file says so

@@ -73,15 +73,15 @@ def test_each_set_is_detected_mapped_and_accounted(fmt_file):
     assert not {q.id for q in splits.eval} & {q.id for q in splits.train}
 
 
-def test_a_named_format_reads_as_auto_does_and_a_wrong_one_skips_every_row(fmt_file):
+def test_a_named_format_reads_as_auto_does_and_a_wrong_one_is_refused_naming_a_column(fmt_file):
+    """A format whose columns the file lacks skipped every row as missing_field, the column never named (issue 49)."""
     fmt, good, bad, path = fmt_file
     auto = data.load_splits(str(path), eval_per_domain=EVAL_N)
     named = data.load_splits(str(path), eval_per_domain=EVAL_N, data_format=fmt)
     assert [q.id for q in named.eval] == [q.id for q in auto.eval]
     other = "gpqa" if fmt != "gpqa" else "sciq"
-    wrong = data.load_splits(str(path), eval_per_domain=EVAL_N, data_format=other)
-    assert wrong.train == [] and wrong.eval == [] and set(wrong.skipped) == {"missing_field"}
-    assert wrong.accounted == wrong.mcq_read
+    with pytest.raises(DataSourceError, match=f"--data-format {other} reads column '.+', which no row has"):
+        data.load_splits(str(path), eval_per_domain=EVAL_N, data_format=other)
 
 
 def test_guide_split_and_type_filter_keep_the_accounting(fmt_file):
@@ -218,8 +218,9 @@ def test_another_set_offline_fails_with_the_hub_unreachable_advice(tmp_path):
                HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
     proc = subprocess.run([sys.executable, "-m", "scirl", "data", "stats", "--data", "allenai/sciq"], env=env,
                           capture_output=True, text=True, timeout=110)
-    assert proc.returncode == 1 and proc.stdout == ""
-    assert "cannot reach the Hugging Face Hub to load 'allenai/sciq'" in proc.stderr and "--data" in proc.stderr
+    assert proc.returncode == 2 and proc.stdout == ""  # a missing resource, like every refusal before work
+    assert "'allenai/sciq' is not in the local Hugging Face cache" in proc.stderr and "--data" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 # --- column mappings ---------------------------------------------------------------------------------

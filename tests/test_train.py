@@ -152,7 +152,10 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
             rewards = [x["reward"] for x in lines if x["group"] == group]
             advantages = [x["advantage"] for x in lines if x["group"] == group]
             assert advantages == pytest.approx([r - sum(rewards) / 8 for r in rewards])
-    assert "Step 3 | " in (run_dir / "logs" / "train.log").read_text()
+    log_text = (run_dir / "logs" / "train.log").read_text()
+    assert "Step 1/3 | " in log_text and "Step 3/3 | " in log_text  # which step of how many
+    step_lines = [line for line in log_text.splitlines() if "Step " in line and " tok/s" in line]
+    assert len(step_lines) == 3 and all(line.endswith(" left") for line in step_lines)  # and the time left
     assert validate(read_toml(run_dir / "config.toml")) == load_config(argv)
 
     # checkpoints at the interval and at the end, each a loadable HF model with trainer state
@@ -842,8 +845,8 @@ def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, cap
     # SciKnowEval's columns (so the format is known), but no domain
     row = {"question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A", "type": "mcq-2-choices"}
     bad.write_text((json.dumps(row) + "\n") * 3)
-    assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 1
-    assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err
+    assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 2
+    assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err  # no usable rows: bad input, as in eval
 
 
 def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_masters(letter_model_dir, data_file,

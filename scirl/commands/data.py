@@ -56,8 +56,9 @@ def print_tables(summary: dict) -> None:
 
     # every name below comes from the data (or the command line): printed literally, never read as markup
     console = Console()
+    held = ", ".join(f"{kind} {n}" for kind, n in summary["mcq_types"].items()) or "none"  # what the source holds
     console.print(f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): {summary['rows']} rows read, {summary['mcq']} MCQ "
-                  f"({escape(', '.join(summary['types']))}); split {summary['split_method']!r}, "
+                  f"({escape(held)}); split {summary['split_method']!r}, "
                   f"{summary['eval_per_domain']} eval per domain, split seed {summary['split_seed']}")
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
         table = Table(title=f"by {title}")
@@ -110,7 +111,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     import logging
 
-    from scirl.task.data import DataSourceError, HubUnreachable
+    from scirl.task.data import DataSourceError
 
     if args.action == "stats":
         # stats reports the counts and notes itself; the loader's per-row warnings would repeat them
@@ -131,10 +132,7 @@ def main(argv: list[str]) -> int:
             return 2
     try:
         splits = load(args)
-    except HubUnreachable as e:  # not bad input: the same command works where the hub is reachable
-        print(f"scirl data: error: {e}", file=sys.stderr)
-        return 1
-    except (DataSourceError, OSError, ValueError) as e:
+    except (DataSourceError, OSError, ValueError) as e:  # a hub out of reach too: a missing resource, before work
         print(f"scirl data: error: {e}", file=sys.stderr)
         return 2
     if args.action == "stats":

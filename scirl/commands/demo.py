@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
 
     from scirl.commands.train import keep_freed_memory_on_cpu
     from scirl.demo.run import DemoOptions, fresh_output_dir, run_demo
-    from scirl.errors import ConfigError, DataSourceError, DeployError, PreflightError, Stopped, TrainError
+    from scirl.errors import REFUSED, ScirlError
 
     torch.set_num_threads(args.threads)
     opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
@@ -63,15 +63,9 @@ def main(argv: list[str]) -> int:
     keep_freed_memory_on_cpu("cpu")  # the demo runs on the CPU
     try:
         run_demo(opts)
-    except (ConfigError, FileNotFoundError, FileExistsError, PreflightError) as exc:
+    except (ScirlError, FileNotFoundError, FileExistsError) as exc:  # each error's own status (scirl.errors)
         print(f"scirl demo: {exc}", file=sys.stderr)
-        return 2
-    except (TrainError, DataSourceError) as exc:
-        print(f"scirl demo: {exc}", file=sys.stderr)
-        return 1
-    except (DeployError, Stopped) as exc:  # a server or the trainer failed (the launcher's report), or a stop
-        print(f"scirl demo: {exc}", file=sys.stderr)
-        return exc.status
+        return exc.status if isinstance(exc, ScirlError) else REFUSED
     return 0
 
 

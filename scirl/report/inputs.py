@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scirl.eval import provenance
 from scirl.eval.letters import letter_stats
 from scirl.eval.stats import wilson_interval
 
@@ -183,6 +184,45 @@ def read_rollouts(rollout_dir: Path, notes: list[str]) -> tuple[int | None, list
             return step, rows
     notes.append("rollouts/: no step_N.jsonl with a complete line; no sample rollouts")
     return None, []
+
+
+RUN_MARKS = ("config.toml", "metrics.jsonl", "rollouts", "weights", "logs")  # what scirl train writes first
+
+
+def run_dir_problem(run_dir: Path) -> str | None:
+    """Why ``run_dir`` has nothing to report (None when it has): not a directory, or one that is neither a run
+    (none of what ``scirl train`` writes) nor holds results (no ``eval_*.json``); its page would be empty."""
+    if not run_dir.is_dir():
+        return f"run directory not found: {run_dir}"
+    if any((run_dir / mark).exists() for mark in RUN_MARKS) or any(run_dir.glob("eval_*.json")):
+        return None
+    return (f"{run_dir} is not a scirl run directory and holds no results (no {', '.join(RUN_MARKS)} or eval_*.json "
+            "in it): give a run's directory, or --compare A.json B.json")
+
+
+def trained_share(evaluation: Evaluation, among: set[str] | None = None) -> tuple[int, int] | None:
+    """(trained, of): how many of the evaluation's questions (or of ``among``: those a comparison pairs) a run
+    trained on, by its file's own record (``scirl.eval.provenance``); None when none, or nothing checked them."""
+    count = provenance.trained_count(evaluation.data, among)
+    if not count:
+        return None
+    return count, len(among) if among is not None else len(record_list(evaluation.data))
+
+
+def trained_note(evaluation: Evaluation, among: set[str] | None = None) -> str | None:
+    """``"175 of the 200 questions trained on by run R"``, or None (``trained_share``)."""
+    share = trained_share(evaluation, among)
+    if share is None:
+        return None
+    return f"{share[0]} of the {share[1]} questions trained on by run {provenance.run_name(evaluation.data)}"
+
+
+def paired_ids(a: Evaluation, b: Evaluation) -> set[str]:
+    """The question ids two evaluations share (what a paired comparison counts)."""
+    def ids(ev: Evaluation) -> set[str]:
+        return {r["id"] for r in record_list(ev.data) if isinstance(r.get("id"), str)}
+
+    return ids(a) & ids(b)
 
 
 def gather(run_dir: Path) -> RunInputs:

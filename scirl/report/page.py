@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from scirl.eval import provenance
 from scirl.report.inputs import (
     Evaluation,
     RunInputs,
@@ -22,6 +23,7 @@ from scirl.report.inputs import (
     number,
     record_list,
     series,
+    trained_note,
 )
 
 SAMPLES_PER_TABLE = 3
@@ -33,6 +35,7 @@ body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2e
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
 .muted { color: #777; font-size: 0.9em; }
 .missing { background: #fff6e0; border: 1px solid #e8c060; padding: 0.6em 1em; border-radius: 6px; }
+.trained { background: #fde8e8; border: 1px solid #d05050; padding: 0.6em 1em; border-radius: 6px; }
 .cards { display: flex; flex-wrap: wrap; gap: 0.8em; }
 .card { border: 1px solid #ddd; border-radius: 6px; padding: 0.6em 1em; min-width: 10em; }
 .card .value { font-size: 1.5em; font-weight: 600; } .card .label { color: #666; font-size: 0.85em; }
@@ -105,12 +108,18 @@ def key_numbers(run: RunInputs, comparison: dict[str, Any] | None) -> list[tuple
             overall = accuracy_table(evaluation).get("Overall")
             if overall:
                 ci = f"95% CI {pct(overall[1])}–{pct(overall[2])}" if overall[1] is not None else "no CI"
-                cards.append((f"accuracy {role}", pct(overall[0]), f"{evaluation.name}; {ci}"))
+                note = trained_note(evaluation)  # a figure that is not held out says so where it stands
+                cards.append((f"accuracy {role}" + (" (not held out)" if note else ""), pct(overall[0]),
+                              (f"{note}; " if note else "") + f"{evaluation.name}; {ci}"))
     if comparison and comparison.get("common_questions"):
         low, high = comparison["difference_ci95"]
         p = comparison["mcnemar"]["p_value"]
-        cards.append(("accuracy change", f"{100 * comparison['difference']:+.1f} pts",
-                      f"paired on {comparison['common_questions']} questions; 95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"))
+        trained = trained_counts(comparison, "before", "after")
+        cards.append(("accuracy change" + (" (not held out)" if trained else ""),
+                      f"{100 * comparison['difference']:+.1f} pts",
+                      f"paired on {comparison['common_questions']} questions; "
+                      f"95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"
+                      + (f"; trained on: {trained}" if trained else "")))
     eval_steps, eval_accuracy = series(metrics, "eval/accuracy")
     if eval_accuracy:
         cards.append(("held-out accuracy", pct(eval_accuracy[-1]),
@@ -207,9 +216,17 @@ def rollout_table(rows: list[dict[str, Any]]) -> str:
     return f'<table class="rollouts">{head}{"".join(body)}</table>'
 
 
+def trained_counts(comparison: dict[str, Any], a: str, b: str) -> str:
+    """How many of a comparison's common questions a run trained on, side by side (``""`` when none)."""
+    counts = comparison.get("trained_on") if isinstance(comparison.get("trained_on"), dict) else {}
+    n = comparison.get("common_questions", 0)
+    return ", ".join(f"{side} {counts[key]} of {n}" for side, key in ((a, "a"), (b, "b")) if number(counts.get(key)))
+
+
 def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
-    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th><th>questions</th>"
-            "<th>letter bias KL</th><th>option orders: consistent / mean</th><th>per domain</th></tr>")
+    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th>"
+            "<th>questions</th><th>trained on</th><th>letter bias KL</th><th>option orders: consistent / mean</th>"
+            "<th>per domain</th></tr>")
     body = []
     for role, ev in evaluations:
         table = accuracy_table(ev)
@@ -226,18 +243,22 @@ def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
         body.append(
             f"<tr><td>{esc(ev.name)}</td><td>{esc(role)}</td><td>{acc}</td><td>{pct(number(ev.data.get('strict_accuracy')))}</td>"
             f"<td>{pct(number(ev.data.get('unparsed_rate')))}</td><td>{esc(questions)}</td>"
+            f"<td>{esc(provenance.label(ev.data, len(record_list(ev.data))))}</td>"
             f"<td>{'n/a' if kl is None else f'{kl:.3f} nats'}</td><td>{orders}</td><td>{domains}</td></tr>"
         )
     return f"<table>{head}{''.join(body)}</table>"
 
 
 def comparison_block(comparison: dict[str, Any] | None, a: str, b: str) -> str:
-    if not comparison:
+    if not comparison or not comparison.get("common_questions"):
         return ""
+    trained = trained_counts(comparison, a, b)
+    warning = (f'<p class="trained"><b>Not a held-out difference:</b> a run trained on some of the common questions '
+               f"({esc(trained)}; --allow-trained-questions).</p>" if trained else "")
     t = comparison.get("table", {})
     m = comparison.get("mcnemar", {})
     low, high = comparison.get("difference_ci95", [None, None])
-    return (
+    return warning + (
         f"<p>Paired on <b>{comparison.get('common_questions', 0)}</b> common questions "
         f"({comparison.get('only_in_a', 0)} only in {esc(a)}, {comparison.get('only_in_b', 0)} only in {esc(b)}): "
         f"{esc(a)} {pct(comparison.get('accuracy_a'))} → {esc(b)} {pct(comparison.get('accuracy_b'))}, "
@@ -292,7 +313,10 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
     parts.append(f'<h2>Key numbers</h2><div class="cards">{cards}</div>')
     if run.evals:
         roles = [("before" if ev is run.before else "after" if ev is run.after else "", ev) for ev in run.evals]
-        parts.append("<h2>Evaluations</h2>" + eval_table(roles))
+        not_held_out = [f"accuracy {role} ({ev.name}): {note}; not a held-out figure" for role, ev in roles
+                        if role and (note := trained_note(ev))]
+        parts.append("<h2>Evaluations</h2>" + "".join(f'<p class="trained">{esc(line)}</p>' for line in not_held_out)
+                     + eval_table(roles))
         if run.before and run.after:
             parts.append(comparison_block(comparison, run.before.name, run.after.name))
     parts.append("<h2>Plots</h2>")
@@ -319,7 +343,10 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
 
 def render_compare_page(a: Evaluation, b: Evaluation, plot: Path | None, comparison: dict[str, Any] | None, notes: list[str],
                         letters_plot: Path | None = None) -> str:
-    parts = [missing_block(notes), "<h2>Accuracy</h2>", eval_table([("A", a), ("B", b)])]
+    parts = [missing_block(notes), "<h2>Accuracy</h2>"]
+    parts += [f'<p class="trained">{esc(side)} ({esc(ev.name)}): {esc(note)}; not a held-out figure</p>'
+              for side, ev in (("A", a), ("B", b)) if (note := trained_note(ev))]
+    parts.append(eval_table([("A", a), ("B", b)]))
     parts.append("<h2>Paired comparison (McNemar)</h2>" + (comparison_block(comparison, a.name, b.name) or '<p class="muted">not available</p>'))
     if plot is not None:
         parts.append(image(plot, f"per-domain accuracy, {a.name} vs {b.name}, 95% CIs"))

@@ -30,9 +30,10 @@ MAX_SEED = 2**63 - 1  # what torch, numpy and random all accept
 
 class OptimConfig(Section):
     # AdamW moves every weight by about lr per step: lr >= 1 wipes out any pretrained model
-    lr: float = Field(1e-6, gt=0, lt=1)
-    weight_decay: float = Field(0.01, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    lr: float = Field(1e-6, gt=0, lt=1, description="AdamW's learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW's decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's moving-average rates of the gradient and "
+                                       "its square")
     max_norm: float = Field(1.0, gt=0, description="gradient-norm clipping threshold")
 
     @field_validator("betas")
@@ -54,24 +55,25 @@ class OptimConfig(Section):
 
 class AdvantageConfig(Section):
     # prime-rl's GRPO uses A = r - mean(group) with no std normalisation; this is the opt-in.
-    std_normalize: bool = False
-    eps: float = Field(1e-6, gt=0)
+    std_normalize: bool = Field(False, description="divide each group's advantages by their standard deviation")
+    eps: float = Field(1e-6, gt=0, description="added to that standard deviation")
 
 
 class GibberishFilterConfig(Section):
-    enforce: bool = True
-    token_id_threshold: int = Field(100_000, ge=0)
-    logprob_offset: float = 2.0
+    enforce: bool = Field(True, description="drop a flagged rollout from the update (false: flag it only)")
+    token_id_threshold: int = Field(100_000, ge=0, description="flag a rollout that sampled a token id above this...")
+    logprob_offset: float = Field(2.0, description="...at a logprob below -log(vocabulary size) minus this")
 
 
 class RepetitionFilterConfig(Section):
-    enforce: bool = True
-    window: int = Field(3000, ge=1)
-    prob_threshold: float = Field(0.99, gt=0, le=1)
+    enforce: bool = Field(True, description="drop a flagged rollout from the update (false: flag it only)")
+    window: int = Field(3000, ge=1, description="flag a rollout with this many consecutive sampled tokens...")
+    prob_threshold: float = Field(0.99, gt=0, le=1, description="...each sampled with a probability above this")
 
 
 class ZeroAdvantageFilterConfig(Section):
-    enforce: bool = True
+    enforce: bool = Field(True, description="drop a rollout whose advantage is 0 (its group's rewards all equal) "
+                          "from the update (false: flag it only)")
 
 
 class FiltersConfig(Section):
@@ -88,13 +90,18 @@ class CkptConfig(Section):
 
 
 class DataConfig(Section):
-    source: str = Field("hicai-zju/SciKnowEval", min_length=1)
-    split: Literal["train", "eval"] = "train"
+    source: str = Field("hicai-zju/SciKnowEval", min_length=1, description="hub id (a known set's: "
+                        "REPO[:CONFIG][@SPLIT]), hf:<dataset dir or id>, a raw_data directory or one "
+                        ".jsonl/.json/.parquet file")
+    split: Literal["train", "eval"] = Field("train", description="the split trained on (the other is held out)")
     eval_per_domain: int = Field(DEFAULT_EVAL_PER_DOMAIN, ge=0, description="questions per domain held out for evaluation")
-    split_method: Literal["content", "guide"] = DEFAULT_SPLIT_METHOD
+    split_method: Literal["content", "guide"] = Field(
+        DEFAULT_SPLIT_METHOD, description="content: deterministic from row content, twins share a split; guide: the "
+        "run guide's seeded permutation over rows in hub order")
     # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train;
     # named as `scirl eval --split-seed` and `scirl data --split-seed` name it (before: `seed`, still read from a file)
-    split_seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED)
+    split_seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED, description="seed of the train/held-out split "
+                            "(scirl eval's --split-seed), apart from the training seed")
     format: str = Field("auto", description="schema of the source's rows: auto (the set a hub id names, else the one "
                         "the rows' columns fit) or one of scirl.task.formats.FORMAT_NAMES")
     columns: dict[str, str] | None = Field(None, description="a column mapping instead of a format, as a table or as "
@@ -150,9 +157,9 @@ class EvalConfig(Section):
 
 
 class WandbConfig(Section):
-    enabled: bool = False
-    project: str = "scirl"
-    name: str | None = None
+    enabled: bool = Field(False, description="log each step's metrics to Weights & Biases (the wandb extra)")
+    project: str = Field("scirl", description="the W&B project")
+    name: str | None = Field(None, description="the W&B run's name (None: W&B picks one)")
 
 
 class InferenceConfig(Section):
@@ -240,7 +247,7 @@ class LoraSettings(Section):
     """A low-rank adapter (peft's LoRA) over a frozen base: only the adapter trains (``scirl/trainer/lora.py``).
     Single process only; the sampler gets the merged weights W + B@A * alpha/rank."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="train a LoRA adapter instead of the full model (the lora extra)")
     rank: int = Field(16, ge=1, description="r: the adapter's inner dimension")
     alpha: float = Field(32, gt=0, description="the update is scaled by alpha / rank")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter's input, in the train forward only")
@@ -258,7 +265,7 @@ class LoraSettings(Section):
 class RunConfig(Section):
     """Every section but the algorithms' own; ``TrainConfig`` below adds those (``scirl.algorithms``)."""
 
-    max_steps: int = Field(30, ge=1)
+    max_steps: int = Field(30, ge=1, description="optimizer steps of the run")
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
     model: str = Field("PrimeIntellect/Qwen3-8B", min_length=1, description="hub name or local HF model directory")
     batch_size: int = Field(128, ge=1, description="completions per step")
@@ -270,10 +277,11 @@ class RunConfig(Section):
                                          "(None: as many as micro_batch_tokens holds)")
     head_block_tokens: int = Field(512, ge=1, description="the LM head, its softmax and their backward run over "
                                    "blocks of this many tokens: the step's largest tensors are [block, vocabulary]")
-    max_completion_tokens: int = Field(256, ge=1)
-    temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE)
-    top_p: float = Field(1.0, gt=0, le=1)
-    seed: int = Field(42, ge=0, le=MAX_SEED)
+    max_completion_tokens: int = Field(256, ge=1, description="longest completion sampled")
+    temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE, description="sampling temperature of the rollouts")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1: off)")
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="seed of the data order, the sampling and the weights' "
+                      "random parts")
     max_async_level: int = Field(1, ge=0, le=8, description="servers only: how many steps generation may run ahead "
                                  "of training (1: batch n+1 is sampled while step n trains; 0: synchronous)")
     output_dir: str = Field("outputs/run", min_length=1, description="run directory ('' would be the current directory)")

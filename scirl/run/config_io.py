@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -91,6 +92,31 @@ def _parse_value(text: str, annotation) -> Any:
         except json.JSONDecodeError:
             return [part.strip() for part in text.strip("[]").split(",") if part.strip()]
     return text
+
+
+def field_reference(model: type[BaseModel] = TrainConfig, width: int = 110) -> str:
+    """Every field of the config as its flag, with its default and what it means, section by section (what
+    ``scirl train --help`` lists): read from the config classes, so it lists what they hold."""
+    lines: list[str] = []
+
+    def walk(section: type[BaseModel], prefix: str) -> None:
+        fields = section.model_fields.items()
+        plain = [(name, f) for name, f in fields if _nested_model(f.annotation) is None]
+        if plain:
+            about = (section.__dict__.get("__doc__") or "").strip().split("\n\n")[0]
+            title = f"[{prefix[:-1]}]" if prefix else "top level"
+            lines.extend(textwrap.wrap(f"{title}  {' '.join(about.split())}" if prefix and about else title, width))
+        for name, f in plain:
+            default = f.get_default(call_default_factory=True)
+            shown = "unset" if default is None else json.dumps(list(default) if isinstance(default, tuple) else default)
+            entry = f"--{(prefix + name).replace('_', '-')} {shown}" + (f": {f.description}" if f.description else "")
+            lines.extend(textwrap.wrap(entry, width, initial_indent="  ", subsequent_indent="      "))
+        for name, f in fields:
+            if _nested_model(f.annotation) is not None:
+                walk(f.annotation, f"{prefix}{name}.")
+
+    walk(model, "")
+    return "\n".join(lines)
 
 
 def parse_overrides(argv: list[str]) -> tuple[list[Path], dict]:

@@ -64,11 +64,12 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     return m
 
 
-def step_line(m: dict, algorithm=None) -> str:
-    """The guide's shape: ``Step 3 | 20.4s | Reward 0.3438 | Trainable 128/128 (100.0%) | Nonzero advantage 64/128 | ...``.
-    Trainable: the rollouts the optimizer step used; Nonzero advantage: the batch's rollouts with a policy-gradient term."""
+def step_line(m: dict, algorithm=None, total: int | None = None, left_s: float | None = None) -> str:
+    """The guide's shape: ``Step 3/30 | 20.4s | Reward 0.3438 | Trainable 128/128 (100.0%) | Nonzero advantage 64/128 |
+    ... | 9m 14s left``. Trainable: the rollouts the optimizer step used; Nonzero advantage: the batch's rollouts with
+    a policy-gradient term; ``total``: the run's last step; ``left_s``: the time the steps to it should take."""
     parts = [
-        f"Step {m['step']}",
+        f"Step {m['step']}" + (f"/{total}" if total is not None else ""),
         f"{m['time/step']:.1f}s",
         f"Reward {m['reward/mean']:.4f}" if m.get("reward/mean") is not None else "Reward -",
         f"Trainable {m['trainable/count']}/{m['trainable/total']} ({100 * m['trainable/fraction']:.1f}%)",
@@ -91,7 +92,16 @@ def step_line(m: dict, algorithm=None) -> str:
     if m.get("async/lag_max"):
         parts.append(f"Off-policy {m['async/lag_max']}")
     parts.append(f"{m['tokens_per_s']:.0f} tok/s")
+    if left_s is not None:
+        parts.append(f"{duration(left_s)} left")
     return " | ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """``42s``, ``9m 14s``, ``2h 05m``."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
 
 
 def peak_memory_mb(device) -> float:

@@ -26,7 +26,7 @@ import transformers
 from rich.console import Console
 from transformers import AutoTokenizer
 
-from scirl import algorithms, distributed
+from scirl import algorithms, distributed, extras
 from scirl.errors import ConfigError, RunDirError, TrainError
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.rollouts.generate import fits, prompt_for
@@ -146,8 +146,9 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
     else:
         if trainer.algorithm.refill_rounds() and dist.world_size > 1:
-            raise TrainError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which colocated "
-                             "ranks cannot (each would draw its own): train on one rank, on vLLM servers, or drop them")
+            raise ConfigError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
+                              "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
+                              "or drop them")
         sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
         source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)
@@ -228,11 +229,11 @@ def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Di
     if too_long:
         log.warning("%d of %d %s questions left out: prompt + max_completion_tokens exceeds seq_len %d",
                     too_long, len(questions), cfg.data.split, cfg.seq_len)
-    if len(kept) < cfg.questions_per_step:
-        raise TrainError(f"the {cfg.data.split} split has {len(kept)} usable questions, fewer than the "
+    if len(kept) < cfg.questions_per_step:  # the data and the config do not fit: refused like bad input
+        raise ConfigError(f"the {cfg.data.split} split has {len(kept)} usable questions, fewer than the "
                          f"{cfg.questions_per_step} a step needs (batch_size / group_size){too_long_note}{skipped_note}")
     if cfg.questions_per_step < dist.world_size:
-        raise TrainError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
+        raise ConfigError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
     digest = hashlib.sha256("\n".join(item.question.id for item in kept).encode()).hexdigest()[:16]
     say(f"Data: {len(kept)} {cfg.data.split} questions from {cfg.data.source}"
         + (f" ({too_long} too long for seq_len, left out)" if too_long else "") + skipped_note)
@@ -313,5 +314,5 @@ def start_wandb(cfg: TrainConfig):
     try:
         import wandb  # optional: the `wandb` extra
     except ImportError as exc:
-        raise TrainError("wandb.enabled is set but wandb is not installed: pip install 'scirl[wandb]'") from exc
+        raise TrainError(f"wandb.enabled is set but wandb is not installed: {extras.install_step('wandb')}") from exc
     return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name, config=to_toml_dict(cfg), dir=cfg.output_dir)

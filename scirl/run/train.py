@@ -139,6 +139,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     r.say(f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
           f"completions, {r.dist.world_size} rank(s) on {r.device}")
     empty_steps, nonfinite_steps, checkpoint_seconds, status = r.empty_steps, 0, 0.0, 0
+    started = time.perf_counter()  # the time left: this session's pace so far, over the steps to go
     try:
         with progress:
             for step in range(r.start_step + 1, cfg.max_steps + 1):
@@ -147,7 +148,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
                 nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0
                 if r.dist.is_main:
-                    record(r, result, evaluated, checkpoint_seconds, progress)
+                    record(r, result, evaluated, checkpoint_seconds, progress, started)
                     progress.update(task, completed=step)
                 check_progress(empty_steps, nonfinite_steps)
                 checkpoint_seconds = 0.0
@@ -170,15 +171,18 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     return status
 
 
-def record(r: Run, result: StepResult, evaluated: dict, checkpoint_seconds: float, progress: Progress) -> None:
-    """Rank 0: the step's rollouts file, metrics row, step line (console and log) and W&B row."""
+def record(r: Run, result: StepResult, evaluated: dict, checkpoint_seconds: float, progress: Progress,
+           started: float) -> None:
+    """Rank 0: the step's rollouts file, metrics row, step line (console and log, with ``step N/total`` and the time
+    left at the pace since ``started``) and W&B row."""
     step = result.batch.step
     metrics = {**result.metrics, **evaluated, "epoch": result.batch.data_position["epoch"],
                "time/checkpoint": checkpoint_seconds}
     metrics["time/step"] += checkpoint_seconds + evaluated.get("time/eval", 0.0)
     rundir.write_rollouts(r.run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
     rundir.append_line(r.run_dir / "metrics.jsonl", metrics)
-    line = step_line(metrics, r.trainer.algorithm)
+    left_s = (time.perf_counter() - started) / (step - r.start_step) * (r.cfg.max_steps - step)
+    line = step_line(metrics, r.trainer.algorithm, total=r.cfg.max_steps, left_s=left_s)
     log.info(line)
     progress.console.print(line)
     if r.wandb_run is not None:

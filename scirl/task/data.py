@@ -40,15 +40,14 @@ import hashlib
 import json
 import logging
 import os
-import threading
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-import httpx
 import numpy as np
 
+from scirl import hub
 from scirl.errors import DataSourceError, HubUnreachable
 from scirl.task import formats
 from scirl.task.schema import MAX_OPTIONS, MCQ_TYPES, Question, RowError
@@ -57,7 +56,7 @@ log = logging.getLogger(__name__)
 
 _HUB = formats.FORMATS["sciknoweval"].hub  # the run guide: load_dataset("hicai-zju/SciKnowEval", "v2", split="test")
 HUB_ID, HUB_CONFIG, HUB_SPLIT = _HUB.repo_id, _HUB.config, _HUB.split
-HUB_PROBE_TIMEOUT_S = 5.0
+HUB_PROBE_TIMEOUT_S = hub.PROBE_TIMEOUT_S
 SPLIT_METHODS = ("content", "guide")
 # The split every command and the prime-rl plug-in use unless told otherwise: the one source of these defaults.
 DEFAULT_EVAL_PER_DOMAIN = 200  # held-out questions per domain (800 over the four)
@@ -162,10 +161,11 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
     """Rows of a JSON-lines file; blank lines are ignored, undecodable lines are counted.
 
     A file that is not UTF-8 at all (a UTF-16 byte-order mark, or no line that decodes) is a
-    DataSourceError naming the likely encoding, not a file of "bad JSON" lines."""
+    DataSourceError naming the likely encoding, not a file of "bad JSON" lines; so is a file none of whose
+    lines is JSON (a CSV, a pretty-printed document), naming its first line and what is wrong there."""
     check_utf8_bom(path)
     prefix = where_prefix if where_prefix is not None else path.name
-    rows, bad_json, not_utf8, nul = [], 0, 0, False
+    rows, bad_json, not_utf8, nul, first_bad = [], 0, 0, False, None
     with path.open("rb") as f:  # bytes, so a line that is not UTF-8 is counted, not silently altered
         for lineno, raw_line in enumerate(f, start=1):
             if not raw_line.strip():
@@ -182,11 +182,15 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
                 continue
             try:
                 rows.append((f"{prefix}:{lineno}", json.loads(text)))
-            except (ValueError, RecursionError):  # JSONDecodeError, absurdly deep nesting
+            except (ValueError, RecursionError) as e:  # JSONDecodeError, absurdly deep nesting
                 bad_json += 1
+                first_bad = first_bad or (lineno, getattr(e, "msg", type(e).__name__))
                 log.warning("%s:%d: bad JSON line skipped", prefix, lineno)
     if not_utf8 and not rows:
         raise DataSourceError(_not_utf8_message(path, not_utf8, nul))
+    if first_bad and not rows:
+        raise DataSourceError(f"{path}:{first_bad[0]}: not JSON ({first_bad[1]}), and no other line is either: a "
+                              "JSON lines file holds one JSON object a line")
     if not_utf8:
         log.warning("%s", _not_utf8_message(path, not_utf8, nul))
     return rows, bad_json
@@ -198,8 +202,14 @@ def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
     check_utf8_bom(path)
     try:
         doc = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (ValueError, RecursionError):  # not one JSON document (or not UTF-8): read it line by line, counting bad lines
-        return read_jsonl(path)
+    except (ValueError, RecursionError) as e:  # not one JSON document (or not UTF-8): read it line by line
+        try:
+            return read_jsonl(path)
+        except DataSourceError:
+            if not isinstance(e, json.JSONDecodeError):
+                raise
+            raise DataSourceError(f"{path}:{e.lineno}: not JSON ({e.msg}, column {e.colno}), nor JSON lines: a .json "
+                                  "file holds one array of rows, or one row a line") from None
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]
     if not isinstance(doc, list):
@@ -244,56 +254,13 @@ def read_directory(root: Path) -> tuple[list[tuple[str, Any]], int]:
 
 
 def hub_unreachable_message(repo_id: str, reason: str) -> str:
-    return (
-        f"cannot reach the Hugging Face Hub to load {repo_id!r} ({reason}).\n"
-        "Point --data at a local copy instead, for example:\n"
-        "  --data path/to/SciKnowEval           (a clone of the official repository, with raw_data/)\n"
-        "  --data path/to/rows.jsonl            (one .jsonl, .json or .parquet file, in the set's hub schema)\n"
-        "If the dataset is already in the local datasets cache, set HF_HUB_OFFLINE=1 to use it."
-    )
-
-
-def hub_answer_problem(response) -> str | None:
-    """None when ``response`` comes from the hub itself: 200 with the dataset's JSON, or a JSON
-    error (401/403/404: a wrong id or a gated set, which ``datasets`` then reports precisely).
-    Anything else (an empty 404 from a proxy, a 5xx, an HTML page) means no usable hub."""
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if response.status_code == 200 and isinstance(body, dict) and "id" in body:
-        return None
-    if response.status_code in (401, 403, 404) and isinstance(body, dict) and "error" in body:
-        return None
-    return f"HTTP {response.status_code} from {response.url} is not an answer from the hub"
+    return hub.unreachable(repr(repo_id), reason, "point --data at a local copy: a clone of the set's repository "
+                           "(with raw_data/) or one .jsonl, .json or .parquet file in its hub schema")
 
 
 def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
-    """None if the hub answers for ``repo_id`` within ``timeout`` seconds, else the reason it did not.
-
-    The request runs in a daemon thread so that even a DNS lookup that hangs (which no
-    socket timeout covers) cannot make the caller wait longer than ``timeout``."""
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    url = f"{endpoint}/api/datasets/{repo_id}"
-    outcome: dict[str, str | None] = {}
-
-    def request() -> None:
-        try:
-            response = httpx.get(url, timeout=timeout, follow_redirects=True)
-            outcome["error"] = hub_answer_problem(response)
-        except Exception as e:  # any network failure means "no hub access"
-            outcome["error"] = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
-
-    thread = threading.Thread(target=request, daemon=True)
-    thread.start()
-    thread.join(timeout + 0.5)
-    if thread.is_alive() or "error" not in outcome:
-        return f"no answer from {endpoint} within {timeout:.0f} s"
-    return outcome["error"]
-
-
-def hub_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    """None if the hub answers for dataset ``repo_id`` within ``timeout`` seconds, else the reason it did not."""
+    return hub.probe(f"datasets/{repo_id}", timeout)
 
 
 def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str = HUB_SPLIT,
@@ -304,7 +271,7 @@ def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str 
     A hub id is probed first, so that without network access this fails in seconds instead of
     hanging in retries. With HF_HUB_OFFLINE=1 the probe is skipped and the local cache is used."""
     is_local = Path(repo_id).exists()
-    if not is_local and not hub_offline():
+    if not is_local and not hub.offline():
         problem = probe_hub(repo_id, timeout=probe_timeout)
         if problem is not None:
             raise HubUnreachable(hub_unreachable_message(repo_id, problem))
@@ -487,6 +454,7 @@ class DataSplits:
     rows_read: int  # every row (and bad JSON line) in the source
     mcq_read: int  # rows_read minus rows of a non-MCQ type
     non_mcq: dict[str, int] = field(default_factory=dict)  # type -> rows
+    mcq_types: dict[str, int] = field(default_factory=dict)  # the MCQ rows' own types -> rows (what the source holds)
     eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN
     split_method: str = DEFAULT_SPLIT_METHOD
     seed: int = DEFAULT_SPLIT_SEED
@@ -521,6 +489,7 @@ class DataSplits:
             "format": self.data_format,
             "rows": self.rows_read,
             "mcq": self.mcq_read,
+            "mcq_types": self.mcq_types,
             "non_mcq": self.non_mcq,
             "train": len(self.train),
             "eval": len(self.eval),
@@ -587,10 +556,12 @@ def load_splits(
     if bad_json:
         skipped["bad_json"] = bad_json
     non_mcq: Counter = Counter()
+    mcq_types: Counter = Counter()
     candidates: list[tuple[str, Any]] = []
     for where, row in mapped_rows(rows, convert):
         if is_mcq_candidate(row, types):
             candidates.append((where, row))
+            mcq_types[str(row.get("type")) if isinstance(row, dict) and row.get("type") is not None else "no type"] += 1
         else:
             non_mcq[str(row["type"])] += 1
 
@@ -632,6 +603,7 @@ def load_splits(
     splits = DataSplits(
         source=source, train=train, eval=eval_, skipped=dict(sorted(skipped.items())),
         rows_read=len(rows) + bad_json, mcq_read=len(candidates) + bad_json, non_mcq=dict(sorted(non_mcq.items())),
+        mcq_types=dict(mcq_types.most_common()),
         eval_per_domain=eval_per_domain, split_method=split_method, seed=seed, types=types, notes=notes,
         data_format=format_name,
     )

@@ -294,6 +294,11 @@ class ColumnMapping:
         """The mapping in the flag's syntax (what a results file records)."""
         return ",".join(f"{key}={value}" for key, value in self.as_dict().items())
 
+    def columns(self) -> list[str]:
+        """Every column the mapping names, in its order."""
+        return [column for key in COLUMN_KEYS for value in [getattr(self, key)] if value
+                for column in (value if isinstance(value, tuple) else (value,))]
+
     def convert(self, row: dict) -> dict:
         question = field_text(row, self.question)
         if self.distractors:
@@ -416,6 +421,20 @@ def detect_format(rows: Iterable[Any]) -> Format:
                           f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
 
 
+def check_columns(wanted: list[str], rows: list[Any], said: str) -> None:
+    """Refuse (DataSourceError) a mapping or format none of whose rows has one of the ``wanted`` columns: each row
+    would be skipped as ``missing_field`` and the column never named. ``said`` names the column (``{column}``)."""
+    seen: set[str] = set()
+    for _, row in rows:
+        if isinstance(row, dict):
+            seen |= row.keys()
+    missing = [column for column in wanted if column not in seen]
+    if seen and missing:
+        shown = ", ".join(sorted(seen)[:12]) + (", ..." if len(seen) > 12 else "")
+        more = f"; {len(missing) - 1} more of its columns are missing too" if len(missing) > 1 else ""
+        raise DataSourceError(f"{said.format(column=missing[0])}, which no row has (the rows' columns: {shown}){more}")
+
+
 def known_format(name: str) -> str:
     """``name`` when it is "auto" or a format of the table, else a ValueError listing them (config checks)."""
     if name != AUTO and name not in FORMATS:
@@ -434,12 +453,16 @@ def choose_converter(source: str, data_format: str, columns: str | dict | Column
             mapping = columns if isinstance(columns, ColumnMapping) else parse_columns(columns)
         except ValueError as e:
             raise DataSourceError(str(e)) from None
+        check_columns(mapping.columns(), rows, f"--data-columns {mapping.as_text()} names column {{column!r}}")
         return "columns", mapping.convert
     if data_format != AUTO:
         try:
-            return known_format(data_format), FORMATS[data_format].convert
+            known_format(data_format)
         except ValueError as e:
             raise DataSourceError(str(e)) from None
+        fmt = FORMATS[data_format]
+        check_columns(sorted(fmt.signature), rows, f"--data-format {fmt.name} reads column {{column!r}}")
+        return fmt.name, fmt.convert
     named = hub_source(source)
     fmt = named[0] if named else detect_format(row for _, row in rows)
     return fmt.name, fmt.convert
