@@ -4,8 +4,14 @@
   completions of the mission's lengths), the training step alone by micro-batch tokens and checkpointing, then
   kill -9 in a checkpoint's write, ``--resume``, and the final weights bit-equal to the uninterrupted run's;
   stage B skipped, with its reason, where vLLM does not import (a stand-in ``vllm`` package that fails to import);
-- bad input: one line, exit 2; the budget: a stage that cannot fit is skipped, not started;
-- the completion lengths the model is built for: the sampler of the sweep's batch against the stated distribution.
+- bad input: one line, exit 2; the budget: a stage that cannot fit is skipped, not started; the first GPU call's
+  stages (``--stage targets``) in the order of what matters, within the default budget;
+- the completion lengths the model is built for: the sampler of the sweep's batch against the stated distribution;
+- what the GPU call measures, each against the real library where a CPU has it: torch.compile's counts (dynamo's
+  counters on compiled functions, a row's steps on unseen batches, a new trainer's cleared caches), the probe's
+  compile check with a missing compiler; against a stand-in of torch.cuda's allocator statistics with their
+  contract: the training peak without generation's KV cache, a row's timed peak, cache and retries; the memory
+  plan's verdicts behind the 20 GB row; the peer's figures from bench_trl's own report.
 
 Stage B (vLLM) is ``tests/test_gpu_check_vllm.py``: a file of its own, so the two run on different workers.
 """
@@ -150,6 +156,7 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     (["--budget-s", "soon"], "--budget-s: invalid float value"),
     (["--shape", "70b"], "--shape: invalid choice"),
     (["--stage", "b", "--no-vllm"], "contradict"),
+    (["--stage", "targets", "--resume"], "--stage targets leaves the resume check out"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     done = run_check([*args, "--out", str(tmp_path)], tmp_path, timeout=60)
@@ -400,8 +407,8 @@ def test_each_new_trainer_of_the_sweep_starts_with_dynamos_caches_cleared(tiny_m
 
 def test_the_sweeps_rows_put_issue_41s_targets_first_and_the_20_gb_row_is_the_checkpointed_one():
     """At 0.6B on a GPU: the default row (8,192 tokens, no checkpointing), the checkpointed one, then 4,096 and 2,048
-    tokens without; the memory plan puts the defaults out of reach of 20 GB and the checkpointed row within it
-    (4,096 tokens without checkpointing over it in tensors, 2,048 within it): why the checkpointed row is the 20 GB
+    tokens without; the memory plan puts the defaults far out of reach of 20 GB and the checkpointed row well within
+    it (the smaller rows between: about 21 and 16 GB in tensors as written): why the checkpointed row is the 20 GB
     row, and the smaller ones its alternative."""
     sweep, plan = import_gpu_check("sweep"), import_gpu_check("plan")
     defaults = {"kernels": "compile", "attention": "flex"}
@@ -419,8 +426,9 @@ def test_the_sweeps_rows_put_issue_41s_targets_first_and_the_20_gb_row_is_the_ch
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     gb = {(r["micro_batch_tokens"], r["activation_checkpointing"]):
           plan.plan_figures(plan.train_config(ctx, r), longest) for r in rows}
-    assert gb[8192, False]["plan_allocated_mb"] > 20e3 and gb[8192, True]["plan_peak_mb"] <= 20e3
-    assert gb[4096, False]["plan_allocated_mb"] > 20e3 and gb[2048, False]["plan_peak_mb"] <= 20e3
+    assert gb[8192, False]["plan_allocated_mb"] > 25e3 and gb[8192, True]["plan_peak_mb"] <= 16e3
+    in_tensors = [gb[tokens, False]["plan_allocated_mb"] for tokens in (8192, 4096, 2048)]
+    assert in_tensors == sorted(in_tensors, reverse=True)
     # fresh batches: other prompts and lengths than the warm-up's, the same shapes' distributions
     fresh = sweep.sweep_samples(ctx, 1)
     assert [len(s.completion_ids) for s in fresh] != [len(s.completion_ids) for s in samples]

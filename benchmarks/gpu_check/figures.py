@@ -63,8 +63,10 @@ def print_split(m: dict) -> None:
         f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)")
 
 
-def print_peak(allocator_mb: float, device_mb: float | None) -> None:
-    say(f"peak memory: {allocator_mb:.0f} MB (torch allocator, training process)"
+def print_peak(allocator_mb: float, device_mb: float | None, device: str) -> None:
+    # scirl's memory/peak_mb: the allocator's on CUDA, the process's max RSS on a CPU
+    what = "torch allocator, training process" if device == "cuda" else "the training process's max RSS"
+    say(f"peak memory: {allocator_mb:.0f} MB ({what})"
         + (f"; device {device_mb:.0f} MB (nvidia-smi)" if device_mb is not None else ""))
 
 
@@ -112,7 +114,8 @@ def print_a_train(f: dict, ctx: dict) -> None:
     blocked = ck["blocked"]
     say(f"checkpoints every {ck['interval']} step(s): " + (", ".join(
         f"step {b['step']} blocked {b['seconds']:.2f}s" for b in blocked) if blocked else "no step waited on one")
-        + " (time/checkpoint in the metrics row)")
+        + " (time/checkpoint in the metrics row)" + "".join(
+        f"; written in {b['seconds']:.1f}s in the background (step {b['step']}'s row)" for b in ck["background"]))
     if f["train_peak_mb"] is not None:
         say(f"training peak: {f['train_peak_mb']:.0f} MB (the allocator's, reset before each step's training) against "
             f"the plan's {f['plan_allocated_mb']:.0f} MB in tensors ({f['plan_allocated_moment']}; "
@@ -122,7 +125,7 @@ def print_a_train(f: dict, ctx: dict) -> None:
     say("the trainer's own figures (last step): " + (", ".join(f"{k} {v:g}" for k, v in trainer.items()) if trainer else
                                                      "none (train/compiles, train/graph_breaks, memory/alloc_retries "
                                                      "are not in this trainer's metrics rows)"))
-    print_peak(f["memory_peak_mb"], f.get("device_peak_mb"))
+    print_peak(f["process_peak_mb"] or f["memory_peak_mb"], f.get("device_peak_mb"), ctx["device"])
     if f["deterministic"]:
         say("deterministic: " + ", ".join(f"{k} {v}" for k, v in f["deterministic"].items()))
 
@@ -276,7 +279,7 @@ def print_b_colocated(f: dict, ctx: dict) -> None:
     checks = [(r["step"], r["weight_check_s"]) for r in s["steps"] if r.get("weight_check_s") is not None]
     if checks:
         say(f"push check (probe logprobs vs the trainer's): {checks[0][1]:.3f}s after step {checks[0][0]}'s push")
-    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"))
+    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"), ctx["device"])
 
 
 def print_b_disaggregated(d: dict) -> None:

@@ -105,9 +105,13 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ")):
+                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ", "Checkpoint ",
+                                    "Waiting ")):
                     say("    " + line.rstrip())
-                saved = re.match(r"Saved checkpoint weights/step_(\d+) \(([\d.]+)s\)", line)
+                # "Saved checkpoint weights/step_N (12.3s)", or, written in the background, "(...; 12.3s in the
+                # background)": the write's seconds either way
+                saved = re.match(r"Saved checkpoint weights/step_(\d+) \((?:.*; )?([\d.]+)s(?: in the background)?\)",
+                                 line)
                 if saved:
                     saves[int(saved.group(1))] = float(saved.group(2))
 

@@ -23,8 +23,9 @@ GPU_ARGS = ["--device", "cuda", "--sampler", "hf", "--steps", "2", "--warmup", "
 # a CPU: the pair's code path at sizes that take seconds (bench_trl's own CPU figures are in benchmarks/README.md)
 CPU_ARGS = ["--device", "cpu", "--sampler", "hf", "--steps", "2", "--warmup", "1", "--questions", "2", "--group", "4",
             "--tokens", "16", "--micro-batch", "4", "--hidden", "64", "--layers", "2"]
-SIDES = 2  # processes bench_trl starts, one after the other: scirl's, TRL's
-START_S = 40  # the parent's own share of the stage: its start, the model's build
+# the stage's time, guessed: the parent's start and the model's build on the host; TRL's side (on the H200: ~12 s a
+# step, two steps, its load); scirl's side the rest, its first step compiling. bench_trl gives every side one timeout
+START_S, TRL_SIDE_S = 40, 60
 
 
 def a_peer_stage(ctx: dict) -> dict:
@@ -34,7 +35,7 @@ def a_peer_stage(ctx: dict) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     out = work / "bench_trl.json"
     out.unlink(missing_ok=True)
-    side_timeout = max(60, (ctx.get("stage_timeout_s", 300) - START_S) // SIDES)
+    side_timeout = max(60, ctx.get("stage_timeout_s", 300) - START_S - TRL_SIDE_S)
     gpu = ctx["device"] == "cuda"
     args = GPU_ARGS + ["--shape", ctx["shape"]] if gpu else CPU_ARGS + ["--threads", str(ctx["threads"])]
     cmd = [sys.executable, str(BENCHMARKS / "bench_trl.py"), *args, "--side-timeout-s", str(int(side_timeout)),

@@ -74,6 +74,7 @@ def a_train_stage(ctx: dict) -> dict:
                       "weight_sync_s": m["time/weight_sync"], "weight_check_s": m.get("time/weight_check"),
                       "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
                       "checkpoint_s": m.get("time/checkpoint"),
+                      "checkpoint_background_s": m.get("time/checkpoint_background"),
                       "prompt_tokens": sum(lengths[m["step"]]["prompts"]), "completion_tokens": sum(completions),
                       "generation_tokens_per_s": sum(completions) / m["time/generate"],
                       **step_work(m, ctx, m["time/train"]), "truncated_fraction": m["truncated/fraction"],
@@ -112,9 +113,12 @@ def a_train_stage(ctx: dict) -> dict:
         "checkpoint": {"step": last, "bytes": ckpt_bytes, "seconds": ckpt_s,
                        "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None,  # a "0.0s" line: no rate
                        "interval": mid_run_interval(ctx["steps"]),
-                       # the seconds a step waited on the checkpoint before it, as its metrics row says
+                       # the seconds a step waited on the checkpoint before it, as its metrics row says; a checkpoint
+                       # written in the background: its write's seconds, in the row after its commit
                        "blocked": [{"step": s["step"], "seconds": s["checkpoint_s"]}
-                                   for s in steps if s["checkpoint_s"]]},
+                                   for s in steps if s["checkpoint_s"]],
+                       "background": [{"step": s["step"], "seconds": s["checkpoint_background_s"]}
+                                      for s in steps if s["checkpoint_background_s"]]},
         "generation_tokens_per_s": sum(s["completion_tokens"] for s in later) / sum(s["generate_s"] for s in later),
         "useful_tokens_per_s": sum(s["unique_tokens"] for s in later) / train_time,
         "train_flops_per_step": flops / len(later),
