@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -46,7 +47,7 @@ def run_check(args, tmp_path, env_extra=None, timeout=480):
 
 
 @pytest.mark.slow
-def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_skipped(tmp_path):
+def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_skipped(tmp_path, monkeypatch):
     shim = tmp_path / "shim" / "vllm"
     shim.mkdir(parents=True)
     (shim / "__init__.py").write_text('raise ImportError("a stand-in vllm that does not import")\n')
@@ -101,6 +102,21 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
                  "MFU n/a", "generation:", "peak memory:", "tokens a step:", "at the limit (designed: mean 12.0",
                  "checkpoints every 1 step(s): step 2 blocked"):
         assert text in done.stdout, (text, done.stdout[-3000:])
+    # the same report as a GPU run fills it: the training peak against the plan's bytes in tensors, the trainer's own
+    # figures where its metrics rows have them, the process's peak with generation's KV cache
+    trainer = {"train/compiles": 2, "train/graph_breaks": 0, "memory/alloc_retries": 0}
+    on_a_gpu = {**a, "train_peak_mb": 20500.0, "process_peak_mb": 29000.0,
+                "steps": [{**s, "train_peak_mb": 20500.0, "trainer": trainer} for s in a["steps"]]}
+    figures, common, printed = import_gpu_check("figures"), import_gpu_check("common"), io.StringIO()
+    monkeypatch.setattr(common, "REPORT", printed)
+    figures.print_a_train(on_a_gpu, {"shape": "0.6b", "parameters": 6e8, "device": "cuda", "dtype": "bfloat16",
+                                     "questions": 4, "group_size": 4, "max_tokens": 32})
+    assert (f"training peak: 20500 MB (the allocator's, reset before each step's training) against the plan's "
+            f"{a['plan_allocated_mb']:.0f} MB in tensors") in printed.getvalue()
+    assert "the whole process 29000 MB (generation's KV cache included)" in printed.getvalue()
+    assert ("the trainer's own figures (last step): train/compiles 2, train/graph_breaks 0, memory/alloc_retries 0"
+            in printed.getvalue())
+    assert "peak memory: 29000 MB (torch allocator, training process)" in printed.getvalue()
 
     # the step alone: the targets' rows first (a CPU: the eager layers and the SDPA path, no allocator peak), the rest
     # of the grid after them; each row timed on its warm-up's batch and on batches no step had seen
@@ -475,3 +491,64 @@ def test_the_peer_stage_reads_the_pair_bench_trl_reports(tmp_path, capsys):
     with pytest.raises(common.StageError, match="trl failed \\(exit code 1\\)") as caught:
         peer.peer_figures(json.loads(out.read_text()))
     assert caught.value.log_tail == ["Boom"]
+
+
+def gpu_row(sweep, ctx: dict, setting: dict, seconds: float, peak_gb: float, plan_gb: tuple[float, float]) -> dict:
+    """A sweep row as a GPU fills it: ``measure_steps``' output shape with the allocator's figures, through the
+    sweep's own ``row_figures``."""
+    stats = {"forward_tokens": 13100, "unique_tokens": 12997, "loss_tokens": 11800, "padding_tokens": 103}
+    none = {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0}
+    measured = {"step_s": seconds, "steps_s": [seconds, seconds], "stats": stats,
+                "fresh": [(seconds * 1.05, stats), (seconds * 0.95, stats)],
+                "compiles": {"warmup": {**none, "graphs": 3}, "timed": none, "fresh": none},
+                "peak_mb": peak_gb * 1e3, "reserved_mb": peak_gb * 1.05e3, "device_used_mb": peak_gb * 1.1e3 + 700,
+                "alloc_retries": 0}
+    plan = {"plan_peak_mb": plan_gb[1] * 1e3, "plan_moment": "head's backward", "plan_allocated_mb": plan_gb[0] * 1e3,
+            "plan_allocated_moment": "head's backward"}
+    batches = [SimpleNamespace(packed=SimpleNamespace(forward_tokens=n)) for n in (8192, 4908)]
+    return {**setting, **plan, **sweep.row_figures(ctx, plan, measured, batches)}
+
+
+def test_a_gpu_sweeps_report_names_the_targets_and_the_20_gb_rows_cost(monkeypatch):
+    """On a GPU the sweep's report ends with the targets at its shape: the default row's MFU against 25% at 0.6B, the
+    20 GB row's allocator peak against 20 GB and its MFU as a share of the default row's, the smaller rows likewise."""
+    sweep, figures, common = import_gpu_check("sweep"), import_gpu_check("figures"), import_gpu_check("common")
+    ctx = {"dense_parameters": 440_000_000, "head_parameters": 155_582_464, "peak_tflops": 989.0}
+    rows = sweep.sweep_settings("cuda", {"kernels": "compile", "attention": "flex"}, 8192, 12997, "targets")
+    seconds_peak_plan = [(0.20, 26.0, (29.6, 33.1)), (0.25, 12.0, (12.7, 13.6)), (0.21, 19.0, (20.9, 23.1)),
+                         (0.22, 15.0, (16.5, 18.0))]
+    measured = [gpu_row(sweep, ctx, row, *figures_of_row) for row, figures_of_row in zip(rows, seconds_peak_plan)]
+    flops = 6 * 440_000_000 * 12997 + 6 * 155_582_464 * 11800
+    assert measured[0]["mfu"] == pytest.approx(flops / 0.20 / 989e12)
+    assert measured[0]["plan_allocated_over_peak"] == pytest.approx(29.6 / 26.0)
+    assert measured[0]["plan_over_device"] == pytest.approx(33.1 / (26.0 * 1.1 + 0.7))
+    assert measured[0]["fresh_step_s"] == pytest.approx(0.20) and measured[0]["fresh_mfu"] > 0
+    batch = {"completions": 128, "unique_tokens": 12997, "prompt_mean": 225.0, "completion_mean": 92.0,
+             "longest_row": 538}
+    result = {"settings": measured, "shape": "0.6b", "batch": batch, "fresh_batches": [batch, batch], "not_run": [],
+              "profile": {"wall_s": 0.21, "gpu_busy_s": 0.19, "gpu_busy_share": 0.9, "setting": "compile kernels",
+                          "time": "GPU", "top_ops": [{"name": "aten::mm", "seconds": 0.1, "calls": 3}], "table": "t"}}
+    out = io.StringIO()
+    monkeypatch.setattr(common, "REPORT", out)
+    figures.print_a_sweep(result, ctx)
+    text = out.getvalue()
+    assert f"targets at 0.6b: MFU {100 * measured[0]['mfu']:.1f}% with the default kernels at 8192 tokens" in text
+    assert "target >= 25%" in text and "GPU busy 0.190s (90%)" in text
+    assert "the 20 GB row (8192 tokens, checkpointing on): allocator peak 12.0 GB (within 20 GB)" in text
+    assert "MFU" in text and "0.80x the default row's" in text  # 0.20 s against 0.25 s
+    assert "smaller (4096 tokens, checkpointing off): allocator peak 19.0 GB (within 20 GB)" in text
+    assert "default (8192 tokens, checkpointing off): allocator peak 26.0 GB (over 20 GB)" in text
+    assert "    default compile flex   8192  off  no   2   13100  103  0.200" in text
+    assert "  3/0/0   0  26.0  29.6" in text
+
+
+def test_a_gpu_peers_report_says_the_training_half_against_its_target(monkeypatch):
+    peer, figures, common = import_gpu_check("peer"), import_gpu_check("figures"), import_gpu_check("common")
+    side = {"s_per_step": 8.0, "generate_s": 6.0, "train_s": 2.0, "peak_allocated_mb": 30000.0, "timed_steps": 1}
+    report = {"config": {"device": "cuda", "dtype": "bfloat16", "questions": 8, "group": 16, "tokens": 256},
+              "pairs": {"hf": {"results": {"scirl": side, "trl": {**side, "s_per_step": 12.0, "train_s": 5.0}},
+                               "ratios": {"s_per_step": 1.5, "train_s": 2.5}, "errors": []}}}
+    out = io.StringIO()
+    monkeypatch.setattr(common, "REPORT", out)
+    figures.print_a_peer(peer.peer_figures(report))
+    assert "scirl's training half 0.40x TRL's (target <= 0.5); its whole step 0.67x TRL's" in out.getvalue()

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from . import common
-from .common import REPO, StageError, python_env, say, stage_result, write_json_atomic
+from .common import REPO, StageError, error_text, python_env, say, stage_result, write_json_atomic
 from .figures import (print_a_peer, print_a_resume, print_a_sweep, print_a_train, print_b_colocated,
                       print_b_disaggregated, print_b_eval)
 from .model import SHAPES, model_stage, parameter_count
@@ -386,6 +386,15 @@ PRINT = {"a_train": print_a_train, "a_sweep": print_a_sweep, "a_sweep2": print_a
          "a_peer": lambda f, ctx: print_a_peer(f), "a_resume": lambda f, ctx: print_a_resume(f)}
 
 
+def report(stage: str, figures: dict, ctx: dict) -> None:
+    """A stage's printed report; one that fails to print says so in one line (its figures are in the JSON already)
+    and the check goes on."""
+    try:
+        PRINT[stage](figures, ctx)
+    except Exception as e:  # a figure the report did not expect: the check's next stages matter more
+        say(f"[{stage}] its report could not be printed ({error_text(e)}); its figures are in the JSON")
+
+
 def run_stage_a(check: Check, ctx: dict, args, plan: tuple[str, ...]) -> None:
     """Stage A's stages in ``plan``'s order, each printed as it ends (a stage cut by its timeout with figures kept, as
     a sweep's finished rows, too)."""
@@ -404,7 +413,7 @@ def run_stage_a(check: Check, ctx: dict, args, plan: tuple[str, ...]) -> None:
             stage_ctx = {**ctx, "reference": done["a_train"]["figures"]} if stage == "a_resume" else ctx
             entry = check.run(stage, stage_ctx)
             if entry.get("figures") is not None:
-                PRINT[stage](entry["figures"], ctx)
+                report(stage, entry["figures"], ctx)
         done[stage] = entry
     if "a_resume" not in plan:
         check.skip("a_resume", f"not in --stage {args.stage} (--stage a runs it)")

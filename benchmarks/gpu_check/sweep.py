@@ -208,17 +208,7 @@ def sweep_row(ctx: dict, stage: str, trainers: Trainers, setting: dict, samples:
         with deterministic(setting["deterministic"]):
             measured = measure_steps(lambda s: trainer.train_step(trainer.batches(s)), samples, fresh,
                                      result["repeats"], torch.cuda if gpu else None)
-        row.update(work(ctx, measured["stats"], measured["step_s"]), steps_s=measured["steps_s"],
-                   micro_batches=len(batches), largest_micro_batch=max(mb.packed.forward_tokens for mb in batches),
-                   fresh=[{"step_s": seconds, **work(ctx, stats, seconds)} for seconds, stats in measured["fresh"]],
-                   compiles=measured["compiles"],
-                   **{k: measured[k] for k in ("peak_mb", "reserved_mb", "device_used_mb", "alloc_retries")})
-        row["fresh_step_s"] = statistics.fmean(f["step_s"] for f in row["fresh"]) if row["fresh"] else None
-        row["fresh_mfu"] = statistics.fmean(f["mfu"] for f in row["fresh"]) if row["fresh"] and row["mfu"] else None
-        if row["peak_mb"]:
-            row["plan_allocated_over_peak"] = row["plan_allocated_mb"] / row["peak_mb"]
-        if row["device_used_mb"]:
-            row["plan_over_device"] = row["plan_peak_mb"] / row["device_used_mb"]
+        row.update(row_figures(ctx, row, measured, batches))
     except torch.OutOfMemoryError:
         row["out_of_memory"] = True
     except Exception as e:  # a kernel setting this machine cannot run (a compilation, Liger) is this row's failure
@@ -231,6 +221,24 @@ def sweep_row(ctx: dict, stage: str, trainers: Trainers, setting: dict, samples:
         torch.cuda.empty_cache()
     say(f"  {sweep_setting(row)}: {sweep_line(row)}")
     write_json_atomic(stage_result(ctx, stage), {"partial": True, **result, "settings": result["settings"] + [row]})
+    return row
+
+
+def row_figures(ctx: dict, plan: dict, measured: dict, batches: list) -> dict:
+    """A row's figures from its steps (``measure_steps``), the micro-batches of its warm-up's batch and its plan
+    (``plan.plan_figures``): the work and MFU on the seen batch and on each unseen one, the compile counts, memory
+    against the plan on like bases."""
+    row = {**work(ctx, measured["stats"], measured["step_s"]), "steps_s": measured["steps_s"],
+           "micro_batches": len(batches), "largest_micro_batch": max(mb.packed.forward_tokens for mb in batches),
+           "fresh": [{"step_s": seconds, **work(ctx, stats, seconds)} for seconds, stats in measured["fresh"]],
+           "compiles": measured["compiles"],
+           **{k: measured[k] for k in ("peak_mb", "reserved_mb", "device_used_mb", "alloc_retries")}}
+    row["fresh_step_s"] = statistics.fmean(f["step_s"] for f in row["fresh"]) if row["fresh"] else None
+    row["fresh_mfu"] = statistics.fmean(f["mfu"] for f in row["fresh"]) if row["fresh"] and row["mfu"] else None
+    if row["peak_mb"]:
+        row["plan_allocated_over_peak"] = plan["plan_allocated_mb"] / row["peak_mb"]
+    if row["device_used_mb"]:
+        row["plan_over_device"] = plan["plan_peak_mb"] / row["device_used_mb"]
     return row
 
 
