@@ -2,10 +2,11 @@
 # The wheels a GPU machine with no network and its own Python 3.12 image needs (benchmarks/gpu_wheels.txt lists
 # what the image holds and what travels), for CPython 3.12 on manylinux x86-64.
 #
-#   bash benchmarks/gpu_wheels.sh [DIR]          stage A's wheels (scirl's requirements the image lacks) into DIR
-#                                                (default .whl, ignored by git): one call carries them whole
-#   bash benchmarks/gpu_wheels.sh --vllm [DIR]   stage B's set as well (vLLM 0.25.0, what it needs beyond the image,
-#                                                TRL for the peer benchmark; ~330 MB) into DIR (default .vllm-set,
+#   bash benchmarks/gpu_wheels.sh [DIR]          stage A's wheels (scirl's requirements the image lacks, and TRL for
+#                                                the peer benchmark's transformers pair) into DIR (default .whl,
+#                                                ignored by git): one call carries them whole (13 wheels, ~5.3 MiB)
+#   bash benchmarks/gpu_wheels.sh --vllm [DIR]   stage B's set as well (vLLM 0.25.0 and what it needs beyond the
+#                                                image; ~330 MB) into DIR (default .vllm-set,
 #                                                ignored by git): downloaded into DIR/wheels, checked, packed into one
 #                                                tar, split into parts of at most 54,000,000 bytes, each in a folder
 #                                                of its own (DIR/part01, ...), so that one part and the working tree

@@ -57,10 +57,34 @@ def test_a_malformed_or_doubled_list_is_refused(tmp_path):
             gpu_wheels.read_lists(lists)
 
 
+def test_trl_travels_with_stage_as_wheels():
+    """The peer benchmark's transformers pair runs in stage A's call: TRL (pure Python) is one of its wheels, and what
+    it needs is in the image or among them (its Requires-Dist of 1.16.0, extras left out)."""
+    image, wheels = gpu_wheels.read_lists()
+    assert wheels["trl"] == "1.16.0" and "trl" not in gpu_wheels.parse_lists()["vllm"]
+    trl_requires = ["accelerate>=1.10.1", "datasets>=4.7.0", "huggingface_hub>=0.34.0", "jinja2", "numpy>=1.26.0",
+                    "packaging>20.0", "pandas>=2.1.1", "psutil>=5.9.4", "pyarrow>=21.0.0", "pyyaml>=6.0.1",
+                    "transformers>=4.56.2", 'liger-kernel>=0.8.2; extra == "liger"']
+    assert gpu_wheels.requirement_problems(trl_requires, image, wheels, "trl") == []
+
+
+def test_the_wheels_and_the_working_tree_must_fit_one_call_together(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    tiny_wheel(wheels, "alpha_pkg")
+    limit = gpu_wheels.MAX_TOTAL_MB * 2**20
+    _, total = gpu_wheels.wheelhouse_problems(wheels, tree_bytes=0)
+    over, _ = gpu_wheels.wheelhouse_problems(wheels, tree_bytes=limit - total + 1)
+    fits, _ = gpu_wheels.wheelhouse_problems(wheels, tree_bytes=limit - total)
+    assert [p for p in over if "travel with a call" in p] and not [p for p in fits if "travel with a call" in p]
+    assert 0 < gpu_wheels.working_tree_bytes() < limit // 4  # the repository itself: a few MiB
+
+
 @pytest.mark.skipif(not list((REPO / ".whl").glob("*.whl")), reason="no wheelhouse here (bash benchmarks/gpu_wheels.sh)")
 def test_a_downloaded_wheelhouse_is_complete():
-    """Where the wheels were downloaded: each one's own requirements are met, one version each, in the size limit."""
-    problems, total = gpu_wheels.wheelhouse_problems(REPO / ".whl")
+    """Where the wheels were downloaded: each one's own requirements are met, one version each, and they travel in one
+    call with the working tree."""
+    problems, total = gpu_wheels.wheelhouse_problems(REPO / ".whl", tree_bytes=gpu_wheels.working_tree_bytes())
     assert problems == [] and total < gpu_wheels.MAX_TOTAL_MB * 2**20
 
 
@@ -143,7 +167,7 @@ def test_vllms_own_requirements_are_met_or_left_out_on_purpose():
     wheel or the vLLM set at a version it accepts, or deliberately left out with its reason."""
     assert gpu_wheels.vllm_requirement_problems() == []
     kinds = gpu_wheels.parse_lists()
-    assert kinds["vllm"]["vllm"] == "0.25.0" and kinds["vllm"]["trl"] == "1.16.0"
+    assert kinds["vllm"]["vllm"] == "0.25.0" and kinds["wheel"]["trl"] == "1.16.0"  # TRL: among stage A's
     assert "flashinfer-python" in kinds["leave"]  # hence VLLM_USE_FLASHINFER_SAMPLER=0 (scirl.inference.vllm.sampler_env)
     recorded = (REPO / "benchmarks" / "gpu_wheels_vllm_requires.txt").read_text()
     assert "torch==2.11.0" in recorded  # the image's torch: why 0.25 and not a later release

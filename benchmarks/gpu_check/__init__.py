@@ -9,30 +9,39 @@ rollout filters only monitor (every completion is trained on).
 Stages, each in its own process with its own timeout (``python -m gpu_check --worker STAGE``); each writes its
 figures to ``OUT/gpu_check.json`` (atomically) as it ends, so a later failure or timeout keeps them. A file each:
 
-- ``probe.py``: the device, the versions that matter, whether vLLM is there, whether scirl imports;
+- ``probe.py``: the device, the versions that matter, whether vLLM is there, whether scirl imports, whether
+  torch.compile works (a tiny function through inductor);
 - ``model.py``: the model and the questions (``model``), and the mission's lengths;
-- ``stage_a.py``, no vLLM: ``a_train`` (the transformers backend's steps, a checkpoint at the end) and ``a_resume``
-  (the same run killed with kill -9 in checkpoint 2's write, resumed, its final weights bit-equal to a_train's);
-  deterministic kernels on a GPU;
-- ``sweep.py``: ``a_sweep``, the training step alone by micro-batch tokens, activation checkpointing, kernels
-  (compile, eager, Liger) and attention (flex, SDPA), against the memory plan; one step profiled;
+- ``stage_a.py``, no vLLM: ``a_train`` (the transformers backend's steps, a checkpoint before the last step and one at
+  it) and ``a_resume`` (the same run killed with kill -9 in checkpoint 2's write, resumed, its final weights
+  bit-equal to a_train's); deterministic kernels on a GPU; ``scirl_run.py``: ``scirl train`` as they launch it;
+- ``sweep.py``: ``a_sweep``, the training step alone by micro-batch tokens, activation checkpointing, kernels (compile,
+  eager, Liger) and attention (flex, SDPA), issue 41's targets rows first, on batches seen and unseen, torch.compile's
+  graphs and breaks counted (``compiles.py``), against the memory plan (``plan.py``); one step profiled; ``a_sweep2``,
+  its default row at a second shape (1.7b);
+- ``peer.py``: ``a_peer``, the peer benchmark's transformers pair (``bench_trl.py``: scirl beside TRL);
 - ``stage_b.py``, vLLM: ``b_colocated``, ``b_disaggregated`` and ``b_eval``;
 - ``launch.py``: ``scirl train`` as the stages run it (flags, the deterministic launch, the device's memory);
 - ``figures.py``: MFU (useful tokens only: each group's prompt once, the LM head at the loss tokens) and the reports;
 - ``orchestrate.py``: the flags, the device's settings, the time budget, the stages' processes, the JSON.
 
 Figures: per step and as the mean of the steps after the first (the first pays for new shapes and, on CUDA, for
-compiling the decoder layers): the split generate / train / weight sync, plus the checkpoint; generation tokens/s
-(completion tokens / generate time); the trainer's token counts (``train/forward_tokens``, ``unique_tokens``,
-``loss_tokens``, ``padding_tokens``), useful tokens/s and MFU (``figures.py``); peak memory (torch's allocator in the
-training process, and on a GPU the device's as nvidia-smi saw it, sampled every 0.5 s); checkpoint write MB/s (the
-whole save: the state to the host, the files, their sha256, fsync; MB = 10^6 bytes).
+compiling the decoder layers): the split generate / train / weight sync, plus the checkpoint (its write, and the
+seconds the next step waited on it); generation tokens/s (completion tokens / generate time); the trainer's token
+counts (``train/forward_tokens``, ``unique_tokens``, ``loss_tokens``, ``padding_tokens``), useful tokens/s and MFU
+(``figures.py``); the training peak (torch's allocator, its peak reset before each step's training, against the memory
+plan's bytes in tensors) and the process's (generation's KV cache included), and on a GPU the device's as nvidia-smi
+saw it, sampled every 0.5 s; graphs compiled and graph breaks; checkpoint write MB/s (the whole save: the state to
+the host, the files, their sha256, fsync; MB = 10^6 bytes).
 
-Time budget, GPU defaults (``--shape 0.6b``, 4 steps, bfloat16) on one H200: probe 15 s, model 40 s, a_train 140 s,
-a_sweep 110 s, a_resume 150 s (stage A's ESTIMATES: the steps as the earlier trainer measured them plus the
-decoder layers' compilation, not yet measured with this trainer), ~455 s in all, inside the default ``--budget-s
-480``; stage B (measured: b_colocated 205 s, b_disaggregated with b_eval 188 s) fits another ~7 minutes (``--stage
-b``, or a larger budget). A stage starts only when its estimate fits in what is left of the budget (else it is
+Time budget, GPU defaults (``--shape 0.6b``, 4 steps, bfloat16) on one H100 or H200: stage A's estimates are GUESSES
+until a GPU runs the packed trainer (``orchestrate.GPU_BUDGET`` says from what: the earlier trainer's measured steps,
+two checkpoints of 7.8 GB at ~400 MB/s, and 1-3 minutes cold of compiling per process): probe 20 s, model 40 s,
+a_train 200 s, a_sweep 150 s (its targets' rows; the rest while its timeout allows), a_resume 150 s, a_peer 130 s,
+a_sweep2 110 s. ``--stage targets`` (probe, model, a_sweep's targets rows, a_peer, a_sweep2, then a_train at 3
+steps) puts issue 41's figures first in the default ``--budget-s 480``; ``--stage a --no-sweep`` (a_train and the
+resume check) fits another. Stage B (measured: b_colocated 205 s, b_disaggregated with b_eval 188 s) takes another
+~7 minutes (``--stage b``). A stage starts only when its estimate fits in what is left of the budget (else it is
 skipped, the reason recorded), and its timeout is cut to what is left. At 1.7b and larger stage A takes 2 steps and
 leaves a_resume out by default (``--resume`` runs it): a 1.7b checkpoint is ~24 GB, a minute to write, and the check
 writes four.
@@ -41,7 +50,7 @@ CPU (``--cpu``, or no CUDA): ``--shape tiny`` (the demo model's shapes: hidden 1
 4,096-token vocabulary so ids beyond the tokenizer occur as on a GPU), 2 steps of 4 questions x 4 completions x up
 to 32 tokens, float32, 1 thread; the same stages, seconds each.
 
-    bash benchmarks/gpu_check.sh [--stage all|a|b] [--budget-s 480] [--shape 0.6b] [--steps 4] [--[no-]resume]
+    bash benchmarks/gpu_check.sh [--stage all|a|b|targets] [--budget-s 480] [--shape 0.6b] [--steps 4] [--[no-]resume]
                                  [--micro-batch-tokens N] [--no-sweep] [--out DIR] [--cpu]
 
 Other benchmarks take the model from here: ``from gpu_check import SHAPES, DeviceMemoryPeak, build_model``.

@@ -56,4 +56,4 @@ def python_env(**extra: str) -> dict:
 
 def error_text(e: BaseException) -> str:
     """One line of at most 300 characters for the JSON: the exception's type and message."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]

@@ -24,6 +24,10 @@ FLOP_FORMULA = ("6 D U + 6 V H L; D the decoder's parameters (N less the embeddi
                 "tokens (train/unique_tokens: each group's prompt once, plus the completions), V H the LM head, L loss "
                 "tokens (the head runs at those only); padding, repeated prompts and attention's own FLOPs not counted")
 TOKEN_KEYS = ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")
+# issue 41's targets: MFU with the default kernels by shape, the training peak at 0.6B, scirl's training half / TRL's
+MFU_TARGETS = {"0.6b": 0.25, "1.7b": 0.40}
+PEAK_TARGET_GB = {"0.6b": 20}
+TRAIN_HALF_TARGET = 0.5
 
 
 def train_flops(dense_parameters: int, head_parameters: int, unique_tokens: int, loss_tokens: int) -> float:
@@ -47,6 +51,10 @@ def percent(value: float | None, digits: int = 1) -> str:
     return f"{100 * value:.{digits}f}%" if value is not None else "n/a"
 
 
+def number(value: float | None, digits: int = 1, scale: float = 1.0) -> str:
+    return f"{value / scale:.{digits}f}" if value is not None else "n/a"
+
+
 def print_split(m: dict) -> None:
     """The mean step of steps 2+ and its parts' shares."""
     total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
@@ -55,8 +63,10 @@ def print_split(m: dict) -> None:
         f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)")
 
 
-def print_peak(allocator_mb: float, device_mb: float | None) -> None:
-    say(f"peak memory: {allocator_mb:.0f} MB (torch allocator, training process)"
+def print_peak(allocator_mb: float, device_mb: float | None, device: str) -> None:
+    # scirl's memory/peak_mb: the allocator's on CUDA, the process's max RSS on a CPU
+    what = "torch allocator, training process" if device == "cuda" else "the training process's max RSS"
+    say(f"peak memory: {allocator_mb:.0f} MB ({what})"
         + (f"; device {device_mb:.0f} MB (nvidia-smi)" if device_mb is not None else ""))
 
 
@@ -71,12 +81,17 @@ def print_a_train(f: dict, ctx: dict) -> None:
     say(f"stage A: transformers backend, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, "
         f"{ctx['dtype']}, {ctx['questions']} questions x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens a "
         f"step, micro-batches of {f['micro_batch_tokens']} tokens")
-    say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'gen tok/s':>10} {'useful':>7} "
-        f"{'forward':>8} {'useful tok/s':>13} {'MFU':>6} {'peak MB':>9}")
+    say(f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'ckpt s':>7} {'step s':>8} {'gen tok/s':>10} "
+        f"{'useful':>7} {'forward':>8} {'useful tok/s':>13} {'MFU':>6} {'train MB':>9} {'graphs':>6} {'breaks':>6}")
     for s in f["steps"]:
-        say(f"{s['step']:>4} {s['generate_s']:>11.3f} {s['train_s']:>9.3f} {s['weight_sync_s']:>8.3f} {s['step_s']:>8.3f} "
-            f"{s['generation_tokens_per_s']:>10.0f} {s['unique_tokens']:>7} {s['forward_tokens']:>8} "
-            f"{s['useful_tokens_per_s']:>13.0f} {percent(s['mfu']):>6} {s['peak_mb']:>9.0f}")
+        c = s["compiles"]
+        say(f"{s['step']:>4} {s['generate_s']:>11.3f} {s['train_s']:>9.3f} {s['weight_sync_s']:>8.3f} "
+            f"{s['checkpoint_s'] or 0:>7.2f} {s['step_s']:>8.3f} {s['generation_tokens_per_s']:>10.0f} "
+            f"{s['unique_tokens']:>7} {s['forward_tokens']:>8} {s['useful_tokens_per_s']:>13.0f} "
+            f"{percent(s['mfu']):>6} "
+            f"{number(s['train_peak_mb'], 0):>9} {number(c['graphs'], 0):>6} {number(c['graph_breaks'], 0):>6}")
+    say("(ckpt s: time/checkpoint, the seconds the step waited on the checkpoint before it; train MB: the allocator's "
+        "peak in the step's training; graphs, breaks: torch.compile's so far in the run)")
     print_split(f["mean_after_first"])
     p, c, e = f["prompts"], f["completions"], f["expected_completions"]
     say(f"prompts: {p['count']} of {p['min']}-{p['max']} tokens, mean {p['mean']:.0f}; completions: mean {c['mean']:.1f} "
@@ -96,7 +111,21 @@ def print_a_train(f: dict, ctx: dict) -> None:
         f"{rate}{' (the deterministic settings: a_sweep has the default ones)' if f['deterministic'] else ''}; "
         f"FLOPs = {f['flop_formula']}")
     say(f"generation: {f['generation_tokens_per_s']:.0f} tokens/s (completion tokens / generate time)")
-    print_peak(f["memory_peak_mb"], f.get("device_peak_mb"))
+    blocked = ck["blocked"]
+    say(f"checkpoints every {ck['interval']} step(s): " + (", ".join(
+        f"step {b['step']} blocked {b['seconds']:.2f}s" for b in blocked) if blocked else "no step waited on one")
+        + " (time/checkpoint in the metrics row)" + "".join(
+        f"; written in {b['seconds']:.1f}s in the background (step {b['step']}'s row)" for b in ck["background"]))
+    if f["train_peak_mb"] is not None:
+        say(f"training peak: {f['train_peak_mb']:.0f} MB (the allocator's, reset before each step's training) against "
+            f"the plan's {f['plan_allocated_mb']:.0f} MB in tensors ({f['plan_allocated_moment']}; "
+            f"{f['plan_allocated_mb'] / f['train_peak_mb']:.2f}x); the whole process {f['process_peak_mb']:.0f} MB "
+            "(generation's KV cache included)")
+    trainer = {k: v for s in f["steps"] for k, v in s["trainer"].items() if v is not None}
+    say("the trainer's own figures (last step): " + (", ".join(f"{k} {v:g}" for k, v in trainer.items()) if trainer else
+                                                     "none (train/compiles, train/graph_breaks, memory/alloc_retries "
+                                                     "are not in this trainer's metrics rows)"))
+    print_peak(f["process_peak_mb"] or f["memory_peak_mb"], f.get("device_peak_mb"), ctx["device"])
     if f["deterministic"]:
         say("deterministic: " + ", ".join(f"{k} {v}" for k, v in f["deterministic"].items()))
 
@@ -115,7 +144,15 @@ def print_a_resume(f: dict) -> None:
 def sweep_setting(row: dict) -> str:
     return (f"{row['kernels']} kernels, {row['attention']} attention, {row['micro_batch_tokens']} tokens a micro-batch, "
             f"checkpointing {'on' if row['activation_checkpointing'] else 'off'}"
-            + (", deterministic" if row["deterministic"] else ""))
+            + (", deterministic" if row["deterministic"] else "") + (f" [{row['role']}]" if row.get("role") else ""))
+
+
+def compiled(row: dict) -> tuple[str, int, int]:
+    """Graphs made in the row's warm-up / timed steps / unseen batches' steps; graph breaks and recompile-limit hits
+    in all three."""
+    c = row["compiles"]
+    return (f"{c['warmup']['graphs']}/{c['timed']['graphs']}/{c['fresh']['graphs']}",
+            sum(part["graph_breaks"] for part in c.values()), sum(part["recompile_limit_hits"] for part in c.values()))
 
 
 def sweep_line(row: dict) -> str:
@@ -123,30 +160,72 @@ def sweep_line(row: dict) -> str:
         return f"failed: {row['error']}"
     if row.get("out_of_memory"):
         return f"out of memory (the plan said {row['plan_peak_mb'] / 1e3:.1f} GB)"
-    peak = (f"peak {row['peak_mb'] / 1e3:.1f} GB vs plan {row['plan_peak_mb'] / 1e3:.1f} GB "
-            f"({row['plan_over_measured']:.2f}x)" if row["peak_mb"] else f"plan {row['plan_peak_mb'] / 1e3:.1f} GB")
-    return (f"{row['step_s']:.3f}s a step ({row['micro_batches']} micro-batches), {row['useful_tokens_per_s']:.0f} useful "
-            f"tokens/s, MFU {percent(row['mfu'])}, {peak}")
+    graphs, breaks, hits = compiled(row)
+    plan = f"plan {row['plan_allocated_mb'] / 1e3:.1f} GB in tensors, {row['plan_peak_mb'] / 1e3:.1f} GB in all"
+    if row["peak_mb"]:
+        plan = (f"allocator peak {row['peak_mb'] / 1e3:.1f} GB vs plan {row['plan_allocated_mb'] / 1e3:.1f} GB in "
+                f"tensors, device {row['device_used_mb'] / 1e3:.1f} GB vs plan {row['plan_peak_mb'] / 1e3:.1f} GB")
+    fresh = f", unseen batches {row['fresh_step_s']:.3f}s" if row.get("fresh_step_s") is not None else ""
+    return (f"{row['step_s']:.3f}s a step{fresh} ({row['micro_batches']} micro-batches), "
+            f"{row['useful_tokens_per_s']:.0f} useful tokens/s, MFU {percent(row['mfu'])}, graphs {graphs} "
+            f"(warm-up/timed/unseen), {breaks} breaks"
+            + (f", RECOMPILE LIMIT HIT {hits}x" if hits else "") + f"; {plan}")
+
+
+def print_sweep_table(rows: list[dict]) -> None:
+    say(f"{'role':>12} {'kernels':>7} {'attn':>4} {'tokens':>6} {'ckpt':>4} {'det':>3} {'mbs':>3} {'forward':>7} "
+        f"{'pad':>4} {'step s':>6} {'unseen':>6} {'useful/s':>8} {'MFU':>6} {'graphs':>6} {'brk':>3} {'peak':>5} "
+        f"{'plan':>5} {'device':>6} {'plan':>5} {'retry':>5}")
+    for r in rows:
+        head = (f"{r.get('role') or '':>12} {r['kernels']:>7} {r['attention']:>4} {r['micro_batch_tokens']:>6} "
+                f"{'on' if r['activation_checkpointing'] else 'off':>4} {'yes' if r['deterministic'] else 'no':>3}")
+        if r.get("error") or r.get("out_of_memory"):
+            say(f"{head} {sweep_line(r)}")
+            continue
+        graphs, breaks, hits = compiled(r)
+        say(f"{head} {r['micro_batches']:>3} {r['forward_tokens']:>7} {r['padding_tokens']:>4} {r['step_s']:>6.3f} "
+            f"{number(r['fresh_step_s'], 3):>6} {r['useful_tokens_per_s']:>8.0f} {percent(r['mfu']):>6} {graphs:>6} "
+            f"{breaks:>3} {number(r['peak_mb'], 1, 1e3):>5} {r['plan_allocated_mb'] / 1e3:>5.1f} "
+            f"{number(r['device_used_mb'], 1, 1e3):>6} {r['plan_peak_mb'] / 1e3:>5.1f} "
+            f"{number(r['alloc_retries'], 0):>5}"
+            + (f"  recompile limit hit {hits}x" if hits else ""))
+    say("(step s: on the warm-up's batch; unseen: a step on each batch no step had seen; graphs: torch.compile's in "
+        "the warm-up/timed/unseen steps, brk: graph breaks; GB: peak the allocator's peak, plan its bytes in tensors; "
+        "device the GPU's used memory, plan its total; retry: the allocator's retries)")
+
+
+def print_targets(f: dict) -> None:
+    """Issue 41's targets at this shape, from the rows that have them."""
+    rows = {r.get("role"): r for r in f["settings"] if r.get("role") and not (r.get("error") or r.get("out_of_memory"))}
+    default, shape = rows.get("default"), f["shape"]
+    if default is None:
+        say(f"targets at {shape}: no default row measured")
+        return
+    target = MFU_TARGETS.get(shape)
+    say(f"targets at {shape}: MFU {percent(default['mfu'])} with the default kernels at "
+        f"{default['micro_batch_tokens']} tokens (unseen batches {percent(default['fresh_mfu'])})"
+        + (f", target >= {percent(target, 0)}" if target else ""))
+    if shape not in PEAK_TARGET_GB or default["peak_mb"] is None or not default["mfu"]:
+        return
+    limit = PEAK_TARGET_GB[shape]
+    for r in [default, *(r for r in f["settings"] if r.get("role") in ("checkpointed", "smaller") and "step_s" in r)]:
+        name = "the 20 GB row" if r.get("role") == "checkpointed" else r["role"]
+        checkpointing = "on" if r["activation_checkpointing"] else "off"
+        say(f"  {name} ({r['micro_batch_tokens']} tokens, checkpointing {checkpointing}):"
+            f" allocator peak {r['peak_mb'] / 1e3:.1f} GB ({'within' if r['peak_mb'] <= 1e3 * limit else 'over'} "
+            f"{limit} GB), device {r['device_used_mb'] / 1e3:.1f} GB; MFU {percent(r['mfu'])}, "
+            f"{r['mfu'] / default['mfu']:.2f}x the default row's")
 
 
 def print_a_sweep(f: dict, ctx: dict) -> None:
     say("\n" + "=" * 78)
     b = f["batch"]
-    say(f"stage A, the training step alone ({ctx['shape']} shapes, {b['completions']} completions of {b['completion_mean']:.0f} "
-        f"tokens on average after prompts of {b['prompt_mean']:.0f}; {b['unique_tokens']} useful tokens a step): "
-        "kernels x attention x micro-batch tokens x activation checkpointing")
-    say(f"{'kernels':>8} {'attn':>5} {'tokens':>6} {'ckpt':>4} {'det':>3} {'mbs':>3} {'forward':>7} {'pad':>5} {'step s':>7} "
-        f"{'useful/s':>9} {'MFU':>6} {'peak GB':>7} {'plan GB':>7} {'plan/peak':>9}")
-    for r in f["settings"]:
-        head = (f"{r['kernels']:>8} {r['attention']:>5} {r['micro_batch_tokens']:>6} "
-                f"{'on' if r['activation_checkpointing'] else 'off':>4} {'yes' if r['deterministic'] else 'no':>3}")
-        if r.get("error") or r.get("out_of_memory"):
-            say(f"{head} {sweep_line(r)}")
-            continue
-        peak = f"{r['peak_mb'] / 1e3:.1f}" if r["peak_mb"] else "n/a"
-        ratio = f"{r['plan_over_measured']:.2f}" if r.get("plan_over_measured") else "n/a"
-        say(f"{head} {r['micro_batches']:>3} {r['forward_tokens']:>7} {r['padding_tokens']:>5} {r['step_s']:>7.3f} "
-            f"{r['useful_tokens_per_s']:>9.0f} {percent(r['mfu']):>6} {peak:>7} {r['plan_peak_mb'] / 1e3:>7.1f} {ratio:>9}")
+    say(f"stage A, the training step alone ({f['shape']} shapes, {b['completions']} completions of "
+        f"{b['completion_mean']:.0f} tokens on average after prompts of {b['prompt_mean']:.0f}; "
+        f"{b['unique_tokens']} useful tokens a step; unseen batches: "
+        + ", ".join(str(x["unique_tokens"]) for x in f["fresh_batches"])
+        + "): kernels x attention x micro-batch tokens x activation checkpointing")
+    print_sweep_table(f["settings"])
     if f.get("not_run"):
         say("not run: " + "; ".join(f["not_run"]))
     p = f.get("profile")
@@ -156,6 +235,22 @@ def print_a_sweep(f: dict, ctx: dict) -> None:
         busy = (f", GPU busy {p['gpu_busy_s']:.3f}s ({100 * p['gpu_busy_share']:.0f}%)" if p["gpu_busy_s"] is not None else "")
         say(f"profile of one step ({p['setting']}): wall {p['wall_s']:.3f}s{busy}; most {p['time']} time: "
             + ", ".join(f"{o['name']} {o['seconds']:.3f}s" for o in p["top_ops"][:6]) + f" (table: {p['table']})")
+    print_targets(f)
+
+
+def print_a_peer(f: dict) -> None:
+    s, t, r = f["scirl"], f["trl"], f["ratios"]
+    say("\n" + "=" * 78)
+    c = f["config"]
+    say(f"stage A, the peer (bench_trl.py, transformers pair, {c['device']}, {c['dtype']}): {c['questions']} x "
+        f"{c['group']} completions x {c['tokens']} tokens, {f['timed_steps']} timed step(s) a side")
+    say(f"{'':8}{'s/step':>8}{'generate s':>12}{'train s':>9}{'peak MB':>9}")
+    for name, side in (("scirl", s), ("TRL", t)):
+        say(f"{name:8}{side['s_per_step']:>8.2f}{side['generate_s']:>12.2f}{side['train_s']:>9.2f}"
+            f"{number(side.get('peak_allocated_mb'), 0):>9}")
+    target = f" (target <= {TRAIN_HALF_TARGET})" if c["device"] == "cuda" else ""
+    say(f"scirl's training half {f['train_half']:.2f}x TRL's{target}; its whole step "
+        + (f"{1 / r['s_per_step']:.2f}x TRL's" if r.get("s_per_step") else "n/a"))
 
 
 def print_b_colocated(f: dict, ctx: dict) -> None:
@@ -184,7 +279,7 @@ def print_b_colocated(f: dict, ctx: dict) -> None:
     checks = [(r["step"], r["weight_check_s"]) for r in s["steps"] if r.get("weight_check_s") is not None]
     if checks:
         say(f"push check (probe logprobs vs the trainer's): {checks[0][1]:.3f}s after step {checks[0][0]}'s push")
-    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"))
+    print_peak(s["memory_peak_mb"], f.get("device_peak_mb"), ctx["device"])
 
 
 def print_b_disaggregated(d: dict) -> None:

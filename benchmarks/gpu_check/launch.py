@@ -15,26 +15,15 @@ from pathlib import Path
 
 from .common import REPO, StageError, python_env, say
 
-# On a GPU, what makes a run's result depend on its inputs alone. cuBLAS needs a fixed workspace to repeat itself;
-# torch's deterministic algorithms (warn_only: the sampler's CUDA cumsum has none and would raise) make the
-# backward of the trainer's index_select (the packed rows' gathers: a prompt's last position predicts every
-# completion's first token) a sorted sum instead of atomic adds. The attention: flex attention's Triton backward
-# (CUDA's default) gives each program one block of dQ or of dK/dV and sums in a fixed order, with no atomic adds
-# (torch/_inductor/kernel/flex/flex_attention.py), so it needs no switch; the SDPA path (attention = "sdpa") goes
-# through SDPA's math kernel, whose backward is plain matmuls (the flash, memory-efficient and cuDNN kernels'
-# backward passes accumulate in a nondeterministic order unless warn_only is off).
+# On a GPU, what makes a run's result depend on its inputs alone (``scirl_run --deterministic`` sets it). cuBLAS needs
+# a fixed workspace to repeat itself; torch's deterministic algorithms (warn_only: the sampler's CUDA cumsum has
+# none and would raise) make the backward of the trainer's index_select (the packed rows' gathers: a prompt's last
+# position predicts every completion's first token) a sorted sum instead of atomic adds. The attention: flex
+# attention's Triton backward (CUDA's default) gives each program one block of dQ or of dK/dV and sums in a fixed
+# order, with no atomic adds (torch/_inductor/kernel/flex/flex_attention.py), so it needs no switch; the SDPA path
+# (attention = "sdpa") goes through SDPA's math kernel, whose backward is plain matmuls (the flash,
+# memory-efficient and cuDNN kernels' backward passes accumulate in a nondeterministic order unless warn_only is off).
 DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISTIC_TRAIN = """\
-import sys
-import torch
-torch.use_deterministic_algorithms(True, warn_only=True)
-torch.backends.cuda.enable_flash_sdp(False)
-torch.backends.cuda.enable_mem_efficient_sdp(False)
-if hasattr(torch.backends.cuda, "enable_cudnn_sdp"):
-    torch.backends.cuda.enable_cudnn_sdp(False)
-from scirl.cli import main
-sys.exit(main())
-"""
 DETERMINISTIC_SETTINGS = {**DETERMINISM_ENV, "use_deterministic_algorithms": "True, warn_only=True",
                           "sdpa": "math (flash, memory-efficient and cuDNN kernels off; the flex path needs no switch)"}
 
@@ -92,10 +81,11 @@ def train_flags(ctx: dict, run_dir: Path, *, activation_checkpointing: bool, ckp
     return flags
 
 
-def scirl_command(args: list[str], deterministic: bool) -> list[str]:
-    if deterministic:
-        return [sys.executable, "-c", DETERMINISTIC_TRAIN, *args]
-    return [sys.executable, "-m", "scirl", *args]
+def scirl_command(args: list[str], deterministic: bool, steps_file: Path | None = None) -> list[str]:
+    """``scirl ARGS`` through ``scirl_run``: with the deterministic settings, and each step's training peak and
+    compile counts written to ``steps_file``, as asked."""
+    options = (["--deterministic"] if deterministic else []) + (["--steps", str(steps_file)] if steps_file else [])
+    return [sys.executable, "-m", f"{__package__}.scirl_run", *options, "--", *args]
 
 
 def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = None, kill_when=None) -> dict:
@@ -115,9 +105,13 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ")):
+                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ", "Checkpoint ",
+                                    "Waiting ")):
                     say("    " + line.rstrip())
-                saved = re.match(r"Saved checkpoint weights/step_(\d+) \(([\d.]+)s\)", line)
+                # "Saved checkpoint weights/step_N (12.3s)", or, written in the background, "(...; 12.3s in the
+                # background)": the write's seconds either way
+                saved = re.match(r"Saved checkpoint weights/step_(\d+) \((?:.*; )?([\d.]+)s(?: in the background)?\)",
+                                 line)
                 if saved:
                     saves[int(saved.group(1))] = float(saved.group(2))
 

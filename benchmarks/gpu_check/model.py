@@ -66,6 +66,14 @@ def parameter_count(shape: str) -> int:
     return layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
 
 
+def model_parameters(shape: str) -> dict[str, int]:
+    """All parameters, the decoder's (every token's matmuls: N less the embedding and an untied head) and the LM
+    head's (the loss tokens' only), as ``figures.py`` counts FLOPs."""
+    hidden, *_, vocab, tied = SHAPES[shape]
+    n, head = parameter_count(shape), vocab * hidden
+    return {"parameters": n, "dense_parameters": n - head * (1 if tied else 2), "head_parameters": head}
+
+
 def eos_rate(limit: int) -> float:
     """EOS's chance per token at a completion limit: the mission's 1/100 at 256 tokens, and at another limit the
     rate that ends the same share of completions before it."""
@@ -108,11 +116,8 @@ def model_stage(ctx: dict) -> dict:
     data = write_questions(out / "questions.jsonl", per_domain, model_dir, seed=0)
     # b_eval's held-out 4 x 50 (the split holds out at most half of a domain's rows)
     eval_data = write_questions(out / "eval_questions.jsonl", 2 * EVAL_PER_DOMAIN[ctx["device"]] + 5, model_dir, seed=1)
-    hidden, *_, vocab, tied = SHAPES[ctx["shape"]]
-    n, head = parameter_count(ctx["shape"]), vocab * hidden
-    return {"model_dir": str(model_dir), "data": str(data), "eval_data": str(eval_data), "parameters": n,
-            # the decoder's parameters (every token's matmuls) and the LM head's (the loss tokens' only): figures.py
-            "dense_parameters": n - head * (1 if tied else 2), "head_parameters": head,
+    return {"model_dir": str(model_dir), "data": str(data), "eval_data": str(eval_data),
+            **model_parameters(ctx["shape"]),
             "default_micro_batch_tokens": DEFAULT_MICRO_BATCH_TOKENS,
             "eos": json.loads((model_dir / EOS_FILE).read_text()), "expected_lengths": length_distribution(ctx["max_tokens"]),
             "build_s": round(time.perf_counter() - started, 1)}

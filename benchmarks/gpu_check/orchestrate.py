@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 from . import common
-from .common import REPO, StageError, python_env, say, stage_result, write_json_atomic
-from .figures import print_a_resume, print_a_sweep, print_a_train, print_b_colocated, print_b_disaggregated, print_b_eval
+from .common import REPO, StageError, error_text, python_env, say, stage_result, write_json_atomic
+from .figures import (print_a_peer, print_a_resume, print_a_sweep, print_a_train, print_b_colocated,
+                      print_b_disaggregated, print_b_eval)
 from .model import SHAPES, model_stage, parameter_count
+from .peer import a_peer_stage
 from .probe import probe_stage
 from .stage_a import a_resume_stage, a_train_stage
 from .stage_b import b_colocated_stage, b_disaggregated_stage
-from .sweep import a_sweep_stage
+from .sweep import a_sweep2_stage, a_sweep_stage
 
 # stage B, per shape on one H200 (141 GB): the engine's share (weights + KV, awake during generation while the
 # trainer keeps its ~18 bytes/parameter) and activation checkpointing; micro-batches are scirl's default budget
@@ -39,20 +41,36 @@ GPU_SETTINGS = {
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 8 + 2  # float32 master + gradient + AdamW's two moments + the bf16 compute copy
 H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
 
-STAGES = ("probe", "model", "a_train", "a_sweep", "a_resume", "b_colocated", "b_disaggregated", "b_eval")
-# (estimate, timeout) in seconds per stage at the defaults. GPU: one H200, 0.6b, 4 steps: stage B's measured there
-# (2026-12-04); stage A's ESTIMATES from the parts: the steps as measured with the earlier trainer (generation ~13 s
-# of a step through transformers), and each process's first step compiling the decoder layers and flex attention
-# (~40 s cold, less from inductor's cache in the later processes). CPU: tiny, 2 steps, 1 thread, a busy 2-core machine.
-GPU_BUDGET = {"probe": (15, 60), "model": (40, 150), "a_train": (140, 280), "a_sweep": (110, 240), "a_resume": (150, 330),
-              "b_colocated": (210, 330), "b_disaggregated": (190, 330)}
-CPU_BUDGET = {"probe": (10, 60), "model": (15, 120), "a_train": (20, 240), "a_sweep": (20, 240), "a_resume": (45, 360),
-              "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
+STAGES = ("probe", "model", "a_train", "a_sweep", "a_resume", "a_peer", "a_sweep2", "b_colocated", "b_disaggregated",
+          "b_eval")
+# stage A's stages in the order they run: --stage a (and all), and --stage targets, the first GPU call's (issue 41's
+# figures first: the sweep's targets rows at 0.6b, the peer, the default row at 1.7b; then a_train, whose mid-run
+# checkpoint gives issue 48's blocked seconds)
+STAGE_A = {"a": ("a_train", "a_sweep", "a_resume", "a_peer"), "targets": ("a_sweep", "a_peer", "a_sweep2", "a_train")}
+# (estimate, timeout) in seconds per stage at the defaults. GPU: one H200 (an H100 alike), 0.6b, 4 steps. Stage B's
+# measured there (2026-12-04). Stage A's are GUESSES until a GPU runs the packed trainer: the steps as the earlier
+# trainer measured them (generation ~8-13 s of a step through transformers, training ~1-2 s), a checkpoint of 7.8 GB
+# at the ~400 MB/s measured (~20 s; a_train takes two), and each process's first steps compiling the decoder layer
+# with flex attention (static, then dynamic) and the block mask: 1-3 minutes cold per process by the first-contact
+# reading, ~90 s taken here; a later process of the same call finds inductor's cache warm for the same shapes.
+# The probe compiles a tiny function (seconds). a_sweep's estimate is its targets' rows (the default, checkpointed
+# and smaller rows: a compile, the checkpointed graph's, ~4 x 5 s of steps), the rest of its rows running while its
+# timeout allows (each row is kept as it ends); a_peer: bench_trl's two sides (the model built on the host, scirl's
+# side compiling, two steps each); a_sweep2: a 1.7b model built, saved and loaded, a cold compile at its shapes, a row.
+# CPU: tiny, 2 steps, 1 thread, a busy 2-core machine.
+GPU_BUDGET = {"probe": (20, 90), "model": (40, 150), "a_train": (200, 330), "a_sweep": (150, 330),
+              "a_resume": (150, 330), "a_peer": (130, 240), "a_sweep2": (110, 200), "b_colocated": (210, 330),
+              "b_disaggregated": (190, 330)}
+CPU_BUDGET = {"probe": (20, 90), "model": (15, 120), "a_train": (20, 240), "a_sweep": (20, 240), "a_resume": (45, 360),
+              "a_peer": (30, 240), "a_sweep2": (15, 120), "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
+TARGETS_SWEEP_CAP = 240  # --stage targets: a_sweep's timeout, so that a slow compile leaves the peer its time
 SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
 # GPU defaults by shape: steps, and whether the resume check runs. A 1.7b checkpoint (float32 masters and AdamW's
 # moments) is ~24 GB, ~60 s to write at the 400 MB/s measured, and the resume check writes four: left out by
-# default there (--resume runs it, with a budget to match), so probe, model, a_train and a_sweep fit the default budget
+# default there (--resume runs it, with a budget to match)
 SHAPE_STEPS = {"0.6b": 4, "1.7b": 2, "4b": 2, "8b": 2}
+TARGETS_STEPS = 3  # --stage targets: a_train's steps (a checkpoint after step 2 blocks step 3)
+SECOND_SHAPE = {"0.6b": "1.7b", "tiny": "tiny"}  # a_sweep2's (a CPU: the same tiny shapes again, the code path)
 BUDGET_STEPS = {"cuda": 4, "cpu": 2}  # the steps the estimates above are for
 RESUME_BY_DEFAULT = {"tiny", "0.6b"}
 FIXED_SHARE = 0.4  # the share of a train stage's estimate at the default steps that does not grow with steps
@@ -70,9 +88,11 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     parser = Parser(prog="benchmarks/gpu_check.sh", description=DESCRIPTION)
-    parser.add_argument("--stage", choices=("all", "a", "b"), default="all",
-                        help="a: no vLLM (the transformers backend, the resume check); b: vLLM; all (default): A, then B "
-                             "where vLLM imports")
+    parser.add_argument("--stage", choices=("all", "a", "b", "targets"), default="all",
+                        help="a: no vLLM (the transformers backend, the sweep, the resume check, the peer); b: "
+                             "vLLM; all (default): A, then B where vLLM imports; targets: the first GPU call's, the "
+                             "targets' figures first (the sweep's targets rows, the peer, the default row at 1.7b), "
+                             "then a_train")
     parser.add_argument("--no-vllm", action="store_true", help="the same as --stage a")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="seconds for the whole check (default 480); a stage that cannot fit what is left is skipped")
@@ -117,12 +137,14 @@ def parse_args(argv):
             if value is not None and value < 1:
                 parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         resume = args.resume if args.resume is not None else (args.shape or "0.6b") in RESUME_BY_DEFAULT
-        if args.steps is not None and args.steps < 2 and resume and (args.stage == "a" or args.no_vllm or args.stage == "all"):
+        if args.steps is not None and args.steps < 2 and resume and args.stage in ("a", "all"):
             parser.error("--steps must be at least 2: the resume check kills the run in checkpoint 2's write")
         if not args.budget_s > 0:
             parser.error(f"--budget-s must be positive, got {args.budget_s}")
         if args.no_vllm and args.stage == "b":
             parser.error("--no-vllm and --stage b contradict each other")
+        if args.stage == "targets" and args.resume:
+            parser.error("--stage targets leaves the resume check out: --stage a runs it")
         if args.resume_atol < 0 or (args.peak_tflops is not None and not args.peak_tflops > 0):
             parser.error("--resume-atol must be >= 0 and --peak-tflops > 0")
     return parser, args
@@ -169,7 +191,8 @@ class Check:
         result_path, log_path = stage_dir / f"{stage}.json", stage_dir / f"{stage}.log"
         result_path.unlink(missing_ok=True)
         ctx_path = stage_dir / "context.json"
-        write_json_atomic(ctx_path, ctx)
+        # a stage that runs children of its own sizes their timeouts by its own
+        write_json_atomic(ctx_path, {**ctx, "stage_timeout_s": timeout})
         say(f"[{stage}] started (estimate ~{estimate:.0f}s, timeout {timeout:.0f}s; log {log_path})")
         self.record(stage, {"status": "running", "estimate_s": estimate, "timeout_s": round(timeout)})
         started = time.monotonic()
@@ -257,9 +280,9 @@ def orchestrate(parser, args) -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="scirl-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     check = Check(args, out)
-    stage_b = not (args.stage == "a" or args.no_vllm)
-    stage_a = args.stage in ("all", "a") or args.no_vllm
-    check.result["asked"] = {"stage": "a" if not stage_b else args.stage, "argv": sys.argv[1:]}
+    stage_b = args.stage in ("all", "b") and not args.no_vllm
+    stage_a = args.stage != "b"
+    check.result["asked"] = {"stage": "a" if args.no_vllm else args.stage, "argv": sys.argv[1:]}
 
     def on_signal(signum, frame):
         raise Interrupted(signum)
@@ -293,36 +316,19 @@ def orchestrate(parser, args) -> int:
             return finish(check, "failed")
         ctx.update(model["figures"])
 
-        trains = ctx["trains"]
+        plan = STAGE_A["targets" if args.stage == "targets" else "a"]
         if not stage_a:
-            for stage in ("a_train", "a_sweep", "a_resume"):
+            for stage in plan:
                 check.skip(stage, "not asked for (--stage b)")
-        elif not trains:
-            for stage in ("a_train", "a_sweep", "a_resume"):
+        elif not ctx["trains"]:
+            for stage in plan:
                 check.skip(stage, ctx["trains_reason"])
         else:
-            a_train = check.run("a_train", ctx)
-            if a_train["status"] == "ok":
-                print_a_train(a_train["figures"], ctx)
-            if args.no_sweep:
-                check.skip("a_sweep", "not asked for (--no-sweep)")
-            else:
-                sweep = check.run("a_sweep", ctx)
-                if sweep["status"] == "ok":
-                    print_a_sweep(sweep["figures"], ctx)
-            if a_train["status"] == "ok":
-                if not ctx["resume"]:
-                    check.skip("a_resume", f"not asked for at {ctx['shape']} (--resume runs it)")
-                else:
-                    a_resume = check.run("a_resume", {**ctx, "reference": a_train["figures"]})
-                    if a_resume["status"] == "ok":
-                        print_a_resume(a_resume["figures"])
-            else:
-                check.skip("a_resume", "it compares against a_train's run, which did not finish")
+            run_stage_a(check, ctx, args, plan)
 
         b_reason = None
         if not stage_b:
-            b_reason = "not asked for (--stage a)" if not args.no_vllm else "not asked for (--no-vllm)"
+            b_reason = "not asked for (--no-vllm)" if args.no_vllm else f"not asked for (--stage {args.stage})"
         elif not info.get("vllm_found"):
             b_reason = "vLLM is not installed (stage B needs it: pip install -e '.[gpu]' on a GPU machine)"
         if b_reason:
@@ -341,7 +347,7 @@ def orchestrate(parser, args) -> int:
                 unrun = colocated["reason"]
             elif not disaggregated:
                 unrun = "not asked for (on a CPU: --disaggregated)"
-            elif not trains:
+            elif not ctx["trains"]:
                 unrun = ctx["trains_reason"]
             if unrun is not None:
                 for stage in ("b_disaggregated", "b_eval"):  # the eval goes through b_disaggregated's server
@@ -376,6 +382,43 @@ def orchestrate(parser, args) -> int:
         return 128 + e.signum
 
 
+PRINT = {"a_train": print_a_train, "a_sweep": print_a_sweep, "a_sweep2": print_a_sweep,
+         "a_peer": lambda f, ctx: print_a_peer(f), "a_resume": lambda f, ctx: print_a_resume(f)}
+
+
+def report(stage: str, figures: dict, ctx: dict) -> None:
+    """A stage's printed report; one that fails to print says so in one line (its figures are in the JSON already)
+    and the check goes on."""
+    try:
+        PRINT[stage](figures, ctx)
+    except Exception as e:  # a figure the report did not expect: the check's next stages matter more
+        say(f"[{stage}] its report could not be printed ({error_text(e)}); its figures are in the JSON")
+
+
+def run_stage_a(check: Check, ctx: dict, args, plan: tuple[str, ...]) -> None:
+    """Stage A's stages in ``plan``'s order, each printed as it ends (a stage cut by its timeout with figures kept, as
+    a sweep's finished rows, too)."""
+    done: dict[str, dict] = {}
+    for stage in plan:
+        if stage == "a_sweep" and args.no_sweep:
+            entry = check.skip(stage, "not asked for (--no-sweep)")
+        elif stage == "a_resume" and not ctx["resume"]:
+            entry = check.skip(stage, f"not asked for at {ctx['shape']} (--resume runs it)")
+        elif stage == "a_resume" and done.get("a_train", {}).get("status") != "ok":
+            entry = check.skip(stage, "it compares against a_train's run, which did not finish")
+        elif stage == "a_sweep2" and ctx["second_shape"] is None:
+            entry = check.skip(stage, f"no second shape after {ctx['shape']} (on a GPU: 1.7b after 0.6b, where it "
+                                      "trains)")
+        else:
+            stage_ctx = {**ctx, "reference": done["a_train"]["figures"]} if stage == "a_resume" else ctx
+            entry = check.run(stage, stage_ctx)
+            if entry.get("figures") is not None:
+                report(stage, entry["figures"], ctx)
+        done[stage] = entry
+    if "a_resume" not in plan:
+        check.skip("a_resume", f"not in --stage {args.stage} (--stage a runs it)")
+
+
 def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     """The run's settings: the device's defaults under what was asked; bad combinations exit 2."""
     defaults = dict(shape="0.6b", steps=SHAPE_STEPS["0.6b"], questions=8, group_size=16, max_tokens=256) if gpu else \
@@ -383,35 +426,49 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     shape = args.shape or defaults["shape"]
     if gpu and shape == "tiny":
         parser.error("--shape tiny is the CPU check's; on a GPU take 0.6b, 1.7b, 4b or 8b")
+    targets = args.stage == "targets"
     if gpu:
-        defaults["steps"] = SHAPE_STEPS[shape]
+        defaults["steps"] = TARGETS_STEPS if targets else SHAPE_STEPS[shape]
     chosen = {key: getattr(args, key) if getattr(args, key) is not None else value for key, value in defaults.items()}
-    resume = args.resume if args.resume is not None else shape in RESUME_BY_DEFAULT
+    resume = False if targets else args.resume if args.resume is not None else shape in RESUME_BY_DEFAULT
     if resume and chosen["steps"] < 2:
         parser.error("--steps must be at least 2: the resume check kills the run in checkpoint 2's write")
     if chosen["max_tokens"] >= args.seq_len:
         parser.error(f"--max-tokens {chosen['max_tokens']} leaves no room for a prompt in --seq-len {args.seq_len}")
     budget = GPU_BUDGET if gpu else CPU_BUDGET
+    if targets:
+        budget = {**budget, "a_sweep": (budget["a_sweep"][0], TARGETS_SWEEP_CAP)}
     # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger shapes
-    # than at the estimates' (0.6b, BUDGET_STEPS); the sweep does not depend on the steps
+    # than at the estimates' (0.6b, BUDGET_STEPS); the sweep and the peer do not depend on the steps, a_sweep2 runs at
+    # its own shape
     per_steps = FIXED_SHARE + (1 - FIXED_SHARE) * chosen["steps"] / BUDGET_STEPS["cuda" if gpu else "cpu"]
-    budget = {stage: (est * SHAPE_TIME[shape] * (1 if stage == "a_sweep" else per_steps),
-                      cap * SHAPE_TIME[shape] * (1 if stage == "a_sweep" else max(1.0, per_steps)))
-              if stage.startswith(("a_", "b_")) else (est, cap) for stage, (est, cap) in budget.items()}
+
+    def scaled(stage: str, est: float, cap: float) -> tuple[float, float]:
+        if stage == "a_sweep2" or not stage.startswith(("a_", "b_")):
+            return est, cap
+        steps = 1 if stage in ("a_sweep", "a_peer") else per_steps
+        return est * SHAPE_TIME[shape] * steps, cap * SHAPE_TIME[shape] * max(1.0, steps)
+
+    budget = {stage: scaled(stage, est, cap) for stage, (est, cap) in budget.items()}
     ctx = dict(chosen, out=str(out), device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
                seq_len=args.seq_len, eager=args.eager or not gpu, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
                resume_atol=args.resume_atol, keep_weights=args.keep_weights, budget=budget,
                peak_tflops=args.peak_tflops if args.peak_tflops is not None else (H200_BF16_TFLOPS if gpu else None),
                settings=GPU_SETTINGS.get(shape, dict(gpu_memory_utilization=0.5, activation_checkpointing=False)),
-               micro_batch_tokens=args.micro_batch_tokens, gpu_count=info.get("gpu_count", 0), resume=resume)
+               micro_batch_tokens=args.micro_batch_tokens, gpu_count=info.get("gpu_count", 0), resume=resume,
+               sweep_rows="targets" if targets else "all", second_shape=SECOND_SHAPE.get(shape))
     ctx["trains"], ctx["trains_reason"] = True, ""
     if gpu:
-        need_gb = parameter_count(shape) * TRAIN_BYTES_PER_PARAM / 1e9
         have_gb = info["gpu_memory_gb"]
-        if need_gb > 0.9 * have_gb:
-            ctx["trains"] = False
-            ctx["trains_reason"] = (f"{shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, AdamW and "
-                                    f"the bf16 copy alone, this GPU has {have_gb:.0f} GB (stage B measures generation only)")
+        for name in filter(None, (shape, ctx["second_shape"])):
+            need_gb = parameter_count(name) * TRAIN_BYTES_PER_PARAM / 1e9
+            if need_gb > 0.9 * have_gb and name == shape:
+                ctx["trains"] = False
+                ctx["trains_reason"] = (f"{shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, "
+                                        f"AdamW and the bf16 copy alone, this GPU has {have_gb:.0f} GB (stage B "
+                                        "measures generation only)")
+            elif need_gb > 0.9 * have_gb:
+                ctx["second_shape"] = None
     return ctx
 
 
@@ -450,7 +507,7 @@ def worker(stage: str, ctx_path: Path) -> int:
 
 
 WORKERS = {"probe": probe_stage, "model": model_stage, "a_train": a_train_stage, "a_sweep": a_sweep_stage,
-           "a_resume": a_resume_stage,
+           "a_resume": a_resume_stage, "a_peer": a_peer_stage, "a_sweep2": a_sweep2_stage,
            "b_colocated": b_colocated_stage, "b_disaggregated": b_disaggregated_stage}
 
 
