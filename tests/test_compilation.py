@@ -64,7 +64,7 @@ def random_rows(rng: random.Random, groups: int = 3, prompt: int = 60, completio
 def test_flex_rows_take_a_few_lengths(budget):
     """At most 8 lengths up to the token budget (each a compiled graph), never shorter than the row, never past
     the budget rounded up to flex's block; padding under an eighth of the budget and a block. Without a budget,
-    four lengths per doubling, padding under a quarter of the row (or a block)."""
+    or past it, four lengths per doubling, padding under a quarter of the row (or a block)."""
     top = -(-budget // attention.FLEX_BLOCK) * attention.FLEX_BLOCK
     lengths = set()
     for n in range(1, max(budget, 1) + 1):
@@ -75,9 +75,10 @@ def test_flex_rows_take_a_few_lengths(budget):
             assert padded <= top and padded - n < budget / 8 + attention.FLEX_BLOCK
     if budget:
         assert len(lengths) <= attention.ROW_LENGTHS
-        assert attention.row_length(budget + 1, "flex", budget) - (budget + 1) < budget / 8 + attention.FLEX_BLOCK
-    for n in range(1, 70_000, 97):
+    for n in range(1, 70_000, 97):  # without a budget, or a lone sequence longer than it
         assert attention.row_length(n, "flex", 0) - n < max(n / 4, attention.FLEX_BLOCK)
+        if n > top:
+            assert attention.row_length(n, "flex", budget) == attention.row_length(n, "flex", 0)
     doubling = {attention.row_length(n, "flex", 0) for n in range(8193, 16385)}
     assert len(doubling) == 4
     assert attention.row_length(1000, "sdpa", budget) == 1000  # the SDPA path takes any length
@@ -122,13 +123,18 @@ def tiny_trainer(model_dir, kernels: str, *, dynamic: bool, **batching) -> Train
 
 def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir):
     """flex attention inside the compiled decoder layers (CUDA's default; here without gradients, which torch's
-    CPU flex attention lacks): over rows of 10 lengths, one static graph for each of the 2 lengths they are padded
-    to, no graph break, and the SDPA path's outputs."""
-    model = load_model(str(tiny_model_dir), CPU, Dist(), torch.float32)
+    CPU flex attention lacks): over rows of 10 lengths and a rank's stand-in micro-batch, one static graph for each
+    of the 2 lengths they are padded to (the stand-in: the budget's), no graph break, and the SDPA path's
+    outputs."""
+    trainer = tiny_trainer(tiny_model_dir, "eager", dynamic=False, micro_batch_tokens=256)
+    trainer.attention = "flex"  # as a trainer on CUDA resolves it
+    model = trainer.compute_model
     kernels = Kernels(model, "compile", backend="aot_eager", dynamic=False)
     rng, seen = random.Random(1), set()
-    for _ in range(10):
-        packed = pack(random_rows(rng, prompt=30, completion=20), pad_to=lambda n: attention.row_length(n, "flex", 256))
+    stand_in = dummy_micro_batch(trainer.stand_in_length).packed
+    assert stand_in.forward_tokens == 256
+    for packed in [pack(random_rows(rng, prompt=30, completion=20), pad_to=trainer.row_length) for _ in range(10)] + [
+            stand_in]:
         n, real = packed.forward_tokens, packed.forward_tokens - packed.padding_tokens
         seen.add(n)
         outputs = {}
@@ -160,7 +166,7 @@ def test_compiled_layers_take_any_length_and_the_stand_in_in_one_graph(tiny_mode
 
     for groups in (2, 4):
         step(groups)
-    trainer.forward_backward(trainer.on_device(dummy_micro_batch(trainer.row_length)), [1.0])
+    trainer.forward_backward(trainer.on_device(dummy_micro_batch(trainer.stand_in_length)), [1.0])
     assert counters["stats"]["unique_graphs"] == 1
     for _ in range(2):
         step(1)

@@ -54,20 +54,19 @@ def kind_for(setting: str, device: torch.device) -> str:
 
 def row_length(tokens: int, kind: str, budget: int = 0) -> int:
     """The length a packed row of ``tokens`` positions is padded to. sdpa: none (its compiled layers take any
-    length in one dynamic graph). flex: one of a few lengths, each a static graph: with a token ``budget``, the
+    length in one dynamic graph). flex: one of a few lengths, each a static graph: up to a token ``budget``, the
     multiples of an eighth of it (rounded up to flex's block) and the budget itself (rounded up likewise), at most
-    ``ROW_LENGTHS`` lengths (a lone sequence longer than the budget: the next multiple of the eighth); without
-    one, four lengths per doubling. Padding costs under an eighth of the budget and a block a micro-batch (under
-    a quarter of the row or a block without a budget)."""
+    ``ROW_LENGTHS`` lengths, padding under an eighth of the budget (and a block) a micro-batch; without a budget,
+    or for a lone sequence longer than it, four lengths per doubling, padding under a quarter of the row (or a
+    block)."""
     if kind != "flex":
         return tokens
     top = -(-budget // FLEX_BLOCK) * FLEX_BLOCK
-    if budget:
+    if budget and tokens <= top:
         step = -(-budget // (ROW_LENGTHS * FLEX_BLOCK)) * FLEX_BLOCK
-    else:
-        step = max(FLEX_BLOCK, (1 << max(tokens - 1, 0).bit_length()) // 8)  # an eighth of the next power of 2
-    padded = -(-tokens // step) * step
-    return min(padded, top) if tokens <= top else padded
+        return min(-(-tokens // step) * step, top)
+    step = max(FLEX_BLOCK, (1 << max(tokens - 1, 0).bit_length()) // 8)  # an eighth of the next power of 2
+    return -(-tokens // step) * step
 
 
 def max_grids(kind: str, compiled: bool = False) -> int:

@@ -65,13 +65,15 @@ def apply_liger(model) -> None:
 
 def bound_recompiles() -> None:
     """dynamo's limits on the graphs of one compiled function, for the trainer's compiled regions (process-wide).
-    The design compiles at most ~2 x 9 graphs a region (flex's row lengths, with and without gradients): past
-    32 something recompiles per micro-batch, and the region would go on eagerly (flex attention eagerly is the
-    dense reference, which keeps every [N, N] score: an out-of-memory error or a step 10-100x slower, mid-run),
-    so the run stops with dynamo's error instead. The accumulated limit (all regions): its default, written out.
+    The design compiles a few graphs a region: flex attention's row lengths, 8 up to the token budget and 4 per
+    doubling past it (a lone sequence longer than the budget), each with and without gradients: 32 where seq_len
+    is 4 times the budget. Past 64 something recompiles per micro-batch, and the region would go on eagerly (flex
+    attention eagerly is the dense reference, which keeps every [N, N] score: an out-of-memory error or a step
+    10-100x slower, mid-run), so the run stops with dynamo's error instead. The accumulated limit (all regions):
+    its default, written out.
     Dynamic sizes equal by chance (4 prompts, completions of 4 tokens) stay apart: one symbol for both would make
     a micro-batch where they differ a graph of its own."""
-    torch._dynamo.config.recompile_limit = 32
+    torch._dynamo.config.recompile_limit = 64
     torch._dynamo.config.accumulated_recompile_limit = 256
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     torch.fx.experimental._config.use_duck_shape = False

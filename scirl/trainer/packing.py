@@ -362,7 +362,7 @@ def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: 
 # The stand-ins' rows: two prompts of two tokens, each with one completion of two tokens. No size is 1 (prompts,
 # rows, lengths), so compiled layers that take any length run them in the graph real micro-batches use (a size
 # of 1 would be a graph of its own, compiled by this rank alone while the others wait in a collective);
-# under flex they are padded to one of the real rows' lengths
+# under flex they are padded to a real row's length (the trainer's ``stand_in_length``)
 DUMMY_ROWS = [(key, [0, 0], [0, 0]) for key in (0, 1)]
 
 

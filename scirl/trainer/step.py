@@ -103,6 +103,11 @@ class Trainer:
         """The length a packed row of ``tokens`` positions is padded to (``attention.row_length``)."""
         return attention.row_length(tokens, self.attention, self.batching.micro_batch_tokens)
 
+    def stand_in_length(self, tokens: int) -> int:
+        """The row length of a stand-in micro-batch (``dummy_micro_batch``): under flex the budget's, which full
+        micro-batches take, so its graph is one every rank compiles anyway (the SDPA path's graph takes any)."""
+        return self.row_length(max(tokens, self.batching.micro_batch_tokens) if self.attention == "flex" else tokens)
+
     def describe_batching(self) -> str:
         b = self.batching
         bounds = ([f"{b.micro_batch_tokens} tokens"] if b.micro_batch_tokens else []) + (
@@ -123,7 +128,7 @@ class Trainer:
     def dummy_teacher(self) -> PackedTeacher:
         """A teacher forward of two tokens that teaches nothing, on the device: a rank whose micro-batch has no
         teacher joins the teacher forward's all-gathers with it."""
-        teacher = to_device(dummy_teacher(self.row_length), self.device)
+        teacher = to_device(dummy_teacher(self.stand_in_length), self.device)
         return dataclasses.replace(teacher, packed=self.prepared(teacher.packed))
 
     # ---- the forwards ----
@@ -238,7 +243,7 @@ class Trainer:
         if global_tokens == 0:  # no rank has a token to learn from: no forward at all
             return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0,
                     **compile_counts()}
-        padded = micro_batches + [dummy_micro_batch(self.row_length)] * (busiest - len(micro_batches))
+        padded = micro_batches + [dummy_micro_batch(self.stand_in_length)] * (busiest - len(micro_batches))
         # the batch's forwards: a stand-in's tokens (``dummy_micro_batch``) are neither work nor padding of it
         forward = [float(sum(mb.packed.forward_tokens for mb in micro_batches)),
                    float(sum(mb.packed.padding_tokens for mb in micro_batches))]
