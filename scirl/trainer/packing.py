@@ -3,7 +3,7 @@
 A step's samples come in groups: ``group_size`` completions of one prompt. Computing the prompt once per
 completion (whole sequences, right-padded to the longest) spends most of a forward on repeats and padding:
 SciKnowEval's prompts are ~100-350 tokens and a group's 16 completions are often shorter. Here a micro-batch
-is a single row of tokens with no padding (on CUDA, up to the attention kernel's block size at the end):
+is a single row of tokens with no padding (under flex attention, up to one of its few row lengths at the end):
 
     tokens     [ prompt A | A's completion 1 | A's completion 2 | ... | prompt B | B's completion 1 | ... ]
     positions    0 .. P-1   P .. P+C1-1        P .. P+C2-1              0 ..       ...
