@@ -121,8 +121,11 @@ def flex_block_mask(layout: Layout, length: int) -> BlockMask:
              (torch.where(completion, own_start, 1), torch.where(completion, position, 0))]
     block_first = torch.arange(0, length, FLEX_BLOCK, device=group.device)
     block_last = block_first + FLEX_BLOCK - 1
-    counts = sum((torch.minimum(last[:, None], block_last) - torch.maximum(first[:, None], block_first) + 1).clamp_(min=0)
-                 for first, last in spans)  # [N, key blocks]: the keys each query sees in each block
+
+    def seen(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # [N, key blocks]: keys in [first, last]
+        return (torch.minimum(last[:, None], block_last) - torch.maximum(first[:, None], block_first) + 1).clamp_(min=0)
+
+    counts = sum(seen(first, last) for first, last in spans)
     counts = counts.view(length // FLEX_BLOCK, FLEX_BLOCK, -1).sum(1)[None, None]  # [1, 1, query blocks, key blocks]
     full = counts == FLEX_BLOCK * FLEX_BLOCK
     partial = (counts > 0) & ~full
