@@ -125,14 +125,10 @@ def attention_problem(cfg) -> str | None:
         return None
     import torch
 
-    from scirl.trainer.attention import kind_for
+    from scirl.trainer.attention import cannot_train
 
     device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        kind_for(cfg.attention, torch.device(device))
-    except ValueError as exc:
-        return str(exc)
-    return None
+    return cannot_train(cfg.attention, torch.device(device))
 
 
 def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:

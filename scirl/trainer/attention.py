@@ -10,7 +10,7 @@ same attention (``tests/test_packing.py`` checks one against the other and both 
 - ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask made from the layout's per-token
   group and branch ids. It skips the blocks no token of a block attends to (other groups, other completions),
   reads grouped K/V heads in place, and is compiled to one fused kernel. torch has no CPU backward for it, so
-  it trains on CUDA only (``kind_for`` refuses it elsewhere). Compiled with static shapes: a packed row is
+  it trains on CUDA only (``cannot_train``; ``scirl train`` refuses it elsewhere). Compiled with static shapes: a packed row is
   padded to one of a few lengths (``row_length``), each one graph, so a run compiles a fixed number of graphs
   whatever its lengths (a graph per new length would reach dynamo's recompile limit mid-run and fall back to
   eager flex attention, a dense reference that keeps every [N, N] score; a dynamic graph fails to compile on
@@ -42,14 +42,19 @@ ROW_LENGTHS = 8  # the lengths flex attention's rows take up to the token budget
 
 
 def kind_for(setting: str, device: torch.device) -> str:
-    """The ``attention`` setting resolved: ``auto`` is flex on CUDA, sdpa elsewhere. ValueError for flex where it
-    cannot train (torch's flex attention has a backward on CUDA only)."""
+    """The ``attention`` setting resolved: ``auto`` is flex on CUDA, sdpa elsewhere."""
     if setting == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
-    if setting == "flex" and device.type != "cuda":
-        raise ValueError(f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on "
-                         f"{device.type}); fix: --attention sdpa, or auto")
     return setting
+
+
+def cannot_train(setting: str, device: torch.device) -> str | None:
+    """Why a trainer on ``device`` cannot train with the ``attention`` setting (flex off CUDA: torch's flex
+    attention has no backward there, though its forward runs), or None."""
+    if kind_for(setting, device) == "flex" and device.type != "cuda":
+        return (f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on {device.type}); "
+                "fix: --attention sdpa, or auto")
+    return None
 
 
 def row_length(tokens: int, kind: str, budget: int = 0) -> int:
