@@ -126,8 +126,7 @@ def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir
     CPU flex attention lacks): over rows of 10 lengths and a rank's stand-in micro-batch, one static graph for each
     of the 2 lengths they are padded to (the stand-in: the budget's), no graph break, and the SDPA path's
     outputs."""
-    trainer = tiny_trainer(tiny_model_dir, "eager", dynamic=False, micro_batch_tokens=256)
-    trainer.attention = "flex"  # as a trainer on CUDA resolves it
+    trainer = tiny_trainer(tiny_model_dir, "eager", dynamic=False, micro_batch_tokens=256, attention="flex")
     model = trainer.compute_model
     kernels = Kernels(model, "compile", backend="aot_eager", dynamic=False)
     rng, seen = random.Random(1), set()
