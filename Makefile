@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test bench clean
+.PHONY: setup setup-vllm demo test test-gpu-image bench clean
 
 $(BIN)/scirl: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,5 +41,24 @@ demo: setup
 test: setup-vllm
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
+# The GPU image's transformers (benchmarks/gpu_wheels.txt) beside the CPU torch, in a venv of its own: the packed,
+# compiled-layer and memory-plan tests. The trainer meets transformers' own code (its attention interface, its
+# masks, gradient checkpointing: 5.17 wraps a layer's __call__, later releases its forward), which differs between
+# releases. torch stays the CPU build: PyPI has the image's torch 2.11 for Linux only with CUDA.
+GPU_IMAGE_TRANSFORMERS ?= 5.17.0
+GPU_IMAGE_VENV ?= .venv-tf517
+GPU_IMAGE_TESTS ?= tests/test_packing.py tests/test_compilation.py tests/test_compute_copy.py tests/test_memory_plan.py
+
+$(GPU_IMAGE_VENV)/.ready: pyproject.toml
+	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(GPU_IMAGE_VENV)
+	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GPU_IMAGE_VENV)/bin/python -c "import torch" 2>/dev/null || $(GPU_IMAGE_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(GPU_IMAGE_VENV)/bin/python -m pip install --quiet -e ".[test]" "transformers==$(GPU_IMAGE_TRANSFORMERS)"
+	touch $@
+
+test-gpu-image: $(GPU_IMAGE_VENV)/.ready
+	$(GPU_IMAGE_VENV)/bin/python -c "import sys, transformers; sys.exit(transformers.__version__ != '$(GPU_IMAGE_TRANSFORMERS)')"
+	$(GPU_IMAGE_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(GPU_IMAGE_TESTS)
+
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) outputs .pytest_cache

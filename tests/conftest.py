@@ -32,9 +32,10 @@ SLOWEST_FIRST = [
     "test_train.py",  # 75 s
     "test_gpu_check_vllm.py",  # 75 s
     "test_train_vllm.py",  # 66 s
+    "test_compilation.py",  # ~55 s with inductor's cache cold (~20 s warm; 1 thread, a machine loaded ~1.5x)
+    "test_packing.py",  # ~55 s cold: flex attention compiled by inductor (~35 s warm)
     "test_gpu_check.py",  # 45 s
     "test_vllm_server.py",  # 34 s
-    "test_packing.py",  # 27 s
     "test_vllm_serve.py",  # 26 s
     "test_demo.py",  # 25 s
     "test_sdpo_train.py",  # 23 s
@@ -44,6 +45,7 @@ SLOWEST_FIRST = [
     "test_serve.py",  # 14 s
     "test_eval_client.py",  # 14 s
     "test_memory_plan_fsdp.py",  # 14 s
+    "test_compute_copy.py",  # ~14 s
     "test_multinode.py",  # 13 s
     "test_primerl.py",  # 13 s
     "test_weight_buckets.py",  # 12 s

@@ -4,10 +4,13 @@ train``'s plan and refusal. The measurement: ``tests/peak_tensor_bytes.py``; FSD
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import os
 import random
 import tomllib
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -329,20 +332,21 @@ def test_a_run_whose_longest_prompt_cannot_fit_is_refused_naming_it(monkeypatch)
 
 
 def test_dry_run_prints_every_term_and_where_the_guide_layout_stops_fitting(capsys):
-    """The 8B guide layout on 2 x 80 GB: every term (CUDA's context, NCCL's communicators, the push's bucket, the
-    allocator's reserve beside the state, FSDP2's working set, activations and head), a peak at most 90% of the
-    GPU that is not the optimizer step, and the largest token budget that fits."""
+    """The 8B guide layout on 2 x 80 GB cards, at the size torch reports for them (79.19 GiB; 80 would be 0.8 GiB
+    the card lacks): every term (CUDA's context, NCCL's communicators, the push's bucket, the allocator's reserve
+    beside the state, FSDP2's working set, activations and head), a peak at most 90% of the GPU that is not the
+    optimizer step, and the largest token budget that fits."""
     from scirl.commands.train import main
 
-    assert main(["@", CONFIG_8B, "--dry-run", "--deployment.gpu-memory-gb", "80"]) == 0
+    assert main(["@", CONFIG_8B, "--dry-run", "--deployment.gpu-memory-gb", "79.19"]) == 0
     out = capsys.readouterr().out
-    assert tomllib.loads(out)["deployment"]["gpu_memory_gb"] == 80  # still a config file
+    assert tomllib.loads(out)["deployment"]["gpu_memory_gb"] == 79.19  # still a config file
     assert "memory plan per trainer GPU" in out and "built-in table" in out
     for term in ("weights", "gradients", "optimizer", "gathered", "activations", "backward", "head", "push bucket",
                  "CUDA context", "NCCL", "allocator reserve"):
         assert f"# │ {term} " in out, term
     verdict = next(line for line in out.splitlines() if line.startswith("# fits: peak about"))
-    assert float(verdict.split("peak about ")[1].split(" GiB")[0]) <= 0.9 * 80
+    assert float(verdict.split("peak about ")[1].split(" GiB")[0]) <= 0.9 * 79.19
     assert "any row length up to seq_len (4096)" in verdict and "micro_batch_tokens fits up to" in verdict
     peak_row = next(line for line in out.splitlines() if "the peak" in line)
     assert "optimizer step" not in peak_row
@@ -366,9 +370,13 @@ def test_a_gpu_run_is_refused_before_any_weight_loads(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(scirl.run.memory, "gpu_size", lambda deployment: (80 * GIB, "a test GPU"))
     monkeypatch.setattr(scirl.run.train, "train", lambda *a, **k: pytest.fail("the run started"))
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # and restored after
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     assert main(["@", CONFIG_8B, "--deployment.num-train-gpus", "1", "--micro-batch-size", "64",
-                 "--no-activation-checkpointing", "--deployment.num-infer-gpus", "0"]) == 2
+                 "--no-activation-checkpointing", "--deployment.num-infer-gpus", "0", "--inference.backend", "hf"]) == 2
     assert "a test GPU" in capsys.readouterr().err
+    # set before the plan asked for the GPU's size (where CUDA would have initialised): the trainer's allocator
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
 
 
 def test_a_cpu_run_has_no_plan(capsys):
@@ -411,3 +419,48 @@ def test_a_colocated_engine_too_large_is_refused_naming_a_share_that_fits(monkey
     share = float(message.split("--inference.gpu-memory-utilization ")[1].split(",")[0])
     assert isinstance(plan_run(cfg.model_copy(update={"inference": cfg.inference.model_copy(
         update={"gpu_memory_utilization": share})}), ranks=1, gpu=(80 * GIB, "test")), tuple)
+
+
+def test_the_trainer_gets_expandable_segments_unless_its_user_or_a_vllm_engine_says_otherwise(monkeypatch):
+    """The caching allocator's expandable segments for a trainer on CUDA: in torchrun's environment when the launcher
+    starts it (never in the servers', which hold vLLM engines), kept out where the user set the allocator, and out
+    of a process holding an in-process vLLM engine (its sleep mode's memory pool refuses them)."""
+    from scirl.deploy.launch import trainer_environment
+    from scirl.run.allocator import holds_vllm_engine, trainer_env
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    servers = load_config(["@", CONFIG_8B])
+    gpus = types.SimpleNamespace(train=["6", "7"])
+    env = trainer_environment(servers, gpus)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and env["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the launcher's own, which the servers inherit
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_environment(load_config(["@", CONFIG_8B, "--device", "cpu"]), gpus)
+    for name, theirs in (("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512"),
+                         ("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")):
+        monkeypatch.setenv(name, theirs)
+        env = trainer_environment(servers, gpus)
+        assert env[name] == theirs and env.get("PYTORCH_CUDA_ALLOC_CONF", theirs) == theirs
+        monkeypatch.delenv(name)
+    assert not holds_vllm_engine(servers)
+    colocated = load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--inference.backend", "vllm"])
+    assert holds_vllm_engine(colocated) == (importlib.util.find_spec("vllm") is not None)
+    assert trainer_env({}, holds_engine=True) == {}
+    assert not holds_vllm_engine(load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0",
+                                              "--inference.backend", "hf"]))
+
+
+def test_the_allocators_retries_are_in_the_metrics_on_cuda(monkeypatch):
+    """``memory/alloc_retries``: ``torch.cuda.memory_stats()['num_alloc_retries']`` (here a stand-in answering as
+    torch's does: a dict of the allocator's counters); no such entry on a CPU."""
+    from scirl.run.metrics import memory_metrics
+
+    stats = {"num_alloc_retries": 3, "num_ooms": 0, "allocated_bytes.all.peak": 5 << 20}
+    asked = []
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device=None: asked.append(device) or dict(stats))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5 << 20)
+    cuda = torch.device("cuda", 0)
+    assert memory_metrics(cuda) == {"memory/peak_mb": 5.0, "memory/alloc_retries": 3} and asked == [cuda]
+    stats.pop("num_alloc_retries")  # an allocator that never retried (a fresh process) may leave the key out
+    assert memory_metrics(cuda)["memory/alloc_retries"] == 0
+    assert "memory/alloc_retries" not in memory_metrics(torch.device("cpu"))

@@ -181,21 +181,34 @@ def test_micro_batches_pack_whole_groups_within_the_token_budget():
 
 
 def test_the_flex_layout_gives_the_sdpa_paths_attention():
-    """flex attention's block mask (CUDA's default; its forward runs eagerly on a CPU, its backward not at all)
-    attends as the SDPA path's gathers do, padding included."""
+    """flex attention (CUDA's default) compiled once per process, as eager layers call it, by inductor and without
+    gradients (torch has no CPU backward for it): over 20 packed lengths, padded to flex's few row lengths (2 up to
+    a budget of 256 tokens), it attends as the SDPA path's gathers do, padding included, in one graph a row length."""
+    from torch._dynamo.utils import counters
+
     rows = [((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids) for s in grouped_samples()]
-    packed = pack(rows, pad_to=attention.FLEX_BLOCK, max_grids=packing.MAX_GRIDS)
-    assert len(packed.layout.grids) == packing.MAX_GRIDS
-    n = packed.forward_tokens
+    layouts = [pack(rows, pad_to=attention.FLEX_BLOCK, max_grids=packing.MAX_GRIDS)]
+    assert len(layouts[0].layout.grids) == packing.MAX_GRIDS
+    for seed in range(19):
+        samples = grouped_samples(seed)[: 3 + seed % 8]
+        layouts.append(pack([((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids * (1 + seed % 5))
+                             for s in samples], pad_to=lambda n: attention.row_length(n, "flex", 256)))
+    assert len({p.forward_tokens - p.padding_tokens for p in layouts}) > 10
+    torch._dynamo.reset()
+    counters.clear()
     g = torch.Generator().manual_seed(0)
-    query, key, value = torch.randn(1, 4, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 8, generator=g)
-    flex = attention.prepare(packed.layout, "flex", n, torch.float32)
-    sdpa = attention.prepare(packed.layout, "sdpa", n, torch.float32)
-    with torch.no_grad():
-        got, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=flex)
-        want, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=sdpa)
-    real = n - packed.padding_tokens  # the SDPA path gives padding a copy of another token's output
-    torch.testing.assert_close(got[:, :real], want[:, :real], rtol=0, atol=1e-5)
+    for packed in layouts:
+        n = packed.forward_tokens
+        query, key, value = (torch.randn(1, heads, n, 8, generator=g) for heads in (4, 2, 2))
+        flex = attention.prepare(packed.layout, "flex", n, torch.float32)
+        sdpa = attention.prepare(packed.layout, "sdpa", n, torch.float32)
+        with torch.no_grad():
+            got, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=flex)
+            want, _ = attention.packed_attention(None, query, key, value, None, scaling=0.3, scirl_layout=sdpa)
+        real = n - packed.padding_tokens  # the SDPA path gives padding a copy of another token's output
+        torch.testing.assert_close(got[:, :real], want[:, :real], rtol=0, atol=1e-5)
+    assert {p.forward_tokens for p in layouts} == {128, 256}
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
 def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch):
@@ -267,6 +280,7 @@ from scirl import algorithms
 from scirl.distributed import setup, exit_process, teardown
 from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
+from scirl.trainer.batching import Batching
 from scirl.trainer.model import load_model
 from scirl.trainer.step import Trainer
 model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
@@ -276,7 +290,7 @@ extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm =
 cfg = TrainConfig(algorithm=algorithm, **extra)
 model = load_model(model_dir, device, dist, torch.float32)
 trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
-                  dtype=torch.float32, head_block_tokens=5)
+                  dtype=torch.float32, head_block_tokens=5, batching=Batching(micro_batch_size=4))
 trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
 trainer.max_norm = 1e9
 mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
@@ -292,8 +306,9 @@ exit_process(0)
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["grpo", "sdpo"])
 def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tmp_path, algorithm):
-    """torchrun, 2 gloo ranks, FSDP2, each rank its groups (rank 0 two, rank 1 one: a dummy micro-batch joins the
-    collectives): the update equals one process's over whole sequences."""
+    """torchrun, 2 gloo ranks, FSDP2, each rank its groups in micro-batches of up to 4 completions (rank 0 two, of
+    its two groups, rank 1 one: a stand-in micro-batch joins the collectives): the update equals one process's over
+    whole sequences, and the forward tokens counted are the real micro-batches'."""
     samples = grouped_samples(teachers=algorithm == "sdpo")
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
@@ -306,6 +321,7 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
     want_stats, _, want_weights = run_step(trainer_for(tiny_model_dir, algorithm, reference=True), samples)
     assert got["stats"]["loss_tokens"] == want_stats["loss_tokens"]
     assert got["stats"]["unique_tokens"] == want_stats["unique_tokens"]  # each group's prompt once, on its rank
+    assert got["stats"]["forward_tokens"] == want_stats["forward_tokens"]  # without rank 1's stand-in's tokens
     for key in ("loss", "entropy", "mismatch_kl", "grad_norm"):
         assert got["stats"][key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), key
     for name, value in want_weights.items():

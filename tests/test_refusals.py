@@ -70,6 +70,18 @@ def test_cuda_on_a_machine_without_it_is_refused_in_one_line(tiny_model_dir, dat
     assert not (tmp_path / "run").exists()
 
 
+def test_flex_attention_where_it_cannot_train_is_refused_before_any_work(tiny_model_dir, data, tmp_path, capsys):
+    """`--attention flex` on a CPU (torch's flex attention has no backward there) ended in a traceback at the first
+    backward, after the model had loaded and sampled: one line naming the fix, exit 2, nothing written."""
+    for device in ("cpu", "auto") if not torch.cuda.is_available() else ("cpu",):
+        argv = train_argv(tiny_model_dir, data, tmp_path / "run") + ["--attention", "flex"]
+        argv[argv.index("--device") + 1] = device
+        assert cli_main(argv) == 2
+        line = one_line(capsys.readouterr().err)
+        assert "attention = 'flex' trains on CUDA only" in line and "--attention sdpa" in line, line
+        assert not (tmp_path / "run").exists()
+
+
 def test_an_output_directory_that_cannot_be_written_is_refused(tiny_model_dir, data, tmp_path, monkeypatch, capsys):
     """A read-only --output-dir (exit 1 and a traceback from the run's lock file): one line, exit 2."""
     locked = tmp_path / "read-only"

@@ -45,6 +45,8 @@ def main(argv: list[str]) -> int:
         return 2
     from scirl.errors import PreflightError
 
+    if not (args.dry_run or cfg.device == "cpu" or launches(cfg)):
+        expandable_segments(cfg)  # before the memory plan asks CUDA for the GPU's size: CUDA initialises there
     try:
         preflight(cfg, resume=bool(args.resume), dry_run=args.dry_run)
     except PreflightError as exc:
@@ -61,7 +63,7 @@ def main(argv: list[str]) -> int:
     if args.dry_run:
         return 0
 
-    if cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls:
+    if launches(cfg):
         return deploy(cfg, config_args, resume=bool(args.resume), clean=args.clean)
 
     from scirl.errors import FAILED, ScirlError
@@ -83,6 +85,19 @@ def main(argv: list[str]) -> int:
     return status
 
 
+def launches(cfg) -> bool:
+    """Whether this command starts the inference servers and the trainer (``deploy``) instead of training."""
+    return cfg.deployment.num_infer_gpus > 0 and not cfg.inference.urls
+
+
+def expandable_segments(cfg) -> None:
+    """This process trains, on CUDA where it has a GPU: the caching allocator's expandable segments
+    (``scirl.run.allocator``), through the environment, which torch reads when CUDA initialises."""
+    from scirl.run.allocator import holds_vllm_engine, trainer_env
+
+    os.environ.update(trainer_env(os.environ, holds_engine=holds_vllm_engine(cfg)))
+
+
 def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
     """What would otherwise fail with a traceback, or after minutes of work, refused now in one line
     (``PreflightError``): a model that is not there (a resume reads its checkpoint instead, but LoRA's base is
@@ -98,13 +113,25 @@ def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
     if dry_run:
         return
     problem = (device_problem(None if cfg.device == "auto" else cfg.device, "--device")
-               or unwritable_dir(Path(cfg.output_dir), cfg.output_dir, "--output-dir"))
+               or attention_problem(cfg) or unwritable_dir(Path(cfg.output_dir), cfg.output_dir, "--output-dir"))
     if problem:
         raise PreflightError(problem)
     check_backend(cfg)
     check_extras(cfg)
     if not resume or cfg.lora.enabled:
         check_hub_model(cfg.model)
+
+
+def attention_problem(cfg) -> str | None:
+    """Why the trainer cannot train with ``cfg.attention`` on the device it would get (flex off CUDA), or None."""
+    if cfg.attention != "flex":
+        return None
+    import torch
+
+    from scirl.trainer.attention import cannot_train
+
+    device = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    return cannot_train(cfg.attention, torch.device(device))
 
 
 def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:

@@ -36,7 +36,7 @@ from scirl.deploy.supervisor import Child, Supervisor
 from scirl.errors import DeployError, PreflightError
 from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError
 from scirl.inference.client import wait_until_ready as wait_for_servers
-from scirl.run import rundir
+from scirl.run import allocator, rundir
 
 STOP_GRACE_S = 30  # a server, or a trainer stopped because another component failed: seconds before SIGKILL
 PORTS_FILE = "ports.json"
@@ -70,7 +70,7 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
             return supervisor.stopped_status()
         argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
                             program=trainer_program)
-        env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(plan.gpus.train)} if plan.gpus else {})}
+        env = trainer_environment(cfg, plan.gpus)
         if supervisor.stop_requested.is_set():
             return supervisor.stopped_status()
         say(f"trainer: {shlex.join(argv)}")
@@ -80,6 +80,15 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
         supervisor.close()
+
+
+def trainer_environment(cfg, gpus) -> dict[str, str]:
+    """The trainer's (torchrun's) environment: this process's, its GPUs, and where it trains on CUDA the caching
+    allocator's expandable segments (``scirl.run.allocator``), which the servers' environment does not get."""
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ",".join(gpus.train)} if gpus else {})}
+    if cfg.device != "cpu":
+        env.update(allocator.trainer_env(env, holds_engine=False))
+    return env
 
 
 def check(cfg, *, resume: bool, clean: bool, vllm: bool) -> Plan:

@@ -71,7 +71,7 @@ from rich.table import Table
 from scirl import algorithms
 from scirl.errors import PreflightError
 from scirl.run.config import COLOCATED_GPU_SHARE
-from scirl.trainer.attention import FLEX_BLOCK
+from scirl.trainer.attention import FLEX_BLOCK, row_length
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, SORT_ELEMENTS
 
 GIB = 1 << 30
@@ -260,8 +260,7 @@ def micro_batch_shape(w: Workload) -> MicroBatchShape:
         tokens = min(tokens, w.micro_batch_tokens)
     tokens = max(tokens, prompt + completion)  # a sequence longer than the budget goes alone
     loss_tokens = max(min(m * completion, tokens - prompt), completion)
-    if w.attention == "flex":
-        tokens = -(-tokens // FLEX_BLOCK) * FLEX_BLOCK
+    tokens = row_length(tokens, w.attention, w.micro_batch_tokens)  # flex: padded to one of its few lengths
     return MicroBatchShape(tokens, loss_tokens, m, prompts, prompt, completion)
 
 

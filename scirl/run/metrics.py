@@ -49,6 +49,9 @@ def step_metrics(step: int, rollouts: list[dict], train_stats: dict, timings: di
     if "forward_tokens" in train_stats:  # what the trainer's forwards computed, over all ranks (docs/architecture.md)
         for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens"):
             m[f"train/{key}"] = train_stats[key]
+    for key in ("compiles", "graph_breaks"):  # rank 0's process so far: a count that grows mid-run recompiles
+        if key in train_stats:
+            m[f"train/{key}"] = train_stats[key]
     if algorithm is not None:
         m.update(algorithm.rollout_metrics(rollouts))
     completion_tokens = sum(r["num_tokens"] for r in rollouts)
@@ -109,3 +112,12 @@ def peak_memory_mb(device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**20
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def memory_metrics(device) -> dict:
+    """``memory/peak_mb`` and, on CUDA, ``memory/alloc_retries``: how often the caching allocator found no free
+    block, freed its cached ones and asked CUDA again (a device-wide synchronisation each; near the GPU's capacity)."""
+    m = {"memory/peak_mb": peak_memory_mb(device)}
+    if device.type == "cuda":
+        m["memory/alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+    return m

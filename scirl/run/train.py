@@ -53,7 +53,7 @@ from scirl import distributed
 from scirl.errors import TrainError
 from scirl.rollouts.contract import RolloutBatch
 from scirl.run import checkpoint, rundir
-from scirl.run.metrics import peak_memory_mb, step_line, step_metrics
+from scirl.run.metrics import memory_metrics, step_line, step_metrics
 from scirl.run.setup import Run, start
 from scirl.trainer import lora
 
@@ -91,7 +91,7 @@ def one_step(step: int, source, trainer, sink) -> StepResult:
 
     rollouts = distributed.gather_objects(batch.rollouts, trainer.dist)
     timings = {"time/step": time.perf_counter() - started, "time/generate": batch.time_generate,
-               "time/train": time_train, "time/weight_sync": time_sync, "memory/peak_mb": peak_memory_mb(trainer.device)}
+               "time/train": time_train, "time/weight_sync": time_sync, **memory_metrics(trainer.device)}
     if batch.time_waited is not None:  # servers: how long the trainer waited for its batch (0 when generation overlapped)
         timings["time/wait_for_batch"] = batch.time_waited
     metrics = {**step_metrics(step, rollouts, stats, timings, trainer.algorithm), **checked}

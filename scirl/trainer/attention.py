@@ -9,7 +9,12 @@ same attention (``tests/test_packing.py`` checks one against the other and both 
 
 - ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask made from the layout's per-token
   group and branch ids. It skips the blocks no token of a block attends to (other groups, other completions),
-  reads grouped K/V heads in place, and is compiled to one fused kernel. torch has no CPU backward for it;
+  reads grouped K/V heads in place, and is compiled to one fused kernel. torch has no CPU backward for it, so
+  it trains on CUDA only (``cannot_train``; ``scirl train`` refuses it elsewhere). Compiled with static shapes: a packed row is
+  padded to one of a few lengths (``row_length``), each one graph, so a run compiles a fixed number of graphs
+  whatever its lengths (a graph per new length would reach dynamo's recompile limit mid-run and fall back to
+  eager flex attention, a dense reference that keeps every [N, N] score; a dynamic graph fails to compile on
+  some torch releases);
 - ``sdpa`` (everywhere else): the prompts' queries as one batch [groups, heads, P, d] under a causal mask, the
   completions' in a few grids of similar lengths, each [rows, heads, C, d] over their prompts' keys and their
   own (``packing.completion_grids``: one grid padded to the longest completion would spend most of its
@@ -26,11 +31,14 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from scirl.trainer.kernels import bound_recompiles
 from scirl.trainer.packing import MAX_GRIDS, CompletionGrid, Layout
 
 PACKED_ATTENTION = "scirl_packed"
 FLEX_BLOCK = 128  # flex attention's block size: a packed row is padded to a multiple of it
+ROW_LENGTHS = 8  # the lengths flex attention's rows take up to the token budget: each is a compiled graph
 
 
 def kind_for(setting: str, device: torch.device) -> str:
@@ -40,14 +48,36 @@ def kind_for(setting: str, device: torch.device) -> str:
     return setting
 
 
-def pad_to(kind: str) -> int:
-    """The multiple a packed row's length is rounded up to for this kind of attention."""
-    return FLEX_BLOCK if kind == "flex" else 1
+def cannot_train(setting: str, device: torch.device) -> str | None:
+    """Why a trainer on ``device`` cannot train with the ``attention`` setting (flex off CUDA: torch's flex
+    attention has no backward there, though its forward runs), or None."""
+    if kind_for(setting, device) == "flex" and device.type != "cuda":
+        return (f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on {device.type}); "
+                "fix: --attention sdpa, or auto")
+    return None
 
 
-def max_grids(kind: str) -> int:
-    """How many grids of similar lengths the micro-batches' completions are split into (flex needs none)."""
-    return 1 if kind == "flex" else MAX_GRIDS
+def row_length(tokens: int, kind: str, budget: int = 0) -> int:
+    """The length a packed row of ``tokens`` positions is padded to. sdpa: none (its compiled layers take any
+    length in one dynamic graph). flex: one of a few lengths, each a static graph: up to a token ``budget``, the
+    multiples of an eighth of it (rounded up to flex's block) and the budget itself (rounded up likewise), at most
+    ``ROW_LENGTHS`` lengths, padding under an eighth of the budget (and a block) a micro-batch; without a budget,
+    or for a lone sequence longer than it, four lengths per doubling, padding under a quarter of the row (or a
+    block)."""
+    if kind != "flex":
+        return tokens
+    top = -(-budget // FLEX_BLOCK) * FLEX_BLOCK
+    if budget and tokens <= top:
+        step = -(-budget // (ROW_LENGTHS * FLEX_BLOCK)) * FLEX_BLOCK
+        return min(-(-tokens // step) * step, top)
+    step = max(FLEX_BLOCK, (1 << max(tokens - 1, 0).bit_length()) // 8)  # an eighth of the next power of 2
+    return -(-tokens // step) * step
+
+
+def max_grids(kind: str, compiled: bool = False) -> int:
+    """How many grids of similar lengths the micro-batches' completions are split into: flex needs none; compiled
+    layers take one (each number of grids would be a graph of its own)."""
+    return 1 if kind == "flex" or compiled else MAX_GRIDS
 
 
 def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layout:
@@ -77,25 +107,51 @@ def completion_mask(layout: Layout, grid: CompletionGrid) -> torch.Tensor:
     return (in_prompt | own[None])[:, None]
 
 
-def flex_block_mask(layout: Layout, length: int):
-    """flex attention's block mask of the layout (padding sees only padding, so no row is empty)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def flex_block_mask(layout: Layout, length: int) -> BlockMask:
+    """flex attention's block mask of the layout (padding sees only padding, so no row is empty): the blocks of
+    ``create_block_mask``, counted from each query's allowed keys, which are at most two ranges of positions (its
+    prompt's, and its own completion's up to it), so neither an [N, N] mask nor a compiled ``create_block_mask``
+    (a new compile wrapper a call) is needed: a few [N, N / block] integer ops on the device, no host sync."""
     group, branch = layout.group, layout.branch
+    position = torch.arange(length, device=group.device)
+    starts = torch.ones(length, dtype=torch.bool, device=group.device)
+    starts[1:] = group[1:] != group[:-1]
+    group_start = torch.where(starts, position, 0).cummax(0).values
+    starts[1:] |= branch[1:] != branch[:-1]
+    own_start = torch.where(starts, position, 0).cummax(0).values  # where the token's prompt or completion starts
+    completion = branch > 0
+    prompt_end = group_start + layout.prompt_lengths[group.clamp(min=0).long()] - 1
+    # a prompt's (or padding's) token sees its own range up to itself; a completion's, its prompt and its own
+    spans = [(group_start, torch.where(completion, prompt_end, position)),
+             (torch.where(completion, own_start, 1), torch.where(completion, position, 0))]
+    block_first = torch.arange(0, length, FLEX_BLOCK, device=group.device)
+    block_last = block_first + FLEX_BLOCK - 1
+
+    def seen(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # [N, key blocks]: keys in [first, last]
+        return (torch.minimum(last[:, None], block_last) - torch.maximum(first[:, None], block_first) + 1).clamp_(min=0)
+
+    counts = sum(seen(first, last) for first, last in spans)
+    counts = counts.view(length // FLEX_BLOCK, FLEX_BLOCK, -1).sum(1)[None, None]  # [1, 1, query blocks, key blocks]
+    full = counts == FLEX_BLOCK * FLEX_BLOCK
+    partial = (counts > 0) & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # as create_block_mask orders them
+        blocks = blocks.to(torch.int32)
+        return blocks.sum(-1, dtype=torch.int32), blocks.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
 
     def same_prompt_and_branch(b, h, q, kv):
         return (group[q] == group[kv]) & (kv <= q) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
 
-    return create_block_mask(same_prompt_and_branch, None, None, length, length, device=group.device,
-                             BLOCK_SIZE=FLEX_BLOCK, _compile=group.device.type == "cuda")
+    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=same_prompt_and_branch, seq_lengths=(length, length))
 
 
 @functools.cache
 def compiled_flex_attention():
-    """flex attention compiled once per process (eager flex attention is a dense reference implementation)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention) if torch.cuda.is_available() else flex_attention
+    """flex attention compiled once per process, for decoder layers that run eagerly (eager flex attention is a
+    dense reference implementation). Static shapes: each of the few row lengths (``row_length``) one graph."""
+    bound_recompiles()
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, scirl_layout=None,
@@ -110,7 +166,9 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if layout.block_mask is None and any(grid.bias is None for grid in layout.grids):
         raise ValueError("the micro-batch's layout has no mask: Trainer.on_device (attention.prepare) makes it")
     if layout.block_mask is not None:
-        out = compiled_flex_attention()(query, key, value, block_mask=layout.block_mask, scale=scaling, enable_gqa=True)
+        # inside a compiled layer, flex attention itself: it is traced into the layer's graph
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
+        out = flex(query, key, value, block_mask=layout.block_mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
     return grouped_sdpa(query, key, value, layout, scaling, dropout), None
 

@@ -7,7 +7,11 @@ time is its elementwise work, not its matmuls: RMSNorm, rotary embeddings, SwiGL
 - ``eager``: transformers' modules as they are (the default on a CPU, where compiling costs more than it saves);
 - ``compile``: each decoder layer's forward compiled by ``torch.compile`` (regional compilation: one graph for
   all layers of the model, fused elementwise kernels, the packed rows' flex attention inside it). Only the
-  trainer's forwards use it (``active``); a sampler sharing the module runs it eagerly. The default on CUDA;
+  trainer's forwards use it (``active``); a sampler sharing the module runs it eagerly. The default on CUDA.
+  A run compiles a fixed number of graphs whatever its lengths: around the SDPA path one graph for any length
+  (dynamic from the first call; a micro-batch with a size of 1, one prompt or one completion row, gets one of
+  its own), around flex attention one static graph for each of its few row lengths (``attention.row_length``);
+  each again without gradients (a self-teacher's forward). ``compile_counts`` says how many so far;
 - ``liger``: Liger-Kernel's Triton RMSNorm, rotary embedding and SwiGLU (``pip install 'scirl[gpu]'``; CUDA only).
   Liger patches transformers' modules for the whole process, a sampler in it included.
 
@@ -19,6 +23,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.fx.experimental._config
+from torch._dynamo.utils import counters
 
 from scirl.errors import TrainError
 
@@ -57,20 +63,46 @@ def apply_liger(model) -> None:
                                     fused_linear_cross_entropy=False)
 
 
+def bound_recompiles() -> None:
+    """dynamo's limits on the graphs of one compiled function, for the trainer's compiled regions (process-wide).
+    The design compiles a few graphs a region: flex attention's row lengths, 8 up to the token budget and 4 per
+    doubling past it (a lone sequence longer than the budget), each with and without gradients: 32 where seq_len
+    is 4 times the budget. Past 64 something recompiles per micro-batch, and the region would go on eagerly (flex
+    attention eagerly is the dense reference, which keeps every [N, N] score: an out-of-memory error or a step
+    10-100x slower, mid-run), so the run stops with dynamo's error instead. The accumulated limit (all regions):
+    its default, written out.
+    Dynamic sizes equal by chance (4 prompts, completions of 4 tokens) stay apart: one symbol for both would make
+    a micro-batch where they differ a graph of its own."""
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 256
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    torch.fx.experimental._config.use_duck_shape = False
+
+
+def compile_counts() -> dict[str, int]:
+    """Graphs dynamo compiled and graph breaks it took in this process so far (its counters): the metrics row's
+    ``train/compiles`` and ``train/graph_breaks``."""
+    return {"compiles": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": int(sum(counters["graph_break"].values()))}
+
+
 class Kernels:
     """The kernel setting of one trainer's compute module (``name`` resolved by ``resolve``)."""
 
-    def __init__(self, model, name: str, backend: str = "inductor"):
-        """``backend``: torch.compile's (tests trace with ``aot_eager``, which compiles nothing)."""
+    def __init__(self, model, name: str, backend: str = "inductor", dynamic: bool = True):
+        """``backend``: torch.compile's (tests trace with ``aot_eager``, which compiles nothing). ``dynamic``: the
+        compiled layers take any row length in one graph (False: a static graph a length, as flex attention needs:
+        its dynamic graph fails to compile on some torch releases)."""
         if name not in CHOICES[1:]:
             raise ValueError(f"kernels must be one of {', '.join(CHOICES[1:])} once resolved, got {name!r}")
         self.name = name
         self.compiled: list[tuple[torch.nn.Module, object]] = []
         if name == "compile":
+            bound_recompiles()
             # one compiled function per layer, all tracing the same code: dynamo treats a layer's parameters as
-            # inputs (inlined built-in modules), so the layers share one graph; sizes that change between
-            # micro-batches are made dynamic after the first change
-            self.compiled = [(layer, torch.compile(layer.forward, backend=backend)) for layer in decoder_layers(model)]
+            # inputs (inlined built-in modules), so the layers share one graph
+            self.compiled = [(layer, torch.compile(layer.forward, backend=backend, dynamic=dynamic))
+                             for layer in decoder_layers(model)]
         elif name == "liger":
             apply_liger(model)
 

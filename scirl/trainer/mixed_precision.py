@@ -6,7 +6,9 @@ units) gets the same numerics from this copy: forward and backward run on the bf
 micro-batch's gradients are added into the float32 masters' ``.grad``, the optimizer steps the
 masters, and the copy is refreshed from them. (Autocast instead would keep float32 activations and
 re-cast every weight at every call, a cost that a CPU pays in full.) The sampler shares the copy, so
-sampler and trainer logprobs come from the same bf16 weights.
+sampler and trainer logprobs come from the same bf16 weights. Only the parameters are cast: buffers keep
+their dtype, as under FSDP2's policy and in vLLM (RoPE's float32 ``inv_freq`` in bf16 would turn a position's
+angles by up to ~1 radian by position 600 at head dim 128: other logprobs than the sampler's).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 class ComputeCopy:
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
-        self.module = copy.deepcopy(model).to(dtype)
+        self.module = copy.deepcopy(model)
+        for p in self.module.parameters():  # tied ones once; ``Module.to`` would cast the buffers too
+            p.data = p.data.to(dtype)
         compute_params = dict(self.module.named_parameters())
         self.pairs = [(p, compute_params[name]) for name, p in model.named_parameters() if p.requires_grad]
 

@@ -3,7 +3,7 @@
 A step's samples come in groups: ``group_size`` completions of one prompt. Computing the prompt once per
 completion (whole sequences, right-padded to the longest) spends most of a forward on repeats and padding:
 SciKnowEval's prompts are ~100-350 tokens and a group's 16 completions are often shorter. Here a micro-batch
-is a single row of tokens with no padding (on CUDA, up to the attention kernel's block size at the end):
+is a single row of tokens with no padding (under flex attention, up to one of its few row lengths at the end):
 
     tokens     [ prompt A | A's completion 1 | A's completion 2 | ... | prompt B | B's completion 1 | ... ]
     positions    0 .. P-1   P .. P+C1-1        P .. P+C2-1              0 ..       ...
@@ -25,12 +25,14 @@ loss token sits in it), the layout every algorithm's loss is written for.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from scirl.rollouts.contract import Sample
 
+PadTo = int | Callable[[int], int]  # a multiple the row's length is rounded up to, or the padded length of a length
 
 @dataclass
 class CompletionGrid:
@@ -133,10 +135,11 @@ class MicroBatch:
         return self.packed.sequences
 
 
-def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_grids: int = 1) -> Packed:
+def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max_grids: int = 1) -> Packed:
     """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
     one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
-    multiple of it with padding positions (the flex kernel's block size; 1: none). ``max_grids``: how many
+    multiple of it with padding positions (1: none), or a function gives the padded length (flex attention's few
+    row lengths, ``attention.row_length``). ``max_grids``: how many
     grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
     prompt_of: dict[object, int] = {}
     prompts: list[list[int]] = []
@@ -202,7 +205,7 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_g
                 predictor[t] = last_prompt_position if k == 0 else begin + k - 1
                 targets[t] = token
                 slot[t] = r * longest_completion + k
-    padding = -len(tokens) % pad_to
+    padding = (pad_to(len(tokens)) if callable(pad_to) else -(-len(tokens) // pad_to) * pad_to) - len(tokens)
     tokens += [0] * padding
     positions += [0] * padding
     group += [-1] * padding
@@ -293,7 +296,8 @@ def count_unique_tokens(samples: list[Sample], seen: set | None = None) -> int:
     return total
 
 
-def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: int = 1, max_grids: int = 1) -> MicroBatch:
+def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: PadTo = 1,
+                max_grids: int = 1) -> MicroBatch:
     """One micro-batch of ``chunk``'s samples (and, where they have one, their teacher's sequences)."""
     for s in chunk:
         check_sample(s)
@@ -307,7 +311,7 @@ def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: int 
                       count_unique_tokens(chunk))
 
 
-def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int, max_grids: int) -> PackedTeacher | None:
+def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: PadTo, max_grids: int) -> PackedTeacher | None:
     """The teacher's sequences of ``chunk``'s samples that have a teacher prompt (None: none has)."""
     taught_rows = [i for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None]
     if not taught_rows:
@@ -324,7 +328,7 @@ def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: int, max_gri
 
 
 def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: int | None = None,
-                       share_prompts: bool = True, pad_to: int = 1, max_grids: int = 1) -> list[MicroBatch]:
+                       share_prompts: bool = True, pad_to: PadTo = 1, max_grids: int = 1) -> list[MicroBatch]:
     """A step's samples (this rank's) as micro-batches of whole groups where they fit.
 
     Completions are taken in order (a group's are adjacent) into a micro-batch until the next would take it
@@ -355,17 +359,26 @@ def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: 
     return batches
 
 
-def dummy_micro_batch(pad_to: int = 1) -> MicroBatch:
-    """One prompt token and one completion token, no weight in the loss: lets a rank with fewer micro-batches
-    join FSDP's collectives (every rank must run the same forwards)."""
-    batch = micro_batch([Sample([0], [0], [0.0], 0.0, 0)], pad_to=pad_to)
+# The stand-ins' rows: two prompts of two tokens, each with one completion of two tokens. No size is 1 (prompts,
+# rows, lengths), so compiled layers that take any length run them in the graph real micro-batches use (a size
+# of 1 would be a graph of its own, compiled by this rank alone while the others wait in a collective);
+# under flex they are padded to a real row's length (the trainer's ``stand_in_length``)
+DUMMY_ROWS = [(key, [0, 0], [0, 0]) for key in (0, 1)]
+
+
+def dummy_micro_batch(pad_to: PadTo = 1) -> MicroBatch:
+    """A micro-batch of ``DUMMY_ROWS``, no weight in the loss: lets a rank with fewer micro-batches join FSDP's
+    collectives (every rank must run the same forwards)."""
+    batch = micro_batch([Sample(prompt, completion, [0.0] * len(completion), 0.0, key)
+                         for key, prompt, completion in DUMMY_ROWS], pad_to=pad_to)
     return dataclasses.replace(batch, dummy=True, unique_tokens=0)
 
 
-def dummy_teacher(pad_to: int = 1) -> PackedTeacher:
-    """A teacher forward of two tokens with nothing taught: a rank whose micro-batch has no teacher still joins
+def dummy_teacher(pad_to: PadTo = 1) -> PackedTeacher:
+    """A teacher forward of ``DUMMY_ROWS`` with nothing taught: a rank whose micro-batch has no teacher still joins
     the teacher forward's all-gathers."""
-    return PackedTeacher(pack([(0, [0], [0])], pad_to), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
+    return PackedTeacher(pack(DUMMY_ROWS, pad_to), torch.zeros(0, dtype=torch.long),
+                         torch.zeros(len(DUMMY_ROWS), dtype=torch.bool))
 
 
 def to_device(value, device: torch.device):

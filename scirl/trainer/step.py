@@ -2,12 +2,13 @@
 step, and the full weights for the sampler and checkpoints.
 
 A micro-batch is one packed row of tokens (``packing.py``): each group's prompt once, its completions after
-it, no padding, and an attention that keeps completions apart (``attention.py``). The forward stops at the
-final hidden states of the positions that predict a loss token; the LM head and its softmax run there only,
-a block of tokens at a time (``head.py``). Micro-batches are sized by tokens (``micro_batch_tokens``), so
-short completions go many to a forward and long ones few. Everything the loop indexes with is built on the
-host with the batch and the step's statistics stay on the device until the step ends, so a micro-batch's
-forward and backward never wait for the GPU to tell the host a number (``tests/test_packing.py`` counts).
+it, no padding (but flex attention's, up to one of a few lengths), and an attention that keeps completions apart
+(``attention.py``). The forward stops at the final hidden states of the positions that predict a loss token;
+the LM head and its softmax run there only, a block of tokens at a time (``head.py``). Micro-batches are sized
+by tokens (``micro_batch_tokens``), so short completions go many to a forward and long ones few. Everything the
+loop indexes with is built on the host with the batch and the step's statistics stay on the device until the
+step ends, so a micro-batch's forward and backward never wait for the GPU to tell the host a number
+(``tests/test_packing.py`` counts).
 
 Single process (CPU or one GPU): a plain module, trained in place; the generator samples from the very same
 module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): the
@@ -38,7 +39,7 @@ from scirl.trainer import attention
 from scirl.trainer.batching import Batching
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
 from scirl.trainer.full_weights import FullWeights
-from scirl.trainer.kernels import Kernels
+from scirl.trainer.kernels import Kernels, compile_counts
 from scirl.trainer.lora import is_lora
 from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
@@ -83,8 +84,9 @@ class Trainer:
         copy = dist.world_size == 1 and dtype != torch.float32 and not is_lora(model)
         self.compute_copy = ComputeCopy(model, dtype) if copy else None
         self.compute_model = self.compute_copy.module if self.compute_copy is not None else model
-        # the decoder layers' kernels in the training forward (``kernels.py``): eager, compiled or Liger's
-        self.kernels = Kernels(self.compute_model, kernels)
+        # the decoder layers' kernels in the training forward (``kernels.py``): eager, compiled or Liger's; compiled
+        # for any row length in one graph, except around flex attention, whose rows take a few lengths, a graph each
+        self.kernels = Kernels(self.compute_model, kernels, dynamic=self.attention != "flex")
         self._packed = False  # inside ``packed_forwards``
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
         algorithm.attach(self)  # its own state beside the weights (an EMA teacher), made from the model
@@ -95,8 +97,17 @@ class Trainer:
         """A step's micro-batches of the samples the algorithm learns from (``select``)."""
         b = self.batching
         return make_micro_batches(self.algorithm.select(samples), max_tokens=b.micro_batch_tokens,
-                                  max_rows=b.micro_batch_size, share_prompts=b.share_prompts,
-                                  pad_to=attention.pad_to(self.attention), max_grids=attention.max_grids(self.attention))
+                                  max_rows=b.micro_batch_size, share_prompts=b.share_prompts, pad_to=self.row_length,
+                                  max_grids=attention.max_grids(self.attention, self.kernels.name == "compile"))
+
+    def row_length(self, tokens: int) -> int:
+        """The length a packed row of ``tokens`` positions is padded to (``attention.row_length``)."""
+        return attention.row_length(tokens, self.attention, self.batching.micro_batch_tokens)
+
+    def stand_in_length(self, tokens: int) -> int:
+        """The row length of a stand-in micro-batch (``dummy_micro_batch``): under flex the budget's, which full
+        micro-batches take, so its graph is one every rank compiles anyway (the SDPA path's graph takes any)."""
+        return self.row_length(max(tokens, self.batching.micro_batch_tokens) if self.attention == "flex" else tokens)
 
     def describe_batching(self) -> str:
         b = self.batching
@@ -118,7 +129,7 @@ class Trainer:
     def dummy_teacher(self) -> PackedTeacher:
         """A teacher forward of two tokens that teaches nothing, on the device: a rank whose micro-batch has no
         teacher joins the teacher forward's all-gathers with it."""
-        teacher = to_device(dummy_teacher(attention.pad_to(self.attention)), self.device)
+        teacher = to_device(dummy_teacher(self.stand_in_length), self.device)
         return dataclasses.replace(teacher, packed=self.prepared(teacher.packed))
 
     # ---- the forwards ----
@@ -218,11 +229,11 @@ class Trainer:
     def train_step(self, micro_batches: list[MicroBatch]) -> dict:
         """Accumulate gradients over all micro-batches (of all ranks), clip, one optimizer step.
 
-        Returns the batch's loss, grad norm and token statistics. ``stepped`` is False when no rank
+        Returns the batch's loss, grad norm, token statistics and this process's graphs compiled and graph breaks
+        so far (``kernels.compile_counts``). ``stepped`` is False when no rank
         had a single loss token (nothing to learn from) or when the loss or the gradient norm is not
         finite (``nonfinite`` True): then the update is skipped and the weights stay as they were.
         """
-        pad_to = attention.pad_to(self.attention)
         counts = [float(sum(mb.loss_tokens for mb in micro_batches)), *self.algorithm.counts(micro_batches)]
         shares = self.all_reduce([*counts, float(sum(mb.unique_tokens for mb in micro_batches))])
         counts, unique = shares[:-1], shares[-1]
@@ -231,9 +242,12 @@ class Trainer:
         if self.dist.world_size > 1:
             busiest = int(self.all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
         if global_tokens == 0:  # no rank has a token to learn from: no forward at all
-            return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0}
-        padded = micro_batches + [dummy_micro_batch(pad_to)] * (busiest - len(micro_batches))
-        forward = [float(sum(mb.packed.forward_tokens for mb in padded)), float(sum(mb.packed.padding_tokens for mb in padded))]
+            return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0,
+                    **compile_counts()}
+        padded = micro_batches + [dummy_micro_batch(self.stand_in_length)] * (busiest - len(micro_batches))
+        # the batch's forwards: a stand-in's tokens (``dummy_micro_batch``) are neither work nor padding of it
+        forward = [float(sum(mb.packed.forward_tokens for mb in micro_batches)),
+                   float(sum(mb.packed.padding_tokens for mb in micro_batches))]
 
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
@@ -250,7 +264,7 @@ class Trainer:
         loss_total, totals, (forward_tokens, padding_tokens) = summed[0], summed[1:-2], summed[-2:]
         grad_norm = float(grad_norm)
         tokens_stats = {"loss_tokens": int(global_tokens), "forward_tokens": int(forward_tokens),
-                        "padding_tokens": int(padding_tokens), "unique_tokens": int(unique)}
+                        "padding_tokens": int(padding_tokens), "unique_tokens": int(unique), **compile_counts()}
         if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
             # one NaN applied makes every weight NaN; skipping keeps the last good weights and optimizer state
             self.optimizer.zero_grad(set_to_none=True)
