@@ -434,7 +434,9 @@ def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monke
         assert block == max(fitting) and head_block_tokens(cfg, 2, torch.device("cuda")) == block
         plan, _ = plan_run(cfg, ranks=2, gpu=(size, "a test GPU"))
         assert plan.work.head_block == block and f"blocks of {block} x" in notes(plan)["head"]
-        assert plan.moments["forward's end"]["head"] == head_bytes(plan.rows.loss_tokens, shape.vocab, 2, block, cfg.top_p, fused=True)
+        forward = head_bytes(plan.rows.loss_tokens, shape.vocab, 2, block, cfg.top_p, fused=True)
+        assert plan.moments["forward's end"]["head"] == forward
     assert HEAD_BLOCKS[0] < chosen[80 * GIB] < chosen[141 * GIB] == HEAD_BLOCKS[-1]
     assert head_block_tokens(cfg, 2, torch.device("cpu")) == 512
-    assert head_block_tokens(load_config(["@", CONFIG_8B, "--head-block-tokens", "1024"]), 2, torch.device("cuda")) == 1024
+    fixed = load_config(["@", CONFIG_8B, "--head-block-tokens", "1024"])
+    assert head_block_tokens(fixed, 2, torch.device("cuda")) == 1024

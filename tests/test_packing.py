@@ -234,7 +234,8 @@ def pack_token_by_token(rows, pad_to: int, max_grids: int) -> dict[str, torch.Te
             k_grid, i = grid_of[r]
             for k, token in enumerate(rows[r][2]):
                 t = first[r] + k
-                predictor[t], targets[t], slot[t] = last_prompt_position if k == 0 else len(tokens) - 1, token, r * longest_completion + k
+                predictor[t] = last_prompt_position if k == 0 else len(tokens) - 1
+                targets[t], slot[t] = token, r * longest_completion + k
                 want[f"grid{k_grid}.query_index"][i, k] = len(tokens)
                 tokens.append(token), positions.append(len(prompt) + k), group.append(g), branch.append(r + 1)
                 unpack.append(out_start[r] + k)
@@ -243,8 +244,9 @@ def pack_token_by_token(rows, pad_to: int, max_grids: int) -> dict[str, torch.Te
     want.update(input_ids=long([tokens + [0] * padding]), position_ids=long([positions + [0] * padding]),
                 group=torch.tensor(group + [-1] * padding, dtype=torch.int32),
                 branch=torch.tensor(branch + [-1] * padding, dtype=torch.int32), unpack=long(unpack + [0] * padding),
-                prompt_lengths=long([len(p) for p in prompts]), predictor=long([predictor[t] for t in range(len(predictor))]),
-                targets=long([targets[t] for t in range(len(targets))]), slot=long([slot[t] for t in range(len(slot))]),
+                prompt_lengths=long([len(p) for p in prompts]),
+                **{name: long([values[t] for t in sorted(values)])
+                   for name, values in (("predictor", predictor), ("targets", targets), ("slot", slot))},
                 loss_mask=torch.arange(longest_completion)[None] < long(lengths)[:, None])
     return want
 

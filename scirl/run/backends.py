@@ -34,7 +34,8 @@ def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: to
     batching = Batching(micro_batch_tokens=cfg.micro_batch_tokens, micro_batch_size=cfg.micro_batch_size,
                         share_prompts=cfg.share_prompts, attention=cfg.attention)
     return Trainer(model, cfg.optim, algorithm, temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist,
-                   dtype=dtype, head_block_tokens=memory.head_block_tokens(cfg, dist.world_size, device), batching=batching,
+                   dtype=dtype, head_block_tokens=memory.head_block_tokens(cfg, dist.world_size, device),
+                   batching=batching,
                    kernels=kernels.resolve(cfg.kernels, device))
 
 

@@ -100,8 +100,8 @@ NCCL_MORE_RANKS = (688 + 288) << 20
 # gradients come back at the same sizes each step and get the blocks they had
 ALLOCATOR_RESERVE = 0.15
 ROW_STEP = 128  # the prompt lengths the worst row is searched over: every multiple of this, 1 and the longest
-# the head's block sizes a GPU run chooses among (``head_block_tokens = 0``): larger blocks, fewer and larger kernels; past
-# a few thousand rows the matmuls are as efficient as they get
+# the head's block sizes a GPU run chooses among (``head_block_tokens = 0``): larger blocks, fewer and larger
+# kernels; past a few thousand rows the matmuls are as efficient as they get
 HEAD_BLOCKS = (512, 1024, 2048, 4096)
 
 
@@ -716,7 +716,7 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
         "gradients in flight": "the head weight's gradient, held through the layers' backward",
         "head": f"LM head{' (compiled)' if w.fused_head else ''}: {rows.loss_tokens} loss tokens in blocks of "
                 f"{w.head_block} x {s.vocab} vocabulary",
-        "head gradient": "the head weight's float32 gradient" + (" and its bf16 cast" if w.compute_bytes != F32 else ""),
+        "head gradient": "the head weight's float32 gradient" + (" and its bf16 cast" if c == "bf16" else ""),
         "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
                        + (" (+ the shards' cast)" if w.ranks > 1 else "") + (", NCCL's packed copy" if w.push_copy else ""),
         "CUDA context": "the driver's context and the kernels a step loads (an allowance)",

@@ -114,8 +114,8 @@ def outputs(hidden: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torc
     """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and, under a
     nucleus, its cut [N]."""
     n = ids.shape[0]
-    return (hidden.new_empty(ids.shape, dtype=torch.float32), *(hidden.new_empty(n, dtype=torch.float32) for _ in range(2)),
-            hidden.new_empty(n, dtype=torch.float32) if top_p < 1.0 else None)
+    new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return new(*ids.shape), new(n), new(n), new(n) if top_p < 1.0 else None
 
 
 def saved(ctx, tensors: tuple, settings: tuple, logprobs: torch.Tensor, entropy: torch.Tensor):
@@ -274,11 +274,13 @@ class FusedHeadLogprobs(torch.autograd.Function):
             logits = torch.mm(hidden[rows], weight.t(), out=buffer[:n])
             at_ids = logits.gather(1, block_ids).float() / temperature
             grad_sum = g.sum(dim=1, keepdim=True)
-            run_compiled(block_grad_, logits, logsumexp[rows], grad_sum, None if cut is None else cut[rows], temperature)
+            block_cut = None if cut is None else cut[rows]
+            run_compiled(block_grad_, logits, logsumexp[rows], grad_sum, block_cut, temperature)
             # at the ids (always in the nucleus): d logprob(id) / d logit = onehot(id) - p, through the temperature;
             # a row's equal ids add their gradients
             onehot = ((block_ids[:, :, None] == block_ids[:, None, :]) * g[:, None, :]).sum(dim=-1)
-            grad = logits.scatter_(1, block_ids, ((onehot - (at_ids - lse).exp() * grad_sum) / temperature).to(logits.dtype))
+            at_grad = (onehot - (at_ids - lse).exp() * grad_sum) / temperature
+            grad = logits.scatter_(1, block_ids, at_grad.to(logits.dtype))
             if grad_hidden is not None:
                 torch.mm(grad, weight, out=grad_hidden[rows])
             if grad_weight is not None:

@@ -198,15 +198,17 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: int = 1, max_g
         return torch.from_numpy(np.concatenate([values, np.full(padding, fill)]).astype(dtype))
 
     layout = Layout(
-        group=padded(np.repeat(seg_group, length), -1, np.int32), branch=padded(np.repeat(seg_branch, length), -1, np.int32),
-        prompt_index=spans(prompt_start, prompt_lengths, longest_prompt), prompt_lengths=torch.from_numpy(prompt_lengths),
-        grids=grids,
+        group=padded(np.repeat(seg_group, length), -1, np.int32),
+        branch=padded(np.repeat(seg_branch, length), -1, np.int32),
+        prompt_index=spans(prompt_start, prompt_lengths, longest_prompt),
+        prompt_lengths=torch.from_numpy(prompt_lengths), grids=grids,
         # padding reads a real token's output; nothing reads padding's keys on this path
         unpack=padded(within + np.repeat(first_output, length), 0))
     loss_mask = torch.from_numpy(np.arange(longest_completion) < completion_lengths[:, None])
-    return Packed(torch.from_numpy(input_ids)[None], padded(within + np.repeat(first_position, length), 0)[None], layout,
-                  torch.from_numpy(predictor), torch.from_numpy(input_ids[own]), torch.from_numpy(row * longest_completion + k),
-                  loss_mask, padding_tokens=padding)
+    positions = padded(within + np.repeat(first_position, length), 0)
+    return Packed(torch.from_numpy(input_ids)[None], positions[None], layout, torch.from_numpy(predictor),
+                  torch.from_numpy(input_ids[own]), torch.from_numpy(row * longest_completion + k), loss_mask,
+                  padding_tokens=padding)
 
 
 def spans(starts: np.ndarray, lengths: np.ndarray, width: int) -> torch.Tensor:
