@@ -285,6 +285,23 @@ def test_pack_builds_every_tensor_by_the_token_by_token_rule(pad_to, max_grids):
                                                               for grid in layout.grids]
 
 
+def test_the_flex_path_copies_to_the_device_only_what_flex_attention_reads():
+    """A micro-batch for flex attention leaves the SDPA path's indices (prompt, grid and output indices) on the host:
+    no pinned copy of what no kernel reads; everything else goes to the device (here ``meta``), as on the SDPA path."""
+    (mb,) = make_micro_batches(grouped_samples(), max_tokens=10_000, pad_to=attention.FLEX_BLOCK)
+    meta = torch.device("meta")
+    flex, sdpa = (packing.to_device(mb, meta, attention.host_only(kind)) for kind in ("flex", "sdpa"))
+    for moved in (flex, sdpa):
+        packed = moved.packed
+        assert all(t.is_meta for t in (packed.input_ids, packed.position_ids, packed.predictor, packed.targets,
+                                        packed.slot, packed.loss_mask, packed.layout.group, packed.layout.branch,
+                                        moved.inference_logprobs, moved.advantages))
+    sdpa_only = lambda layout: [layout.prompt_index, layout.prompt_lengths, layout.unpack,  # noqa: E731
+                                *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index))]
+    assert not any(t.is_meta for t in sdpa_only(flex.packed.layout))
+    assert all(t.is_meta for t in sdpa_only(sdpa.packed.layout))
+
+
 def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch):
     """The SDPA path pads each grid's completions to its longest: long ones, middling ones and short ones each
     get a grid of their own; equal lengths one grid; and the split is the cheapest of all splits into consecutive

@@ -361,17 +361,18 @@ def dummy_teacher(pad_to: int = 1) -> PackedTeacher:
     return PackedTeacher(pack([(0, [0], [0])], pad_to), torch.zeros(0, dtype=torch.long), torch.zeros(1, dtype=torch.bool))
 
 
-def to_device(value, device: torch.device):
+def to_device(value, device: torch.device, host: frozenset[str] = frozenset()):
     """A copy of a micro-batch (dataclasses of tensors, nested) with every tensor on ``device``: through pinned
-    host memory and without waiting on CUDA, so the copy overlaps the work before it."""
+    host memory and without waiting on CUDA, so the copy overlaps the work before it. ``host``: names of fields
+    left as they are (what the device's attention never reads: ``attention.host_only``)."""
     if isinstance(value, torch.Tensor):
         if device.type == "cuda":
             return value.pin_memory().to(device, non_blocking=True)
         return value.to(device)
     if isinstance(value, list):
-        return [to_device(v, device) for v in value]
+        return [to_device(v, device, host) for v in value]
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
+        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device, host)
+                                             for f in dataclasses.fields(value) if f.init and f.name not in host})
     return value
 

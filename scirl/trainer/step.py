@@ -107,7 +107,7 @@ class Trainer:
 
     def on_device(self, mb: MicroBatch) -> MicroBatch:
         """``mb`` on the trainer's device with its attention masks made there."""
-        mb = to_device(mb, self.device)
+        mb = to_device(mb, self.device, attention.host_only(self.attention))
         packed = self.prepared(mb.packed)
         teacher = None if mb.teacher is None else dataclasses.replace(mb.teacher, packed=self.prepared(mb.teacher.packed))
         return dataclasses.replace(mb, packed=packed, teacher=teacher)
