@@ -776,7 +776,8 @@ def largest_head_block(shape: ModelShape, work: Workload, gpu_bytes: int) -> int
 def planned_workload(cfg, *, ranks: int, gpu: tuple[int, str] | None,
                      row_tokens: int | None = None) -> tuple[ModelShape, str, Workload] | str:
     """(the model's shapes, where they came from, ``cfg``'s trainer ``Workload`` with the head's block size chosen
-    where ``head_block_tokens`` is 0 and the GPU's size known), or a one-line note saying why there is no plan."""
+    where ``head_block_tokens`` is 0 and a GPU's size is known: ``gpu``'s, else this machine's, as the trainer
+    chooses it), or a one-line note saying why there is no plan."""
     found = model_shape(cfg.model)
     if found is None:
         return (f"no memory plan: the shapes of model {cfg.model!r} are unknown here (not a local directory, "
@@ -784,8 +785,9 @@ def planned_workload(cfg, *, ranks: int, gpu: tuple[int, str] | None,
     shape, source = found
     vllm = importlib.util.find_spec("vllm") is not None
     work = workload(cfg, shape, ranks=ranks, gpu_bytes=gpu[0] if gpu else None, row_tokens=row_tokens, vllm=vllm)
-    if not cfg.head_block_tokens and gpu and work.cuda:
-        work = replace(work, head_block=largest_head_block(shape, work, gpu[0]))
+    size = gpu or gpu_size(cfg.deployment)
+    if not cfg.head_block_tokens and size and work.cuda:
+        work = replace(work, head_block=largest_head_block(shape, work, size[0]))
     return shape, source, work
 
 
