@@ -11,8 +11,11 @@ and this module turns them into what the losses need, ``block_tokens`` tokens at
 
 ``HeadLogprobs`` is an autograd function whose backward recomputes each block's logits from the saved
 hidden states, weight and per-row log-sum-exp instead of storing them, and accumulates the gradients of
-the hidden states and of the head's weight (under tied embeddings the embedding's: the same parameter).
+the hidden states and of the head's weight (under tied embeddings the embedding's: the same parameter), each
+block's product added into the weight's float32 accumulator by the GEMM itself (no [V, H] product a block).
 The peak of the head is a few [block_tokens, V] float32 tensors, whatever the micro-batch's size.
+``FusedHeadLogprobs`` (with compiled decoder layers, ``kernels = compile``) computes the same with each block's
+elementwise work compiled: one [block_tokens, V] tensor in the compute dtype, a pass or two over it.
 
 Blocks of rows, not chunks of the vocabulary (prime-rl's online log-sum-exp): every row's arithmetic is
 the one the full-logits path does (the same ops over the same row), the nucleus's sort and the teacher's top-k
