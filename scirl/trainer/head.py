@@ -241,14 +241,24 @@ def compiled(fn):
     return torch.compile(fn, fullgraph=True)
 
 
-def run_compiled(fn, *args):
-    """``fn`` compiled, with its tensors' first dimension (a block's rows) dynamic: one graph for blocks of any
-    size but one (torch gives one-row tensors a graph of their own), where static shapes would compile one per
-    micro-batch's last block."""
-    for arg in args:
-        if isinstance(arg, torch.Tensor) and arg.shape[0] > 1:
-            torch._dynamo.mark_dynamic(arg, 0)
-    return compiled(fn)(*args)
+def run_compiled(fn, buffer: torch.Tensor, n: int, *args):
+    """``fn(buffer[:n], *args)`` compiled, the tensors' first dimension (a block's rows) dynamic: one graph for
+    blocks of any size, where static shapes would compile one per micro-batch's last block. A one-row block runs
+    as two equal rows (torch gives a dimension of size 1 a graph of its own); its outputs are the first row's."""
+    if n == 1:
+        buffer[1].copy_(buffer[0])
+        args = tuple(torch.cat([arg, arg]) if isinstance(arg, torch.Tensor) else arg for arg in args)
+    block = buffer[: max(n, 2)]
+    for tensor in (block, *args):
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    out = compiled(fn)(block, *args)
+    return None if out is None else tuple(o[:n] for o in out)
+
+
+def fused_buffer(hidden: torch.Tensor, weight: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """The blocks' shared [rows, V] logits in the compute dtype: at least two rows (``run_compiled``)."""
+    return hidden.new_empty((max(min(block_tokens, hidden.shape[0]), 2), weight.shape[0]), dtype=weight.dtype)
 
 
 class FusedHeadLogprobs(torch.autograd.Function):
@@ -259,26 +269,26 @@ class FusedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
         logprobs, entropy, logsumexp, cut = outputs(hidden, ids, top_p)
-        buffer = hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=weight.dtype)
+        buffer = fused_buffer(hidden, weight, block_tokens)
         for rows, n in blocks(hidden.shape[0], block_tokens):
             logits = torch.mm(hidden[rows], weight.t(), out=buffer[:n])
             if cut is not None:
                 cut[rows] = nucleus_cut(logits, top_p, temperature)
             logsumexp[rows], logprobs[rows], entropy[rows] = run_compiled(
-                block_stats, logits, ids[rows], None if cut is None else cut[rows], temperature)
+                block_stats, buffer, n, ids[rows], None if cut is None else cut[rows], temperature)
         return saved(ctx, (hidden, weight, ids, logsumexp, cut), (temperature, block_tokens), logprobs, entropy)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, ids, logsumexp, cut, temperature, block_tokens, grad_hidden, grad_weight = gradients(ctx)
-        buffer = hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=weight.dtype)
+        buffer = fused_buffer(hidden, weight, block_tokens)
         for rows, n in blocks(hidden.shape[0], block_tokens):
             g, block_ids, lse = grad_logprobs[rows].float(), ids[rows], logsumexp[rows, None]
             logits = torch.mm(hidden[rows], weight.t(), out=buffer[:n])
             at_ids = logits.gather(1, block_ids).float() / temperature
             grad_sum = g.sum(dim=1, keepdim=True)
             block_cut = None if cut is None else cut[rows]
-            run_compiled(block_grad_, logits, logsumexp[rows], grad_sum, block_cut, temperature)
+            run_compiled(block_grad_, buffer, n, logsumexp[rows], grad_sum, block_cut, temperature)
             # at the ids (always in the nucleus): d logprob(id) / d logit = onehot(id) - p, through the temperature;
             # a row's equal ids add their gradients
             onehot = ((block_ids[:, :, None] == block_ids[:, None, :]) * g[:, None, :]).sum(dim=-1)
