@@ -45,7 +45,6 @@ import functools
 import json
 import logging
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -56,6 +55,7 @@ import time
 from pathlib import Path
 
 from gpu_check import SHAPES, DeviceMemoryPeak, build_model  # a sibling package: benchmarks/ is on sys.path
+from sides import against_tree  # noqa: E402  (likewise)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -480,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     samplers = ["hf", "vllm"] if args.sampler == "both" else [args.sampler]
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp, against_tree(args.against, Path(tmp)) as against:
+    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp, \
+            against_tree(args.against, Path(tmp), "bench_trl") as against:
         args.work = args.work or tmp
         Path(args.work).mkdir(parents=True, exist_ok=True)
         build_inputs(Path(args.work), args)  # once, outside the timed runs: every side reuses the model
@@ -514,23 +515,6 @@ def main(argv: list[str] | None = None) -> int:
                         errors.append(error)
                     report(final=False)  # after each side: a run cut short keeps what it measured
         return report(final=True)
-
-
-@contextlib.contextmanager
-def against_tree(rev: str | None, tmp: Path):
-    """A ``git worktree`` of revision ``rev`` of this repository for the duration (None: no revision asked for)."""
-    if rev is None:
-        yield None
-        return
-    tree = tmp / f"against-{rev}"
-    made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True)
-    if made.returncode != 0:
-        raise SystemExit(f"bench_trl: --against {rev}: git worktree add failed: {made.stderr.strip().splitlines()[-1]}")
-    try:
-        yield tree
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], capture_output=True)
-        shutil.rmtree(tree, ignore_errors=True)
 
 
 def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> int:

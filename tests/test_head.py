@@ -15,7 +15,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.run.config import TrainConfig
-from scirl.trainer.head import Head, hidden_states_out
+from scirl.trainer import head as head_module
+from scirl.trainer.head import Head, block_stats, hidden_states_out
 from scirl.trainer.loss import rl_loss, token_logprobs
 from scirl.trainer.targets import student_logprobs, teacher_targets
 from scirl.trainer.packing import make_micro_batches
@@ -65,11 +66,15 @@ def test_the_nucleus_renormalises_over_its_tokens():
     assert ent.item() == pytest.approx(float(-(kept * kept.log()).sum()), abs=1e-6)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("top_k, tail", [(5, True), (5, False), (0, True)])
-def test_sdpo_targets_and_student_logprobs_equal_the_full_logits_ones(top_k, tail):
+def test_sdpo_targets_and_student_logprobs_equal_the_full_logits_ones(top_k, tail, fused, monkeypatch):
+    """Several ids a row (the teacher's top k). ``fused``: the compiled head's handling of them, its block
+    functions run eagerly here (``test_a_compiled_head_equals_the_full_logits_one`` compiles them)."""
+    monkeypatch.setattr(head_module, "compiled", lambda fn: fn)
     h, w, _, _, _ = random_head(1, rows=(11,))
     teacher_h = torch.randn(11, h.shape[-1], generator=torch.Generator().manual_seed(2))
-    head = Head(0.8, 0.5, 3)  # the nucleus plays no part in SDPO's distributions
+    head = Head(0.8, 0.5, 3, fused=fused)  # the nucleus plays no part in SDPO's distributions
     got = head.teacher_targets(teacher_h, w.detach(), top_k=top_k, tail=tail)
     want = teacher_targets(teacher_h @ w.detach().T, top_k=top_k, tail=tail, temperature=0.8)
     if top_k:
@@ -189,3 +194,69 @@ def test_a_near_certain_tokens_entropy_is_exact_to_float32():
     exact = -(logits.double().softmax(-1) * logits.double().log_softmax(-1)).sum(-1)
     assert exact.min() < 1e-5
     torch.testing.assert_close(entropy.double(), exact, rtol=0, atol=2e-6)
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_a_compiled_head_equals_the_full_logits_one():
+    """``Head(fused=True)`` (``kernels = "compile"``: each block's elementwise work compiled by inductor, the
+    weight's gradient added into its accumulator by one GEMM a block) at a temperature and a nucleus: the
+    full-logits logprobs, entropies and gradients, 13 loss tokens in blocks of 4, the last of one row, then 26 in
+    blocks of 8, then one token. Blocks of any size share a graph: one a function, where static shapes would
+    compile one per micro-batch's last block."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    before = compiled_graphs()
+    for rows, block in ((13, 4), (26, 8), (1, 8)):
+        h, w, targets, _, upstream = random_head(4, rows=(rows,))
+        lp, ent = Head(0.7, 0.8, block, fused=True).token_logprobs(h, w, targets)
+        want_lp, want_ent = token_logprobs(h @ w.T, targets, 0.7, 0.8)
+        torch.testing.assert_close(lp, want_lp, **TOL)
+        torch.testing.assert_close(ent, want_ent, **TOL)
+        for a, b in zip(grads((lp * upstream).sum(), h, w), grads((want_lp * upstream).sum(), h, w)):
+            torch.testing.assert_close(a, b, **TOL)
+    assert compiled_graphs() - before == 2  # the forward's and the backward's
+
+
+def test_the_compiled_heads_entropy_keeps_its_digits_near_certainty():
+    """A near-certain token (a margin of 20 over 96 others) in ``block_stats``, the arithmetic the compiled head
+    runs (here eagerly): its entropy, ~4e-6, and its logprob, ~-2e-7, to 1e-4 relative of float64's; ``lse - sum p
+    * logit`` and ``log(1 + rest)`` in float32 lose them to round-off (~4e-6 and ~1e-7)."""
+    logits = torch.full((2, 97), 20.0)
+    logits[:, 0] = 40.0
+    _, logprobs, entropy = block_stats(logits, torch.tensor([[0], [3]]), None, 1.0)
+    p = torch.softmax(logits[0].double(), dim=-1)
+    assert entropy[0].item() == pytest.approx(float(-(p * p.log()).sum()), rel=1e-4)
+    assert logprobs[0, 0].item() == pytest.approx(float(p[0].log()), rel=1e-4)
+
+
+def test_bf16_weight_gradients_accumulate_in_float32_without_a_vocabulary_sized_product(monkeypatch):
+    """bf16 operands: on CUDA one float32-output GEMM a block (``torch.addmm(..., out_dtype=float32, out=acc)``), here
+    through a stand-in that enforces its contract as torch 2.10-2.13's CUDA kernel checks it (mat1, mat2 of one
+    16-bit dtype; out of out_dtype; self of out_dtype or mat1's), adding into the accumulator itself. Both ways
+    give the float32 sums of the bf16 products."""
+    calls = []
+
+    def addmm(self, mat1, mat2, *, out_dtype=None, out=None, beta=1, alpha=1):
+        assert out_dtype == torch.float32 and out is not None and out.dtype == out_dtype
+        assert mat1.dtype == mat2.dtype and mat1.dtype in (torch.bfloat16, torch.float16)
+        assert self.dtype in (out_dtype, mat1.dtype)
+        calls.append(out is self)
+        return out.copy_(beta * self.to(out_dtype) + alpha * (mat1.float() @ mat2.float()))
+
+    g = torch.Generator().manual_seed(0)
+    grad, hidden = (torch.randn(5, n, generator=g).bfloat16() for n in (97, 16))
+    want = grad.float().T @ hidden.float()
+    for fp32_output in (True, False):
+        monkeypatch.setattr(head_module, "fp32_output_gemm", lambda device: fp32_output)
+        monkeypatch.setattr(head_module.torch, "addmm", addmm)
+        total = torch.zeros(97, 16)
+        head_module.accumulate_weight_grad(total, grad[:2], hidden[:2])
+        head_module.accumulate_weight_grad(total, grad[2:], hidden[2:])
+        torch.testing.assert_close(total, want, rtol=1e-6, atol=1e-6)
+    assert calls == [True, True]

@@ -28,6 +28,7 @@ from scirl.run.config_io import load_config
 from scirl.run.memory import (
     CUDA_CONTEXT,
     GIB,
+    HEAD_BLOCKS,
     HEADROOM,
     KNOWN_SHAPES,
     NCCL_MORE_RANKS,
@@ -38,11 +39,14 @@ from scirl.run.memory import (
     check_rows,
     estimate,
     estimate_rows,
+    head_block_tokens,
     head_bytes,
     lora_parameters,
     micro_batch_shape,
     model_shape,
+    notes,
     plan_run,
+    planned_workload,
     trainer_ranks,
     workload,
 )
@@ -187,6 +191,8 @@ def test_the_head_is_one_block_of_logits_whatever_the_positions():
     assert head_bytes(positions, vocab, 4, block=512) == 512 * vocab * 8 + positions * 12
     assert head_bytes(2 * positions, vocab, 2, block=512) - head_bytes(positions, vocab, 2, block=512) == positions * 12
     assert head_bytes(100, vocab, 2, block=512) == 100 * vocab * 8 + 100 * 12  # fewer positions than a block
+    # compiled: the block's logits in the compute dtype alone
+    assert head_bytes(positions, vocab, 2, block=2048, fused=True) == 2048 * vocab * 2 + positions * 12
 
 
 def largest_micro_batch(batches) -> tuple[int, int, int, int]:
@@ -464,3 +470,29 @@ def test_the_allocators_retries_are_in_the_metrics_on_cuda(monkeypatch):
     stats.pop("num_alloc_retries")  # an allocator that never retried (a fresh process) may leave the key out
     assert memory_metrics(cuda)["memory/alloc_retries"] == 0
     assert "memory/alloc_retries" not in memory_metrics(torch.device("cpu"))
+
+
+H100, H200 = int(79.19 * GIB), int(139.8 * GIB)
+
+
+def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monkeypatch):
+    """``head_block_tokens = 0`` (the default): a GPU run's head block is the largest of ``HEAD_BLOCKS`` whose plan
+    fits the GPU, and the trainer gets the one the plan counted; a GPU with room to spare takes the largest; a set
+    value is kept; a CPU takes 512."""
+    import scirl.run.memory
+
+    cfg, chosen = load_config(["@", CONFIG_8B]), {}
+    for size in (H100, H200):  # as torch reports an 80 GB and a 141 GB card
+        monkeypatch.setattr(scirl.run.memory, "gpu_size", lambda deployment: (size, "a test GPU"))
+        shape, _, work = planned_workload(cfg, ranks=2, gpu=(size, "a test GPU"))
+        chosen[size] = block = work.head_block
+        fitting = [b for b in HEAD_BLOCKS if estimate(shape, replace(work, head_block=b)).peak <= (1 - HEADROOM) * size]
+        assert block == max(fitting) and head_block_tokens(cfg, 2, torch.device("cuda")) == block
+        plan, _ = plan_run(cfg, ranks=2, gpu=(size, "a test GPU"))
+        assert plan.work.head_block == block and f"blocks of {block} x" in notes(plan)["head"]
+        forward = head_bytes(plan.rows.loss_tokens, shape.vocab, 2, block, cfg.top_p, fused=True)
+        assert plan.moments["forward's end"]["head"] == forward
+    assert HEAD_BLOCKS[0] < chosen[H100] < chosen[H200] == HEAD_BLOCKS[-1]
+    assert head_block_tokens(cfg, 2, torch.device("cpu")) == 512
+    fixed = load_config(["@", CONFIG_8B, "--head-block-tokens", "1024"])
+    assert head_block_tokens(fixed, 2, torch.device("cuda")) == 1024

@@ -211,6 +211,110 @@ def test_the_flex_layout_gives_the_sdpa_paths_attention():
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
 
 
+def pack_token_by_token(rows, pad_to: int, max_grids: int) -> dict[str, torch.Tensor]:
+    """``pack``'s tensors by its rule written out a token at a time (how it built them before it built them a
+    tensor op at a time), keyed by where they sit in the ``Packed``."""
+    prompt_of, prompts, members = {}, [], []
+    for r, (key, prompt, _) in enumerate(rows):
+        if key not in prompt_of:
+            prompt_of[key] = len(prompts)
+            prompts.append(prompt)
+            members.append([])
+        members[prompt_of[key]].append(r)
+    lengths = [len(c) for _, _, c in rows]
+    longest_prompt, longest_completion = max(map(len, prompts)), max(lengths)
+    grid_rows = completion_grids(lengths, longest_prompt, max_grids)
+    want = {"prompt_index": torch.zeros((len(prompts), longest_prompt), dtype=torch.long)}
+    out_start, grid_of, offset = {}, {}, len(prompts) * longest_prompt
+    for k, members_k in enumerate(grid_rows):
+        width = max(lengths[r] for r in members_k)
+        want[f"grid{k}.rows"] = torch.tensor(members_k)
+        want[f"grid{k}.prompts"] = torch.tensor([prompt_of[rows[r][0]] for r in members_k])
+        want[f"grid{k}.query_index"] = torch.zeros((len(members_k), width), dtype=torch.long)
+        for i, r in enumerate(members_k):
+            out_start[r], grid_of[r] = offset + i * width, (k, i)
+        offset += len(members_k) * width
+    tokens, positions, group, branch, unpack = [], [], [], [], []
+    predictor, targets, slot = {}, {}, {}
+    first = [sum(lengths[:r]) for r in range(len(rows))]
+    for g, prompt in enumerate(prompts):
+        for j, token in enumerate(prompt):
+            want["prompt_index"][g, j] = len(tokens)
+            tokens.append(token), positions.append(j), group.append(g), branch.append(0)
+            unpack.append(g * longest_prompt + j)
+        last_prompt_position = len(tokens) - 1
+        for r in members[g]:
+            k_grid, i = grid_of[r]
+            for k, token in enumerate(rows[r][2]):
+                t = first[r] + k
+                predictor[t] = last_prompt_position if k == 0 else len(tokens) - 1
+                targets[t], slot[t] = token, r * longest_completion + k
+                want[f"grid{k_grid}.query_index"][i, k] = len(tokens)
+                tokens.append(token), positions.append(len(prompt) + k), group.append(g), branch.append(r + 1)
+                unpack.append(out_start[r] + k)
+    padding = -len(tokens) % pad_to
+    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    want.update(input_ids=long([tokens + [0] * padding]), position_ids=long([positions + [0] * padding]),
+                group=torch.tensor(group + [-1] * padding, dtype=torch.int32),
+                branch=torch.tensor(branch + [-1] * padding, dtype=torch.int32), unpack=long(unpack + [0] * padding),
+                prompt_lengths=long([len(p) for p in prompts]),
+                **{name: long([values[t] for t in sorted(values)])
+                   for name, values in (("predictor", predictor), ("targets", targets), ("slot", slot))},
+                loss_mask=torch.arange(longest_completion)[None] < long(lengths)[:, None])
+    return want
+
+
+@pytest.mark.parametrize("pad_to, max_grids", [(1, packing.MAX_GRIDS), (attention.FLEX_BLOCK, 1)])
+def test_pack_builds_every_tensor_by_the_token_by_token_rule(pad_to, max_grids):
+    """Random layouts (groups of 1-6 completions of 1-40 tokens after prompts of 1-30, a group's completions
+    sharing its prompt or each seeing its own): every tensor of the packed row, its layout and its grids."""
+    g = torch.Generator().manual_seed(0)
+    draw = lambda low, high: int(torch.randint(low, high + 1, (1,), generator=g))  # noqa: E731
+    for trial in range(40):
+        rows = []
+        for group in range(draw(1, 5)):
+            shared = draw(0, 3) > 0
+            prompt = torch.randint(0, 1000, (draw(1, 30),), generator=g).tolist()
+            for i in range(draw(1, 6)):
+                own = prompt if shared else torch.randint(0, 1000, (draw(1, 30),), generator=g).tolist()
+                rows.append(((group, tuple(own)), own, torch.randint(0, 1000, (draw(1, 40),), generator=g).tolist()))
+        order = torch.randperm(len(rows), generator=g).tolist() if trial % 2 else range(len(rows))
+        rows = [rows[i] for i in order]  # a group's rows need not be adjacent
+        packed, want = pack(rows, pad_to, max_grids), pack_token_by_token(rows, pad_to, max_grids)
+        layout = packed.layout
+        got = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "group": layout.group,
+               "branch": layout.branch, "unpack": layout.unpack, "prompt_index": layout.prompt_index,
+               "prompt_lengths": layout.prompt_lengths, "predictor": packed.predictor, "targets": packed.targets,
+               "slot": packed.slot, "loss_mask": packed.loss_mask}
+        for k, grid in enumerate(layout.grids):
+            got.update({f"grid{k}.rows": grid.rows, f"grid{k}.prompts": grid.prompts,
+                        f"grid{k}.query_index": grid.query_index})
+        assert got.keys() == want.keys()
+        for name, value in want.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), (trial, name)
+        real = sum(len(p) for p in {key: p for key, p, _ in rows}.values()) + len(packed.targets)
+        assert packed.padding_tokens == -real % pad_to == want["input_ids"].shape[1] - real
+        assert [grid.prompt_len for grid in layout.grids] == [max(len(rows[r][1]) for r in grid.rows.tolist())
+                                                              for grid in layout.grids]
+
+
+def test_the_flex_path_copies_to_the_device_only_what_flex_attention_reads():
+    """A micro-batch for flex attention leaves the SDPA path's indices (prompt, grid and output indices) on the host:
+    no pinned copy of what no kernel reads; everything else goes to the device (here ``meta``), as on the SDPA path."""
+    (mb,) = make_micro_batches(grouped_samples(), max_tokens=10_000, pad_to=attention.FLEX_BLOCK)
+    meta = torch.device("meta")
+    flex, sdpa = (packing.to_device(mb, meta, attention.host_only(kind)) for kind in ("flex", "sdpa"))
+    for moved in (flex, sdpa):
+        packed = moved.packed
+        assert all(t.is_meta for t in (packed.input_ids, packed.position_ids, packed.predictor, packed.targets,
+                                        packed.slot, packed.loss_mask, packed.layout.group, packed.layout.branch,
+                                        moved.inference_logprobs, moved.advantages))
+    sdpa_only = lambda layout: [layout.prompt_index, layout.prompt_lengths, layout.unpack,  # noqa: E731
+                                *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index))]
+    assert not any(t.is_meta for t in sdpa_only(flex.packed.layout))
+    assert all(t.is_meta for t in sdpa_only(sdpa.packed.layout))
+
+
 def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch):
     """The SDPA path pads each grid's completions to its longest: long ones, middling ones and short ones each
     get a grid of their own; equal lengths one grid; and the split is the cheapest of all splits into consecutive

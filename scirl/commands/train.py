@@ -54,6 +54,11 @@ def main(argv: list[str]) -> int:
     status, plan_text = memory_plan(cfg, dry_run=args.dry_run)
     if status:  # refused: its one line is all that is printed
         return status
+    try:
+        if not args.dry_run and (not args.resume or cfg.lora.enabled):
+            check_hub(cfg)  # after the plan, which needs no hub: a layout that cannot fit is said offline too
+    except PreflightError as exc:
+        return refused("scirl train", exc)
     if args.dry_run:
         import tomli_w
 
@@ -102,10 +107,10 @@ def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
     """What would otherwise fail with a traceback, or after minutes of work, refused now in one line
     (``PreflightError``): a model that is not there (a resume reads its checkpoint instead, but LoRA's base is
     the model), and unless ``dry_run``, a device, an inference back-end or an extra the config asks for that this
-    machine lacks, an output directory it cannot write in, and a hub model id the hub cannot give now."""
+    machine lacks and an output directory it cannot write in (the hub: ``check_hub``)."""
     from pathlib import Path
 
-    from scirl.deploy.preflight import check_backend, check_extras, check_hub_model, check_model
+    from scirl.deploy.preflight import check_backend, check_extras, check_model
     from scirl.errors import PreflightError
 
     if not resume or cfg.lora.enabled:
@@ -118,8 +123,13 @@ def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
         raise PreflightError(problem)
     check_backend(cfg)
     check_extras(cfg)
-    if not resume or cfg.lora.enabled:
-        check_hub_model(cfg.model)
+
+
+def check_hub(cfg) -> None:
+    """A hub model id the hub cannot give now (or the cache lacks, offline): refused in one line, in seconds."""
+    from scirl.deploy.preflight import check_hub_model
+
+    check_hub_model(cfg.model)
 
 
 def attention_problem(cfg) -> str | None:

@@ -21,6 +21,7 @@ from scirl.inference.hf import HFGenerator
 from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready
 from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
+from scirl.run import memory
 from scirl.run.config import COLOCATED_GPU_SHARE
 from scirl.trainer import kernels
 from scirl.trainer.batching import Batching
@@ -33,7 +34,8 @@ def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: to
     batching = Batching(micro_batch_tokens=cfg.micro_batch_tokens, micro_batch_size=cfg.micro_batch_size,
                         share_prompts=cfg.share_prompts, attention=cfg.attention)
     return Trainer(model, cfg.optim, algorithm, temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist,
-                   dtype=dtype, head_block_tokens=cfg.head_block_tokens, batching=batching,
+                   dtype=dtype, head_block_tokens=memory.head_block_tokens(cfg, dist.world_size, device),
+                   batching=batching,
                    kernels=kernels.resolve(cfg.kernels, device))
 
 

@@ -275,8 +275,9 @@ class RunConfig(Section):
                                     "group that does not fit is split, its prompt in each part); 0: no token bound")
     micro_batch_size: int | None = Field(None, ge=1, description="completions per forward/backward pass at most "
                                          "(None: as many as micro_batch_tokens holds)")
-    head_block_tokens: int = Field(512, ge=1, description="the LM head, its softmax and their backward run over "
-                                   "blocks of this many tokens: the step's largest tensors are [block, vocabulary]")
+    head_block_tokens: int = Field(0, ge=0, description="the LM head, its softmax and their backward run over "
+                                   "blocks of this many tokens: the step's largest tensors are [block, vocabulary]; "
+                                   "0: on a GPU the largest of 512-4096 the memory plan fits, 512 elsewhere")
     max_completion_tokens: int = Field(256, ge=1, description="longest completion sampled")
     temperature: float = Field(1.0, gt=0, le=MAX_TEMPERATURE, description="sampling temperature of the rollouts")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling of the rollouts (1: off)")
@@ -295,7 +296,7 @@ class RunConfig(Section):
         "block mask; CUDA), sdpa (per-group gathers and torch's SDPA; any device); auto: flex on CUDA, sdpa elsewhere")
     kernels: Literal["auto", "eager", "compile", "liger"] = Field(
         "auto", description="the decoder layers in the training forward: eager (transformers' modules), compile "
-        "(each layer compiled by torch.compile), liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
+        "(each layer compiled by torch.compile, and the LM head's elementwise work), liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
         "auto: compile on CUDA, eager elsewhere")
     algorithm: Literal[algorithms.names()] = Field(algorithms.DEFAULT, description="the policy loss and advantages: " + "; ".join(
         f"{name}: {summary}" for name, summary in algorithms.summaries().items()) + " (each with its own section)")

@@ -24,8 +24,10 @@ What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P
   and the additive mask once per micro-batch, shared by the layers). With checkpointing each layer keeps its input and the backward recomputes
   one layer at a time;
 - **the head** (``trainer/head.py``) at the loss tokens only, a block of rows at a time: one block's float32
-  logits and exponentials in the forward; in the backward the gradient of the hidden states, a block recomputed,
-  and the head weight's float32 gradient with a block's product added into it;
+  logits and exponentials in the forward (compiled, ``kernels = compile``: the block's logits in the compute
+  dtype alone); in the backward the gradient of the hidden states, a block recomputed, and the head weight's
+  float32 gradient, each block's product added into it by the GEMM itself. The block's rows
+  (``head_block_tokens``, 0 by default) are the largest of ``HEAD_BLOCKS`` whose plan fits the GPU;
 - **the weight push**, after the optimizer step (gradients freed): one bucket of ``deployment.weight_bucket_mib`` (or the
   largest tensor) gathered at a time on every rank, its shard cast first; rank 0's NCCL transport packs a copy
   of it (vLLM's packed broadcast); a colocated engine's ``gpu_memory_utilization`` share awake to take it (also
@@ -43,7 +45,8 @@ there). A run may plan on ``1 - HEADROOM`` of the GPU; past that it is refused (
 Checked against measurements: on a CPU, float32 and bf16, one process and FSDP2 over 2 gloo ranks, the step's
 live tensor bytes land within 10% of the estimate (``tests/test_memory_plan*.py``); on a GPU against the allocator's
 peak (``tests/test_memory_plan.py``, skipped without CUDA: not yet run on one). Not measured: the flex path (torch
-has no CPU backward for it), the CUDA and NCCL figures, fragmentation.
+has no CPU backward for it), the compiled head (its kernels allocate where the CPU's tracker cannot see), the CUDA
+and NCCL figures, fragmentation.
 
 What it does not model: kernel workspaces (cuBLAS, a compiled kernel's scratch: in the headroom), a
 distilling algorithm's teacher forward (no gradient, before the student's) and its top-k tensors, the other
@@ -71,6 +74,7 @@ from rich.table import Table
 from scirl import algorithms
 from scirl.errors import PreflightError
 from scirl.run.config import COLOCATED_GPU_SHARE
+from scirl.trainer import kernels
 from scirl.trainer.attention import FLEX_BLOCK, row_length
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, SORT_ELEMENTS
 
@@ -96,6 +100,9 @@ NCCL_MORE_RANKS = (688 + 288) << 20
 # gradients come back at the same sizes each step and get the blocks they had
 ALLOCATOR_RESERVE = 0.15
 ROW_STEP = 128  # the prompt lengths the worst row is searched over: every multiple of this, 1 and the longest
+# the head's block sizes a GPU run chooses among (``head_block_tokens = 0``): larger blocks, fewer and larger
+# kernels; past a few thousand rows the matmuls are as efficient as they get
+HEAD_BLOCKS = (512, 1024, 2048, 4096)
 
 
 @dataclass(frozen=True)
@@ -182,6 +189,7 @@ class Workload:
     share_prompts: bool = True  # each group's prompt once per micro-batch (False: once per completion)
     attention: str = "flex"  # flex (GPUs) or sdpa: what the attention keeps for the backward
     head_block: int = DEFAULT_BLOCK_TOKENS  # the head's rows per block (``trainer/head.py``)
+    fused_head: bool = False  # the head's elementwise work compiled (``kernels = compile``)
     top_p: float = 1.0
     lora_parameters: int | None = None  # the adapter's, when LoRA trains; None: every parameter trains
     extra_state: int = 0  # bytes per parameter the algorithm keeps beside them (an EMA teacher), sharded
@@ -365,33 +373,45 @@ def activation_bytes(shape: ModelShape, work: Workload, rows: MicroBatchShape | 
 
 
 def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int = DEFAULT_BLOCK_TOKENS,
-               top_p: float = 1.0) -> int:
+               top_p: float = 1.0, fused: bool = False) -> int:
     """The LM head's forward (``trainer/head.HeadLogprobs``) over ``positions`` loss tokens, a block of rows at a
     time: one block's float32 logits and their exponentials (the compute-dtype logits are freed as they are cast),
     under top-p the nucleus's boolean mask and masked copy (or, before, its sort's values and int64 indices, in parts
-    of at most ``SORT_ELEMENTS``); three float32 numbers a position (logprob, entropy, log-sum-exp; and the cut)."""
+    of at most ``SORT_ELEMENTS``); three float32 numbers a position (logprob, entropy, log-sum-exp; and the cut).
+    ``fused`` (``FusedHeadLogprobs``): the block's logits in the compute dtype alone, beside them under top-p the
+    sort's values, indices and their float32 copy."""
     rows = min(block, positions)
     width = rows * vocab
-    working = width * max(compute_bytes + F32, 2 * F32)
-    if top_p < 1:
-        working = max(width * (3 * F32 + 1), width * F32 + min(width, SORT_ELEMENTS) * (F32 + 8))
+    if fused:
+        working = width * compute_bytes + (min(width, SORT_ELEMENTS) * (compute_bytes + 8 + F32) if top_p < 1 else 0)
+    else:
+        working = width * max(compute_bytes + F32, 2 * F32)
+        if top_p < 1:
+            working = max(width * (3 * F32 + 1), width * F32 + min(width, SORT_ELEMENTS) * (F32 + 8))
     return working + positions * (3 + (top_p < 1)) * F32
 
 
 def head_backward_bytes(positions: int, shape: ModelShape, compute_bytes: int, block: int,
-                        top_p: float = 1.0) -> int:
+                        top_p: float = 1.0, fused: bool = False, fp32_output_gemm: bool = True) -> int:
     """The head's backward beyond what the forward kept, but for its weight's gradient (``head_weight_gradient``):
     the gradient of the hidden states; a block's logits recomputed in float32 and turned into their gradient in
-    place, its cast to the compute dtype beside it, the nucleus's mask and masked copy under top-p."""
+    place, its cast to the compute dtype beside it, the nucleus's mask and masked copy under top-p (``fused``: the
+    block in the compute dtype, turned into its gradient in place). bf16 without a float32-output GEMM (a CPU):
+    the block's gradient cast to float32 for the weight's."""
     c, rows = compute_bytes, min(block, positions)
-    working = rows * shape.vocab * (F32 + (c if c != F32 else 0) + (F32 + 1 if top_p < 1 else 0))
-    return c * positions * shape.hidden + working
+    if fused:
+        per_element = c
+    else:
+        per_element = F32 + (c if c != F32 else 0) + (F32 + 1 if top_p < 1 else 0)
+    if c != F32 and not fp32_output_gemm:
+        per_element += F32
+    return c * positions * shape.hidden + rows * shape.vocab * per_element
 
 
 def head_weight_gradient(shape: ModelShape, compute_bytes: int) -> int:
-    """The head weight's gradient while the head's backward runs: a float32 accumulator over the blocks and each
-    block's product in the compute dtype added into it (then its cast to the compute dtype, as large)."""
-    return (F32 + compute_bytes) * shape.vocab * shape.hidden
+    """The head weight's gradient while the head's backward runs: a float32 accumulator over the blocks, each
+    block's product added into it by the GEMM itself; in bf16 then its cast to the compute dtype, as large."""
+    return (F32 + (compute_bytes if compute_bytes != F32 else 0)) * shape.vocab * shape.hidden
 
 
 def nccl_bytes(ranks: int) -> int:
@@ -429,8 +449,8 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
     step = {**state, "gradients": F32 * trained // R, "engine": w.engine_train}
     working = gradient_working_set(shape, w, copy)
     head_trains = w.lora_parameters is None
-    head = head_bytes(rows.loss_tokens, shape.vocab, c, w.head_block, w.top_p)
-    head_backward = head_backward_bytes(rows.loss_tokens, shape, c, w.head_block, w.top_p)
+    head = head_bytes(rows.loss_tokens, shape.vocab, c, w.head_block, w.top_p, w.fused_head)
+    head_backward = head_backward_bytes(rows.loss_tokens, shape, c, w.head_block, w.top_p, w.fused_head, w.cuda)
     transient = {
         "forward's end": {"gathered": working.forward, "activations": saved, "head": head},
         "head's backward": {"gathered": working.forward, "activations": saved, "head": head_backward,
@@ -524,11 +544,13 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
         if nccl_push else ())
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
+    fused_head = kernels.resolve(cfg.kernels, torch.device("cuda" if cuda else "cpu")) == "compile"
     return Workload(ranks=ranks, compute_bytes=c, micro_batch_tokens=cfg.micro_batch_tokens,
                     micro_batch_size=cfg.micro_batch_size, row_tokens=row_tokens or cfg.seq_len,
                     completion_tokens=cfg.max_completion_tokens, checkpointing=cfg.activation_checkpointing,
                     group_size=cfg.group_size, share_prompts=cfg.share_prompts, attention=attention,
-                    head_block=cfg.head_block_tokens, top_p=cfg.top_p, lora_parameters=lora,
+                    head_block=cfg.head_block_tokens or DEFAULT_BLOCK_TOKENS, fused_head=fused_head, top_p=cfg.top_p,
+                    lora_parameters=lora,
                     extra_state=algorithms.state_bytes_per_param(cfg), engine_train=engine_train,
                     engine_push=engine_push, push_bucket=push_bucket, push_copy=nccl_push, cuda=cuda,
                     communicators=communicators)
@@ -691,8 +713,9 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
                        + ("checkpointed" if w.checkpointing else "no checkpointing"),
         "backward": "a layer's backward: " + ("recomputed, plus its gradients" if w.checkpointing else "its gradients"),
         "gradients in flight": "the head weight's gradient, held through the layers' backward",
-        "head": f"LM head: {rows.loss_tokens} loss tokens in blocks of {w.head_block} x {s.vocab} vocabulary",
-        "head gradient": "the head weight's float32 gradient and a block's product",
+        "head": f"LM head{' (compiled)' if w.fused_head else ''}: {rows.loss_tokens} loss tokens in blocks of "
+                f"{w.head_block} x {s.vocab} vocabulary",
+        "head gradient": "the head weight's float32 gradient" + (" and its bf16 cast" if c == "bf16" else ""),
         "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
                        + (" (+ the shards' cast)" if w.ranks > 1 else "") + (", NCCL's packed copy" if w.push_copy else ""),
         "CUDA context": "the driver's context and the kernels a step loads (an allowance)",
@@ -744,9 +767,16 @@ def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> s
             f"{gib(size - plan.peak)} left free; {budgets} (now {w.micro_batch_tokens or 'none'})")
 
 
-def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
-    """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
-    note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
+def largest_head_block(shape: ModelShape, work: Workload, gpu_bytes: int) -> int:
+    """The largest of ``HEAD_BLOCKS`` whose plan fits a GPU of ``gpu_bytes`` (the smallest when none does)."""
+    return next((b for b in HEAD_BLOCKS[:0:-1] if fits(shape, replace(work, head_block=b), gpu_bytes)), HEAD_BLOCKS[0])
+
+
+def planned_workload(cfg, *, ranks: int, gpu: tuple[int, str] | None,
+                     row_tokens: int | None = None) -> tuple[ModelShape, str, Workload] | str:
+    """(the model's shapes, where they came from, ``cfg``'s trainer ``Workload`` with the head's block size chosen
+    where ``head_block_tokens`` is 0 and a GPU's size is known: ``gpu``'s, else this machine's, as the trainer
+    chooses it), or a one-line note saying why there is no plan."""
     found = model_shape(cfg.model)
     if found is None:
         return (f"no memory plan: the shapes of model {cfg.model!r} are unknown here (not a local directory, "
@@ -754,6 +784,28 @@ def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | 
     shape, source = found
     vllm = importlib.util.find_spec("vllm") is not None
     work = workload(cfg, shape, ranks=ranks, gpu_bytes=gpu[0] if gpu else None, row_tokens=row_tokens, vllm=vllm)
+    size = gpu or gpu_size(cfg.deployment)
+    if not cfg.head_block_tokens and size and work.cuda:
+        work = replace(work, head_block=largest_head_block(shape, work, size[0]))
+    return shape, source, work
+
+
+def head_block_tokens(cfg, ranks: int, device: torch.device) -> int:
+    """The trainer's head block: ``head_block_tokens``, or where it is 0 the plan's choice on a CUDA device (at
+    seq_len: rows up to it fit with it), ``DEFAULT_BLOCK_TOKENS`` elsewhere or without a plan."""
+    if cfg.head_block_tokens or device.type != "cuda":
+        return cfg.head_block_tokens or DEFAULT_BLOCK_TOKENS
+    planned = planned_workload(cfg, ranks=ranks, gpu=gpu_size(cfg.deployment))
+    return DEFAULT_BLOCK_TOKENS if isinstance(planned, str) else planned[2].head_block
+
+
+def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
+    """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
+    note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
+    planned = planned_workload(cfg, ranks=ranks, gpu=gpu, row_tokens=row_tokens)
+    if isinstance(planned, str):
+        return planned
+    shape, source, work = planned
     plan = estimate(shape, work, source)
     row = check_fit(plan, gpu[0], gpu[1], cfg) if gpu else None
     return plan, row

@@ -80,6 +80,11 @@ def max_grids(kind: str, compiled: bool = False) -> int:
     return 1 if kind == "flex" or compiled else MAX_GRIDS
 
 
+def host_only(kind: str) -> frozenset[str]:
+    """The layout's fields this kind of attention never reads, left on the host (flex: the SDPA path's indices)."""
+    return frozenset({"prompt_index", "prompt_lengths", "grids", "unpack"}) if kind == "flex" else frozenset()
+
+
 def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layout:
     """The layout with what its attention reads, made on the layout's device once per micro-batch (every layer
     shares it): flex attention's block mask, or the SDPA path's completion keys and additive mask in the compute

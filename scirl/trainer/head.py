@@ -11,8 +11,11 @@ and this module turns them into what the losses need, ``block_tokens`` tokens at
 
 ``HeadLogprobs`` is an autograd function whose backward recomputes each block's logits from the saved
 hidden states, weight and per-row log-sum-exp instead of storing them, and accumulates the gradients of
-the hidden states and of the head's weight (under tied embeddings the embedding's: the same parameter).
+the hidden states and of the head's weight (under tied embeddings the embedding's: the same parameter), each
+block's product added into the weight's float32 accumulator by the GEMM itself (no [V, H] product a block).
 The peak of the head is a few [block_tokens, V] float32 tensors, whatever the micro-batch's size.
+``FusedHeadLogprobs`` (with compiled decoder layers, ``kernels = compile``) computes the same with each block's
+elementwise work compiled: one [block_tokens, V] tensor in the compute dtype, a pass or two over it.
 
 Blocks of rows, not chunks of the vocabulary (prime-rl's online log-sum-exp): every row's arithmetic is
 the one the full-logits path does (the same ops over the same row), the nucleus's sort and the teacher's top-k
@@ -26,6 +29,7 @@ root keeps its parameters gathered after its forward until the backward, so it i
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -77,19 +81,21 @@ def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
 
 
 @torch.no_grad()
-def nucleus_cut(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The smallest logit of each row's top-p nucleus ([R, V] -> [R]), by the rule of
-    ``scirl.trainer.loss.nucleus_mask``: sort ascending, drop the tokens whose cumulative probability
-    stays <= 1 - top_p, keep the most likely one. The nucleus is then every token at or above the cut
-    (tokens tied with the cut all stay in it; the sort's order among them is arbitrary anyway)."""
+def nucleus_cut(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> torch.Tensor:
+    """The smallest logit of each row's top-p nucleus under ``logits / temperature`` ([R, V] -> [R], float32, in
+    the units of ``logits``), by the rule of ``scirl.trainer.loss.nucleus_mask``: sort ascending, drop the tokens
+    whose cumulative probability stays <= 1 - top_p, keep the most likely one. The nucleus is then every token
+    at or above the cut (tokens tied with the cut all stay in it; the sort's order among them is arbitrary
+    anyway). ``logits`` in any float dtype: the probabilities are those of their float32 values."""
     cuts = []
     rows = max(1, SORT_ELEMENTS // logits.shape[-1])
     for part in logits.split(rows):
         ordered = part.sort(dim=-1).values
-        kept = ordered.softmax(dim=-1).cumsum_(dim=-1) > 1 - top_p
+        scaled = ordered.float() / temperature if temperature != 1.0 else ordered.float()
+        kept = scaled.softmax(dim=-1).cumsum_(dim=-1) > 1 - top_p
         kept[:, -1] = True
-        cuts.append(ordered.gather(1, kept.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1))
-    return torch.cat(cuts) if cuts else logits.new_empty(0)
+        cuts.append(ordered.gather(1, kept.to(torch.int8).argmax(dim=1, keepdim=True)).squeeze(1).float())
+    return torch.cat(cuts) if cuts else logits.new_empty(0, dtype=torch.float32)
 
 
 def in_nucleus(logits: torch.Tensor, cut: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
@@ -101,6 +107,38 @@ def in_nucleus(logits: torch.Tensor, cut: torch.Tensor | None, ids: torch.Tensor
     return logits.masked_fill(outside, float("-inf"))
 
 
+def blocks(total: int, block_tokens: int):
+    """(a slice of rows, its length) of each block of ``block_tokens`` rows of ``total``, the last one shorter."""
+    for start in range(0, total, block_tokens):
+        yield slice(start, start + block_tokens), min(block_tokens, total - start)
+
+
+def outputs(hidden: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+    """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and, under a
+    nucleus, its cut [N]."""
+    n = ids.shape[0]
+    new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
+    return new(*ids.shape), new(n), new(n), new(n) if top_p < 1.0 else None
+
+
+def saved(ctx, tensors: tuple, settings: tuple, logprobs: torch.Tensor, entropy: torch.Tensor):
+    """What a head function's backward recomputes a block from, kept; its outputs, the entropy without gradient."""
+    ctx.save_for_backward(*tensors)
+    ctx.settings = settings
+    ctx.mark_non_differentiable(entropy)
+    return logprobs, entropy
+
+
+def gradients(ctx) -> tuple:
+    """A head function's backward's inputs: what its forward saved, its settings, and the gradients it fills (None
+    where autograd wants none): the hidden states' a block of rows at a time, the weight's summed over the blocks
+    in float32 (as one matmul over all tokens would accumulate)."""
+    hidden, weight, ids, logsumexp, cut = ctx.saved_tensors
+    want_hidden, want_weight = ctx.needs_input_grad[:2]
+    return (hidden, weight, ids, logsumexp, cut, *ctx.settings, torch.empty_like(hidden) if want_hidden else None,
+            torch.zeros_like(weight, dtype=torch.float32) if want_weight else None)
+
+
 class HeadLogprobs(torch.autograd.Function):
     """From hidden states [N, H] and the head weight [V, H]: ``log_softmax(logits / T)`` at ``ids`` [N, k]
     and the entropy [N] (no gradient), over the nucleus when ``top_p < 1``; block by block, the backward
@@ -108,10 +146,7 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
-        logprobs = hidden.new_empty(ids.shape, dtype=torch.float32)
-        entropy = hidden.new_empty(ids.shape[0], dtype=torch.float32)
-        logsumexp = hidden.new_empty(ids.shape[0], dtype=torch.float32)
-        cut = hidden.new_empty(ids.shape[0], dtype=torch.float32) if top_p < 1.0 else None
+        logprobs, entropy, logsumexp, cut = outputs(hidden, ids, top_p)
         logits_buffer, probs_buffer = (hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]),
                                                         dtype=torch.float32) for _ in range(2))
         for start in range(0, hidden.shape[0], block_tokens):
@@ -136,23 +171,13 @@ class HeadLogprobs(torch.autograd.Function):
             entropy[rows] = total.log().squeeze(-1) - torch.bmm(probs[:, None], logits.sub_(shift)[:, :, None]).view(-1)
             del logits, masked, probs
         del logits_buffer, probs_buffer
-        ctx.save_for_backward(hidden, weight, ids, logsumexp, cut)
-        ctx.settings = (temperature, block_tokens)
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
+        return saved(ctx, (hidden, weight, ids, logsumexp, cut), (temperature, block_tokens), logprobs, entropy)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, ids, logsumexp, cut = ctx.saved_tensors
-        temperature, block_tokens = ctx.settings
-        want_hidden, want_weight = ctx.needs_input_grad[:2]
-        grad_hidden = torch.zeros_like(hidden) if want_hidden else None
-        # summed over blocks in float32 (one matmul over all tokens accumulates in float32 as well)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if want_weight else None
+        hidden, weight, ids, logsumexp, cut, temperature, block_tokens, grad_hidden, grad_weight = gradients(ctx)
         buffer = hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
-        for start in range(0, hidden.shape[0], block_tokens):
-            rows = slice(start, start + block_tokens)
-            n = min(block_tokens, hidden.shape[0] - start)
+        for rows, n in blocks(hidden.shape[0], block_tokens):
             g = grad_logprobs[rows].float()
             logits = in_nucleus(block_logits(hidden[rows], weight, temperature, out=buffer[:n]),
                                 None if cut is None else cut[rows], ids[rows])
@@ -162,14 +187,150 @@ class HeadLogprobs(torch.autograd.Function):
             if temperature != 1.0:
                 grad.div_(temperature)
             grad = grad.to(weight.dtype)
-            if want_hidden:
+            if grad_hidden is not None:
                 grad_hidden[rows] = grad @ weight
-            if want_weight:
-                grad_weight.add_(grad.T @ hidden[rows])
+            if grad_weight is not None:
+                accumulate_weight_grad(grad_weight, grad, hidden[rows])
             del logits, grad
-        if want_weight:
+        if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
+
+
+def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | None,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log-sum-exp [R], logprobs at ``ids`` [R, k], entropy [R]) of a block's logits [R, V] (the compute dtype,
+    before the temperature) over the nucleus: the tokens at or above ``cut`` (``nucleus_cut``'s, in the logits'
+    units) and the ids. ``HeadLogprobs``'s arithmetic written for ``torch.compile``, which fuses it into a pass or
+    two over the block. The entropy is -sum p log p = log Z - sum p (logit - max): no cancellation between two
+    large numbers (``lse - sum p logit`` loses a near-certain token's to the log-sum-exp's round-off)."""
+    raw = logits.float()
+    scaled = raw / temperature
+    top = scaled.amax(dim=-1, keepdim=True)  # the most likely token's: always in the nucleus
+    shifted = scaled - top
+    exp = shifted.exp()
+    at_ids = shifted.gather(1, ids)
+    if cut is not None:
+        exp = torch.where(raw >= cut[:, None], exp, 0.0)
+        # the ids below the cut are in the nucleus too, each once
+        repeated = (ids[:, :, None] == ids[:, None, :]).tril(-1).any(dim=-1)
+        below = torch.where((raw.gather(1, ids) < cut[:, None]) & ~repeated, at_ids.exp(), 0.0)
+    else:
+        below = torch.zeros_like(at_ids)
+    # Z = 1 + rest, the most likely token's exp(0) = 1 apart: log Z = log1p(rest) keeps the digits of a
+    # near-certain row's entropy and logprobs, which 1 + rest would round away
+    rest = (torch.where(shifted < 0, exp, 0.0).sum(dim=-1, keepdim=True) + below.sum(dim=-1, keepdim=True)
+            + ((shifted == 0).sum(dim=-1, keepdim=True) - 1))  # ties with the most likely token, in integers
+    weighted = (exp * shifted).sum(dim=-1, keepdim=True) + (below * at_ids).sum(dim=-1, keepdim=True)
+    log_total = rest.log1p()
+    return (top + log_total).squeeze(1), at_ids - log_total, (log_total - weighted / (1 + rest)).squeeze(1)
+
+
+def block_grad_(logits: torch.Tensor, logsumexp: torch.Tensor, grad_sum: torch.Tensor, cut: torch.Tensor | None,
+                temperature: float) -> None:
+    """A block's logits [R, V] (the compute dtype, before the temperature) become, in place, -p * grad_sum / T:
+    the gradient of sum_k grad_k * logprob(id_k) but at the ids, which ``FusedHeadLogprobs`` writes after (written
+    for ``torch.compile``: one pass, into the block's own memory)."""
+    raw = logits.float()
+    probs = (raw / temperature - logsumexp[:, None]).exp()
+    if cut is not None:
+        probs = torch.where(raw >= cut[:, None], probs, 0.0)
+    logits.copy_(probs * -grad_sum / temperature)
+
+
+@functools.cache
+def compiled(fn):
+    return torch.compile(fn, fullgraph=True)
+
+
+def run_compiled(fn, buffer: torch.Tensor, n: int, *args):
+    """``fn(buffer[:n], *args)`` compiled, the tensors' first dimension (a block's rows) dynamic: one graph for
+    blocks of any size, where static shapes would compile one per micro-batch's last block. A one-row block runs
+    as two equal rows (torch gives a dimension of size 1 a graph of its own); its outputs are the first row's."""
+    if n == 1:
+        buffer[1].copy_(buffer[0])
+        args = tuple(torch.cat([arg, arg]) if isinstance(arg, torch.Tensor) else arg for arg in args)
+    block = buffer[: max(n, 2)]
+    for tensor in (block, *args):
+        if isinstance(tensor, torch.Tensor):
+            torch._dynamo.mark_dynamic(tensor, 0)
+    out = compiled(fn)(block, *args)
+    return None if out is None else tuple(o[:n] for o in out)
+
+
+def fused_buffer(hidden: torch.Tensor, weight: torch.Tensor, block_tokens: int) -> torch.Tensor:
+    """The blocks' shared [rows, V] logits in the compute dtype: at least two rows (``run_compiled``)."""
+    return hidden.new_empty((max(min(block_tokens, hidden.shape[0]), 2), weight.shape[0]), dtype=weight.dtype)
+
+
+class FusedHeadLogprobs(torch.autograd.Function):
+    """``HeadLogprobs`` with each block's elementwise work compiled (``block_stats``, ``block_grad_``): the
+    eager path's ~7 passes over a [block, V] float32 tensor become one or two over the block's logits in the
+    compute dtype, the only [block, V] tensor of the forward and of the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
+        logprobs, entropy, logsumexp, cut = outputs(hidden, ids, top_p)
+        buffer = fused_buffer(hidden, weight, block_tokens)
+        for rows, n in blocks(hidden.shape[0], block_tokens):
+            logits = torch.mm(hidden[rows], weight.t(), out=buffer[:n])
+            if cut is not None:
+                cut[rows] = nucleus_cut(logits, top_p, temperature)
+            logsumexp[rows], logprobs[rows], entropy[rows] = run_compiled(
+                block_stats, buffer, n, ids[rows], None if cut is None else cut[rows], temperature)
+        return saved(ctx, (hidden, weight, ids, logsumexp, cut), (temperature, block_tokens), logprobs, entropy)
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, ids, logsumexp, cut, temperature, block_tokens, grad_hidden, grad_weight = gradients(ctx)
+        buffer = fused_buffer(hidden, weight, block_tokens)
+        for rows, n in blocks(hidden.shape[0], block_tokens):
+            g, block_ids, lse = grad_logprobs[rows].float(), ids[rows], logsumexp[rows, None]
+            logits = torch.mm(hidden[rows], weight.t(), out=buffer[:n])
+            at_ids = logits.gather(1, block_ids).float() / temperature
+            grad_sum = g.sum(dim=1, keepdim=True)
+            block_cut = None if cut is None else cut[rows]
+            run_compiled(block_grad_, buffer, n, logsumexp[rows], grad_sum, block_cut, temperature)
+            # at the ids (always in the nucleus): d logprob(id) / d logit = onehot(id) - p, through the temperature;
+            # a row's equal ids add their gradients
+            onehot = ((block_ids[:, :, None] == block_ids[:, None, :]) * g[:, None, :]).sum(dim=-1)
+            at_grad = (onehot - (at_ids - lse).exp() * grad_sum) / temperature
+            grad = logits.scatter_(1, block_ids, at_grad.to(logits.dtype))
+            if grad_hidden is not None:
+                torch.mm(grad, weight, out=grad_hidden[rows])
+            if grad_weight is not None:
+                accumulate_weight_grad(grad_weight, grad, hidden[rows])
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def accumulate_weight_grad(total: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor) -> None:
+    """``total`` [V, H] float32 += ``grad``.T @ ``hidden``, by one GEMM that adds into it: no [V, H] product
+    beside it. bf16 operands: a float32-output GEMM where torch has one (CUDA); elsewhere the operands cast (a
+    block's and its hidden states', not [V, H])."""
+    if grad.dtype == total.dtype:
+        total.addmm_(grad.t(), hidden)
+    elif fp32_output_gemm(total.device):
+        torch.addmm(total, grad.t(), hidden, out_dtype=total.dtype, out=total)
+    else:
+        total.addmm_(grad.t().float(), hidden.float())
+
+
+@functools.cache
+def fp32_output_gemm(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` takes bf16 ``a``, ``b`` into a float32
+    ``acc`` on ``device``: CUDA only (``addmm.dtype_out``, torch >= 2.8), a float32 ``acc`` only since
+    pytorch#167931 (torch 2.10), bf16 into float32 only from compute capability 8.0. Tried once on 2 x 2 tensors."""
+    if device.type != "cuda":
+        return False
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+    acc = torch.ones(2, 2, dtype=torch.float32, device=device)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return bool((acc == 3).all())
 
 
 @dataclass
@@ -179,20 +340,22 @@ class Head:
     temperature: float = 1.0
     top_p: float = 1.0
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    fused: bool = False  # each block's elementwise work compiled (``FusedHeadLogprobs``); else eager
 
     def __post_init__(self):
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.block_tokens < 1:
             raise ValueError(f"block_tokens must be at least 1, got {self.block_tokens}")
+        self.function = FusedHeadLogprobs if self.fused else HeadLogprobs
 
     def token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor,
                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` [T, H] of the positions that predict ``targets`` [T] -> their logprobs and entropies [T]:
         those of ``scirl.trainer.loss.token_logprobs`` (the head runs on these positions only: no compute on
         padding or prompts)."""
-        logprobs, entropy = HeadLogprobs.apply(hidden, weight, targets[:, None], self.temperature, self.top_p,
-                                               self.block_tokens)
+        logprobs, entropy = self.function.apply(hidden, weight, targets[:, None], self.temperature, self.top_p,
+                                                self.block_tokens)
         return logprobs.squeeze(1), entropy
 
     @torch.no_grad()
@@ -218,5 +381,5 @@ class Head:
         as there), a block at a time with the top-k targets."""
         if targets.ids is None:
             return student_logprobs(F.linear(hidden, weight), targets, tail=tail, temperature=self.temperature)
-        top, _ = HeadLogprobs.apply(hidden, weight, targets.ids, self.temperature, 1.0, self.block_tokens)
+        top, _ = self.function.apply(hidden, weight, targets.ids, self.temperature, 1.0, self.block_tokens)
         return with_tail(top) if tail else renormalised(top)

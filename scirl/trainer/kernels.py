@@ -7,7 +7,8 @@ time is its elementwise work, not its matmuls: RMSNorm, rotary embeddings, SwiGL
 - ``eager``: transformers' modules as they are (the default on a CPU, where compiling costs more than it saves);
 - ``compile``: each decoder layer's forward compiled by ``torch.compile`` (regional compilation: one graph for
   all layers of the model, fused elementwise kernels, the packed rows' flex attention inside it). Only the
-  trainer's forwards use it (``active``); a sampler sharing the module runs it eagerly. The default on CUDA.
+  trainer's forwards use it (``active``); a sampler sharing the module runs it eagerly. The trainer's LM head
+  then compiles its elementwise work too (``head.FusedHeadLogprobs``). The default on CUDA.
   A run compiles a fixed number of graphs whatever its lengths: around the SDPA path one graph for any length
   (dynamic from the first call; a micro-batch with a size of 1, one prompt or one completion row, gets one of
   its own), around flex attention one static graph for each of its few row lengths (``attention.row_length``);

@@ -25,14 +25,17 @@ loss token sits in it), the layout every algorithm's loss is written for.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from scirl.rollouts.contract import Sample
 
 PadTo = int | Callable[[int], int]  # a multiple the row's length is rounded up to, or the padded length of a length
+
 
 @dataclass
 class CompletionGrid:
@@ -144,87 +147,83 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max
     prompt_of: dict[object, int] = {}
     prompts: list[list[int]] = []
     members: list[list[int]] = []
+    row_prompt = np.zeros(len(rows), dtype=np.int64)  # each row's prompt (a key is hashed once: it holds the ids)
     for r, (key, prompt, completion) in enumerate(rows):
         if not prompt or not completion:
             raise ValueError(f"a packed row needs a prompt and a completion, got {len(prompt)} and {len(completion)} tokens")
-        if key not in prompt_of:
-            prompt_of[key] = len(prompts)
+        g = prompt_of.setdefault(key, len(prompts))
+        if g == len(prompts):
             prompts.append(list(prompt))
             members.append([])
-        members[prompt_of[key]].append(r)
+        members[g].append(r)
+        row_prompt[r] = g
     lengths = [len(c) for _, _, c in rows]
     n_rows, longest_prompt, longest_completion = len(rows), max(len(p) for p in prompts), max(lengths)
 
-    tokens: list[int] = []
-    positions: list[int] = []
-    group: list[int] = []
-    branch: list[int] = []
-    prompt_index = torch.zeros((len(prompts), longest_prompt), dtype=torch.long)
     grid_rows = completion_grids(lengths, longest_prompt, max_grids)
-    grids = [CompletionGrid(torch.tensor(members_k, dtype=torch.long),
-                            torch.tensor([prompt_of[rows[r][0]] for r in members_k], dtype=torch.long),
-                            torch.zeros((len(members_k), max(lengths[r] for r in members_k)), dtype=torch.long),
-                            prompt_len=max(len(rows[r][1]) for r in members_k))
-             for members_k in grid_rows]
-    # where completion row r's outputs start in the attention outputs, and its grid's row
-    out_start, grid_of = [0] * n_rows, [(0, 0)] * n_rows
-    offset = len(prompts) * longest_prompt  # the completion outputs follow the prompts' in ``unpack``
-    for k, (grid, members_k) in enumerate(zip(grids, grid_rows)):
-        width = grid.query_index.shape[1]
+    widths = [max(lengths[r] for r in members_k) for members_k in grid_rows]
+    # where completion row r's outputs start in the attention outputs
+    out_start, offset = [0] * n_rows, len(prompts) * longest_prompt  # the completion outputs follow the prompts'
+    for members_k, width in zip(grid_rows, widths):
         for i, r in enumerate(members_k):
-            out_start[r], grid_of[r] = offset + i * width, (k, i)
+            out_start[r] = offset + i * width
         offset += len(members_k) * width
-    unpack: list[int] = []
-    predictor = [0] * sum(lengths)
-    targets = [0] * len(predictor)
-    slot = [0] * len(predictor)
-    first_token = [0] * n_rows  # where row r's loss tokens start in the row-by-row order
-    for r in range(1, n_rows):
-        first_token[r] = first_token[r - 1] + lengths[r - 1]
+    # The row, segment by segment (a prompt, then its completions), and each segment's start, length, first
+    # position, group, branch and first attention output: every per-token index is these repeated over the
+    # segment's tokens (numpy, a call per index rather than Python per token)
+    tokens: list[int] = []
+    segments: list[tuple[int, ...]] = []
     for g, prompt in enumerate(prompts):
-        start = len(tokens)
+        segments.append((len(tokens), len(prompt), 0, g, 0, g * longest_prompt))
         tokens += prompt
-        positions += range(len(prompt))
-        group += [g] * len(prompt)
-        branch += [0] * len(prompt)
-        prompt_index[g, : len(prompt)] = torch.arange(start, start + len(prompt))
-        unpack += range(g * longest_prompt, g * longest_prompt + len(prompt))
-        last_prompt_position = len(tokens) - 1
         for r in members[g]:
-            completion = rows[r][2]
-            begin = len(tokens)
-            tokens += completion
-            positions += range(len(prompt), len(prompt) + len(completion))
-            group += [g] * len(completion)
-            branch += [r + 1] * len(completion)
-            k_grid, i = grid_of[r]
-            grids[k_grid].query_index[i, : len(completion)] = torch.arange(begin, begin + len(completion))
-            unpack += range(out_start[r], out_start[r] + len(completion))
-            for k, token in enumerate(completion):
-                t = first_token[r] + k
-                predictor[t] = last_prompt_position if k == 0 else begin + k - 1
-                targets[t] = token
-                slot[t] = r * longest_completion + k
+            segments.append((len(tokens), lengths[r], len(prompt), g, r + 1, out_start[r]))
+            tokens += rows[r][2]
+    start, length, first_position, seg_group, seg_branch, first_output = np.array(segments, dtype=np.int64).T
+    within = np.arange(len(tokens)) - np.repeat(start, length)  # a token's place in its segment
+    prompt_start, prompt_lengths = start[seg_branch == 0], length[seg_branch == 0]
+    begin = np.zeros(n_rows, dtype=np.int64)
+    begin[seg_branch[seg_branch > 0] - 1] = start[seg_branch > 0]
+    completion_lengths = np.array(lengths, dtype=np.int64)
+    grids = [CompletionGrid(torch.tensor(members_k, dtype=torch.long), torch.from_numpy(row_prompt[members_k]),
+                            spans(begin[members_k], completion_lengths[members_k], width),
+                            prompt_len=max(len(rows[r][1]) for r in members_k))
+             for members_k, width in zip(grid_rows, widths)]
+    # the loss tokens, row by row: row r's token k, predicted by its prompt's last position (k = 0) or its token k - 1
+    row = np.repeat(np.arange(n_rows), completion_lengths)
+    k = np.arange(len(row)) - np.repeat(np.cumsum(completion_lengths) - completion_lengths, completion_lengths)
+    own = begin[row] + k
+    predictor = np.where(k == 0, (prompt_start + prompt_lengths - 1)[row_prompt[row]], own - 1)
     padding = (pad_to(len(tokens)) if callable(pad_to) else -(-len(tokens) // pad_to) * pad_to) - len(tokens)
     tokens += [0] * padding
-    positions += [0] * padding
-    group += [-1] * padding
-    branch += [-1] * padding
-    unpack += [0] * padding  # padding reads a real token's output; nothing reads padding's keys on this path
-    loss_mask = torch.zeros((n_rows, longest_completion), dtype=torch.bool)
-    for r, (_, _, completion) in enumerate(rows):
-        loss_mask[r, : len(completion)] = True
+    input_ids = np.array(tokens, dtype=np.int64)
+
+    def padded(values: np.ndarray, fill: int, dtype=np.int64) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([values, np.full(padding, fill)]).astype(dtype))
+
     layout = Layout(
-        group=torch.tensor(group, dtype=torch.int32), branch=torch.tensor(branch, dtype=torch.int32),
-        prompt_index=prompt_index, prompt_lengths=torch.tensor([len(p) for p in prompts], dtype=torch.long), grids=grids,
-        unpack=torch.tensor(unpack, dtype=torch.long))
-    return Packed(torch.tensor([tokens], dtype=torch.long), torch.tensor([positions], dtype=torch.long), layout,
-                  torch.tensor(predictor, dtype=torch.long), torch.tensor(targets, dtype=torch.long),
-                  torch.tensor(slot, dtype=torch.long), loss_mask, padding_tokens=padding)
+        group=padded(np.repeat(seg_group, length), -1, np.int32),
+        branch=padded(np.repeat(seg_branch, length), -1, np.int32),
+        prompt_index=spans(prompt_start, prompt_lengths, longest_prompt),
+        prompt_lengths=torch.from_numpy(prompt_lengths), grids=grids,
+        # padding reads a real token's output; nothing reads padding's keys on this path
+        unpack=padded(within + np.repeat(first_output, length), 0))
+    loss_mask = torch.from_numpy(np.arange(longest_completion) < completion_lengths[:, None])
+    positions = padded(within + np.repeat(first_position, length), 0)
+    return Packed(torch.from_numpy(input_ids)[None], positions[None], layout, torch.from_numpy(predictor),
+                  torch.from_numpy(input_ids[own]), torch.from_numpy(row * longest_completion + k), loss_mask,
+                  padding_tokens=padding)
+
+
+def spans(starts: np.ndarray, lengths: np.ndarray, width: int) -> torch.Tensor:
+    """[n, width]: row i holds ``starts[i] .. starts[i] + lengths[i] - 1``, right-padded with 0."""
+    column = np.arange(width)
+    return torch.from_numpy(np.where(column < lengths[:, None], starts[:, None] + column, 0))
 
 
 GRID_OVERHEAD_PAIRS = 16384  # a grid's fixed cost (its calls, gathers and mask) in query-key pairs' worth of work
 MAX_GRIDS = 4
+NO_SPLIT = 1 << 62  # a cost above any split's (int64: best + NO_SPLIT does not overflow)
 
 
 def completion_grids(lengths: list[int], prompt_len: int, max_grids: int = MAX_GRIDS) -> list[list[int]]:
@@ -240,33 +239,28 @@ def completion_grids(lengths: list[int], prompt_len: int, max_grids: int = MAX_G
             runs[-1].append(r)
         else:
             runs.append([r])
-    widths = [lengths[run[0]] for run in runs]
-    before = [0]  # rows in runs[:i]
-    for run in runs:
-        before.append(before[-1] + len(run))
+    widths = np.array([lengths[run[0]] for run in runs], dtype=np.int64)
+    before = np.cumsum([0] + [len(run) for run in runs])  # rows in runs[:i]
     n = len(runs)
-
-    def cost(i: int, j: int) -> int:  # one grid of runs[i:j], as wide as runs[i]
-        return (before[j] - before[i]) * widths[i] * (prompt_len + widths[i]) + GRID_OVERHEAD_PAIRS
-
+    # cost[i, j]: one grid of runs[i:j], as wide as runs[i] (i < j; elsewhere more than any split costs)
+    cost = (before[None, :] - before[:n, None]) * (widths * (prompt_len + widths))[:, None] + GRID_OVERHEAD_PAIRS
+    cost = np.where(np.arange(n)[:, None] < np.arange(n + 1)[None, :], cost, NO_SPLIT)
     # best[j]: the least cost of runs[:j] in at most k grids; cuts[k][j]: where the last of them starts when
-    # k grids beat k - 1 (None: they do not)
-    best = [cost(0, j) if j else 0 for j in range(n + 1)]
-    cuts: list[list[int | None]] = [[0] * (n + 1)]
-    for _ in range(1, max_grids):
-        improved, cut = list(best), [None] * (n + 1)
-        for j in range(2, n + 1):
-            for i in range(1, j):
-                total = best[i] + cost(i, j)
-                if total < improved[j]:
-                    improved[j], cut[j] = total, i
-        best = improved
+    # k grids beat k - 1 (-1: they do not); the first i of the least cost (argmin's)
+    best = np.concatenate([[0], cost[0, 1:]])
+    cuts = [np.zeros(n + 1, dtype=np.int64)]
+    for _ in range(1, max_grids if n > 1 else 1):
+        totals = best[1:n, None] + cost[1:, :]  # the last grid starts at run i >= 1
+        i = totals.argmin(axis=0)
+        least = totals[i, np.arange(n + 1)]
+        better = least < best
+        best, cut = np.where(better, least, best), np.where(better, i + 1, -1)
         cuts.append(cut)
     grids, j = [], n
     for cut in reversed(cuts):
-        if cut[j] is not None:
+        if cut[j] >= 0:
             grids.append([r for run in runs[cut[j]:j] for r in run])
-            j = cut[j]
+            j = int(cut[j])
     return grids[::-1]
 
 
@@ -304,8 +298,8 @@ def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: PadT
     packed = pack([(prompt_key(s, share_prompts, i), s.prompt_ids, s.completion_ids) for i, s in enumerate(chunk)],
                   pad_to, max_grids)
     inference_logprobs = torch.zeros(packed.loss_mask.shape, dtype=torch.float32)
-    for r, s in enumerate(chunk):
-        inference_logprobs[r, : len(s.logprobs)] = torch.tensor(s.logprobs, dtype=torch.float32)
+    sampled = torch.tensor(list(itertools.chain.from_iterable(s.logprobs for s in chunk)), dtype=torch.float32)
+    inference_logprobs.view(-1)[packed.slot] = sampled  # the loss tokens' order: row by row
     advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
     return MicroBatch(packed, inference_logprobs, advantages, teacher_batch(chunk, share_prompts, pad_to, max_grids),
                       count_unique_tokens(chunk))
@@ -381,17 +375,18 @@ def dummy_teacher(pad_to: PadTo = 1) -> PackedTeacher:
                          torch.zeros(len(DUMMY_ROWS), dtype=torch.bool))
 
 
-def to_device(value, device: torch.device):
+def to_device(value, device: torch.device, host: frozenset[str] = frozenset()):
     """A copy of a micro-batch (dataclasses of tensors, nested) with every tensor on ``device``: through pinned
-    host memory and without waiting on CUDA, so the copy overlaps the work before it."""
+    host memory and without waiting on CUDA, so the copy overlaps the work before it. ``host``: names of fields
+    left as they are (what the device's attention never reads: ``attention.host_only``)."""
     if isinstance(value, torch.Tensor):
         if device.type == "cuda":
             return value.pin_memory().to(device, non_blocking=True)
         return value.to(device)
     if isinstance(value, list):
-        return [to_device(v, device) for v in value]
+        return [to_device(v, device, host) for v in value]
     if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device)
-                                             for f in dataclasses.fields(value) if f.init})
+        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device, host)
+                                             for f in dataclasses.fields(value) if f.init and f.name not in host})
     return value
 

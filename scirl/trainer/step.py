@@ -59,8 +59,9 @@ class Trainer:
         self.algorithm = algorithm  # the loss and what else the run's algorithm decides (``scirl.algorithms``)
         # the sampling distribution: the trainer's logprobs are taken under the same temperature and nucleus
         self.temperature, self.top_p = temperature, top_p
-        # the LM head and its softmax run from the final hidden states, a block of tokens at a time (``head.py``)
-        self.head = Head(temperature, top_p, head_block_tokens)
+        # the LM head and its softmax run from the final hidden states, a block of tokens at a time (``head.py``);
+        # compiled decoder layers come with a compiled head
+        self.head = Head(temperature, top_p, head_block_tokens, fused=kernels == "compile")
         self.batching = batching
         self.attention = attention.kind_for(batching.attention, device)
         self.device = device
@@ -117,7 +118,7 @@ class Trainer:
 
     def on_device(self, mb: MicroBatch) -> MicroBatch:
         """``mb`` on the trainer's device with its attention masks made there."""
-        mb = to_device(mb, self.device)
+        mb = to_device(mb, self.device, attention.host_only(self.attention))
         packed = self.prepared(mb.packed)
         teacher = None if mb.teacher is None else dataclasses.replace(mb.teacher, packed=self.prepared(mb.teacher.packed))
         return dataclasses.replace(mb, packed=packed, teacher=teacher)
