@@ -35,8 +35,10 @@ one-line reason. Checkpoints of scirl versions before this layout (one ``trainer
 on rank 0) still serve and evaluate; a resume refuses them in one line. ``prune_checkpoints`` never deletes the
 newest resumable checkpoint, so a damaged newer one cannot push the last good one out.
 
-Test hook: ``SCIRL_CKPT_WRITE_DELAY`` (seconds, float) makes the writer sleep after each file it seals and at
-each phase of a write (staged, written, before a commit), so tests can kill a process mid-write.
+Test hooks: ``SCIRL_CKPT_WRITE_DELAY`` (seconds, float) makes the writer sleep after each file it seals;
+``SCIRL_CKPT_PAUSE=STEP:PHASE`` stops it for good at a phase of checkpoint STEP (``staging``: staged, not yet
+released to training; ``writing``: the serving files written, not committed; ``committing``: every trainer-state
+file durable, not committed) once ``weights/.paused`` says so, so tests kill a process at a chosen moment.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +59,15 @@ from safetensors import safe_open
 
 from scirl.errors import RunDirError
 from scirl.files import seal_digest
-from scirl.run.rundir import STALE_DIR, STEP_DIR
+from scirl.run.rundir import RUN_CONFIG, STALE_DIR, STEP_DIR  # noqa: F401 (RUN_CONFIG: part of the layout)
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state"
 TRAINER_TMP = ".trainer_state.tmp"  # the trainer state being written, inside its committed step dir
 PROGRESS = "state.pt"  # trainer_state/: step, data position, RNG states, the loop's extras
 ADAPTER_CONFIG = "adapter_config.json"  # trainer_state/ of a LoRA run: the adapter's peft config
-RUN_CONFIG = "run_config.toml"  # the run's resolved config, beside the serving weights
 DCP_METADATA = ".metadata"
+PAUSED = ".paused"  # weights/: where a writer stopped for a test (``SCIRL_CKPT_PAUSE``)
 OLD_OPTIMIZER = f"{TRAINER_STATE}/optimizer.pt"  # a checkpoint of the single-writer layout
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -331,6 +334,8 @@ def remove_stale(run_dir: str | Path) -> list[Path]:
     Call only when no writer runs."""
     root = weights_dir(run_dir)
     removed = []
+    if (root / PAUSED).is_file():  # the writer's test hook said where it stopped
+        (root / PAUSED).unlink()
     if root.is_dir():
         for p in root.iterdir():
             if STALE_DIR.match(p.name) and p.is_dir():
@@ -415,8 +420,10 @@ def load_trainer_state(path: str | Path, state: dict, process_group=None) -> Non
     from torch.distributed.checkpoint import load as dcp_load
 
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    dcp_load(state, storage_reader=FileSystemReader(str(Path(path) / TRAINER_STATE)), process_group=process_group,
-             no_dist=not distributed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: as meant
+        dcp_load(state, storage_reader=FileSystemReader(str(Path(path) / TRAINER_STATE)), process_group=process_group,
+                 no_dist=not distributed)
 
 
 def read_adapter_config(path: str | Path) -> dict | None:

@@ -39,6 +39,7 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -48,14 +49,13 @@ import torch
 from scirl.errors import TrainError
 from scirl.files import fsync_dir, seal_file, write_text_atomic
 from scirl.run import checkpoint, serving_weights
-from scirl.run.checkpoint import (ADAPTER_CONFIG, DCP_METADATA, MANIFEST, PROGRESS, TRAINER_STATE, TRAINER_TMP,
-                                  CheckpointWriteError, weights_dir)
+from scirl.run.checkpoint import (ADAPTER_CONFIG, DCP_METADATA, MANIFEST, PAUSED, PROGRESS, TRAINER_STATE,
+                                  TRAINER_TMP, CheckpointWriteError, weights_dir)
 from scirl.run.rundir import LATEST
 
 log = logging.getLogger("scirl.run")
 
 PAUSE_ENV = "SCIRL_CKPT_PAUSE"  # test hook: "STEP:PHASE" blocks the writer there (weights/.paused says so)
-PAUSED = ".paused"
 PHASES = ("staging", "writing", "committing")  # staged but not yet released; serving files written; all files durable
 GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a writer waits this long for another rank's (the training group's)
 SAY_AFTER_S = 1.0  # a wait longer than this says what it waits for
@@ -327,7 +327,10 @@ class Checkpointer:
         failed = None
         try:
             tmp.mkdir(exist_ok=True)
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(), \
+                    warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: meant
+                # DCP's own fsync is left to ``_seal``, which reads each file back for its sha256 and fsyncs it once
                 dcp_save({key: staged[key] for key in ("model", "optimizer", "algorithm")},
                          storage_writer=FileSystemWriter(str(tmp), sync_files=False), process_group=self.group,
                          no_dist=self.dist.world_size == 1)
@@ -412,6 +415,9 @@ def _failure(e) -> tuple[str, int | None, str] | None:
     if found is not None:
         return "write", found[0], found[1]
     log.error("checkpoint write failed", exc_info=e)
+    for inner in getattr(e, "failures", {}).values():  # DCP's CheckpointException: each rank's (error, traceback)
+        e = inner[0]
+        break
     return "error", None, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 

@@ -23,6 +23,7 @@ from scirl.errors import RunDirError
 LATEST = "latest"  # text file "step_N"
 STEP_DIR = re.compile(r"^step_(\d+)$")  # a committed checkpoint
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # a write cut short, or one being replaced
+RUN_CONFIG = "run_config.toml"  # a checkpoint's copy of its run's config.toml: its data settings travel with it
 RESULTS = ("metrics.jsonl", "rollouts", "weights")
 RESUMES = "resumes.jsonl"  # one row per resume: the step it went on from and the settings it changed
 # the last line of a run stopped on request (``stopped_line``): a launcher knows from it that the stop went well

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from scirl.run.rundir import RUN_CONFIG
+
 FILE_BYTES = 2 << 30  # a serving file's most bytes: bounds the host memory an owner holds for one file
 INDEX = "model.safetensors.index.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -41,8 +43,6 @@ def fixed_files(model_config, generation_config, tokenizer, run_config: str, dty
     """Name -> bytes of the files every checkpoint carries beside its weights: ``config.json`` (its dtype the serving
     weights'), ``generation_config.json``, the tokenizer's files and ``run_config.toml`` (``run_config``: the run's
     resolved config). Rendered once, with transformers' own writers."""
-    from scirl.run.checkpoint import RUN_CONFIG
-
     config = model_config.__class__.from_dict(model_config.to_dict())
     config.dtype = dtype
     with tempfile.TemporaryDirectory() as tmp:
@@ -96,16 +96,11 @@ def index_file(files: list[ServingFile], total_bytes: int) -> bytes | None:
     return json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=1).encode("utf-8")
 
 
-def untied(state: dict[str, torch.Tensor]) -> list[str]:
-    """The names of ``state`` less those that are the same tensor as an earlier one (a tied head)."""
-    seen: set[int] = set()
-    names = []
-    for name, tensor in state.items():
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        names.append(name)
-    return names
+def tied_names(model, rename=lambda name: name) -> frozenset[str]:
+    """The names of ``model``'s parameters that are another's (a head tied to the embeddings), as ``rename`` gives
+    them: a serving file leaves them out. From the module's structure, so the same on every rank."""
+    kept = {name for name, _ in model.named_parameters()}
+    return frozenset(rename(name) for name, _ in model.named_parameters(remove_duplicate=False) if name not in kept)
 
 
 def nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:

@@ -218,9 +218,7 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
     dtype = serving_weights.serving_dtype(AutoConfig.from_pretrained(cfg.model if lora_run else model_source))
     fixed = serving_weights.fixed_files(hf.config, getattr(hf, "generation_config", None), tokenizer,
                                         tomli_w.dumps(to_toml_dict(cfg)), dtype)
-    names = [name for name, _ in hf.named_parameters(remove_duplicate=False)]
-    kept = {name for name, _ in hf.named_parameters()}
-    tied = frozenset(lora.hf_name(name) if lora_run else name for name in names if name not in kept)
+    tied = serving_weights.tied_names(hf, lora.hf_name if lora_run else (lambda name: name))
     staging = staging_mode(cfg, trainer, hf, dtype, dist, device)
     if dist.is_main and cfg.ckpt.staging == "auto" and staging == "chunks":
         say("Checkpoints are written unstaged (ckpt.staging chunks): this host's memory cannot hold a staged copy")

@@ -164,6 +164,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 if due or step == cfg.max_steps or stop_now:
                     full = step < cfg.max_steps or cfg.ckpt.final == "full"
                     saved_seconds = save(r, step, result.batch.data_position, empty_steps, full=full)
+                    stop_now = stop.agreed(r.dist)  # a signal while the save waited for the checkpoint before it
                 if stop_now and step < cfg.max_steps:
                     finish_checkpoints(r)
                     r.say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step,
