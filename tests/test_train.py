@@ -184,7 +184,6 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
     saved = trainer_state(run_dir, 3)
     assert saved["optimizer"]["state"] and all(torch.equal(saved["model"][name], model.state_dict()[name])
                                               for name in saved["model"])
-    assert all(m["time/checkpoint"] >= 0 for m in metrics) and "time/checkpoint_background" in metrics[-1]
 
     # the same directory again without --resume is refused; --clean starts over
     from scirl.errors import RunDirError

@@ -94,9 +94,9 @@ class Run:
 def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     transformers.utils.logging.disable_progress_bar()  # per-file bars would drown the step lines
     dist, device = distributed.setup(cfg.device)
-    group = checkpoint_group(dist.world_size)  # the checkpoint writers' own: every rank makes it, first
     if cfg.lora.enabled:
         lora.check_supported(dist)
+    group = checkpoint_group(dist.world_size)  # the checkpoint writers' own: every rank makes it, first
     run_dir = Path(cfg.output_dir)
     if dist.is_main:
         rundir.prepare(run_dir, resume=resume, clean=clean)
@@ -225,7 +225,7 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
     serving = None
     if lora_run:  # the merged weights, read while staging (they need the live adapter)
         serving = lambda: dict(trainer.full_weights(device="cpu", dtype=dtype))  # noqa: E731
-    adapter = lora.adapter_state(trainer.model)[1] if lora_run else None
+    adapter = lora.adapter_config(trainer.model) if lora_run else None
     return Checkpointer(Path(cfg.output_dir), state=trainer.checkpoint_state, fixed=fixed, dtype=dtype, dist=dist,
                         group=group, device=device, staging=staging, keep=cfg.ckpt.keep, tied=tied, serving=serving,
                         adapter_config=adapter, say=say)

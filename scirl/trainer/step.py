@@ -309,9 +309,16 @@ class Trainer:
         (``Algorithm.checkpoint_state``). Every rank calls it; no collective."""
         options = StateDictOptions(ignore_frozen_params=True)
         if not full:
-            return {"model": get_model_state_dict(self.model, options=options)}
+            return {"model": self.trained(get_model_state_dict(self.model, options=options))}
         model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
-        return {"model": model, "optimizer": optimizer, "algorithm": self.algorithm.checkpoint_state()}
+        return {"model": self.trained(model), "optimizer": optimizer, "algorithm": self.algorithm.checkpoint_state()}
+
+    def trained(self, state: dict) -> dict:
+        """``state`` less frozen tensors (LoRA's base, whose tied head torch's ``ignore_frozen_params`` keeps)."""
+        if len(self.trainable) == sum(1 for _ in self.model.parameters()):
+            return state
+        names = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {name: value for name, value in state.items() if name in names}
 
     def load_checkpoint_state(self, state: dict) -> None:
         """Take ``state`` (``checkpoint_state()``'s dict, read from a checkpoint in place) as the parameters and
