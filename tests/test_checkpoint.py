@@ -556,3 +556,25 @@ def test_real_failed_write_is_reported_in_one_line(tmp_path, tiny_model_dir):
     lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
     assert len(lines) == 1 and "checkpoint step 2 not saved" in lines[0] and "ckpt.keep" in lines[0]
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["latest", "step_1"]
+
+
+def test_dcp_to_hf_reads_a_scirl_checkpoints_trainer_state(tmp_path, tiny_model_dir, capsys):
+    """`scirl dcp-to-hf RUN/weights/step_N` gives the float32 masters (or another dtype) as an HF model, its config
+    and tokenizer from the step directory itself; a checkpoint without a trainer state is refused in one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from scirl.cli import main as cli_main
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    optimizer = trained_optimizer(model)
+    path = save(tmp_path / "run", 1, model, optimizer, AutoTokenizer.from_pretrained(tiny_model_dir))
+    out = tmp_path / "hf"
+    assert cli_main(["dcp-to-hf", str(path), "--out", str(out), "--dtype", "float32"]) == 0
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    assert str(path) in capsys.readouterr().out  # config and tokenizer from the checkpoint's own step directory
+    weights_only = save(tmp_path / "other", 1, model, optimizer, full=False)
+    assert cli_main(["dcp-to-hf", str(weights_only), "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "an HF model already" in err

@@ -59,6 +59,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from dataclasses import dataclass, field, replace
 from io import StringIO
 from pathlib import Path
@@ -864,3 +865,15 @@ def staging_line(need: Staging, mode: str, ranks_per_node: int, host: tuple[int,
     return (f"checkpoint staging per trainer rank: trainer state {gib(need.trainer_state)}"
             f"{'' if mode == 'full' else ' (not staged: --ckpt.staging chunks)'}, serving writes {gib(need.serving)}; "
             f"{ranks_per_node} rank(s) a node: {gib(need.per_rank(mode) * ranks_per_node)}{room}")
+
+
+def check_staging(cfg, ranks: int) -> str | None:
+    """The host memory a checkpoint of ``cfg``'s run stages per trainer rank, in one line (None when the model's
+    shapes are unknown here); ``PreflightError`` when its staging cannot fit a node's host (``choose_staging``)."""
+    found = model_shape(cfg.model)
+    if found is None:
+        return None
+    need = plan_staging(found[0], cfg, ranks)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    host = host_memory(cfg.deployment)
+    return staging_line(need, choose_staging(cfg.ckpt.staging, need, per_node, host), per_node, host)
