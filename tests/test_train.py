@@ -939,6 +939,24 @@ def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp
     assert "from step 1" in out and "step_3" in out and "manifest says step 1" in out
 
 
+def test_a_weights_only_final_checkpoint_serves_and_a_resume_goes_on_from_the_one_before(one_step_run, tmp_path,
+                                                                                         capsys):
+    """`--ckpt.final weights`: the last step's checkpoint is the serving weights alone (what an eval needs); a later
+    `--resume` with more steps says it skipped it and goes on from the last full checkpoint."""
+    from scirl.commands.train import main
+    from scirl.run.checkpoint import latest_checkpoint
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    assert main(["--resume", str(run_dir), "--max-steps", "2", "--ckpt.final", "weights"]) == 0
+    assert latest_checkpoint(run_dir, verify=True) == (2, run_dir / "weights" / "step_2")
+    assert not (run_dir / "weights" / "step_2" / "trainer_state").exists()
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir), "--max-steps", "3", "--ckpt.final", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "from step 1" in out and "Skipped checkpoint step_2: step_2: no trainer_state/" in out
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
+
+
 TEARDOWN_SCRIPT = r'''
 import json, os, sys, threading, torch
 from scirl.run.config_io import load_config
