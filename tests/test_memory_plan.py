@@ -357,7 +357,7 @@ def test_dry_run_refuses_what_cannot_fit_in_one_line(capsys):
     assert err.count("\n") == 0 and err.startswith("scirl train: memory:") and "fix:" in err
 
 
-def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_fit_refused(capsys):
+def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_fit_refused(capsys, monkeypatch):
     """The 8B guide layout's 2 trainer ranks on one node each stage float32 weights and AdamW's moments (12 bytes a
     parameter, half each) plus a serving file and a gathered tensor: on a 512 GiB host that is staged; on 128 GiB it
     is not (auto: written unstaged, said so in the plan); forced staging there is refused in one line naming
@@ -366,6 +366,8 @@ def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_f
     from scirl.run.config_io import load_config
     from scirl.run.memory import F32, model_shape, plan_staging
 
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # not under torchrun: the launcher's 2 trainer ranks on its node
+        monkeypatch.delenv(name, raising=False)
     shape = model_shape("Qwen/Qwen3-8B")[0]
     need = plan_staging(shape, load_config(["@", CONFIG_8B]), ranks=2)
     assert need.trainer_state == -(-shape.parameters() // 2) * 3 * F32

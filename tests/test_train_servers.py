@@ -151,7 +151,8 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
 
 def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path):
     """A run through inference.urls leaves the server holding its last version: the server's greedy
-    answers equal the trained checkpoint's under transformers, and differ from the base model's."""
+    answers equal the trained checkpoint's (its float32 trainer state) under transformers, and differ from the base
+    model's."""
     from transformers import AutoTokenizer
 
     from scirl.run.backends import hf_generator
@@ -167,7 +168,11 @@ def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path)
         served = greedy_texts(remote.generate, prompts)
     finally:
         remote.close()
-    trained = greedy_texts(hf_generator(str(run / "weights" / "step_2"), tokenizer=tokenizer).generate, prompts)
+    from scirl.primerl.dcp_convert import convert
+
+    # the trainer's float32 masters (the serving weights are in the base model's dtype, bf16), as the server got them
+    masters = convert(run / "weights" / "step_2", tmp_path / "masters", dtype="float32").out
+    trained = greedy_texts(hf_generator(str(masters), tokenizer=tokenizer).generate, prompts)
     base = greedy_texts(hf_generator(str(DEMO_BASE), tokenizer=tokenizer).generate, prompts)
     assert served == trained
     assert trained != base

@@ -161,6 +161,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)
         sink = InProcessSink(generator, trainer, check)
+        if saved is not None and checkpointer.dtype != trainer.dtype:
+            sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
     empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
     return Run(cfg, dist, device, run_dir, say, console, tokenizer, model, trainer, questions, digest, start_step,
                empty_steps, generator, source, sink, evaluate, wandb_run, checkpointer)
