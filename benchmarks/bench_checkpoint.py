@@ -229,7 +229,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
     sys.path.insert(0, str(REPO))
-    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp_name, against_tree(args.against, Path(tmp_name)) as old:
+    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp_name, \
+            against_tree(args.against, Path(tmp_name)) as old:
         tmp = Path(tmp_name)
         shape = {**SHAPE, "num_layers": args.layers}
         model = build_model(tmp / "model", shape)

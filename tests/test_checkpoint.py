@@ -282,8 +282,8 @@ def start_writer(tmp_path, tiny_model_dir, **env) -> tuple[subprocess.Popen, Pat
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(script), str(run_dir), str(tiny_model_dir), str(Path(__file__).parent)],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
+    argv = [sys.executable, str(script), str(run_dir), str(tiny_model_dir), str(Path(__file__).parent)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **env))
     return proc, run_dir
 
 

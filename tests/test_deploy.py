@@ -311,8 +311,8 @@ def test_an_sdpo_run_with_an_ema_teacher_budgets_its_copy_in_every_checkpoint(ti
     serving = 4  # the tiny model's config says float32: its serving weights are float32 too
     assert preflight.disk_needed(load_config(base), "nccl")[1] == params * (12 + serving)
     assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo"]), "nccl")[1] == params * (16 + serving)
-    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"]), "nccl")[1] == \
-        params * (12 + serving)
+    current = load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"])
+    assert preflight.disk_needed(current, "nccl")[1] == params * (12 + serving)
     demo_base = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
     assert preflight.serving_bytes_per_param(str(demo_base)) == 2  # bf16
 

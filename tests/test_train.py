@@ -554,7 +554,8 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
             torch.testing.assert_close(opt_got["state"][name][key], value, rtol=1e-5, atol=1e-6, msg=str((name, key)))
     # two ranks wrote the serving weights side by side: one file each, with an index
     files = sorted(p.name for p in (reference / "weights" / "step_3").glob("model*"))
-    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
 
 
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):

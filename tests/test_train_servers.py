@@ -220,7 +220,8 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "SCIRL_CKPT_WRITE_DELAY": "0.3"})
     try:
-        wait_for(lambda: any((run / "weights" / ".step_4.tmp").glob("*.safetensors")) or trainer.poll() is not None, 300)
+        writing = run / "weights" / ".step_4.tmp"
+        wait_for(lambda: any(writing.glob("*.safetensors")) or trainer.poll() is not None, 300)
         trainer.kill()
         trainer.wait(timeout=30)
     finally:

@@ -116,7 +116,7 @@ def a_resume_stage(ctx: dict) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     k = KILL_AT_CHECKPOINT
     partial = run_dir / "weights" / f".step_{k}.tmp"
-    # checkpoint k's serving files appear in its tmp dir one by one, each sealed (the writer then sleeps) before the next
+    # checkpoint k's serving files appear in its tmp dir one by one, each sealed (then the writer sleeps)
     say(f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in it")
     run = launch(ctx, stage_a_command(ctx, run_dir, ckpt_interval=1), out / "a-resumed-killed.log",
                  {**stage_a_env(ctx), "SCIRL_CKPT_WRITE_DELAY": CKPT_WRITE_DELAY_S[ctx["device"]]},

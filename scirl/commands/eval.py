@@ -227,7 +227,8 @@ def _apply_data_defaults(args, run_data) -> str | None:
     taken = {key: getattr(args, key) for key in DATA_FLAGS if key not in given and key in defaults
              and getattr(args, key) is not None and getattr(args, key) != AUTO}
     trained = "which it trained on" if args.split == run_data.split else "which it did not train on"
-    recorded = "config.toml" if (Path(args.run) / "config.toml").is_file() else "run config, which its checkpoint carries"
+    recorded = ("config.toml" if (Path(args.run) / "config.toml").is_file()
+                else "run config, which its checkpoint carries")
     return (f"data settings of run {args.run} (its {recorded}): {_flags(taken) or 'none'}"
             + (f"; given here: {_flags(given)}" if given else "") + f"; evaluating its {args.split} split, {trained}")
 

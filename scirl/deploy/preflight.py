@@ -248,8 +248,9 @@ def check_disk(cfg, weight_sync: str) -> int | None:
         broadcast = " plus the weight-broadcast copies" if weight_sync == "filesystem" else ""
         extra = f" + {cfg.algorithm}'s state" if algorithm_bytes_per_param(cfg) else ""
         raise PreflightError(
-            f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: serving weights "
-            f"+ float32 weights + AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose another --output-dir, "
+            f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: serving "
+            f"weights + float32 weights + AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose "
+            "another --output-dir, "
             "or keep fewer checkpoints (--ckpt.keep 1)")
     return one
 

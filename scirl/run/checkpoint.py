@@ -59,7 +59,7 @@ from safetensors import safe_open
 
 from scirl.errors import RunDirError
 from scirl.files import seal_digest
-from scirl.run.rundir import RUN_CONFIG, STALE_DIR, STEP_DIR  # noqa: F401 (RUN_CONFIG: part of the layout)
+from scirl.run.rundir import PAUSED, STALE_DIR, STEP_DIR
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state"
@@ -67,7 +67,6 @@ TRAINER_TMP = ".trainer_state.tmp"  # the trainer state being written, inside it
 PROGRESS = "state.pt"  # trainer_state/: step, data position, RNG states, the loop's extras
 ADAPTER_CONFIG = "adapter_config.json"  # trainer_state/ of a LoRA run: the adapter's peft config
 DCP_METADATA = ".metadata"
-PAUSED = ".paused"  # weights/: where a writer stopped for a test (``SCIRL_CKPT_PAUSE``)
 OLD_OPTIMIZER = f"{TRAINER_STATE}/optimizer.pt"  # a checkpoint of the single-writer layout
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")

@@ -256,7 +256,8 @@ class Checkpointer:
         written, for the line."""
         step, tmp, rank = job.step, self.root / f".step_{job.step}.tmp", self.dist.rank
         if self.plan is None:
-            specs = [(name, serving_weights.nbytes(t, self.dtype)) for name, t in tensors.items() if name not in self.tied]
+            specs = [(name, serving_weights.nbytes(t, self.dtype)) for name, t in tensors.items()
+                     if name not in self.tied]
             self.plan = serving_weights.plan_files(specs, self.dist.world_size)
             self.serving_bytes = sum(size for _, size in specs)
         failed = None
@@ -347,7 +348,8 @@ class Checkpointer:
                         (tmp / ADAPTER_CONFIG).write_text(json.dumps(self.adapter_config, indent=1, sort_keys=True))
                 mine = sorted(tmp.glob(f"__{rank}_*.distcp"))
                 if self.dist.is_main:
-                    mine += [tmp / DCP_METADATA, tmp / PROGRESS] + ([tmp / ADAPTER_CONFIG] if self.adapter_config else [])
+                    mine += [tmp / DCP_METADATA, tmp / PROGRESS]
+                    mine += [tmp / ADAPTER_CONFIG] if self.adapter_config is not None else []
                 entries = {path.name: self._seal(path) for path in mine}
             except Exception as e:  # a failed write: classified by ``_failure``
                 failed = e

@@ -855,8 +855,8 @@ def choose_staging(wanted: str, need: Staging, ranks_per_node: int, host: tuple[
         return "chunks"
     raise PreflightError(f"memory: even unstaged, a checkpoint's serving writes take {gib(need.per_rank('chunks'))} a "
                          f"trainer rank, {gib(need.per_rank('chunks') * ranks_per_node)} on a node, over the "
-                         f"{gib(room)} it may take of the host's {gib(host[0])} ({host[1]}); fix: more trainer ranks or "
-                         "nodes, or --deployment.host-memory-gb for the nodes that train")
+                         f"{gib(room)} it may take of the host's {gib(host[0])} ({host[1]}); fix: more trainer ranks "
+                         "or nodes, or --deployment.host-memory-gb for the nodes that train")
 
 
 def staging_line(need: Staging, mode: str, ranks_per_node: int, host: tuple[int, str] | None) -> str:

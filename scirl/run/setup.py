@@ -233,7 +233,8 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
                         adapter_config=adapter, say=say)
 
 
-def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist, device: torch.device) -> str:
+def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist,
+                 device: torch.device) -> str:
     """``ckpt.staging`` resolved from this rank's state and this node's host memory (``memory.choose_staging``)."""
     trained = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                   for p in trainer.model.parameters() if p.requires_grad)

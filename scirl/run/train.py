@@ -181,7 +181,8 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     return status
 
 
-def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float, progress: Progress) -> None:
+def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float,
+           progress: Progress) -> None:
     """Rank 0: the step's rollouts file, metrics row, step line (console and log) and W&B row. ``timings``: the
     checkpoints' (``time/checkpoint``: what they blocked since the last row, ``saved_seconds`` of it in the save
     after the previous step, the rest inside this step's update)."""

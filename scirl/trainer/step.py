@@ -13,8 +13,9 @@ Single process (CPU or one GPU): a plain module, trained in place; the generator
 module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): the
 FSDP2-sharded module ``model.py`` loads (float32 masters, a bf16 compute policy on GPU); each rank trains on
 its share of the batch (whole groups) and ``full_state_dict`` gathers the full tensors (for the generation copy);
-checkpoints keep each rank's shards (``checkpoint_state``). The loss-token count is all-reduced first, so every rank divides by the batch's global count,
-as prime-rl does, and every rank runs as many forwards as the busiest (FSDP2's collectives).
+checkpoints keep each rank's shards (``checkpoint_state``). The loss-token count is all-reduced first, so every
+rank divides by the batch's global count, as prime-rl does, and every rank runs as many forwards as the busiest
+(FSDP2's collectives).
 
 The loss, and what a micro-batch's forward/backward computes, is the run's algorithm's (``algorithm``, built
 by ``scirl.algorithms``; this module never imports it): ``Trainer`` calls its ``forward_backward`` (by default:
@@ -30,7 +31,8 @@ import dataclasses
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample

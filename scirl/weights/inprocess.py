@@ -33,8 +33,9 @@ class InProcessSink:
         """The trainer's weights to the sampler now, unchecked: a resumed run's sampler was loaded from the
         checkpoint's serving weights, in the model's dtype, and must sample from the trainer's own (float32 where it
         computes in float32)."""
+        trainer = self.trainer
         if self.generator.needs_weight_updates:
-            self.generator.update_weights(self.trainer.full_weights(device=self.trainer.device, dtype=self.trainer.dtype))
+            self.generator.update_weights(trainer.full_weights(device=trainer.device, dtype=trainer.dtype))
 
     def replica(self) -> Replica:
         dist, checksums = self.trainer.dist, getattr(self.generator, "weight_checksums", None)

@@ -160,7 +160,8 @@ def recorded_data(run: str) -> dict:
     of one), as taskset keys: its source, format or columns, split method and seed, held-out size."""
     path = next((Path(run) / name for name in RUN_CONFIGS if (Path(run) / name).is_file()), None)
     if path is None:
-        raise ValueError(f"run {run!r}: neither a scirl run directory nor a scirl checkpoint (no {' or '.join(RUN_CONFIGS)})")
+        raise ValueError(f"run {run!r}: neither a scirl run directory nor a scirl checkpoint "
+                         f"(no {' or '.join(RUN_CONFIGS)})")
     data = tomllib.loads(path.read_text(encoding="utf-8")).get("data", {})
     data.setdefault("split_seed", data.get("seed", DEFAULT_SPLIT_SEED))  # a run saved before the rename
     settings = {key: data[field] for key, field in RECORDED.items() if field in data}
