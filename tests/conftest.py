@@ -36,9 +36,11 @@ SLOWEST_FIRST = [
     "test_packing.py",  # ~55 s cold: flex attention compiled by inductor (~35 s warm)
     "test_gpu_check.py",  # 45 s
     "test_vllm_server.py",  # 34 s
+    "test_checkpoint.py",  # 31 s (kill -9 at each phase of a background write: a process each)
     "test_vllm_serve.py",  # 26 s
     "test_demo.py",  # 25 s
     "test_sdpo_train.py",  # 23 s
+    "test_checkpoint_ranks.py",  # 21 s
     "test_server_readiness.py",  # 22 s
     "test_inference_hf.py",  # 22 s
     "test_deploy.py",  # 15 s
@@ -49,7 +51,6 @@ SLOWEST_FIRST = [
     "test_multinode.py",  # 13 s
     "test_primerl.py",  # 13 s
     "test_weight_buckets.py",  # 12 s
-    "test_checkpoint.py",  # 12 s
     "test_fsdp_load.py",  # 12 s
     "test_train_eval.py",  # 11 s
     "test_gpu_contracts.py",  # 10 s

@@ -308,9 +308,13 @@ def test_too_little_disk_is_one_line_with_the_size_and_a_fix(tiny_model_dir, tmp
 def test_an_sdpo_run_with_an_ema_teacher_budgets_its_copy_in_every_checkpoint(tiny_model_dir, tmp_path):
     base = ["--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "run")]
     params = preflight.parameter_count(str(tiny_model_dir))
-    assert preflight.disk_needed(load_config(base), "nccl")[1] == params * 12
-    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo"]), "nccl")[1] == params * 16
-    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"]), "nccl")[1] == params * 12
+    serving = 4  # the tiny model's config says float32: its serving weights are float32 too
+    assert preflight.disk_needed(load_config(base), "nccl")[1] == params * (12 + serving)
+    assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo"]), "nccl")[1] == params * (16 + serving)
+    current = load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"])
+    assert preflight.disk_needed(current, "nccl")[1] == params * (12 + serving)
+    demo_base = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
+    assert preflight.serving_bytes_per_param(str(demo_base)) == 2  # bf16
 
 
 def test_a_missing_vllm_is_one_line_with_the_install_command(monkeypatch):

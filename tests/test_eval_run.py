@@ -150,3 +150,18 @@ def test_a_plain_eval_names_its_data_split_and_seed_in_one_line(trained_run, tin
     assert first == (f"scirl eval: 8 questions: the eval split of {data} (--eval-per-domain 2 --split-method content "
                      "--split-seed 5); no run given, so not checked against a training split")
     assert json.loads(out.read_text())["trained_on"]["questions"] is None  # not checked, and the file says so
+
+
+def test_a_checkpoint_copied_out_of_its_run_still_refuses_the_questions_it_trained_on(trained_run, tmp_path, capsys):
+    """The run's config travels in its checkpoint (run_config.toml): a copy evaluated away from its run still takes
+    the run's data settings (its held-out questions by default), and its training split is refused."""
+    run_dir, data, trained, held_out = trained_run
+    copy = shutil.copytree(run_dir / "weights" / "step_1", tmp_path / "elsewhere" / "step_1")
+    out = tmp_path / "eval.json"
+    assert cli_main(["eval", "--model", str(copy), "--split", "train", "--out", str(out), *EVAL_ARGS]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"{len(trained)} of the {len(trained)} questions" in err and not out.exists()
+    assert cli_main(["eval", "--model", str(copy), "--out", str(out), *EVAL_ARGS]) == 0
+    assert evaluated_ids(out) == held_out
+    [line] = [line for line in capsys.readouterr().err.splitlines() if "data settings of run" in line]
+    assert "run config, which its checkpoint carries" in line and "--eval-per-domain 2" in line

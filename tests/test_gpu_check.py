@@ -89,8 +89,9 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     # the mission's lengths: prompts of 100-350 tokens (to within a word), completions of mixed lengths up to the limit
     assert 100 <= a["prompts"]["min"] and a["prompts"]["max"] <= 360 and a["prompts"]["count"] == 8
     assert 1 <= a["completions"]["median"] < 32 and a["completions"]["at_limit"] < 0.5
-    checkpoint = a["checkpoint"]  # its save time read from the run's line, which rounds a fast save to 0.0s
+    checkpoint = a["checkpoint"]  # its write time read from the run's line, which rounds a fast write to 0.0s
     assert checkpoint["step"] == 2 and checkpoint["bytes"] > 0 and checkpoint["seconds"] is not None
+    assert checkpoint["blocked_s"] is not None  # the step waited only for the hand-over
     assert (checkpoint["mb_per_s"] > 0) if checkpoint["seconds"] > 0 else checkpoint["mb_per_s"] is None
     # a checkpoint before the last step: the step after it was blocked by it, as its metrics row says
     assert checkpoint["interval"] == 1 and [b["step"] for b in checkpoint["blocked"]] == [2]

@@ -367,6 +367,33 @@ def test_dry_run_refuses_what_cannot_fit_in_one_line(capsys):
     assert err.count("\n") == 0 and err.startswith("scirl train: memory:") and "fix:" in err
 
 
+def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_fit_refused(capsys, monkeypatch):
+    """The 8B guide layout's 2 trainer ranks on one node each stage float32 weights and AdamW's moments (12 bytes a
+    parameter, half each) plus a serving file and a gathered tensor: on a 512 GiB host that is staged; on 128 GiB it
+    is not (auto: written unstaged, said so in the plan); forced staging there is refused in one line naming
+    the fix; a host that cannot even hold the serving writes is refused whatever the staging."""
+    from scirl.commands.train import main
+    from scirl.run.config_io import load_config
+    from scirl.run.memory import F32, model_shape, plan_staging
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # not under torchrun: the launcher's 2 trainer ranks on its node
+        monkeypatch.delenv(name, raising=False)
+    shape = model_shape("Qwen/Qwen3-8B")[0]
+    need = plan_staging(shape, load_config(["@", CONFIG_8B]), ranks=2)
+    assert need.trainer_state == -(-shape.parameters() // 2) * 3 * F32
+    base = ["@", CONFIG_8B, "--dry-run", "--deployment.gpu-memory-gb", "80"]
+    assert main([*base, "--deployment.host-memory-gb", "512"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "checkpoint staging per trainer rank" in x)
+    assert "trainer state 45.8 GiB," in line and "2 rank(s) a node: 100.2 GiB" in line
+    assert main([*base, "--deployment.host-memory-gb", "128"]) == 0
+    assert "(not staged: --ckpt.staging chunks)" in capsys.readouterr().out
+    assert main([*base, "--deployment.host-memory-gb", "128", "--ckpt.staging", "full"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "a checkpoint stages 50.1 GiB a trainer rank" in err and "--ckpt.staging chunks" in err
+    assert main([*base, "--deployment.host-memory-gb", "8"]) == 2
+    assert "even unstaged" in capsys.readouterr().err
+
+
 def test_a_gpu_run_is_refused_before_any_weight_loads(monkeypatch, capsys):
     """On a GPU (here: said to be one), ``scirl train`` refuses before the run starts: nothing is loaded."""
     import scirl.run.memory

@@ -137,6 +137,25 @@ def test_train_and_eval_are_disjoint_and_keys_unique(data_file):
     assert [t.data.idx for t in train] == list(range(len(train)))
 
 
+def test_a_scirl_run_or_checkpoint_gives_the_taskset_its_data_settings(data_file, tmp_path):
+    """`run = RUN_DIR` (its config.toml) or a checkpoint copied out of it (the run_config.toml it carries): the
+    taskset's eval split is the questions that run held out, under its own split settings; a key given wins."""
+    from scirl.run.config_io import load_config, write_config
+    from scirl.task.data import load_splits
+
+    cfg = load_config(["--data.source", str(data_file), "--data.eval-per-domain", "3", "--data.split-seed", "7"])
+    write_config(cfg, tmp_path / "run" / "config.toml")
+    write_config(cfg, tmp_path / "copied_step_3" / "run_config.toml")
+    held_out = {q.id for q in load_splits(str(data_file), eval_per_domain=3, seed=7).eval}
+    for run in (tmp_path / "run", tmp_path / "copied_step_3"):
+        config = SciKnowEvalConfig(id="sciknoweval", run=str(run), split="eval")
+        assert (config.eval_per_domain, config.split_seed, config.data) == (3, 7, str(data_file))
+        assert {t.data.qid for t in vf.load_taskset(config)} == held_out
+    assert SciKnowEvalConfig(id="sciknoweval", run=str(tmp_path / "run"), eval_per_domain=4).eval_per_domain == 4
+    with pytest.raises(ValidationError, match="neither a scirl run directory nor a scirl checkpoint"):
+        SciKnowEvalConfig(id="sciknoweval", run=str(tmp_path))
+
+
 def test_order_is_a_seeded_shuffle_independent_of_file_order(data_file, synthetic_rows, tmp_path):
     keys = [t.key for t in load(data_file)]
     assert keys == [t.key for t in load(data_file)]

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args  # noqa: F401
+from test_train import (  # noqa: F401
+    data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args, trainer_state,
+)
 
 GRPO_REFERENCE = Path(__file__).parent / "fixtures" / "grpo_reference.json"
 GRPO_FLAGS = ["--optim.lr", "2e-3", "--temperature", "0.9", "--top-p", "0.95", "--batch-size", "32"]
@@ -151,9 +153,7 @@ SDPO_KEYS = ("sdpo/teacher_fraction", "sdpo/teacher_prompt_tokens", "sdpo/diverg
 
 
 def ema_teacher(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(run_dir / "weights" / f"step_{step}" / "trainer_state" / "ema_teacher.safetensors")
+    return trainer_state(run_dir, step).get("algorithm", {}).get("ema_teacher", {})
 
 
 @pytest.mark.slow
@@ -172,10 +172,11 @@ def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
 
     run_dir = tmp_path / "interrupted"
     proc = start(train_args(letter_model_dir, data_file, run_dir, max_steps=4, extra=SDPO), {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
-    wait_for(lambda: (run_dir / "weights" / ".step_4.tmp" / "trainer_state").exists(), proc, what="checkpoint 4's write")
+    wait_for(lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc,
+             what="checkpoint 4's write")
     proc.kill()
     proc.wait()
-    assert (run_dir / "weights" / "step_2" / "trainer_state" / "ema_teacher.safetensors").is_file()
+    assert ema_teacher(run_dir, 2)
     assert run_in_process(["@", str(run_dir / "config.toml")], resume=True) == 0
     got = rows(run_dir)
     assert_same_rows(expected, got)
@@ -202,7 +203,7 @@ def test_a_grpo_checkpoint_resumes_as_sdpo_with_the_teacher_from_its_weights(let
                                                                             one_thread, capsys):  # noqa: F811
     run_dir = tmp_path / "run"
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2)) == 0
-    assert not (run_dir / "weights" / "step_2" / "trainer_state" / "ema_teacher.safetensors").exists()
+    assert not ema_teacher(run_dir, 2)
     assert run_in_process(["@", str(run_dir / "config.toml"), "--max-steps", "3", *SDPO], resume=True) == 0
     assert "holds no EMA teacher" in capsys.readouterr().out
     assert "sdpo/teacher_fraction" in rows(run_dir)[-1] and "sdpo/teacher_fraction" not in rows(run_dir)[0]
@@ -215,12 +216,11 @@ def test_sdpo_under_lora_averages_the_adapter_over_the_frozen_base(letter_model_
     """LoRA: the teacher is the frozen base plus the EMA of the adapter: the checkpoint's EMA holds the
     adapter's tensors only, and the run resumes from it."""
     pytest.importorskip("peft")
-    from safetensors.torch import load_file
 
     run_dir = tmp_path / "lora"
     lora = ["--lora.enabled", "--lora.rank", "4", "--lora.alpha", "8", "--sdpo.ema-rate", "0.5"]
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=[*SDPO, *lora])) == 0
-    ema, adapter = ema_teacher(run_dir, 2), load_file(run_dir / "weights" / "step_2" / "trainer_state" / "adapter_model.safetensors")
+    ema, adapter = ema_teacher(run_dir, 2), trainer_state(run_dir, 2)["model"]
     assert ema and all(".lora_A." in name or ".lora_B." in name for name in ema)
     assert len(ema) == len(adapter)
     assert all(m["sdpo/teacher_fraction"] > 0 for m in rows(run_dir))
@@ -244,7 +244,10 @@ cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0
 model = load_model(model_dir, device, dist, torch.float32)
 trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=device, dist=dist, dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
-trainer.algorithm.ema.load_state_dict(torch.load(ema_file) if dist.rank == 0 else None)  # a teacher unlike the policy
+from torch.distributed.tensor import distribute_tensor
+full = torch.load(ema_file)  # a teacher unlike the policy, each rank keeping its shards
+for name, value in trainer.algorithm.ema.tensors().items():
+    value.copy_(distribute_tensor(full[name], value.device_mesh, value.placements))
 mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
 trainer.sequence_logprobs(list(range(10, 40)))  # a weight check's forward: FSDP2 leaves the root's weights gathered
 stats = trainer.train_step(make_micro_batches(mine, max_rows=2))
@@ -291,7 +294,9 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(),
                       dtype=torch.float32)
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
-    trainer.algorithm.ema.load_state_dict(ema)
+    with torch.no_grad():
+        for name, value in trainer.algorithm.ema.tensors().items():
+            value.copy_(ema[name])
     want = trainer.train_step(make_micro_batches(samples, max_rows=2))
     assert got["stats"]["sdpo/teacher_tokens"] == want["sdpo/teacher_tokens"]
     for key in ("loss", "sdpo/divergence", "grad_norm"):

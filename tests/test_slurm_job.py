@@ -103,8 +103,8 @@ def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_
                             str(run), "--nodes", "3", "--infer-nodes", "1", "--out", str(tmp_path / "job.sbatch")],
                            capsys))
         first = jobs[0]
-        wait_for(lambda: (run / "weights" / "step_10" / "manifest.json").is_file() or status(state, first) is not None,
-                 JOB_DEADLINE_S, "checkpoint 10 of the first job")
+        wait_for(lambda: (run / "weights" / "step_10" / "trainer_state" / "manifest.json").is_file()  # both parts
+                 or status(state, first) is not None, JOB_DEADLINE_S, "checkpoint 10 of the first job")
         assert status(state, first) is None, (run / "logs" / f"slurm-{first}.out").read_text()[-3000:]
 
         # every address the trainer uses is a node's: the rendezvous on node 2, the workers' master address

@@ -122,9 +122,22 @@ def run_in_process(argv, **kwargs) -> int:
 
 
 def final_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    """A checkpoint's serving weights, from every file (several ranks each write their share)."""
     from safetensors.torch import load_file
 
-    return load_file(run_dir / "weights" / f"step_{step}" / "model.safetensors")
+    files = sorted((run_dir / "weights" / f"step_{step}").glob("model*.safetensors"))
+    return {name: tensor for f in files for name, tensor in load_file(f).items()}
+
+
+def trainer_state(run_dir: Path, step: int) -> dict:
+    """A checkpoint's trainer state, whole, as one nested dict ("model", "optimizer", "algorithm")."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(run_dir / "weights" / f"step_{step}" / "trainer_state", Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", weights_only=False)
 
 
 @pytest.mark.slow
@@ -161,15 +174,19 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
     # checkpoints at the interval and at the end, each a loadable HF model with trainer state
     from transformers import AutoModelForCausalLM
 
-    from scirl.run.checkpoint import latest_checkpoint, load_trainer_state
+    from scirl.run.checkpoint import find_resume_checkpoint, latest_checkpoint, load_progress
 
     assert latest_checkpoint(run_dir) == (3, run_dir / "weights" / "step_3")
+    assert find_resume_checkpoint(run_dir)[0] == (3, run_dir / "weights" / "step_3")  # ckpt.final = "full"
     assert (run_dir / "weights" / "step_2").is_dir()
     model = AutoModelForCausalLM.from_pretrained(run_dir / "weights" / "step_3")
     base = AutoModelForCausalLM.from_pretrained(letter_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(model.state_dict().values(), base.state_dict().values()))
-    state = load_trainer_state(run_dir / "weights" / "step_3")
-    assert state["step"] == 3 and state["data_position"]["cursor"] == 6 and state["optimizer"]["state"]
+    state = load_progress(run_dir / "weights" / "step_3")
+    assert state["step"] == 3 and state["data_position"]["cursor"] == 6
+    saved = trainer_state(run_dir, 3)
+    assert saved["optimizer"]["state"] and all(torch.equal(saved["model"][name], model.state_dict()[name])
+                                              for name in saved["model"])
 
     # the same directory again without --resume is refused; --clean starts over
     from scirl.errors import RunDirError
@@ -283,14 +300,16 @@ def start(argv, env_extra=None) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tmp_path, one_thread):
-    """Uninterrupted 4 steps vs: kill -9 at the first step, resume (from 0), kill -9 inside checkpoint
-    4's write, resume (from 2), SIGTERM inside checkpoint 3's write, resume (from 3). Same metrics rows, same weights, no step missing or doubled."""
+    """Uninterrupted 5 steps vs: kill -9 at the first step, resume (from 0), kill -9 inside checkpoint
+    4's background write, resume (from 2), SIGTERM while checkpoint 3 is written in the background (the run stops
+    after the step in progress, once every checkpoint in flight is committed), resume. Same metrics rows, same
+    weights and trainer state, no step missing or doubled."""
     reference = tmp_path / "reference"
-    assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=4)) == 0
+    assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=5)) == 0
     expected = rows(reference)
 
     run_dir = tmp_path / "interrupted"
-    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=4)
+    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=5)
     slow_checkpoints = {"SCIRL_CKPT_WRITE_DELAY": "0.3"}  # the writer sleeps after each file it seals
     log_file = run_dir / "logs" / "train.log"
     # 0) kill -9 as soon as the loop starts, before any checkpoint is complete
@@ -298,41 +317,49 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
     wait_for(lambda: log_file.exists() and "Training steps" in log_file.read_text(), proc, what="the first step")
     proc.kill()
     proc.wait()
-    from scirl.run.checkpoint import latest_checkpoint
+    from scirl.run.checkpoint import latest_checkpoint, verify_trainer_state
 
     assert latest_checkpoint(run_dir) is None
 
-    # 1) resume (nothing to resume from: step 0); kill -9 while checkpoint 4 is being written
+    # 1) resume (nothing to resume from: step 0); kill -9 while checkpoint 4's files are being written
     proc = start(["--resume", str(run_dir)], slow_checkpoints)
-    wait_for(lambda: (run_dir / "weights" / ".step_4.tmp" / "trainer_state").exists(), proc, what="checkpoint 4's write")
+    wait_for(lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc,
+             what="checkpoint 4's write")
     proc.kill()
     proc.wait()
-    assert not (run_dir / "weights" / "step_4").exists() and len(rows(run_dir)) == 4
+    # step 5 trains beside checkpoint 4's write: its row may be in before the kill
+    assert not (run_dir / "weights" / "step_4").exists() and len(rows(run_dir)) in (4, 5)
 
-    # 2) resume (from step 2) with a checkpoint every step; SIGTERM while checkpoint 3 is being written:
-    #    the write completes, then the run stops cleanly
+    # 2) resume (from step 2) with a checkpoint every step; SIGTERM while checkpoint 3 is written in the
+    #    background: the step in progress ends (step 4, or 3 if the signal beat its check), its checkpoint is saved,
+    #    and the run exits once every checkpoint is committed
     proc = start(["--resume", str(run_dir), "--ckpt.interval", "1"], slow_checkpoints)
-    wait_for(lambda: (run_dir / "weights" / ".step_3.tmp").exists(), proc, what="checkpoint 3's write")
+    wait_for(lambda: any((run_dir / "weights" / ".step_3.tmp").glob("*.safetensors")), proc,
+             what="checkpoint 3's write")
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out
-    assert "resume with" in out
-    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
-    assert (run_dir / "weights" / "step_3" / "manifest.json").exists()
+    assert "resume with" in out and "to be committed" in out
+    stopped = rows(run_dir)[-1]["step"]
+    assert [m["step"] for m in rows(run_dir)] == list(range(1, stopped + 1)) and stopped in (3, 4)
+    for step in range(3, stopped + 1):
+        assert verify_trainer_state(run_dir / "weights" / f"step_{step}", checksums=True) == []
 
     # 3) resume again, to the end
     assert run_in_process(["--output-dir", str(run_dir)] + read_back_overrides(run_dir), resume=True) == 0
     got = rows(run_dir)
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["step"] for m in got] == [1, 2, 3, 4, 5]
     assert_same_rows(expected, got)
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5):
         a = (reference / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
         b = (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
         assert [json.loads(x)["completion"] for x in a] == [json.loads(x)["completion"] for x in b]
-    w_ref, w_got = final_weights(reference, 4), final_weights(run_dir, 4)
+    w_ref, w_got = final_weights(reference, 5), final_weights(run_dir, 5)
     assert w_ref.keys() == w_got.keys()
     for name in w_ref:
         assert torch.equal(w_ref[name], w_got[name]), name
+    s_ref, s_got = trainer_state(reference, 5)["optimizer"]["state"], trainer_state(run_dir, 5)["optimizer"]["state"]
+    assert all(torch.equal(s_ref[n][k], s_got[n][k]) for n in s_ref for k in s_ref[n])
 
 
 @pytest.mark.slow
@@ -523,18 +550,16 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
     for name in w_ref:
         torch.testing.assert_close(w_got[name], w_ref[name], rtol=1e-5, atol=1e-6, msg=name)
     # and the optimizer state it saved after the resumed step is the uninterrupted run's
-    from scirl.run.checkpoint import load_trainer_state
-
-    small = load_trainer_state(reference / "weights" / "step_2", optimizer=False)  # what ranks > 0 read
-    full = load_trainer_state(reference / "weights" / "step_2")
-    assert small["optimizer"] is None and full["optimizer"] is not None
-    assert small["step"] == full["step"] == 2 and small["data_position"] == full["data_position"]
-    opt_ref = load_trainer_state(reference / "weights" / "step_3")["optimizer"]
-    opt_got = load_trainer_state(run_dir / "weights" / "step_3")["optimizer"]
+    opt_ref = trainer_state(reference, 3)["optimizer"]
+    opt_got = trainer_state(run_dir, 3)["optimizer"]
     assert opt_ref["state"].keys() == opt_got["state"].keys()
     for name in opt_ref["state"]:
         for key, value in opt_ref["state"][name].items():
             torch.testing.assert_close(opt_got["state"][name][key], value, rtol=1e-5, atol=1e-6, msg=str((name, key)))
+    # two ranks wrote the serving weights side by side: one file each, with an index
+    files = sorted(p.name for p in (reference / "weights" / "step_3").glob("model*"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"]
 
 
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
@@ -692,13 +717,12 @@ def test_a_resume_refuses_another_model_before_anything_loads(one_step_run, tiny
 def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path, capsys):
     """`--resume RUN --optim.lr X` trains with X (the checkpoint's optimizer state must not bring the old lr back),
     says so and records the change in the run."""
-    from scirl.run.checkpoint import load_trainer_state
     from scirl.commands.train import main
 
     run_dir = copy_run(one_step_run, tmp_path)
     lr = load_config(["@", str(run_dir / "config.toml")]).optim.lr
     assert main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
-    group = load_trainer_state(run_dir / "weights" / "step_2")["optimizer"]["param_groups"][0]
+    group = trainer_state(run_dir, 2)["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.5 and group["weight_decay"] == 0.25
     # not silently: one line says what changed, and the run records it beside the config it now holds
     [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Changed on resume")]
@@ -918,6 +942,24 @@ def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp
     assert main(["--resume", str(run_dir), "--max-steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "from step 1" in out and "step_3" in out and "manifest says step 1" in out
+
+
+def test_a_weights_only_final_checkpoint_serves_and_a_resume_goes_on_from_the_one_before(one_step_run, tmp_path,
+                                                                                         capsys):
+    """`--ckpt.final weights`: the last step's checkpoint is the serving weights alone (what an eval needs); a later
+    `--resume` with more steps says it skipped it and goes on from the last full checkpoint."""
+    from scirl.commands.train import main
+    from scirl.run.checkpoint import latest_checkpoint
+
+    run_dir = copy_run(one_step_run, tmp_path)
+    assert main(["--resume", str(run_dir), "--max-steps", "2", "--ckpt.final", "weights"]) == 0
+    assert latest_checkpoint(run_dir, verify=True) == (2, run_dir / "weights" / "step_2")
+    assert not (run_dir / "weights" / "step_2" / "trainer_state").exists()
+    capsys.readouterr()
+    assert main(["--resume", str(run_dir), "--max-steps", "3", "--ckpt.final", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "from step 1" in out and "Skipped checkpoint step_2: step_2: no trainer_state/" in out
+    assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
 
 
 TEARDOWN_SCRIPT = r'''

@@ -91,7 +91,8 @@ def test_vllm_run_is_reproducible_and_resumes_exactly_after_kill9(reference, que
     env = {**ONE_THREAD, "SCIRL_CKPT_WRITE_DELAY": "0.3"}
     proc = subprocess.Popen([sys.executable, "-m", "scirl", "train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1"])],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    wait_for(lambda: (run_dir / "weights" / ".step_3.tmp" / "trainer_state").exists(), proc, what="checkpoint 3's write")
+    writing = run_dir / "weights" / ".step_3.tmp"
+    wait_for(lambda: any(writing.glob("*.safetensors")), proc, what="checkpoint 3's write")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (run_dir / "weights" / "step_3").exists() and (run_dir / "weights" / "step_2" / "manifest.json").exists()

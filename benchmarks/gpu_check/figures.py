@@ -99,12 +99,13 @@ def print_a_train(f: dict, ctx: dict) -> None:
         f"{e['median']}, {percent(e['at_limit'])}; EOS {percent(f['eos_rate'], 2)} a token as built)")
     print_tokens(f["tokens_mean_after_first"])
     ck = f["checkpoint"]
+    blocked = f"; training blocked {ck['blocked_s']:.2f}s" if ck.get("blocked_s") is not None else ""
     if ck["seconds"]:
-        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in {ck['seconds']:.1f}s = "
-            f"{ck['mb_per_s']:.0f} MB/s (the whole save: state to the host, files, sha256, fsync)")
-    elif ck["seconds"] is not None:  # the run's line rounds to 0.1 s: too fast a save to give a rate
-        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in under 0.05s (no rate: "
-            "the run's line rounds to 0.1s)")
+        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in {ck['seconds']:.1f}s in the "
+            f"background = {ck['mb_per_s']:.0f} MB/s (staged to the host, files, sha256, fsync, commits){blocked}")
+    elif ck["seconds"] is not None:  # the run's line rounds to 0.1 s: too fast a write to give a rate
+        say(f"checkpoint (step {ck['step']}, at the end): {ck['bytes'] / 1e6:.0f} MB in under 0.05s in the background "
+            f"(no rate: the run's line rounds to 0.1s){blocked}")
     rate = (f"MFU {percent(f['mfu'])} of {f['peak_tflops']:.0f} TFLOP/s" if f["mfu"] is not None
             else "MFU n/a (a CPU: no peak given, --peak-tflops)")
     say(f"training: {f['useful_tokens_per_s']:.0f} useful tokens/s, {f['train_flops_per_step'] / 1e12:.2f} TFLOP a step, "

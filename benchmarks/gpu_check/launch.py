@@ -91,12 +91,15 @@ def scirl_command(args: list[str], deterministic: bool, steps_file: Path | None 
 def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = None, kill_when=None) -> dict:
     """Run ``scirl train``, its step lines echoed and its whole output in ``log_path``. ``kill_when``: a
     callable polled every 20 ms; once true, the run gets SIGKILL. Returns wall seconds, the device's peak
-    MB (nvidia-smi), each checkpoint's save seconds (its "Saved ..." line) and whether it was killed."""
+    MB (nvidia-smi), each checkpoint's seconds (``saves``: its background write, from its "Saved ..." line;
+    ``blocked``: what the save blocked the step, from its "Checkpoint ...: handed to the writer" line) and whether
+    it was killed."""
     say(f"  scirl {' '.join(cmd[cmd.index('train'):])}\n    (log: {log_path})")
     env = python_env(**(env_extra or {}))
     if ctx["device"] == "cpu":
         env["OMP_NUM_THREADS"] = str(ctx["threads"])
     saves: dict[int, float] = {}
+    blocked: dict[int, float] = {}
     started = time.perf_counter()
     with DeviceMemoryPeak() as memory, open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
@@ -114,6 +117,9 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
                                  line)
                 if saved:
                     saves[int(saved.group(1))] = float(saved.group(2))
+                handed = re.match(r"Checkpoint weights/step_(\d+): handed to the writer \(([\d.]+)s blocked\)", line)
+                if handed:
+                    blocked[int(handed.group(1))] = float(handed.group(2))
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
@@ -137,4 +143,5 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
     if proc.returncode != 0 and not killed:
         raise StageError(f"scirl train exited {proc.returncode}; the end of {log_path.name} is in log_tail",
                          log_path.read_text(errors="replace").splitlines()[-30:])
-    return {"wall_s": time.perf_counter() - started, "device_peak_mb": memory.peak_mb, "saves": saves, "killed": killed}
+    return {"wall_s": time.perf_counter() - started, "device_peak_mb": memory.peak_mb, "saves": saves,
+            "blocked": blocked, "killed": killed}

@@ -91,7 +91,7 @@ def a_train_stage(ctx: dict) -> dict:
     last = metrics[-1]["step"]
     ckpt_dir = run_dir / "weights" / f"step_{last}"
     ckpt_bytes = sum(p.stat().st_size for p in ckpt_dir.rglob("*") if p.is_file())
-    ckpt_s = run["saves"].get(last)
+    ckpt_s = run["saves"].get(last)  # the background write: state staged, files written, sealed and committed
     train_time = sum(s["train_s"] for s in later)
     flops = sum(s["train_flops"] for s in later)
     prompts = [n for step in lengths.values() for n in step["prompts"]]
@@ -112,6 +112,7 @@ def a_train_stage(ctx: dict) -> dict:
         "expected_completions": ctx["expected_lengths"], "eos_rate": ctx["eos"]["measured"],
         "checkpoint": {"step": last, "bytes": ckpt_bytes, "seconds": ckpt_s,
                        "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None,  # a "0.0s" line: no rate
+                       "blocked_s": run["blocked"].get(last),  # its "handed to the writer (Xs blocked)" line
                        "interval": mid_run_interval(ctx["steps"]),
                        # the seconds a step waited on the checkpoint before it, as its metrics row says; a checkpoint
                        # written in the background: its write's seconds, in the row after its commit
@@ -159,11 +160,11 @@ def a_resume_stage(ctx: dict) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     k = KILL_AT_CHECKPOINT
     partial = run_dir / "weights" / f".step_{k}.tmp"
-    # checkpoint k's files are all written once its state.pt exists; the writer then seals them one by one
+    # checkpoint k's serving files appear in its tmp dir one by one, each sealed (then the writer sleeps)
     say(f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in it")
     run = launch(ctx, stage_a_command(ctx, run_dir, ckpt_interval=1), out / "a-resumed-killed.log",
                  {**stage_a_env(ctx), "SCIRL_CKPT_WRITE_DELAY": CKPT_WRITE_DELAY_S[ctx["device"]]},
-                 kill_when=lambda: (partial / "trainer_state" / "state.pt").exists())
+                 kill_when=lambda: any(partial.glob("*.safetensors")))
     if not run["killed"]:
         raise StageError(f"the run ended before checkpoint {k}'s write could be cut")
     if (run_dir / "weights" / f"step_{k}").exists():
@@ -178,8 +179,8 @@ def a_resume_stage(ctx: dict) -> dict:
     from_step = re.search(r"Resuming .* from step (\d+)", log)
     last = ctx["steps"]
     reference = Path(ctx["reference"]["run_dir"])
-    compare = compare_weights(reference / "weights" / f"step_{last}" / "model.safetensors",
-                              run_dir / "weights" / f"step_{last}" / "model.safetensors", ctx["resume_atol"])
+    compare = compare_weights(reference / "weights" / f"step_{last}", run_dir / "weights" / f"step_{last}",
+                              ctx["resume_atol"])
     rollouts = {}
     for step in range(1, last + 1):
         a = [r["completion"] for r in read_jsonl(reference / "rollouts" / f"step_{step}.jsonl")]
@@ -196,25 +197,29 @@ def a_resume_stage(ctx: dict) -> dict:
 
 
 def compare_weights(reference: Path, resumed: Path, atol: float) -> dict:
-    """Tensor by tensor: bit-equal, or the largest |difference| (in float64) against ``atol``."""
+    """Two checkpoints' serving weights (every ``model*.safetensors`` of each), tensor by tensor: bit-equal, or the
+    largest |difference| (in float64) against ``atol``."""
     import torch
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
-    with safe_open(str(reference), framework="pt") as a, safe_open(str(resumed), framework="pt") as b:
-        names_a, names_b = set(a.keys()), set(b.keys())
-        if names_a != names_b:
-            raise StageError(f"the checkpoints hold different tensors: {sorted(names_a ^ names_b)[:3]}")
-        differing, elements, max_abs, total = [], 0, 0.0, 0
-        for name in sorted(names_a):
-            x, y = a.get_tensor(name), b.get_tensor(name)
-            total += x.numel()
-            if x.shape != y.shape or x.dtype != y.dtype:
-                raise StageError(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-            if torch.equal(x, y):
-                continue
-            differing.append(name)
-            elements += int((x != y).sum())
-            max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
+    def weights(step_dir: Path) -> dict:
+        return {name: t for f in sorted(step_dir.glob("model*.safetensors")) for name, t in load_file(f).items()}
+
+    a, b = weights(reference), weights(resumed)
+    names_a, names_b = set(a), set(b)
+    if names_a != names_b:
+        raise StageError(f"the checkpoints hold different tensors: {sorted(names_a ^ names_b)[:3]}")
+    differing, elements, max_abs, total = [], 0, 0.0, 0
+    for name in sorted(names_a):
+        x, y = a[name], b[name]
+        total += x.numel()
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise StageError(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        if torch.equal(x, y):
+            continue
+        differing.append(name)
+        elements += int((x != y).sum())
+        max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
     # a NaN difference never passes (NaN <= atol is false)
     return {"bit_equal": not differing, "max_abs_diff": max_abs, "atol": atol, "pass": not differing or max_abs <= atol,
             "tensors": len(names_a), "tensors_differing": len(differing),

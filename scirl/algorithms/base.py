@@ -94,12 +94,13 @@ class Algorithm:
 
     # ---- checkpoints, metrics, deployment ----
 
-    def state_files(self, all_ranks: bool = True) -> dict[str, dict[str, torch.Tensor]]:
-        """Extra tensors a checkpoint keeps, by file name under ``trainer_state/`` (every rank calls it)."""
+    def checkpoint_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The algorithm's own state a checkpoint keeps, by name: tensors as held (under FSDP2 each rank's shards),
+        which a resume reads back into in place (every rank calls it)."""
         return {}
 
-    def load_state_files(self, files: dict[str, dict | None], say) -> None:
-        """Restore what ``state_files`` saved (``files``: name -> tensors, None where the checkpoint has none)."""
+    def state_restored(self, missing: list[str], say) -> None:
+        """After a resume read ``checkpoint_state()`` in place: ``missing``, the names the checkpoint did not hold."""
 
     def rollout_metrics(self, rollouts: list[dict]) -> dict:
         """The algorithm's entries of a step's metrics row computed from its rollout records."""

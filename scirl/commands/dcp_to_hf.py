@@ -1,4 +1,5 @@
-"""`scirl dcp-to-hf CHECKPOINT --out DIR [--base MODEL]`: an HF model from a prime-rl DCP checkpoint."""
+"""`scirl dcp-to-hf CHECKPOINT --out DIR [--base MODEL]`: an HF model from a prime-rl DCP checkpoint or a scirl
+checkpoint's trainer state."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(
         prog="scirl dcp-to-hf",
-        description="Convert a prime-rl trainer checkpoint (checkpoints/step_N, torch.distributed.checkpoint) "
-        "to an HF model directory that `vllm serve` and `scirl eval` load. The optimizer state is not read.",
+        description="Convert a prime-rl trainer checkpoint (checkpoints/step_N), or the trainer state of a scirl "
+        "checkpoint (weights/step_N: torch.distributed.checkpoint, both) to an HF model directory that `vllm serve` "
+        "and `scirl eval` load. The optimizer state is not read.",
     )
-    p.add_argument("checkpoint", help="the run's checkpoints/step_N directory (or its trainer/ subdirectory)")
+    p.add_argument("checkpoint", help="a prime-rl run's checkpoints/step_N directory (or its trainer/ subdirectory), "
+                   "or a scirl run's weights/step_N")
     p.add_argument("--out", required=True, help="the HF model directory to write")
     p.add_argument("--base", default=None,
                    help="the trained model's HF directory or hub id, for config and tokenizer "
-                   "(default: the model named in the run's configs/trainer.json)")
+                   "(default: a scirl checkpoint's own step directory; prime-rl: the model in the run's "
+                   "configs/trainer.json)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     return p

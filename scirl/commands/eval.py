@@ -9,9 +9,9 @@ Every summary shows the letter bias (predicted vs gold letters, KL, accuracy by 
 ``scirl.eval.letters``); --permutations adds order robustness (``scirl.eval.permutations``).
 
 A checkpoint of a run (``RUN/weights/step_N``, ``RUN/weights/latest``) or ``--run RUN`` makes the run's data
-settings the defaults (source, format or columns, split method and seed, held-out size: its config.toml), so
-the evaluated questions are the ones it held out; a question the run trained on is refused unless
-``--allow-trained-questions``.
+settings the defaults (source, format or columns, split method and seed, held-out size: its config.toml, or the
+copy a checkpoint carries out of its run), so the evaluated questions are the ones it held out; a question the run
+trained on is refused unless ``--allow-trained-questions``.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def _resolve_run(args) -> str | None:
     ``--model`` is (with ``--base-url`` too: vLLM serves a model under its path unless told another name);
     ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``--run`` alone for the run's
     latest. Sets ``args.run`` and ``args.model``; returns why they cannot be used (None when they can)."""
-    from scirl.run.rundir import LATEST, checkpoint_run, latest_checkpoint_dir
+    from scirl.run.rundir import LATEST, RUN_CONFIG, checkpoint_run, latest_checkpoint_dir
 
     if args.run is not None and not (Path(args.run) / "config.toml").is_file():
         return f"--run {args.run}: not a scirl train run directory (no config.toml)"
@@ -183,6 +183,8 @@ def _resolve_run(args) -> str | None:
         args.model = str(Path(args.run) / "weights" / LATEST)
     model_run = checkpoint_run(Path(args.model))
     if model_run is None:
+        if args.run is None and (Path(args.model) / RUN_CONFIG).is_file():
+            args.run = args.model  # a checkpoint copied out of its run: the run's config travels with it
         return None
     if args.run is not None and model_run.resolve() != Path(args.run).resolve():
         return f"--model {args.model} is a checkpoint of run {model_run}, not of --run {args.run}: give one run"
@@ -224,7 +226,9 @@ def _apply_data_defaults(args, run_data) -> str | None:
         return None
     taken = {key: getattr(args, key) for key in DATA_FLAGS if key not in given and key in defaults
              and getattr(args, key) is not None and getattr(args, key) != AUTO}
-    return (f"data settings of run {args.run} (its config.toml): {_flags(taken) or 'none'}"
+    recorded = ("config.toml" if (Path(args.run) / "config.toml").is_file()
+                else "run config, which its checkpoint carries")
+    return (f"data settings of run {args.run} (its {recorded}): {_flags(taken) or 'none'}"
             + (f"; given here: {_flags(given)}" if given else ""))
 
 

@@ -154,13 +154,15 @@ def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:
     import torch
 
     from scirl.errors import PreflightError
-    from scirl.run.memory import gpu_size, plan_run, render, trainer_ranks, verdict
+    from scirl.run.memory import check_staging, gpu_size, plan_run, render, trainer_ranks, verdict
 
     if not (dry_run or cfg.device.startswith("cuda") or torch.cuda.is_available()):
-        return 0, None  # device = auto on a machine without CUDA: a CPU run
+        return 0, None  # device = auto on a machine without CUDA: a CPU run (its staging is checked as it starts)
     gpu = gpu_size(cfg.deployment)
+    ranks = trainer_ranks(cfg, os.environ.get("WORLD_SIZE"))
     try:
-        planned = plan_run(cfg, ranks=trainer_ranks(cfg, os.environ.get("WORLD_SIZE")), gpu=gpu)
+        planned = plan_run(cfg, ranks=ranks, gpu=gpu)
+        staging = check_staging(cfg, ranks)  # the host memory a checkpoint stages
     except PreflightError as exc:
         return refused("scirl train", exc), None
     if os.environ.get("RANK", "0") != "0":
@@ -170,7 +172,8 @@ def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:
             print(f"scirl train: note: {planned}", file=sys.stderr)
         return 0, f"# {planned}" if dry_run else None
     if dry_run:
-        return 0, "\n".join(f"# {line}".rstrip() for line in render(planned[0], gpu, planned[1]).splitlines())
+        text = render(planned[0], gpu, planned[1]) + (f"\n{staging}" if staging else "")
+        return 0, "\n".join(f"# {line}".rstrip() for line in text.splitlines())
     return 0, f"memory plan: {verdict(planned[0], gpu, planned[1])}"
 
 

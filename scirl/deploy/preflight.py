@@ -24,7 +24,7 @@ from scirl import algorithms, extras, hub
 from scirl.errors import PreflightError
 
 BUSY_GPU_MIB = 2048  # more memory in use than a driver and an idle context take: another job holds the GPU
-CHECKPOINT_BYTES_PER_PARAM = 4 + 8  # float32 master weights + AdamW's two float32 moments
+CHECKPOINT_BYTES_PER_PARAM = 4 + 8  # the trainer state: float32 master weights + AdamW's two float32 moments
 BROADCAST_BYTES_PER_PARAM = 2  # filesystem weight sync: one bfloat16 copy per published step
 BROADCAST_DIRS = 2  # the step the servers load while the next one is written
 WRITE_BYTES_PER_S = 200e6  # a conservative local-disk write rate, for the checkpoint's time budget
@@ -194,16 +194,31 @@ def parameter_count(model: str) -> int | None:
         shards = sorted(path.glob("*.safetensors"))
         if shards:
             return sum(safetensors_parameters(shard) for shard in shards)
+    config = model_config(model)
+    return config_parameters(config) if config is not None else None
+
+
+def model_config(model: str) -> dict | None:
+    """The model's ``config.json``: a local directory's, else the hub's (None when it cannot be read)."""
+    path = Path(model)
+    if path.is_dir():
         config_file = path / "config.json"
     else:
         config_file = hub_model_config(model)
         if config_file is None:
             return None
     try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
+        return json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    return config_parameters(config)
+
+
+def serving_bytes_per_param(model: str) -> int:
+    """A checkpoint's serving weights per parameter: the model's own dtype, as its config names it (2 for bf16,
+    4 for float32; 2, Qwen3's, when it cannot be read)."""
+    config = model_config(model) or {}
+    dtype = config.get("dtype") or config.get("torch_dtype") or ("float32" if config else "bfloat16")
+    return 2 if dtype in ("bfloat16", "float16") else 4
 
 
 def safetensors_parameters(path: Path) -> int:
@@ -245,7 +260,7 @@ def disk_needed(cfg, weight_sync: str) -> tuple[int, int] | None:
     params = parameter_count(cfg.model)
     if params is None:
         return None
-    one = params * (CHECKPOINT_BYTES_PER_PARAM + algorithm_bytes_per_param(cfg))
+    one = params * (CHECKPOINT_BYTES_PER_PARAM + algorithm_bytes_per_param(cfg) + serving_bytes_per_param(cfg.model))
     total = one * checkpoints_on_disk(cfg.max_steps, cfg.ckpt.interval, cfg.ckpt.keep)
     if weight_sync == "filesystem":
         total += params * BROADCAST_BYTES_PER_PARAM * BROADCAST_DIRS
@@ -277,8 +292,9 @@ def check_disk(cfg, weight_sync: str) -> int | None:
         broadcast = " plus the weight-broadcast copies" if weight_sync == "filesystem" else ""
         extra = f" + {cfg.algorithm}'s state" if algorithm_bytes_per_param(cfg) else ""
         raise PreflightError(
-            f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: float32 weights "
-            f"+ AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose another --output-dir, "
+            f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: serving "
+            f"weights + float32 weights + AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose "
+            "another --output-dir, "
             "or keep fewer checkpoints (--ckpt.keep 1)")
     return one
 

@@ -1,4 +1,5 @@
-"""An HF model directory from a prime-rl trainer checkpoint (torch.distributed.checkpoint, "DCP").
+"""An HF model directory from a prime-rl trainer checkpoint, or from the trainer state of a scirl checkpoint (both
+torch.distributed.checkpoint, "DCP").
 
 prime-rl's main branch writes only DCP checkpoints (it stopped writing HF
 ``weights/step_N`` in upstream PR #3316). Its trainer saves
@@ -8,6 +9,11 @@ at 559b447), so the model's tensors sit under ``app.model.<HF name>``: for dense
 models such as Qwen3, prime-rl's names are the HF names (``Qwen3PreTrainedModel``'s
 converters are the identity). The optimizer state (twice the model, in fp32) is
 never read.
+
+scirl's own checkpoints (``scirl/run/checkpoint.py``) keep their trainer state in
+``weights/step_N/trainer_state/``, the model's float32 tensors under ``model.<HF name>``; the step
+directory beside it holds the run's config and tokenizer, the default base. Its serving weights are an HF
+model already; this gives the weights in another dtype (float32: the masters themselves).
 
 The output is what prime-rl's removed HF export wrote: weights in bf16 (by
 default) as safetensors, plus the base model's config, generation config and
@@ -31,7 +37,8 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-MODEL_PREFIX = "app.model."
+MODEL_PREFIX = "app.model."  # prime-rl's
+SCIRL_PREFIX = "model."  # scirl's trainer state
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
@@ -41,22 +48,31 @@ class ConvertError(ValueError):
 
 
 def checkpoint_dir(path: str | Path) -> Path:
-    """The DCP directory for ``path``: a ``step_N`` directory, its ``trainer/``, or a DCP directory itself."""
+    """The DCP directory for ``path``: a prime-rl ``step_N`` directory or its ``trainer/``, a scirl ``weights/step_N``
+    or its ``trainer_state/``, or a DCP directory itself."""
     path = Path(path)
     if not path.is_dir():
         raise ConvertError(f"{path}: no such checkpoint directory")
-    for candidate in (path, path / "trainer"):
+    candidates = (path, path / "trainer", path / "trainer_state")
+    for candidate in candidates:
         if (candidate / ".metadata").is_file():
             return candidate
-    for candidate in (path, path / "trainer"):
+    for candidate in candidates:
         if any(candidate.glob("*.distcp")):
             raise ConvertError(f"{candidate}: shard files but no .metadata: the checkpoint write was cut short "
                                "(e.g. a timeout during the final save); use an earlier step")
-    raise ConvertError(f"{path}: not a prime-rl checkpoint (expected step_N/trainer/ with .metadata and *.distcp)")
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        raise ConvertError(f"{path}: serving weights without a trainer state (a ckpt.final = \"weights\" checkpoint, "
+                           "or its trainer state was not written): it is an HF model already; serve it as it is")
+    raise ConvertError(f"{path}: not a prime-rl checkpoint (step_N/trainer/ with .metadata and *.distcp) nor a scirl "
+                       "one (weights/step_N/trainer_state/)")
 
 
 def base_from_run(ckpt: Path) -> str | None:
-    """The model a prime-rl run trained, from the run's resolved ``configs/trainer.json``, if it is there."""
+    """The model a run trained: a scirl checkpoint's own step directory (its config and tokenizer, beside its trainer
+    state), else a prime-rl run's resolved ``configs/trainer.json``, if it is there."""
+    if ckpt.name == "trainer_state" and (ckpt.parent / "config.json").is_file():
+        return str(ckpt.parent)
     # <run>/checkpoints/step_N/trainer -> <run>/configs/trainer.json
     for parent in ckpt.parents:
         config = parent / "configs" / "trainer.json"
@@ -68,15 +84,24 @@ def base_from_run(ckpt: Path) -> str | None:
     return None
 
 
-def model_tensors(ckpt: Path) -> dict[str, object]:
-    """HF name -> DCP tensor metadata of every model tensor in the checkpoint."""
+def model_prefix(ckpt: Path) -> str:
+    """Where the checkpoint keeps the model's tensors: prime-rl's ``app.model.``, else scirl's ``model.``."""
+    keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    return MODEL_PREFIX if any(key.startswith(MODEL_PREFIX) for key in keys) else SCIRL_PREFIX
+
+
+def model_tensors(ckpt: Path, prefix: str = MODEL_PREFIX) -> dict[str, object]:
+    """HF name -> DCP tensor metadata of every model tensor in the checkpoint (under ``prefix``)."""
     metadata = FileSystemReader(str(ckpt)).read_metadata()
-    tensors = {key[len(MODEL_PREFIX):]: meta for key, meta in metadata.state_dict_metadata.items()
-               if key.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    tensors = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
+               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
     if not tensors:
         prefixes = sorted({key.split(".", 2)[0] + "." + key.split(".", 2)[1] for key in metadata.state_dict_metadata
                            if key.count(".") >= 2})
-        raise ConvertError(f"{ckpt}: no model tensors under {MODEL_PREFIX!r} (found {', '.join(prefixes[:5]) or 'none'})")
+        raise ConvertError(f"{ckpt}: no model tensors under {prefix!r} (found {', '.join(prefixes[:5]) or 'none'})")
+    if any(".lora_" in name for name in tensors):
+        raise ConvertError(f"{ckpt}: a LoRA run's trainer state holds the adapter alone; its serving weights (the step "
+                           "directory) are the merged model")
     return tensors
 
 
@@ -108,17 +133,17 @@ def shard_plan(names: list[str], sizes: dict[str, int], shard_bytes: int) -> lis
 
 
 def write_weights(ckpt: Path, out: Path, tensors: dict, shards: list[list[str]], files: list[str],
-                  dtype: torch.dtype, total_size: int) -> None:
+                  dtype: torch.dtype, total_size: int, prefix: str = MODEL_PREFIX) -> None:
     """Read the model tensors one shard at a time and write them as safetensors (plus an index if sharded)."""
     reader = FileSystemReader(str(ckpt))
     weight_map = {}
     for shard, filename in zip(shards, files):
-        state = {MODEL_PREFIX + n: torch.empty(tensors[n].size, dtype=tensors[n].properties.dtype) for n in shard}
+        state = {prefix + n: torch.empty(tensors[n].size, dtype=tensors[n].properties.dtype) for n in shard}
         with warnings.catch_warnings():
             # one process reads the whole checkpoint, which is what we want
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_load(state, storage_reader=reader, no_dist=True)
-        save_file({n: state[MODEL_PREFIX + n].to(dtype).contiguous() for n in shard}, str(out / filename),
+        save_file({n: state[prefix + n].to(dtype).contiguous() for n in shard}, str(out / filename),
                   metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, filename))
         del state
@@ -145,10 +170,12 @@ def convert(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     force: bool = False,
 ) -> Converted:
-    """Write an HF model directory at ``out`` from the prime-rl DCP checkpoint at ``checkpoint``.
+    """Write an HF model directory at ``out`` from the DCP checkpoint at ``checkpoint`` (prime-rl's, or a scirl
+    checkpoint's trainer state).
 
     ``base`` (a local HF directory or a hub id) gives the config, generation
-    config and tokenizer; by default the run's own ``configs/trainer.json`` names it.
+    config and tokenizer; by default a scirl checkpoint's own step directory, or the prime-rl run's
+    ``configs/trainer.json``'s model.
     Tensors are read a shard at a time, so memory holds about one shard.
     """
     if dtype not in DTYPES:
@@ -165,7 +192,8 @@ def convert(
     except (OSError, ValueError) as e:
         raise ConvertError(f"cannot load the base model's config from {base!r}: {str(e).splitlines()[0]}") from e
 
-    tensors = model_tensors(ckpt)
+    prefix = model_prefix(ckpt)
+    tensors = model_tensors(ckpt, prefix)
     if tied(config):
         tensors.pop("lm_head.weight", None)  # save_pretrained leaves the tied copy out too
     expected = expected_tensors(config)
@@ -191,7 +219,7 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        write_weights(ckpt, tmp, tensors, shards, files, torch_dtype, sum(sizes.values()))
+        write_weights(ckpt, tmp, tensors, shards, files, torch_dtype, sum(sizes.values()), prefix)
         if hasattr(config, "dtype"):
             config.dtype = torch_dtype
         else:

@@ -1,66 +1,73 @@
-"""Atomic checkpoints: ``RUN_DIR/weights/step_N/`` is either complete and verified, or ignored.
+"""Checkpoints on disk: what ``RUN_DIR/weights/step_N/`` holds, when it counts, and what a resume may take.
 
-Layout of one checkpoint::
+Layout of one checkpoint (``scirl/run/checkpointer.py`` writes it, every rank its own files)::
 
-    weights/step_N/
-      config.json, model.safetensors, generation_config.json, tokenizer files   (HF format:
-                                     from_pretrained(step_N) and `vllm serve step_N` load it)
-      trainer_state/optimizer.pt     optimizer state dict (full, gathered)
-      trainer_state/state.pt         step, data position, RNG states, the caller's extra dict
-      trainer_state/adapter_model.safetensors, adapter_config.json
-                                     LoRA runs only: the adapter (``scirl/trainer/lora.py``); model.safetensors
-                                     then holds the merged weights, for serving and evaluation
-      trainer_state/NAME.safetensors the algorithm's own state, where it keeps one (``Algorithm.state_files``;
-                                     e.g. ema_teacher.safetensors: an EMA teacher's float32 tensors by parameter
-                                     name). Checkpoints without one (older ones, other algorithms) load as before
-      manifest.json                  every other file with its size and sha256, plus the step; written last
-    weights/latest                   text file "step_N", replaced atomically after each commit: a
-                                     convenience for people and scripts (`vllm serve weights/$(cat
-                                     weights/latest)`); resuming scans and verifies the step dirs instead
+    weights/step_N/                  committed first: the serving weights, what `vllm serve` and `scirl eval` load
+      config.json, generation_config.json, tokenizer files
+      model.safetensors              in the model's dtype (its config's: bf16 for a bf16 model; float32 here for a
+        or model-0000K-of-0000M.safetensors + model.safetensors.index.json
+                                     float32 one); several ranks each write their share, as whole tensors, each file
+                                     at most 2 GiB; LoRA: the merged weights
+      run_config.toml                the run's resolved config: its data settings travel with the weights, so
+                                     `scirl eval` of a copy still knows which questions the run trained on
+      manifest.json                  every file above with its size and sha256, plus the step; written last
+      trainer_state/                 committed second (absent in a ``ckpt.final = "weights"`` checkpoint): what a
+        .metadata, __R_0.distcp      resume needs, as torch's distributed checkpoint (DCP): "model" (the trained
+                                     float32 parameters; LoRA: the adapter's), "optimizer" (AdamW's state) and
+                                     "algorithm" (its own: SDPO's EMA teacher), each rank's shards in its own
+                                     file; a resume on another number of ranks reshards them
+        state.pt                     step, data position, RNG states, the loop's extras (rank 0's)
+        adapter_config.json          LoRA runs: the adapter's peft config (a resume needs the same shape)
+        manifest.json                every file of trainer_state/ with its size and sha256; written last
+    weights/latest                   text file "step_N", replaced after each serving commit: the newest serving
+                                     weights (`vllm serve weights/$(cat weights/latest)`); a resume scans the step
+                                     dirs instead
 
-Commit protocol: everything is written into ``weights/.step_N.tmp/``, every file and
-directory is fsync'd, the manifest is written and fsync'd, the directory is renamed to
-``step_N`` and the parent directory fsync'd. A reader only accepts a ``step_N`` whose
-manifest exists and whose files match it, so a write cut at any point (kill -9, a
-timeout, a full disk) leaves either the previous checkpoint or a stale tmp dir that
-``latest_checkpoint`` removes.
+Commit protocol, per part: the files are written into a tmp dir (``weights/.step_N.tmp/``, then
+``weights/step_N/.trainer_state.tmp/``), every file and directory fsync'd, the manifest written and fsync'd,
+the dir renamed into place and its parent fsync'd. A part counts only when its manifest exists and its files
+match it, so a write cut at any point (kill -9, a timeout, a full disk) leaves the previous checkpoint, or the
+serving weights of this one without its trainer state, or a stale tmp dir that ``remove_stale`` deletes.
 
-Resume (``find_resume_checkpoint``) trusts nothing it has not checked: the manifest's
-structure, every file's size and sha256, and that the weights, trainer state and optimizer
-state actually load. A checkpoint that fails any of these is skipped with a one-line reason
-and the next older one is tried; ``prune_checkpoints`` never deletes the newest checkpoint
-that verifies, so a damaged newer one cannot push the last good one out. A write that fails
-(a full disk) removes its tmp dir and raises ``CheckpointWriteError``: one line with the
-step, the directory, the free space and the fix.
+Resume (``find_resume_checkpoint``) takes the newest step whose two parts verify: manifests, every file's size
+and sha256, and that the weights, the DCP metadata and the small state load. Others are skipped with a
+one-line reason. Checkpoints of scirl versions before this layout (one ``trainer_state/optimizer.pt`` gathered
+on rank 0) still serve and evaluate; a resume refuses them in one line. ``prune_checkpoints`` never deletes the
+newest resumable checkpoint, so a damaged newer one cannot push the last good one out.
 
-Test hook: the environment variable ``SCIRL_CKPT_WRITE_DELAY`` (seconds, float) makes
-the writer sleep after each file it seals, so tests can kill a process mid-write.
+Test hooks: ``SCIRL_CKPT_WRITE_DELAY`` (seconds, float) makes the writer sleep after each file it seals;
+``SCIRL_CKPT_PAUSE=STEP:PHASE`` stops it for good at a phase of checkpoint STEP (``staging``: staged, not yet
+released to training; ``writing``: the serving files written, not committed; ``committing``: every trainer-state
+file durable, not committed) once ``weights/.paused`` says so, so tests kill a process at a chosen moment.
 """
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
+import pickle
 import random
 import re
 import shutil
-import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from scirl.files import fsync_dir, seal_digest, seal_file, write_text_atomic
-from scirl.run.rundir import LATEST, STALE_DIR, STEP_DIR
+from scirl.errors import RunDirError
+from scirl.files import seal_digest
+from scirl.run.rundir import PAUSED, STALE_DIR, STEP_DIR
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # LoRA runs: the adapter, in trainer_state/ (peft's file names)
-ADAPTER_CONFIG = "adapter_config.json"
+TRAINER_TMP = ".trainer_state.tmp"  # the trainer state being written, inside its committed step dir
+PROGRESS = "state.pt"  # trainer_state/: step, data position, RNG states, the loop's extras
+ADAPTER_CONFIG = "adapter_config.json"  # trainer_state/ of a LoRA run: the adapter's peft config
+DCP_METADATA = ".metadata"
+OLD_OPTIMIZER = f"{TRAINER_STATE}/optimizer.pt"  # a checkpoint of the single-writer layout
 WRITE_DELAY_ENV = "SCIRL_CKPT_WRITE_DELAY"
 SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -111,77 +118,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-# ---- durable writes ----
+# ---- failed writes ----
 
 
-def _write_delay() -> float:
+def write_delay() -> float:
     value = os.environ.get(WRITE_DELAY_ENV, "")
     try:
         return float(value) if value else 0.0
     except ValueError:
         raise ValueError(f"{WRITE_DELAY_ENV} must be a number of seconds, got {value!r}") from None
-
-
-# ---- save ----
-
-
-def _is_rank_zero() -> tuple[bool, bool]:
-    """(distributed, this process writes)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return True, torch.distributed.get_rank() == 0
-    return False, True
-
-
-def save_checkpoint(
-    run_dir: str | Path,
-    step: int,
-    model,
-    tokenizer=None,
-    *,
-    state_dict: dict | None = None,
-    optimizer_state: dict | None = None,
-    data_position: Any = None,
-    extra: dict | None = None,
-    keep: int | None = None,
-    adapter: tuple[dict, dict] | None = None,
-    algorithm_state: dict[str, dict[str, torch.Tensor]] | None = None,
-) -> Path:
-    """Commit checkpoint ``step`` atomically and return ``weights/step_N``.
-
-    ``model`` is the HF model (its config and generation config are saved); under
-    FSDP pass the gathered full ``state_dict`` on rank 0. ``optimizer_state`` is a full
-    optimizer state dict. ``extra`` holds anything else the trainer needs to resume;
-    keep it to tensors, numbers, strings, lists and dicts (it is read back with
-    ``torch.load(weights_only=True)``). With a process group initialised, only rank 0
-    writes and every rank waits at a barrier until the checkpoint is committed (so
-    if rank 0 fails mid-write, the others wait until the process group times out).
-    ``keep`` retains the newest ``keep`` checkpoints (None = all), pruning only after
-    the new one is committed. ``adapter`` (LoRA runs): (tensors, peft config dict), written to
-    ``trainer_state/adapter_model.safetensors`` and ``adapter_config.json`` and sealed with the rest.
-    ``algorithm_state`` (the algorithm's ``state_files``): file name -> tensors, written to ``trainer_state/``.
-    """
-    if step < 0:
-        raise ValueError(f"checkpoint step must be >= 0, got {step}")
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be >= 1 or None, got {keep}")
-    distributed, writer = _is_rank_zero()
-    final = weights_dir(run_dir) / f"step_{step}"
-    if writer:
-        try:
-            _write_and_commit(Path(run_dir), step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                              adapter, algorithm_state)
-        except Exception as e:
-            # never leave a half-written tmp dir behind: on a full disk it holds the space the user needs back
-            shutil.rmtree(weights_dir(run_dir) / f".step_{step}.tmp", ignore_errors=True)
-            failure = _write_failure(e)
-            if failure is None:
-                raise
-            raise CheckpointWriteError(_write_failure_message(run_dir, step, failure), failure[0]) from e
-        if keep is not None:
-            prune_checkpoints(run_dir, keep, protect=step)
-    if distributed:
-        torch.distributed.barrier()
-    return final
 
 
 # torch.save reports a failed write as a RuntimeError from its zip writer, without the errno;
@@ -190,8 +135,13 @@ _TORCH_WRITE_FAILURE = re.compile(r"inline_container|PytorchStreamWriter|file wr
 _OS_ERROR_CODE = re.compile(r"os error (\d+)")
 
 
-def _write_failure(e: BaseException) -> tuple[int | None, str] | None:
-    """(errno or None, reason) when ``e`` is a failed write rather than a bug; None otherwise."""
+def write_failure(e: BaseException) -> tuple[int | None, str] | None:
+    """(errno or None, reason) when ``e`` is a failed write rather than a bug; None otherwise. DCP wraps a rank's
+    failure in its ``CheckpointException``, whose ``failures`` hold the original errors."""
+    for inner in getattr(e, "failures", {}).values():
+        found = write_failure(inner[0] if isinstance(inner, tuple) else inner)
+        if found is not None:
+            return found
     if isinstance(e, OSError):
         return e.errno, e.strerror or str(e)
     text = str(e)
@@ -204,7 +154,7 @@ def _write_failure(e: BaseException) -> tuple[int | None, str] | None:
     return None
 
 
-def _write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) -> str:
+def write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) -> str:
     root = weights_dir(run_dir)
     try:
         free = f"{shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 1e9:.2f} GB free there"
@@ -212,66 +162,6 @@ def _write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) 
         free = "free space unknown"
     return (f"checkpoint step {step} not saved: writing to {root} failed ({failure[1]}); {free}; "
             "the previous checkpoint is intact. Free disk space or lower ckpt.keep, then resume.")
-
-
-def _write_and_commit(run_dir, step, model, tokenizer, state_dict, optimizer_state, data_position, extra,
-                      adapter=None, algorithm_state=None) -> None:
-    root = weights_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".step_{step}.tmp"
-    final = root / f"step_{step}"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a previous attempt at this step died mid-write
-    tmp.mkdir()
-
-    save_kwargs = {"state_dict": state_dict}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
-        save_kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
-    model.save_pretrained(tmp, **save_kwargs)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-
-    (tmp / TRAINER_STATE).mkdir()
-    if optimizer_state is not None:
-        torch.save(optimizer_state, tmp / TRAINER_STATE / "optimizer.pt")
-    state = {"step": step, "data_position": data_position, "rng": capture_rng_state(), "extra": extra or {}}
-    torch.save(state, tmp / TRAINER_STATE / "state.pt")
-    if adapter is not None:
-        tensors, config = adapter
-        save_file(tensors, str(tmp / TRAINER_STATE / ADAPTER_WEIGHTS))
-        (tmp / TRAINER_STATE / ADAPTER_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True))
-    for file_name, tensors in (algorithm_state or {}).items():
-        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp / TRAINER_STATE / file_name))
-
-    delay = _write_delay()
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        files[path.relative_to(tmp).as_posix()] = seal_file(path)
-        if delay:
-            time.sleep(delay)  # test hook: widen the window in which a kill leaves a partial checkpoint
-    for d in sorted({p.parent for p in tmp.rglob("*")} | {tmp}, key=lambda p: -len(p.parts)):
-        fsync_dir(d)
-
-    manifest = {"step": step, "created": time.time(), "files": files}
-    with open(tmp / MANIFEST, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-
-    if final.exists():
-        # re-saving a step (e.g. after a resume): move the old one aside, never delete before the new one is in place
-        old = root / f".step_{step}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(root)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, final)
-        fsync_dir(root)
-    write_text_atomic(root / LATEST, f"step_{step}\n")
 
 
 # ---- read ----
@@ -303,73 +193,121 @@ def manifest_problems(manifest: Any) -> list[str]:
     return problems
 
 
-def verify_checkpoint(path: str | Path, checksums: bool = False) -> list[str]:
-    """Problems that make ``path`` unusable (empty when it is complete).
-
-    Always: the manifest's structure and every file's size; with ``checksums`` also every
-    file's sha256: a full read of the checkpoint, at disk or hashing speed, whichever is slower
-    (about 1 GB/s per core for sha256): ~1.5 min for an 8B run's 32 GB of fp32 weights plus
-    64 GB of optimizer state on a fast disk.
-    """
-    path = Path(path)
+def read_manifest(path: Path) -> tuple[dict | None, list[str]]:
+    """(the manifest of the part at ``path``, its problems); the problems are named ``name/...``."""
+    name = path.name if path.name != TRAINER_STATE else f"{path.parent.name}/{TRAINER_STATE}"
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        return [f"{path.name}: no {MANIFEST} (the write did not finish)"]
+        return None, [f"{name}: no {MANIFEST} (the write did not finish)"]
     try:
         manifest = json.loads(manifest_path.read_bytes())
     except (ValueError, OSError) as e:
-        return [f"{path.name}: unreadable {MANIFEST}: {e}"]
-    problems = [f"{path.name}: {p}" for p in manifest_problems(manifest)]
-    if problems:
-        return problems
-    step, files = manifest["step"], manifest["files"]
-    match = STEP_DIR.match(path.name)
-    if match and int(match.group(1)) != step:
-        problems.append(f"{path.name}: manifest says step {step}")
+        return None, [f"{name}: unreadable {MANIFEST}: {e}"]
+    return manifest, [f"{name}: {p}" for p in manifest_problems(manifest)]
+
+
+def files_problems(path: Path, files: dict, checksums: bool, name: str) -> list[str]:
+    problems = []
     for rel, entry in files.items():
         f = path / rel
         if not f.is_file():
-            problems.append(f"{path.name}/{rel}: missing")
+            problems.append(f"{name}/{rel}: missing")
         elif f.stat().st_size != entry["size"]:
-            problems.append(f"{path.name}/{rel}: {f.stat().st_size} bytes, manifest says {entry['size']}")
+            problems.append(f"{name}/{rel}: {f.stat().st_size} bytes, manifest says {entry['size']}")
         elif checksums and seal_digest(f) != entry["sha256"]:
-            problems.append(f"{path.name}/{rel}: sha256 mismatch (the file changed after it was written)")
+            problems.append(f"{name}/{rel}: sha256 mismatch (the file changed after it was written)")
     return problems
+
+
+def verify_checkpoint(path: str | Path, checksums: bool = False) -> list[str]:
+    """Problems that make the serving weights at ``path`` (``weights/step_N``) unusable (empty when complete).
+
+    Always: the manifest's structure and every file's size; with ``checksums`` also every file's sha256: a full
+    read of the files, at disk or hashing speed, whichever is slower (about 1 GB/s per core for sha256)."""
+    path = Path(path)
+    manifest, problems = read_manifest(path)
+    if manifest is None or problems:
+        return problems
+    match = STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        problems.append(f"{path.name}: manifest says step {manifest['step']}")
+    return problems + files_problems(path, manifest["files"], checksums, path.name)
+
+
+def verify_trainer_state(path: str | Path, checksums: bool = False) -> list[str]:
+    """Problems that make the trainer state of ``path`` (``weights/step_N``) unusable for a resume (empty when it
+    is complete): as ``verify_checkpoint``, for ``trainer_state/``. A checkpoint without one (``ckpt.final =
+    "weights"``, or a write cut before its commit) has a problem saying so."""
+    path = Path(path)
+    state = path / TRAINER_STATE
+    name = f"{path.name}/{TRAINER_STATE}"
+    if not state.is_dir():
+        return [f"{path.name}: no {TRAINER_STATE}/ (serving weights only, or its write did not finish)"]
+    manifest, problems = read_manifest(state)
+    if manifest is None or problems:
+        return problems
+    match = STEP_DIR.match(path.name)
+    if match and int(match.group(1)) != manifest["step"]:
+        problems.append(f"{name}: manifest says step {manifest['step']}")
+    return problems + files_problems(state, manifest["files"], checksums, name)
+
+
+def is_single_writer_checkpoint(path: str | Path) -> bool:
+    """A checkpoint of the earlier layout (its manifest lists ``trainer_state/optimizer.pt``: the full optimizer
+    state, gathered and written by rank 0), which this scirl serves and evaluates but does not resume."""
+    manifest, problems = read_manifest(Path(path))
+    return manifest is not None and not problems and OLD_OPTIMIZER in manifest["files"]
 
 
 def load_problems(path: str | Path) -> list[str]:
     """Problems found by actually loading a checkpoint's files (empty when all load).
 
-    Every ``*.safetensors`` must open and give every tensor (its header, dtypes, shapes and byte
-    ranges must hold together); ``trainer_state/state.pt`` and ``trainer_state/optimizer.pt`` (if
-    present) must load with ``torch.load(weights_only=True)``. Both are memory-mapped, so this
-    checks structure in well under a second even for an 8B run's 96 GB, without holding them in
-    memory; the bytes themselves are the sha256's job (``verify_checkpoint``).
-    """
+    Every ``*.safetensors`` must open and give every tensor (its header, dtypes, shapes and byte ranges must hold
+    together); ``trainer_state/state.pt`` must load with ``torch.load(weights_only=True)``; the DCP metadata must
+    load and every byte range it names must lie inside its file. Memory-mapped or read from the headers, so this
+    checks structure in well under a second even for an 8B run's ~110 GB, without holding them in memory; the
+    bytes themselves are the sha256's job (``verify_checkpoint``)."""
     path = Path(path)
     problems = []
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         problems.append(f"{path.name}: no *.safetensors weights")
-    for shard in shards + sorted((path / TRAINER_STATE).glob("*.safetensors")):  # + a LoRA adapter
+    for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as f:
                 for key in f.keys():
                     f.get_tensor(key)
         except Exception as e:  # safetensors raises its own error types (and others) for damaged files
-            problems.append(f"{path.name}/{shard.relative_to(path).as_posix()}: does not load: {_one_line(e)}")
-    trainer_dir = path / TRAINER_STATE
-    if not (trainer_dir / "state.pt").is_file():
-        problems.append(f"{path.name}: no {TRAINER_STATE}/state.pt")
-    for name in ("state.pt", "optimizer.pt"):
-        f = trainer_dir / name
-        if not f.is_file():
-            continue
-        try:
-            torch.load(f, weights_only=True, mmap=True, map_location="cpu")
-        except Exception as e:  # torch raises RuntimeError, pickle errors, EOFError... for damaged files
-            problems.append(f"{path.name}/{TRAINER_STATE}/{name}: does not load: {_one_line(e)}")
-    return problems
+            problems.append(f"{path.name}/{shard.name}: does not load: {_one_line(e)}")
+    state = path / TRAINER_STATE
+    if not state.is_dir():
+        return problems
+    try:
+        torch.load(state / PROGRESS, weights_only=True, mmap=True, map_location="cpu")
+    except Exception as e:  # torch raises RuntimeError, pickle errors, EOFError... for damaged files
+        problems.append(f"{path.name}/{TRAINER_STATE}/{PROGRESS}: does not load: {_one_line(e)}")
+    return problems + dcp_problems(state, f"{path.name}/{TRAINER_STATE}")
+
+
+def dcp_problems(state: Path, name: str) -> list[str]:
+    """The DCP metadata of ``state`` loads, and each byte range it names lies inside an existing file."""
+    try:
+        with open(state / DCP_METADATA, "rb") as f:
+            metadata = pickle.load(f)  # what torch's FileSystemReader.read_metadata does
+        storage = metadata.storage_data
+    except Exception as e:  # unpickling a damaged file raises anything
+        return [f"{name}/{DCP_METADATA}: does not load: {_one_line(e)}"]
+    sizes: dict[str, int] = {}
+    for info in storage.values():
+        rel = info.relative_path
+        if rel not in sizes:
+            sizes[rel] = (state / rel).stat().st_size if (state / rel).is_file() else -1
+        if sizes[rel] < 0:
+            return [f"{name}/{rel}: named by {DCP_METADATA}, missing"]
+        if info.offset + info.length > sizes[rel]:
+            return [f"{name}/{rel}: {DCP_METADATA} names bytes up to {info.offset + info.length}, "
+                    f"the file has {sizes[rel]}"]
+    return []
 
 
 def _one_line(e: BaseException) -> str:
@@ -391,24 +329,29 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def remove_stale(run_dir: str | Path) -> list[Path]:
-    """Delete leftovers of interrupted writes (``.step_N.tmp``, ``.step_N.old``). Call only when no writer runs."""
+    """Delete leftovers of interrupted writes (``.step_N.tmp``, ``.step_N.old``, ``step_N/.trainer_state.tmp``).
+    Call only when no writer runs."""
     root = weights_dir(run_dir)
     removed = []
+    if (root / PAUSED).is_file():  # the writer's test hook said where it stopped
+        (root / PAUSED).unlink()
     if root.is_dir():
         for p in root.iterdir():
             if STALE_DIR.match(p.name) and p.is_dir():
                 shutil.rmtree(p)
                 removed.append(p)
+            elif STEP_DIR.match(p.name) and (p / TRAINER_TMP).is_dir():
+                shutil.rmtree(p / TRAINER_TMP)
+                removed.append(p / TRAINER_TMP)
     return removed
 
 
 def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = True) -> tuple[int, Path] | None:
-    """The newest complete checkpoint as (step, path), or None.
+    """The newest checkpoint whose serving weights are complete, as (step, path), or None.
 
-    Complete means: its manifest exists and every listed file has the listed size
-    (and sha256, with ``verify=True``). Incomplete ``step_N`` dirs are skipped, not
-    deleted, so nothing is lost to a false alarm. With ``clean``, stale tmp dirs of
-    interrupted writes are removed.
+    Complete means: its manifest exists and every listed file has the listed size (and sha256, with
+    ``verify=True``). Incomplete ``step_N`` dirs are skipped, not deleted, so nothing is lost to a false alarm.
+    With ``clean``, stale tmp dirs of interrupted writes are removed.
     """
     if clean:
         remove_stale(run_dir)
@@ -418,23 +361,34 @@ def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = T
     return None
 
 
+def resume_problems(path: Path, checksums: bool = True) -> list[str]:
+    """Why the checkpoint at ``path`` cannot be resumed from (empty when it can): both parts verified (sizes and
+    sha256 with ``checksums``) and their files loadable."""
+    return (verify_checkpoint(path, checksums=checksums) or verify_trainer_state(path, checksums=checksums)
+            or load_problems(path))
+
+
 def find_resume_checkpoint(
     run_dir: str | Path, clean: bool = True
 ) -> tuple[tuple[int, Path] | None, list[tuple[Path, str]]]:
     """The checkpoint to resume from, and the newer ones skipped with a one-line reason each.
 
-    Newest first, a checkpoint is taken when its manifest is well formed, every file has the
-    listed size and sha256 (``verify_checkpoint(checksums=True)``), and its weights, trainer
-    state and optimizer state load (``load_problems``). A damaged one is never deleted here:
-    it is reported and left for a human. Cost: one full read of each checkpoint tried (sha256,
-    see ``verify_checkpoint``); the load check only maps the files. With ``clean``,
-    stale tmp dirs of interrupted writes are removed first (call only when no writer runs).
+    Newest first, a checkpoint is taken when ``resume_problems`` finds none. A damaged one is never deleted here:
+    it is reported and left for a human. Cost: one full read of each checkpoint tried (sha256); the load check
+    only maps the files. With ``clean``, stale tmp dirs of interrupted writes are removed first (call only when no
+    writer runs). A checkpoint of the single-writer layout met before any resumable one is refused
+    (``RunDirError``): starting the run over in its own directory would drop its history.
     """
     if clean:
         remove_stale(run_dir)
     skipped: list[tuple[Path, str]] = []
     for step, path in reversed(list_checkpoints(run_dir)):
-        problems = verify_checkpoint(path, checksums=True) or load_problems(path)
+        if is_single_writer_checkpoint(path):
+            raise RunDirError(
+                f"{path} was written by an earlier scirl (its trainer state is one optimizer.pt gathered on rank 0), "
+                "which this scirl does not resume: finish the run with the scirl that wrote it, or start a new run "
+                f"from its weights (--model {path} --output-dir NEW_DIR)")
+        problems = resume_problems(path)
         if not problems:
             return (step, path), skipped
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
@@ -442,52 +396,65 @@ def find_resume_checkpoint(
     return None, skipped
 
 
-def load_trainer_state(path: str | Path, optimizer: bool = True) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra", "optimizer", "adapter", "algorithm_state"} of a checkpoint
-    (optimizer None if not saved; adapter: (tensors, peft config dict) in a LoRA run's checkpoint, else None;
-    algorithm_state: file name -> tensors of each other ``trainer_state/*.safetensors``, the algorithm's own).
-
-    Restore the RNG with ``restore_rng_state(state["rng"])``. ``optimizer=False`` skips the optimizer
-    file and the algorithm's state files (an EMA teacher is as big as the weights; the optimizer is then None,
-    and each algorithm file is listed with None): under FSDP only rank 0 reads them and hands each rank its shards.
-    """
-    trainer_dir = Path(path) / TRAINER_STATE
-    if not (trainer_dir / "state.pt").is_file():
-        raise FileNotFoundError(f"no trainer state in {path} (expected {TRAINER_STATE}/state.pt)")
-    state = torch.load(trainer_dir / "state.pt", weights_only=True)
-    optimizer_path = trainer_dir / "optimizer.pt"
-    state["optimizer"] = torch.load(optimizer_path, weights_only=True) if optimizer and optimizer_path.is_file() else None
-    state["algorithm_state"] = {path.name: load_file(path) if optimizer else None
-                                for path in sorted(trainer_dir.glob("*.safetensors")) if path.name != ADAPTER_WEIGHTS}
-    state["adapter"] = None
-    if (trainer_dir / ADAPTER_WEIGHTS).is_file():
-        state["adapter"] = (load_file(trainer_dir / ADAPTER_WEIGHTS), json.loads((trainer_dir / ADAPTER_CONFIG).read_text()))
-    return state
+def load_progress(path: str | Path) -> dict[str, Any]:
+    """{"step", "data_position", "rng", "extra"} of a checkpoint's trainer state (restore the RNG with
+    ``restore_rng_state(state["rng"])``); the tensors are ``load_trainer_state``'s job."""
+    state = Path(path) / TRAINER_STATE
+    if not (state / PROGRESS).is_file():
+        raise FileNotFoundError(f"no trainer state in {path} (expected {TRAINER_STATE}/{PROGRESS})")
+    return torch.load(state / PROGRESS, weights_only=True)
 
 
-def newest_verified(run_dir: str | Path, trusted: int | None = None) -> int | None:
-    """Step of the newest checkpoint whose sizes and sha256 match its manifest, or None.
+def saved_keys(path: str | Path) -> set[str]:
+    """The DCP keys a checkpoint's trainer state holds (``model.NAME``, ``optimizer.state.NAME.exp_avg``, ...)."""
+    with open(Path(path) / TRAINER_STATE / DCP_METADATA, "rb") as f:
+        return set(pickle.load(f).state_dict_metadata)
 
-    ``trusted`` is a step just committed by this process (its checksums were computed from the
-    bytes written a moment ago): it is checked by sizes only, so the usual case costs no hashing.
-    """
+
+def load_trainer_state(path: str | Path, state: dict, process_group=None) -> None:
+    """Read a checkpoint's trainer state into ``state`` in place (``Trainer.checkpoint_state()``'s dict: the live
+    tensors, each rank's shards under FSDP2; DCP reads the slices each rank holds, whatever the number of ranks
+    that wrote it). Every rank calls it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: as meant
+        dcp_load(state, storage_reader=FileSystemReader(str(Path(path) / TRAINER_STATE)), process_group=process_group,
+                 no_dist=not distributed)
+
+
+def read_adapter_config(path: str | Path) -> dict | None:
+    """A LoRA run's adapter config from a checkpoint's trainer state (None: not a LoRA checkpoint)."""
+    f = Path(path) / TRAINER_STATE / ADAPTER_CONFIG
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int | None:
+    """Step of the newest checkpoint a resume would take (its two parts verified), or None.
+
+    ``trusted``: steps this process committed (their checksums were computed from the bytes written moments
+    ago): checked by sizes only, so the usual case costs no hashing."""
     for step, path in reversed(list_checkpoints(run_dir)):
-        if not verify_checkpoint(path, checksums=step != trusted):
+        checksums = step not in trusted
+        if not (verify_checkpoint(path, checksums=checksums) or verify_trainer_state(path, checksums=checksums)):
             return step
     return None
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int, protect: int | None = None) -> list[Path]:
+def prune_checkpoints(run_dir: str | Path, keep: int, protect: int | None = None,
+                      trusted: set[int] = frozenset()) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints (never step ``protect``); return what was removed.
 
-    The newest checkpoint that verifies (sizes and sha256) is never deleted either, whatever
-    ``keep`` says: if newer ones are damaged, it is the only one a resume can use.
+    The newest resumable checkpoint (both parts verified: sizes and sha256) is never deleted either, whatever
+    ``keep`` says: if newer ones are damaged, or hold serving weights only, it is the one a resume needs.
     """
     checkpoints = list_checkpoints(run_dir)
     candidates = [(s, p) for s, p in checkpoints[: max(len(checkpoints) - keep, 0)] if s != protect]
     if not candidates:
         return []
-    good = newest_verified(run_dir, trusted=protect)
+    good = resumable_step(run_dir, trusted=trusted | ({protect} if protect is not None else set()))
     doomed = [(s, p) for s, p in candidates if s != good]
     for _, p in doomed:
         # rename first so a crash mid-delete leaves a stale dir, not a half-deleted step_N

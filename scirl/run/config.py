@@ -85,8 +85,22 @@ class FiltersConfig(Section):
 
 
 class CkptConfig(Section):
+    """Checkpoints, written beside training (``scirl/run/checkpointer.py``; layout: ``scirl/run/checkpoint.py``)."""
+
     interval: int | None = Field(None, ge=1, description="save every N steps (None: only at the end)")
-    keep: int | None = Field(None, ge=1, description="keep the newest N checkpoints (None: all)")
+    keep: int | None = Field(None, ge=1, description="keep the newest N checkpoints (None: all); the newest one a "
+                             "resume can take is never deleted")
+    # "full" by default: a finished run goes on with `scirl train --resume RUN --max-steps M`, as its docs say, and
+    # the trainer state is written after the serving weights, beside no training, so it costs the run no step time
+    final: Literal["full", "weights"] = Field(
+        "full", description="the last step's checkpoint: full (the serving weights and the trainer state, so a "
+        "finished run can be continued with --resume and a larger --max-steps) or weights (the serving weights "
+        "alone: 12 bytes a parameter less on disk, and the run ends sooner)")
+    staging: Literal["auto", "full", "chunks"] = Field(
+        "auto", description="how a checkpoint hands the trainer state to its writer: full (copied into host "
+        "buffers allocated once; training waits only for that copy, which overlaps the next step's generation), "
+        "chunks (no copy: the writer reads the live state a chunk at a time and the next update waits for the "
+        "write; for a host that cannot hold the copy), auto (full where the host's memory holds it)")
 
 
 class DataConfig(Section):
@@ -234,6 +248,9 @@ class DeploymentConfig(Section):
     gpu_memory_gb: float | None = Field(None, gt=0, description="each GPU's memory in GiB, for the memory plan where "
                                         "there is no GPU to ask (a login node, --dry-run on a laptop); a GPU's own "
                                         "size wins where there is one (None: the plan only prints)")
+    host_memory_gb: float | None = Field(None, gt=0, description="each node's host memory in GiB that checkpoints "
+                                         "may stage into, where this machine cannot say (a login node, --dry-run on a "
+                                         "laptop); None: what this machine has available")
 
     def weight_sync_on(self, cuda: bool) -> str:
         """``weight_sync`` with ``auto`` resolved: NCCL between GPUs, the filesystem elsewhere."""

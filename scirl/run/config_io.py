@@ -20,6 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from scirl.errors import ConfigError
 from scirl.run.config import TrainConfig
+from scirl.run.rundir import RUN_CONFIG
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -258,8 +259,11 @@ def anchor_to_file(data: dict, path: Path) -> dict:
 
 
 def saved_config(run_dir: Path, note_renamed: bool = True) -> TrainConfig:
-    """The config a run directory recorded (its ``config.toml``), validated; ``ConfigError`` when there is none."""
+    """The config a run directory recorded (its ``config.toml``; a checkpoint copied out of its run: the
+    ``run_config.toml`` it carries), validated; ``ConfigError`` when there is none."""
     path = run_dir / "config.toml"
+    if not path.is_file() and (run_dir / RUN_CONFIG).is_file():
+        path = run_dir / RUN_CONFIG
     if not path.is_file():
         raise ConfigError(f"{run_dir} is not a scirl train run directory (no config.toml)")
     return validate(read_toml(path, note_renamed), origin=str(path))

@@ -21,8 +21,10 @@ from scirl.errors import RunDirError
 # the checkpoints' names under weights/ (``scirl.run.checkpoint`` writes them): here, so that a launcher can
 # check a run directory without importing torch
 LATEST = "latest"  # text file "step_N"
+PAUSED = ".paused"  # where a checkpoint writer stopped for a test (``SCIRL_CKPT_PAUSE``)
 STEP_DIR = re.compile(r"^step_(\d+)$")  # a committed checkpoint
 STALE_DIR = re.compile(r"^\.step_\d+\.(tmp|old)$")  # a write cut short, or one being replaced
+RUN_CONFIG = "run_config.toml"  # a checkpoint's copy of its run's config.toml: its data settings travel with it
 RESULTS = ("metrics.jsonl", "rollouts", "weights")
 RESUMES = "resumes.jsonl"  # one row per resume: the step it went on from and the settings it changed
 # the last line of a run stopped on request (``stopped_line``): a launcher knows from it that the stop went well
@@ -92,7 +94,7 @@ def remove_run_files(run_dir: Path) -> None:
         for path in weights.iterdir():
             if path.is_dir() and (STEP_DIR.match(path.name) or STALE_DIR.match(path.name)):
                 shutil.rmtree(path)
-            elif path.name in (LATEST, LATEST + ".tmp"):
+            elif path.name in (LATEST, LATEST + ".tmp", PAUSED):
                 path.unlink()
     broadcasts = run_dir / "broadcasts"  # the policy versions a filesystem weight sync handed the servers
     if broadcasts.is_dir():

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import tomli_w
 import torch
 import transformers
 from rich.console import Console
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from scirl import algorithms, distributed, extras
 from scirl.errors import ConfigError, RunDirError, TrainError
@@ -33,7 +35,7 @@ from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
 from scirl.rollouts.sampler import QuestionSampler
 from scirl.rollouts.source import ColocatedSource, ServerSource
-from scirl.run import checkpoint, memory, rundir
+from scirl.run import checkpoint, memory, rundir, serving_weights
 from scirl.run.backends import (
     bf16_advice,
     inference_backend,
@@ -43,6 +45,7 @@ from scirl.run.backends import (
     make_vllm_generator,
 )
 from scirl.run.config import TrainConfig
+from scirl.run.checkpointer import Checkpointer, checkpoint_group
 from scirl.run.config_io import changed_settings, saved_config, to_toml_dict, write_config
 from scirl.run.eval_hook import training_eval
 from scirl.trainer import lora
@@ -76,8 +79,10 @@ class Run:
     sink: object  # scirl.weights.base.WeightSink
     evaluate: Callable[[int], dict]  # eval during training: {} unless due at this step
     wandb_run: object | None
+    checkpointer: Checkpointer  # writes the checkpoints beside training
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.source.close()
         self.sink.close()
         if self.generator is not None:
@@ -91,6 +96,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     dist, device = distributed.setup(cfg.device)
     if cfg.lora.enabled:
         lora.check_supported(dist)
+    group = checkpoint_group(dist.world_size)  # the checkpoint writers' own: every rank makes it, first
     run_dir = Path(cfg.output_dir)
     if dist.is_main:
         rundir.prepare(run_dir, resume=resume, clean=clean)
@@ -127,7 +133,10 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         return None
 
     # ---- the policy, its trainer and its sampler ----
-    generator, model, trainer = build_policy(cfg, model_source, tokenizer, saved, device, dist, say)
+    generator, model, trainer = build_policy(cfg, model_source, tokenizer, (latest[1], saved) if saved else None,
+                                             device, dist, group, say)
+    checkpointer = make_checkpointer(cfg, trainer, tokenizer, model_source, dist, group, device, say)
+    trainer.before_update = checkpointer.wait_for_staging
     evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not cfg.inference.urls, say=say)
     wandb_run = start_wandb(cfg) if dist.is_main else None
     if dist.is_main:
@@ -153,14 +162,17 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
                                  vocab_size=model.config.vocab_size, dist=dist)
         sink = InProcessSink(generator, trainer, check)
+        if saved is not None and checkpointer.dtype != trainer.dtype:
+            sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
     empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
     return Run(cfg, dist, device, run_dir, say, console, tokenizer, model, trainer, questions, digest, start_step,
-               empty_steps, generator, source, sink, evaluate, wandb_run)
+               empty_steps, generator, source, sink, evaluate, wandb_run, checkpointer)
 
 
-def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | None, device: torch.device,
-                 dist: distributed.Dist, say) -> tuple:
-    """(this rank's sampler, the model, its trainer), the optimizer state and RNG of ``saved`` restored."""
+def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Path, dict] | None,
+                 device: torch.device, dist: distributed.Dist, group, say) -> tuple:
+    """(this rank's sampler, the model, its trainer); with ``saved`` (a checkpoint's path and small state), its
+    trainer state read in and its RNG restored."""
     dtype = compute_dtype(cfg.dtype, device)
     if dist.is_main and (advice := bf16_advice(device, dtype)):
         say(advice)
@@ -170,9 +182,8 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
     if not cfg.inference.urls and inference_backend(cfg, device) == "vllm":
         # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
-    if cfg.lora.enabled:  # the base of config.toml's `model`, with a new adapter or the checkpoint's
-        model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing,
-                                saved=saved["adapter"] if saved else None)
+    if cfg.lora.enabled:  # the base of config.toml's `model` with a new adapter; a resume reads the checkpoint's in
+        model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing)
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
@@ -180,13 +191,67 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: dict | N
     say(f"Trainer: micro-batches of {trainer.describe_batching()}; attention {trainer.attention}; "
         f"decoder layers: {trainer.kernels.describe()}")
     if saved is not None:
-        trainer.load_optimizer_state_dict(saved["optimizer"])
+        restore(trainer, *saved, group, say)
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
-        checkpoint.restore_rng_state(saved["rng"])
-        trainer.algorithm.load_state_files(saved["algorithm_state"], say)  # e.g. an EMA teacher
     if generator is None and not cfg.inference.urls:
         generator = make_generator(trainer, model_source, tokenizer)
     return generator, model, trainer
+
+
+def restore(trainer, path: Path, saved: dict, group, say) -> None:
+    """Read checkpoint ``path``'s trainer state into the trainer (its weights, AdamW's state, the algorithm's: each
+    rank its own slices, whatever the number of ranks that wrote it) and restore the RNG."""
+    state = trainer.checkpoint_state()
+    held = checkpoint.saved_keys(path)
+    missing = [name for name in state["algorithm"] if not any(k.startswith(f"algorithm.{name}.") for k in held)]
+    for name in missing:  # e.g. a GRPO checkpoint resumed under SDPO: no EMA teacher to read
+        del state["algorithm"][name]
+    checkpoint.load_trainer_state(path, state, process_group=group)
+    trainer.load_checkpoint_state(state)
+    trainer.algorithm.state_restored(missing, say)
+    checkpoint.restore_rng_state(saved["rng"])
+
+
+def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, dist: distributed.Dist, group,
+                      device: torch.device, say) -> Checkpointer:
+    """The run's checkpoint writer: serving weights in the model's own dtype (its config's), the files every
+    checkpoint carries rendered once, the staging the host's memory allows (``memory.staging_mode``)."""
+    lora_run = cfg.lora.enabled
+    hf = lora.hf_model(trainer.model) if lora_run else trainer.model
+    dtype = serving_weights.serving_dtype(AutoConfig.from_pretrained(cfg.model if lora_run else model_source))
+    fixed = serving_weights.fixed_files(hf.config, getattr(hf, "generation_config", None), tokenizer,
+                                        tomli_w.dumps(to_toml_dict(cfg)), dtype)
+    tied = serving_weights.tied_names(hf, lora.hf_name if lora_run else (lambda name: name))
+    staging = staging_mode(cfg, trainer, hf, dtype, dist, device)
+    if dist.is_main and cfg.ckpt.staging == "auto" and staging == "chunks":
+        say("Checkpoints are written unstaged (ckpt.staging chunks): this host's memory cannot hold a staged copy")
+    serving = None
+    if lora_run:  # the merged weights, read while staging (they need the live adapter)
+        serving = lambda: dict(trainer.full_weights(device="cpu", dtype=dtype))  # noqa: E731
+    adapter = lora.adapter_config(trainer.model) if lora_run else None
+    return Checkpointer(Path(cfg.output_dir), state=trainer.checkpoint_state, fixed=fixed, dtype=dtype, dist=dist,
+                        group=group, device=device, staging=staging, keep=cfg.ckpt.keep, tied=tied, serving=serving,
+                        adapter_config=adapter, say=say)
+
+
+def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist,
+                 device: torch.device) -> str:
+    """``ckpt.staging`` resolved from this rank's state and this node's host memory (``memory.choose_staging``)."""
+    trained = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+                  for p in trainer.model.parameters() if p.requires_grad)
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = [p.numel() * item for p in hf.parameters()]
+    need = memory.staging_bytes(trained=trained, serving_total=sum(sizes), largest=max(sizes), ranks=dist.world_size,
+                                extra_state=algorithms.state_bytes_per_param(cfg), lora=cfg.lora.enabled)
+    ranks, host = local_ranks(dist), memory.host_memory(cfg.deployment)
+    if host is not None and device.type == "cpu" and not trainer.optimizer.state:
+        host = (host[0] - ranks * 8 * trained, host[1])  # a CPU's AdamW moments come at the first step, in host memory
+    return memory.choose_staging(cfg.ckpt.staging, need, ranks, host)
+
+
+def local_ranks(dist: distributed.Dist) -> int:
+    """How many ranks share this node's host memory (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
 
 
 def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,
@@ -241,14 +306,17 @@ def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Di
 
 
 def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, dist: distributed.Dist) -> dict:
-    """The checkpoint's small state (every rank: step, RNG, data position) and, on rank 0 only, the
-    optimizer state, which the trainer broadcasts shard by shard (8 ranks each reading it: 8 full
-    copies in RAM). Refuses (``RunDirError``) a checkpoint made on other questions or with another seed."""
-    saved = checkpoint.load_trainer_state(path, optimizer=dist.is_main)
-    if saved["adapter"] is not None and not cfg.lora.enabled:
+    """The checkpoint's small state (step, RNG, data position), read by every rank; its tensors are read once the
+    trainer exists (``restore``). Refuses (``RunDirError``) a checkpoint made on other questions or with another
+    seed, and one whose LoRA adapter does not match the run's."""
+    saved = checkpoint.load_progress(path)
+    adapter = checkpoint.read_adapter_config(path)
+    if adapter is not None and not cfg.lora.enabled:
         raise RunDirError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
-    if saved["adapter"] is None and cfg.lora.enabled:
+    if adapter is None and cfg.lora.enabled:
         raise RunDirError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
+    if adapter is not None:
+        lora.check_saved_config(adapter, cfg.lora)
     position = saved["data_position"]
     if position["n_questions"] != n_questions:
         raise RunDirError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "

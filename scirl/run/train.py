@@ -20,16 +20,23 @@ A step (``one_step``):
 The loop (``run``) adds, every ``eval.interval`` steps, the greedy accuracy on a fixed held-out subset
 (``scirl/run/eval_hook.py``; it leaves the RNG and the data position as they were), writes the step's
 line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and, every ``ckpt.interval`` steps and at
-the end, a checkpoint. The metrics row of step N is written before checkpoint N, so a checkpoint
-always has its rows; resuming from checkpoint N drops rows and rollouts past N and goes on from N+1
-with the same data position, RNG and optimizer state: no step is missing or doubled.
-``time/checkpoint`` in row N+1 is the time spent saving after step N.
+the end, a checkpoint, written in the background (``scirl/run/checkpointer.py``): the step is blocked only
+while the state is handed over, and the next update waits, if it must, until the writer has staged it.
+The metrics row of step N is written before checkpoint N, so a checkpoint always has its rows; resuming
+from checkpoint N drops rows and rollouts past N and goes on from N+1 with the same data position, RNG
+and optimizer state: no step is missing or doubled. ``time/checkpoint`` in row N+1 is the time
+checkpoints blocked training since row N (the save after step N, and any wait of step N+1's update for
+its staging); ``time/checkpoint_background`` the seconds a checkpoint's background write took, in the
+first row after it was committed. The run ends (exit 0, or 130/143 after a stop) only once its last
+checkpoint is committed.
 
-Exactness holds for the same config and number of ranks (generation is seeded per rank).
-Checkpoints keep the float32 master weights, so resuming loses no precision; serve them in bf16 with
-``vllm serve weights/step_N --dtype bfloat16``. With ``[lora] enabled`` (one process,
-``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and checkpoints get
-the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's adapter.
+Exactness holds for the same config and number of ranks (generation is seeded per rank); the trainer
+state (float32 weights, AdamW's state, the algorithm's) resumes on any number of ranks. Checkpoints
+serve in the model's own dtype (``weights/step_N``, what ``vllm serve`` loads) and resume from the
+float32 trainer state beside them, so resuming loses no precision. With ``[lora] enabled`` (one process,
+``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and the serving
+weights get the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's
+adapter.
 
 The loop names no algorithm (``scirl/algorithms/``): the orchestrator's half asks the run's algorithm for
 advantages and a sample's extra inputs, the trainer's step for its loss, checkpoints for its state files
@@ -46,7 +53,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from scirl import distributed
@@ -55,7 +61,6 @@ from scirl.rollouts.contract import RolloutBatch
 from scirl.run import checkpoint, rundir
 from scirl.run.metrics import memory_metrics, step_line, step_metrics
 from scirl.run.setup import Run, start
-from scirl.trainer import lora
 
 log = logging.getLogger("scirl.run")
 
@@ -138,7 +143,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     task = progress.add_task("training", total=cfg.max_steps, completed=r.start_step)
     r.say(f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
           f"completions, {r.dist.world_size} rank(s) on {r.device}")
-    empty_steps, nonfinite_steps, checkpoint_seconds, status = r.empty_steps, 0, 0.0, 0
+    empty_steps, nonfinite_steps, saved_seconds, status = r.empty_steps, 0, 0.0, 0
     started = time.perf_counter()  # the time left: this session's pace so far, over the steps to go
     try:
         with progress:
@@ -147,22 +152,28 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                 evaluated = r.evaluate(step)  # {} unless due; the numbers on rank 0
                 empty_steps = 0 if result.stats["stepped"] or result.stats.get("nonfinite") else empty_steps + 1
                 nonfinite_steps = nonfinite_steps + 1 if result.stats.get("nonfinite") else 0
+                timings = {"time/checkpoint": r.checkpointer.take_blocked()}
+                if (background := r.checkpointer.poll()) is not None:  # raises a failed checkpoint's error
+                    timings["time/checkpoint_background"] = background
                 if r.dist.is_main:
-                    record(r, result, evaluated, checkpoint_seconds, progress, started)
+                    record(r, result, evaluated, timings, saved_seconds, progress, started)
                     progress.update(task, completed=step)
                 check_progress(empty_steps, nonfinite_steps)
-                checkpoint_seconds = 0.0
+                saved_seconds = 0.0
                 stop_now = stop.agreed(r.dist)
                 due = cfg.ckpt.interval is not None and step % cfg.ckpt.interval == 0
                 if due or step == cfg.max_steps or stop_now:
-                    checkpoint_seconds = save(r, step, result.batch.data_position, empty_steps)
-                    stop_now = stop.agreed(r.dist)  # a signal during the write: it finished, now stop
+                    full = step < cfg.max_steps or cfg.ckpt.final == "full"
+                    saved_seconds = save(r, step, result.batch.data_position, empty_steps, full=full)
+                    stop_now = stop.agreed(r.dist)  # a signal while the save waited for the checkpoint before it
                 if stop_now and step < cfg.max_steps:
+                    finish_checkpoints(r)
                     r.say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step,
                                               r.run_dir))
                     status = 128 + (stop.signum or signal.SIGTERM)
                     break
         if status == 0:
+            finish_checkpoints(r)
             r.say(f"Training finished: {cfg.max_steps} steps, weights in "
                   f"{r.run_dir / 'weights' / f'step_{cfg.max_steps}'}")
     finally:
@@ -171,14 +182,15 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     return status
 
 
-def record(r: Run, result: StepResult, evaluated: dict, checkpoint_seconds: float, progress: Progress,
-           started: float) -> None:
+def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float,
+           progress: Progress, started: float) -> None:
     """Rank 0: the step's rollouts file, metrics row, step line (console and log, with ``step N/total`` and the time
-    left at the pace since ``started``) and W&B row."""
+    left at the pace since ``started``) and W&B row. ``timings``: the checkpoints' (``time/checkpoint``: what they
+    blocked since the last row, ``saved_seconds`` of it in the save after the previous step, the rest inside this
+    step's update)."""
     step = result.batch.step
-    metrics = {**result.metrics, **evaluated, "epoch": result.batch.data_position["epoch"],
-               "time/checkpoint": checkpoint_seconds}
-    metrics["time/step"] += checkpoint_seconds + evaluated.get("time/eval", 0.0)
+    metrics = {**result.metrics, **evaluated, "epoch": result.batch.data_position["epoch"], **timings}
+    metrics["time/step"] += saved_seconds + evaluated.get("time/eval", 0.0)
     rundir.write_rollouts(r.run_dir / "rollouts" / f"step_{step}.jsonl", result.rollouts)
     rundir.append_line(r.run_dir / "metrics.jsonl", metrics)
     left_s = (time.perf_counter() - started) / (step - r.start_step) * (r.cfg.max_steps - step)
@@ -203,26 +215,22 @@ def check_progress(empty_steps: int, nonfinite_steps: int) -> None:
                          "(updates skipped): lower optim.lr or optim.max_norm; the last checkpoint is intact")
 
 
-def save(r: Run, step: int, position: dict, empty_steps: int) -> float:
-    """Checkpoint ``step`` (every rank takes part; rank 0 writes); returns the seconds it took."""
-    t = time.perf_counter()
-    # fp32 masters: resuming from them is exact (LoRA: the merged weights, for serving; a resume reads the adapter)
-    state = r.trainer.full_state_dict(all_ranks=False)
-    bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
-    if bad:  # never a checkpoint a resume would take as good
-        raise TrainError(f"step {step}: weights {', '.join(bad[:3])} are not finite; no checkpoint written")
-    lora_run = r.cfg.lora.enabled
-    checkpoint.save_checkpoint(r.run_dir, step, lora.hf_model(r.model) if lora_run else r.model, r.tokenizer,
-                               state_dict=state, adapter=lora.adapter_state(r.model) if lora_run else None,
-                               optimizer_state=r.trainer.optimizer_state_dict(),
-                               data_position={**position, "n_questions": len(r.questions), "questions": r.digest,
-                                              "seed": r.cfg.seed},
-                               extra={"consecutive_empty_steps": empty_steps}, keep=r.cfg.ckpt.keep,
-                               algorithm_state=r.trainer.algorithm.state_files(all_ranks=False))
-    distributed.barrier(r.dist)
-    seconds = time.perf_counter() - t
-    r.say(f"Saved checkpoint weights/step_{step} ({seconds:.1f}s)")
+def save(r: Run, step: int, position: dict, empty_steps: int, *, full: bool) -> float:
+    """Checkpoint ``step`` in the background (every rank takes part; ``full``: with the trainer state, else the
+    serving weights alone); returns the seconds the step was blocked."""
+    progress = {"step": step, "data_position": {**position, "n_questions": len(r.questions), "questions": r.digest,
+                                                "seed": r.cfg.seed},
+                "rng": checkpoint.capture_rng_state(), "extra": {"consecutive_empty_steps": empty_steps}}
+    seconds = r.checkpointer.save(step, progress if r.dist.is_main else None, full=full)
+    r.say(f"Checkpoint weights/step_{step}: handed to the writer ({seconds:.2f}s blocked)")
     return seconds
+
+
+def finish_checkpoints(r: Run) -> None:
+    """Before the run ends: the checkpoint in flight committed (the writer says what it waits for)."""
+    r.checkpointer.finish()
+    if (background := r.checkpointer.poll()) is not None:
+        log.info("last checkpoint written in %.1fs in the background", background)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -13,11 +13,11 @@ What the rest of the run sees:
 - ``merged_parts`` and ``merge`` are what ``Trainer.full_state_dict`` (and a push) give for it: HF-named
   tensors with ``W + delta`` for each adapted layer, computed out of place, one at a time (merging into the
   module and back would round the frozen base a little differently every step). The vLLM engine loads them after
-  each step, and a checkpoint's ``model.safetensors`` holds them (float32), so ``vllm serve`` and
+  each step, and a checkpoint's serving weights hold them (in the base model's dtype), so ``vllm serve`` and
   ``scirl eval`` load a checkpoint as a plain HF model;
-- a checkpoint also keeps the adapter itself (``trainer_state/adapter_model.safetensors`` and its
-  ``adapter_config.json``): a resume loads the base from ``cfg.model`` (so the base model must
-  still be there), then the adapter, then the optimizer state, and goes on exactly.
+- a checkpoint's trainer state keeps the adapter itself (its parameters, with their optimizer state, and the
+  peft config in ``adapter_config.json``): a resume loads the base from ``cfg.model`` (so the base model must
+  still be there) with a new adapter, reads the checkpoint's into it, and goes on exactly.
 
 Single process only: FSDP2 sharding of a peft model is future work.
 """
@@ -59,18 +59,16 @@ def peft_config(settings):
                       target_modules=list(settings.target_modules), bias="none")
 
 
-def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False,
-               saved: tuple[dict, dict] | None = None):
-    """The base model (frozen, in the compute ``dtype``) with a fresh adapter, or with ``saved``, the
-    (tensors, peft config) a checkpoint kept (a resume). peft keeps the adapter in float32 over a bf16
-    base: those are the masters."""
-    from peft import get_peft_model, set_peft_model_state_dict
+def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False):
+    """The base model (frozen, in the compute ``dtype``) with a fresh adapter (a resume then reads the checkpoint's
+    into it). peft keeps the adapter in float32 over a bf16 base: those are the masters."""
+    from peft import get_peft_model
 
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **without_hub_kernels())
     except (OSError, ValueError) as exc:
-        where = " (a LoRA resume loads the base model of config.toml's `model`, then the checkpoint's adapter)" if saved else ""
-        raise TrainError(f"cannot load base model {base!r} as a causal LM{where}: {exc}") from exc
+        raise TrainError(f"cannot load base model {base!r} as a causal LM (a LoRA resume loads the base model of "
+                         f"config.toml's `model`, then the checkpoint's adapter): {exc}") from exc
     if activation_checkpointing:
         # non-reentrant: with a frozen base the reentrant variant would see no input that needs grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -78,12 +76,6 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
         model = get_peft_model(model, peft_config(settings))
     except ValueError as exc:  # e.g. no module matches target_modules
         raise TrainError(f"lora: cannot add adapters to {base!r}: {exc}") from exc
-    if saved is not None:
-        tensors, config = saved
-        check_saved_config(config, settings)
-        result = set_peft_model_state_dict(model, tensors, adapter_name=ADAPTER)
-        if result.unexpected_keys:
-            raise TrainError(f"the checkpoint's adapter tensors {result.unexpected_keys[:3]} do not fit the model")
     model.to(device)
     model.train()
     return model
@@ -103,15 +95,12 @@ def normal(value):
     return sorted(value) if isinstance(value, (list, set, tuple)) else value
 
 
-def adapter_state(model) -> tuple[dict[str, torch.Tensor], dict]:
-    """(adapter tensors, peft config as a dict): what a checkpoint keeps for an exact resume."""
-    from peft import get_peft_model_state_dict
-
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
+def adapter_config(model) -> dict:
+    """The adapter's peft config as a dict: what a checkpoint keeps, so a resume checks it has the same shape."""
     config = model.peft_config[ADAPTER].to_dict()
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # JSON has no sets
     config["peft_type"] = str(config["peft_type"].value if hasattr(config["peft_type"], "value") else config["peft_type"])
-    return tensors, config
+    return config
 
 
 def hf_model(model):

@@ -1,5 +1,5 @@
 """The trainer's step: micro-batched forward/backward with gradient accumulation, one AdamW step per RL
-step, and the full weights for the sampler and checkpoints.
+step, the full weights for the sampler and the state a checkpoint keeps.
 
 A micro-batch is one packed row of tokens (``packing.py``): each group's prompt once, its completions after
 it, no padding (but flex attention's, up to one of a few lengths), and an attention that keeps completions apart
@@ -13,9 +13,10 @@ step ends, so a micro-batch's forward and backward never wait for the GPU to tel
 Single process (CPU or one GPU): a plain module, trained in place; the generator samples from the very same
 module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): the
 FSDP2-sharded module ``model.py`` loads (float32 masters, a bf16 compute policy on GPU); each rank trains on
-its share of the batch (whole groups) and ``full_state_dict`` gathers the full tensors (for the generation copy
-and checkpoints). The loss-token count is all-reduced first, so every rank divides by the batch's global count,
-as prime-rl does, and every rank runs as many forwards as the busiest (FSDP2's collectives).
+its share of the batch (whole groups) and ``full_state_dict`` gathers the full tensors (for the generation copy);
+checkpoints keep each rank's shards (``checkpoint_state``). The loss-token count is all-reduced first, so every
+rank divides by the batch's global count, as prime-rl does, and every rank runs as many forwards as the busiest
+(FSDP2's collectives).
 
 The loss, and what a micro-batch's forward/backward computes, is the run's algorithm's (``algorithm``, built
 by ``scirl.algorithms``; this module never imports it): ``Trainer`` calls its ``forward_backward`` (by default:
@@ -31,7 +32,8 @@ import dataclasses
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
@@ -90,6 +92,9 @@ class Trainer:
         self.kernels = Kernels(self.compute_model, kernels, dynamic=self.attention != "flex")
         self._packed = False  # inside ``packed_forwards``
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
+        # called before anything changes the weights, optimizer or algorithm state in place (the optimizer step, a
+        # teacher's weights swapped in): the run's checkpointer waits there until it has staged them
+        self.before_update = lambda: None
         algorithm.attach(self)  # its own state beside the weights (an EMA teacher), made from the model
 
     # ---- micro-batches ----
@@ -270,6 +275,7 @@ class Trainer:
             # one NaN applied makes every weight NaN; skipping keeps the last good weights and optimizer state
             self.optimizer.zero_grad(set_to_none=True)
             return {"stepped": False, "nonfinite": True, **tokens_stats}
+        self.before_update()  # a checkpoint in flight may still be reading the state this changes
         self.optimizer.step()
         self.updates += 1
         self.optimizer.zero_grad(set_to_none=True)
@@ -309,26 +315,34 @@ class Trainer:
 
     def full_state_dict(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                         all_ranks: bool = True) -> dict[str, torch.Tensor]:
-        """``full_weights`` as one dict (checkpoints: on CPU, a tensor at a time; the others get {})."""
+        """``full_weights`` as one dict (on ``device``; with ``all_ranks=False`` the ranks but 0 get {})."""
         weights = self.full_weights(device=device, dtype=dtype, all_ranks=all_ranks)
         return {name: tensor for name, tensor in weights if tensor is not None}
 
-    def optimizer_state_dict(self) -> dict:
-        """The optimizer state, keyed by parameter name so it survives a change of sharding.
-        Under FSDP every rank must call this; the full state comes back on rank 0 only (on CPU),
-        which is the rank that writes checkpoints."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_optimizer_state_dict(self.model, self.optimizer, options=options)
+    def checkpoint_state(self, full: bool = True) -> dict:
+        """What a checkpoint keeps, as the tensors are held (under FSDP2 each rank's shards: DCP writes them per rank
+        and reshards them on load), no copy made: "model", the trained parameters (LoRA: the adapter's); with
+        ``full`` also "optimizer", AdamW's state by parameter name, and "algorithm", the algorithm's own
+        (``Algorithm.checkpoint_state``). Every rank calls it; no collective."""
+        options = StateDictOptions(ignore_frozen_params=True)
+        if not full:
+            return {"model": self.trained(get_model_state_dict(self.model, options=options))}
+        model, optimizer = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": self.trained(model), "optimizer": optimizer, "algorithm": self.algorithm.checkpoint_state()}
 
-    def load_optimizer_state_dict(self, state: dict | None) -> None:
-        """Load a full optimizer state (as ``optimizer_state_dict`` returns it). Under FSDP every rank
-        must call this, but only rank 0 needs ``state``: it broadcasts each tensor and every rank keeps
-        its own shard, so the full state (AdamW: 8 bytes per parameter, ~64 GB for an 8B model) is held
-        by one process instead of one per rank. The other ranks pass None."""
-        if self.dist.world_size == 1:
-            options = StateDictOptions(full_state_dict=True)
-        else:
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            if not self.dist.is_main:
-                state = {}  # torch reads only rank 0's dict; the others receive the param groups and tensors
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+    def trained(self, state: dict) -> dict:
+        """``state`` less frozen tensors (LoRA's base, whose tied head torch's ``ignore_frozen_params`` keeps)."""
+        if len(self.trainable) == sum(1 for _ in self.model.parameters()):
+            return state
+        names = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        return {name: value for name, value in state.items() if name in names}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Take ``state`` (``checkpoint_state()``'s dict, read from a checkpoint in place) as the parameters and
+        optimizer state; the algorithm's tensors were read in place already. Every rank calls it."""
+        frozen = any(not p.requires_grad for p in self.model.parameters())  # LoRA: the base is not in ``state``
+        options = StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=options)
+        if self.compute_copy is not None:
+            self.compute_copy.refresh()

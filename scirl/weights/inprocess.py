@@ -23,12 +23,19 @@ class InProcessSink:
     def push(self, version: int) -> dict:
         if not self.generator.needs_weight_updates:
             return {}
-        trainer = self.trainer
         # read as the engine loads them, a tensor gathered at a time: nothing is held but what it holds
-        self.generator.update_weights(trainer.full_weights(device=trainer.device, dtype=trainer.dtype))
+        self.refresh()
         if not self.check.due(version):
             return {}
         return self.check.run(version, [self.replica()])
+
+    def refresh(self) -> None:
+        """The trainer's weights to the sampler now, unchecked: a resumed run's sampler was loaded from the
+        checkpoint's serving weights, in the model's dtype, and must sample from the trainer's own (float32 where it
+        computes in float32)."""
+        trainer = self.trainer
+        if self.generator.needs_weight_updates:
+            self.generator.update_weights(trainer.full_weights(device=trainer.device, dtype=trainer.dtype))
 
     def replica(self) -> Replica:
         dist, checksums = self.trainer.dist, getattr(self.generator, "weight_checksums", None)

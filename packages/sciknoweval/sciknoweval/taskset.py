@@ -22,10 +22,12 @@ its group. So `shuffle_options = "epoch"` shows each question in the order scirl
 from __future__ import annotations
 
 import random
+import tomllib
+from pathlib import Path
 from typing import Literal
 
 import verifiers.v1 as vf
-from pydantic import field_validator
+from pydantic import field_validator, model_validator
 
 from scirl.task import reward as scirl_reward
 from scirl.task import shuffle as options
@@ -146,9 +148,35 @@ def score_reply(reply: str, data: SciKnowEvalData, mode: str | None = None) -> s
     return scirl_reward.score(reply, question_of(data), mode or data.reward_mode)
 
 
+# A scirl run's resolved config (its directory's config.toml) and the copy each of its checkpoints carries
+RUN_CONFIGS = ("config.toml", "run_config.toml")
+# taskset key <- the run config's [data] key
+RECORDED = {"data": "source", "data_format": "format", "data_columns": "columns", "split_method": "split_method",
+            "split_seed": "split_seed", "eval_per_domain": "eval_per_domain"}
+
+
+def recorded_data(run: str) -> dict:
+    """The data settings of a scirl run (``run``: its directory, one of its checkpoints ``weights/step_N``, or a copy
+    of one), as taskset keys: its source, format or columns, split method and seed, held-out size."""
+    path = next((Path(run) / name for name in RUN_CONFIGS if (Path(run) / name).is_file()), None)
+    if path is None:
+        raise ValueError(f"run {run!r}: neither a scirl run directory nor a scirl checkpoint "
+                         f"(no {' or '.join(RUN_CONFIGS)})")
+    data = tomllib.loads(path.read_text(encoding="utf-8")).get("data", {})
+    data.setdefault("split_seed", data.get("seed", DEFAULT_SPLIT_SEED))  # a run saved before the rename
+    settings = {key: data[field] for key, field in RECORDED.items() if field in data}
+    if isinstance(settings.get("data_columns"), dict):
+        settings["data_columns"] = parse_columns(settings["data_columns"]).as_text()
+    return settings
+
+
 class SciKnowEvalConfig(vf.TasksetConfig):
     """Load-time knobs, under `[orchestrator.*.source.env.taskset]`. Unknown keys are rejected."""
 
+    run: str | None = None
+    """A scirl run directory or checkpoint (`weights/step_N`, or a copy of one): its data settings (data, format or
+    columns, split method and seed, held-out size) are this taskset's defaults, so `split = "eval"` is the questions
+    that run held out; a key given here wins."""
     data: str = HUB_ID
     """Where scirl reads the rows: the hub id, a `raw_data/` directory, or one .jsonl/.json/.parquet file."""
     data_format: str = AUTO
@@ -173,6 +201,13 @@ class SciKnowEvalConfig(vf.TasksetConfig):
     """none: the row's option order; epoch: each question's options permuted as scirl's epoch 0 would
     (the gold label follows its text), the same order on every pass. scirl's per-rollout orders need a
     prompt per rollout, which a task does not have, so "rollout" is not offered."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _run_settings(cls, values):
+        if isinstance(values, dict) and values.get("run"):
+            values = {**recorded_data(values["run"]), **values}
+        return values
 
     @field_validator("split_method")
     @classmethod

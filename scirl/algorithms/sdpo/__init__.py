@@ -2,7 +2,7 @@
 2601.20802), behind the algorithm seam: ``prompts`` makes each completion's teacher prompt (the orchestrator's
 half), ``distill`` holds the teacher's distribution, the divergence and the EMA teacher (the trainer's half),
 and ``Sdpo`` here joins them: the ``[sdpo]`` section, the micro-batch's teacher and student forwards and loss,
-the EMA teacher in checkpoints (``trainer_state/ema_teacher.safetensors``) and the ``sdpo/...`` metrics.
+the EMA teacher in checkpoints (``algorithm.ema_teacher`` in the trainer state) and the ``sdpo/...`` metrics.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from scirl.algorithms.sdpo.distill import (
     importance_weight,
 )
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
-from scirl.errors import TrainError
 from scirl.trainer.targets import TeacherTargets
 
-EMA_TEACHER = "ema_teacher.safetensors"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer_state/
+EMA_TEACHER = "ema_teacher"  # teacher = "ema": the teacher's weights, in a checkpoint's trainer state
 
 
 class Sdpo(Grpo):
@@ -131,6 +130,8 @@ class Sdpo(Grpo):
             if trainer.dist.world_size == 1:
                 return None
             teacher = trainer.dummy_teacher()
+        if self.ema is not None and trainer.compute_copy is None:
+            trainer.before_update()  # the swap below changes the weights and the EMA in place
         with self.ema.holding(trainer.compute_copy) if self.ema is not None else nullcontext():
             self.reshard(trainer)
             hidden, weight = trainer.teacher_hidden(teacher)
@@ -157,18 +158,12 @@ class Sdpo(Grpo):
 
     # ---- checkpoints and deployment ----
 
-    def state_files(self, all_ranks=True):
-        return {EMA_TEACHER: self.ema.state_dict(all_ranks=all_ranks)} if self.ema is not None else {}
+    def checkpoint_state(self):
+        return {EMA_TEACHER: self.ema.tensors()} if self.ema is not None else {}
 
-    def load_state_files(self, files, say) -> None:
-        """The EMA teacher as the checkpoint saved it (under FSDP rank 0 read it and hands out the shards);
-        a checkpoint without one (a GRPO run's, or teacher = "current") starts it from the resumed weights."""
-        if self.ema is None:
-            return
-        if EMA_TEACHER not in files:
+    def state_restored(self, missing, say) -> None:
+        """A checkpoint without an EMA teacher (a GRPO run's, or teacher = "current") starts it from the resumed
+        weights."""
+        if self.ema is not None and EMA_TEACHER in missing:
             say("The checkpoint holds no EMA teacher: SDPO's teacher starts from the resumed weights")
-            return
-        try:
-            self.ema.load_state_dict(files[EMA_TEACHER])
-        except KeyError as exc:
-            raise TrainError(f"the checkpoint's EMA teacher does not fit the model: {exc.args[0]}") from exc
+            self.ema.reset()

@@ -39,7 +39,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from scirl.trainer.loss import LossSums
 
@@ -133,6 +133,17 @@ class EmaTeacher:
             param.detach().copy_(value)
             value.copy_(held)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The average as held (under FSDP2 each rank's shards), by parameter name: what a checkpoint keeps and a
+        resume reads back into in place."""
+        return dict(zip(self.names, self.values))
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Start the average again from the policy's current weights."""
+        for value, param in zip(self.values, self.params):
+            value.copy_(param.detach().float())
+
     def state_dict(self, all_ranks: bool = True) -> dict[str, torch.Tensor]:
         """Full float32 tensors by parameter name, on the CPU (under FSDP every rank must call it: each
         tensor is an all-gather; with ``all_ranks=False`` only rank 0 keeps them)."""
@@ -143,18 +154,3 @@ class EmaTeacher:
             if keep:
                 state[name] = full.detach().to("cpu").clone()
         return state
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Restore the average saved by ``state_dict``. Under FSDP every rank calls it and only rank 0 needs
-        ``state`` (the others pass None): each tensor is scattered from rank 0, each rank keeps its shard."""
-        if state is not None:
-            missing = sorted(set(self.names) - set(state))
-            if missing:
-                raise KeyError(f"the saved EMA teacher lacks {missing[:3]}")
-        for name, value in zip(self.names, self.values):
-            if isinstance(value, DTensor):
-                full = state[name] if state is not None else torch.empty(value.shape, dtype=value.dtype)
-                value.copy_(distribute_tensor(full.to(value.device_mesh.device_type), value.device_mesh, value.placements))
-            else:
-                value.copy_(state[name])

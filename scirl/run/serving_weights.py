@@ -1,0 +1,167 @@
+"""A checkpoint's serving weights: the HF model directory `vllm serve` and `scirl eval` load, written by every
+rank in parallel from the state a checkpoint staged.
+
+Each tensor is written whole by one rank, its owner (``plan_files``: the model's tensors in order, cut into
+contiguous runs of about equal bytes, one run per rank, each run into files of at most ``FILE_BYTES``), so the
+ranks' writes go to disk side by side and no rank holds more than a file's tensors. Under FSDP2 each rank holds a
+shard of every tensor: each rank casts its shard to the serving dtype and the owner gathers the shards over the
+checkpoint's own gloo group (``assemble``), off the training thread. The model's dtype is its config's (bf16 for a
+bf16 model): serving needs no float32 masters. Tied tensors (a head tied to the embeddings) are written once, as
+``save_pretrained`` does; ``from_pretrained`` ties them again.
+
+The files that never change in a run (config with the serving dtype, generation config, tokenizer, the run's
+config) are rendered once (``fixed_files``) and written by rank 0 with every checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from scirl.run.rundir import RUN_CONFIG
+
+FILE_BYTES = 2 << 30  # a serving file's most bytes: bounds the host memory an owner holds for one file
+INDEX = "model.safetensors.index.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def serving_dtype(model_config) -> torch.dtype:
+    """The model's own dtype, as its config names it (``dtype``, or ``torch_dtype`` in older configs); float32 when
+    it names none."""
+    named = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
+    if isinstance(named, torch.dtype):
+        return named if named in DTYPES.values() else torch.float32
+    return DTYPES.get(str(named), torch.float32)
+
+
+def fixed_files(model_config, generation_config, tokenizer, run_config: str, dtype: torch.dtype) -> dict[str, bytes]:
+    """Name -> bytes of the files every checkpoint carries beside its weights: ``config.json`` (its dtype the serving
+    weights'), ``generation_config.json``, the tokenizer's files and ``run_config.toml`` (``run_config``: the run's
+    resolved config). Rendered once, with transformers' own writers."""
+    config = model_config.__class__.from_dict(model_config.to_dict())
+    config.dtype = dtype
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        if generation_config is not None:
+            generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        files = {p.name: p.read_bytes() for p in Path(tmp).iterdir() if p.is_file()}
+    files[RUN_CONFIG] = run_config.encode("utf-8")
+    return files
+
+
+@dataclass(frozen=True)
+class ServingFile:
+    name: str
+    owner: int  # the rank that writes it
+    tensors: tuple[str, ...]
+
+
+def plan_files(specs: list[tuple[str, int]], ranks: int, file_bytes: int = FILE_BYTES) -> list[ServingFile]:
+    """The serving files of tensors ``specs`` ((name, bytes in the serving dtype), in the model's order) over
+    ``ranks`` writers: each rank a contiguous run of about ``total / ranks`` bytes (a tensor goes to the rank whose
+    share its middle falls in), each run cut into files of at most ``file_bytes`` (a larger tensor alone). One file
+    in all is ``model.safetensors``; more are ``model-0000K-of-0000M.safetensors``. The same on every rank."""
+    total = sum(size for _, size in specs) or 1
+    runs: list[list[tuple[str, int]]] = [[] for _ in range(ranks)]
+    done = 0
+    for name, size in specs:
+        runs[min(int((done + size / 2) * ranks // total), ranks - 1)].append((name, size))
+        done += size
+    files: list[tuple[int, list[str]]] = []
+    for owner, run in enumerate(runs):
+        used = file_bytes + 1
+        for name, size in run:
+            if used + size > file_bytes:
+                files.append((owner, []))
+                used = 0
+            files[-1][1].append(name)
+            used += size
+    count = len(files)
+    return [ServingFile("model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner,
+                        tuple(names)) for i, (owner, names) in enumerate(files)]
+
+
+def index_file(files: list[ServingFile], total_bytes: int) -> bytes | None:
+    """``model.safetensors.index.json`` for several files (None for one: transformers reads it without)."""
+    if len(files) < 2:
+        return None
+    weight_map = {name: f.name for f in files for name in f.tensors}
+    return json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, indent=1).encode("utf-8")
+
+
+def tied_names(model, rename=lambda name: name) -> frozenset[str]:
+    """The names of ``model``'s parameters that are another's (a head tied to the embeddings), as ``rename`` gives
+    them: a serving file leaves them out. From the module's structure, so the same on every rank."""
+    kept = {name for name, _ in model.named_parameters()}
+    return frozenset(rename(name) for name, _ in model.named_parameters(remove_duplicate=False) if name not in kept)
+
+
+def nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    return tensor.numel() * torch.empty((), dtype=dtype).element_size()
+
+
+def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """(this rank's part of ``tensor`` on the host, the dim it is sharded on or None when it is whole): under FSDP2 a
+    DTensor sharded on one dim of a 1-D mesh, otherwise a plain tensor."""
+    if not hasattr(tensor, "to_local"):
+        return tensor.detach().cpu(), None
+    placements = tensor.placements
+    if all(not hasattr(p, "dim") for p in placements):  # replicated: every rank holds all of it
+        return tensor.to_local().detach().cpu(), None
+    if len(placements) != 1:
+        raise ValueError(f"serving weights: a tensor placed {placements} (only one sharded dim is written)")
+    return tensor.to_local().detach().cpu(), placements[0].dim
+
+
+def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int,
+             group) -> tuple[torch.Tensor | None, bool]:
+    """(the whole ``tensor`` in ``dtype`` on rank ``owner``, None on the others; whether this rank's part is finite).
+    Each rank's part is cast before it moves. A collective on ``group`` for a sharded tensor: every rank calls it."""
+    local, dim = local_part(tensor)
+    finite = bool(torch.isfinite(local).all())
+    local = local.to(dtype)
+    if dim is None or ranks == 1:
+        return (local.contiguous() if rank == owner else None), finite
+    full = tensor.shape[dim]
+    chunk = -(-full // ranks)  # torch.chunk's sizes, as DTensor's Shard cuts them
+    pad = list(local.shape)
+    pad[dim] = chunk - local.shape[dim]
+    padded = torch.cat([local, local.new_zeros(pad)], dim=dim) if pad[dim] else local.contiguous()
+    parts = [torch.empty_like(padded) for _ in range(ranks)] if rank == owner else None
+    torch.distributed.gather(padded, parts, dst=owner, group=group)
+    if rank != owner:
+        return None, finite
+    return torch.cat(parts, dim=dim).narrow(dim, 0, full).contiguous(), finite
+
+
+def write_files(out: Path, files: list[ServingFile], tensors: dict[str, torch.Tensor], dtype: torch.dtype, *,
+                rank: int, ranks: int, group, seal) -> tuple[dict[str, dict], str | None]:
+    """Write this rank's serving files into ``out``; ``seal(path)`` fsyncs a written file and returns its manifest
+    entry. Returns (this rank's entries by file name, why this rank failed or None). A rank that fails (a tensor not
+    finite, a write refused) writes no more but still joins every tensor's gather, in the plan's order, so the
+    other ranks never wait for it."""
+    entries: dict[str, dict] = {}
+    failed = None
+    for file in files:
+        held = {}
+        for name in file.tensors:
+            whole, finite = assemble(tensors[name], dtype, file.owner, rank, ranks, group)
+            if not finite and failed is None:
+                failed = f"weights {name} are not finite"
+            if whole is not None and failed is None:
+                held[name] = whole
+        if rank == file.owner and failed is None:
+            try:
+                save_file(held, str(out / file.name), metadata={"format": "pt"})
+                entries[file.name] = seal(out / file.name)
+            except Exception as e:  # safetensors raises its own error for a failed write; the caller classifies it
+                failed = e
+        del held
+    return entries, failed
