@@ -176,6 +176,10 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
             finish_checkpoints(r)
             r.say(f"Training finished: {cfg.max_steps} steps, weights in "
                   f"{r.run_dir / 'weights' / f'step_{cfg.max_steps}'}")
+    except TrainError:
+        # a run that stopped learning, on every rank alike: the checkpoint in flight holds good state, so it lands
+        finish_checkpoints(r)
+        raise
     finally:
         stop.restore()
         r.close()
