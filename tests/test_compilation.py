@@ -29,7 +29,7 @@ from scirl.trainer import attention, head
 from scirl.trainer.kernels import Kernels
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import dummy_micro_batch, pack
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 from in_process import train_here  # tests/in_process.py
 

@@ -1,6 +1,6 @@
 """Which generator and trainer a run gets, chosen once, here.
 
-The trainer (``trainer.step.Trainer``) is the same on every device. The generator's core class
+The trainer (``scirl.trainer.Trainer``) is the same on every device. The generator's core class
 (``inference.hf.HFGenerator``) is what a GPU runs; on a CPU ``scirl.cpu``'s subclass serves the same
 contract faster. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
 contract. Nothing below this module knows which one it got.
@@ -23,9 +23,8 @@ from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
 from scirl.run import memory
 from scirl.run.config import COLOCATED_GPU_SHARE
-from scirl.trainer import kernels
+from scirl.trainer import Trainer, kernels
 from scirl.trainer.batching import Batching
-from scirl.trainer.step import Trainer
 
 
 def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, create_model, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from scirl import algorithms
-from scirl.algorithms.sections import Section
+from scirl.algorithms.sections import CispoConfig, DapoConfig, DrGrpoConfig, GspoConfig, LossConfig, SdpoConfig, Section
 from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, DataSplits, load_splits
 from scirl.task.formats import known_format, parse_columns
@@ -279,8 +279,9 @@ class LoraSettings(Section):
         return names
 
 
-class RunConfig(Section):
-    """Every section but the algorithms' own; ``TrainConfig`` below adds those (``scirl.algorithms``)."""
+class TrainConfig(Section):
+    """The run's config: every section. The algorithms' own sections come last, one field per registered
+    algorithm (``scirl.algorithms``; ``tests/test_config.py`` checks they match the registry)."""
 
     max_steps: int = Field(30, ge=1, description="optimizer steps of the run")
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
@@ -330,6 +331,14 @@ class RunConfig(Section):
     inference: InferenceConfig = InferenceConfig()
     lora: LoraSettings = LoraSettings()
     deployment: DeploymentConfig = DeploymentConfig()
+    # each algorithm's section, validated by its own model; all present whatever the algorithm, so a run can be
+    # resumed under another one
+    loss: LossConfig = LossConfig()  # grpo's (and SDPO's GRPO term)
+    dr_grpo: DrGrpoConfig = DrGrpoConfig()
+    dapo: DapoConfig = DapoConfig()
+    gspo: GspoConfig = GspoConfig()
+    cispo: CispoConfig = CispoConfig()
+    sdpo: SdpoConfig = SdpoConfig()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "TrainConfig":
@@ -348,7 +357,7 @@ class RunConfig(Section):
             raise ValueError("eval.interval needs held-out questions, and data.eval_per_domain = 0 holds out none")
         if self.max_completion_tokens >= self.seq_len:
             raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) must be below seq_len ({self.seq_len})")
-        problem = algorithms.config_problem(self) if hasattr(self, "loss") else None
+        problem = algorithms.config_problem(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -366,7 +375,3 @@ class RunConfig(Section):
             shuffle_options=self.data.shuffle_options, reward_mode=self.reward.mode, filters=self.filters,
             algorithm=algorithm if algorithm is not None else algorithms.build(self))
 
-
-# each algorithm's section ([loss] for grpo, one per variant), validated by its own model, from the registry
-TrainConfig = create_model("TrainConfig", __base__=RunConfig, __doc__="The run's config: every section.",
-                           **{name: (model, model()) for name, model in algorithms.config_sections().items()})

@@ -69,7 +69,7 @@ class Run:
     console: Console
     tokenizer: object
     model: torch.nn.Module  # the trained module (the optimizer's float32 masters)
-    trainer: object  # scirl.trainer.step.Trainer
+    trainer: object  # scirl.trainer.trainer.Trainer
     questions: list[PromptedQuestion]
     digest: str  # of the questions' ids: a checkpoint records it, and a resume on other questions is refused
     start_step: int
