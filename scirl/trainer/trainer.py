@@ -39,7 +39,7 @@ from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.trainer import attention
 from scirl.trainer.batching import Batching
-from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head, hidden_states_out
+from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head
 from scirl.trainer.full_weights import FullWeights
 from scirl.trainer.kernels import Kernels, compile_counts
 from scirl.trainer.lora import is_lora
@@ -47,6 +47,7 @@ from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
 from scirl.trainer.packing import (MicroBatch, Packed, PackedTeacher, dummy_micro_batch, dummy_teacher, make_micro_batches,
                                    to_device)
+from scirl.trainer.patches import training_forward
 
 
 class Trainer:
@@ -90,7 +91,7 @@ class Trainer:
         # the decoder layers' kernels in the training forward (``kernels.py``): eager, compiled or Liger's; compiled
         # for any row length in one graph, except around flex attention, whose rows take a few lengths, a graph each
         self.kernels = Kernels(self.compute_model, kernels, dynamic=self.attention != "flex")
-        self._packed = False  # inside ``packed_forwards``
+        self._patched: dict | None = None  # inside ``patched``: its record of the head weight
         self.updates = 0  # optimizer steps this process has taken (skipped steps do not count)
         # called before anything changes the weights, optimizer or algorithm state in place (the optimizer step, a
         # teacher's weights swapped in): the run's checkpointer waits there until it has staged them
@@ -141,25 +142,24 @@ class Trainer:
     # ---- the forwards ----
 
     @contextlib.contextmanager
-    def packed_forwards(self):
-        """Inside, the compute module's forwards take packed rows (``attention.packed_rows``) and run the decoder
-        kernels of ``self.kernels``. Held through a micro-batch's forward *and* backward: activation checkpointing
-        recomputes each layer in the backward, which must run the code the forward ran. Re-entrant."""
-        if self._packed:
-            yield
+    def patched(self):
+        """The compute module under ``patches.training_forward``, entered once however the calls nest (the
+        algorithm's forwards run inside ``forward_backward``'s). Yields its record of the head weight."""
+        if self._patched is not None:
+            yield self._patched
             return
-        self._packed = True
-        try:
-            with self.kernels.active(), attention.packed_rows(self.compute_model):
-                yield
-        finally:
-            self._packed = False
+        with training_forward(self.compute_model, self.kernels) as seen:
+            self._patched = seen
+            try:
+                yield seen
+            finally:
+                self._patched = None
 
     def packed_hidden(self, packed: Packed) -> tuple[torch.Tensor, torch.Tensor]:
         """(final hidden states [T, H] of the positions that predict ``packed``'s loss tokens, the head weight).
-        The LM head is not applied here: ``self.head`` applies it a block of tokens at a time."""
+        ``self.head`` applies the weight a block of tokens at a time."""
         model = self.compute_model
-        with self.packed_forwards(), hidden_states_out(model) as seen:
+        with self.patched() as seen:
             hidden = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
                            scirl_layout=packed.layout).logits
         return hidden[0].index_select(0, packed.predictor), seen["weight"]
@@ -213,7 +213,7 @@ class Trainer:
     def forward_backward(self, mb: MicroBatch, scales: list[float]) -> tuple[torch.Tensor, LossSums]:
         """One micro-batch already on the device: the algorithm's forward, loss and backward (``scales``: the
         batch's normalisers). Returns the loss and the sums as device tensors."""
-        with self.packed_forwards():
+        with self.patched():
             return self.algorithm.forward_backward(self, mb, scales, mb.dummy)
 
     def backward(self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor,
