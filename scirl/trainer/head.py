@@ -38,7 +38,7 @@ SORT_ELEMENTS = 1 << 24  # the nucleus's sort (values and int64 indices) runs ov
 def hidden_states_out(model: torch.nn.Module):
     """Inside, ``model(...).logits`` are the final hidden states (after the final norm): the output embedding
     returns its input. Yields a dict whose ``"weight"`` is the head weight the latest forward would have used (under
-    FSDP2 the gathered one)."""
+    FSDP2 the gathered one). Nested, the outer one's is back on the way out."""
     head = model.get_output_embeddings()
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the block-wise LM head does not apply final_logit_softcapping")
@@ -50,11 +50,15 @@ def hidden_states_out(model: torch.nn.Module):
             raise ValueError("the block-wise LM head expects a head without bias")
         return hidden
 
+    before = head.__dict__.get("forward")  # an outer patch's, when nested
     head.forward = forward
     try:
         yield seen
     finally:
-        del head.forward  # the class's forward again
+        if before is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = before
 
 
 def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,

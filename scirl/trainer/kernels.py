@@ -110,10 +110,14 @@ class Kernels:
     def active(self):
         """Inside, the decoder layers run their compiled forwards (with ``compile``; otherwise nothing changes);
         entered by ``patches.training_forward``."""
+        before = [layer.__dict__.get("forward") for layer, _ in self.compiled]  # an outer patch's, when nested
         for layer, forward in self.compiled:
             layer.forward = forward
         try:
             yield
         finally:
-            for layer, _ in self.compiled:
-                del layer.forward  # the class's forward again
+            for (layer, _), forward in zip(self.compiled, before):
+                if forward is None:
+                    del layer.forward  # the class's forward again
+                else:
+                    layer.forward = forward
