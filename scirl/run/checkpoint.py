@@ -2,26 +2,19 @@
 
 Layout of one checkpoint (``scirl/run/checkpointer.py`` writes it, every rank its own files)::
 
-    weights/step_N/                  committed first: the serving weights, what `vllm serve` and `scirl eval` load
+    weights/step_N/                  committed first: the serving weights `vllm serve` and `scirl eval` load
       config.json, generation_config.json, tokenizer files
-      model.safetensors              in the model's dtype (its config's: bf16 for a bf16 model; float32 here for a
-        or model-0000K-of-0000M.safetensors + model.safetensors.index.json
-                                     float32 one); several ranks each write their share, as whole tensors, each file
-                                     at most 2 GiB; LoRA: the merged weights
-      run_config.toml                the run's resolved config: its data settings travel with the weights, so
-                                     `scirl eval` of a copy still knows which questions the run trained on
-      manifest.json                  every file above with its size and sha256, plus the step; written last
-      trainer_state/                 committed second (absent in a ``ckpt.final = "weights"`` checkpoint): what a
-        .metadata, __R_0.distcp      resume needs, as torch's distributed checkpoint (DCP): "model" (the trained
-                                     float32 parameters; LoRA: the adapter's), "optimizer" (AdamW's state) and
-                                     "algorithm" (its own: SDPO's EMA teacher), each rank's shards in its own
-                                     file; a resume on another number of ranks reshards them
-        state.pt                     step, data position, RNG states, the loop's extras (rank 0's)
-        adapter_config.json          LoRA runs: the adapter's peft config (a resume needs the same shape)
+      model*.safetensors (+ index)   the weights in the model's own dtype (LoRA: merged), whole tensors, each rank
+                                     writing its share, files of at most 2 GiB
+      run_config.toml                the run's config: `scirl eval` of a copy knows which questions it trained on
+      manifest.json                  every file above with its size and sha256, and the step; written last
+      trainer_state/                 committed second (not with ``ckpt.final = "weights"``): what a resume needs
+        .metadata, __R_0.distcp      DCP, each rank's shards (resharded on another number of ranks): "model"
+                                     (the float32 trained parameters), "optimizer" (AdamW's), "algorithm" (its own)
+        state.pt                     step, data position, RNG states, the loop's extras
+        adapter_config.json          LoRA: the adapter's peft config, which a resume checks
         manifest.json                every file of trainer_state/ with its size and sha256; written last
-    weights/latest                   text file "step_N", replaced after each serving commit: the newest serving
-                                     weights (`vllm serve weights/$(cat weights/latest)`); a resume scans the step
-                                     dirs instead
+    weights/latest                   "step_N": the newest serving weights (a resume scans the step dirs instead)
 
 Each part commits the same way: its files written into a tmp dir (``weights/.step_N.tmp/``, then
 ``step_N/.trainer_state.tmp/``), every file and directory fsync'd, the manifest last, the dir renamed into place
