@@ -28,10 +28,10 @@ def training_forward(model: torch.nn.Module, kernels: Kernels):
       Undone because the sampler and ``sequence_logprobs`` need logits.
 
     Held through the forward and the backward: activation checkpointing recomputes each layer in the backward,
-    which must run the code the forward ran. Each patch puts back what it found, so they nest (the tests' whole-
-    sequence reference runs inside a step). Yields ``hidden_states_out``'s record: ``"weight"``, the head weight of
-    the latest forward. Not here: SDPO's EMA teacher swaps weights, not code, around its teacher forward only
-    (``EmaTeacher.holding``).
+    which must run the code the forward ran. Each patch puts back what it found, so they nest (the tests' reference
+    forward runs inside a step). Yields ``hidden_states_out``'s record: ``"weight"``, the head weight of the latest
+    forward. Not here: Liger's kernels, which replace modules for the whole process (``kernels.apply_liger``), and
+    SDPO's EMA teacher, which swaps weights, not code, around its teacher forward (``EmaTeacher.holding``).
     """
     with kernels.active(), attention.packed_rows(model), hidden_states_out(model) as seen:
         yield seen
