@@ -62,7 +62,7 @@ def worker(args) -> None:
     from scirl.run.config_io import load_config
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     torch.set_num_threads(1)
     dist, device = setup("cpu")

@@ -33,7 +33,7 @@ from scirl.run.config import TrainConfig
 from scirl.distributed import exit_process, setup, teardown
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)

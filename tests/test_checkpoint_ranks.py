@@ -29,7 +29,7 @@ from scirl.run.config_io import load_config
 from scirl.run.setup import make_checkpointer, restore
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 role, model_dir, samples_file, run_dir = sys.argv[1:5]
 dist, device = setup("cpu")

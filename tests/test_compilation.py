@@ -29,7 +29,7 @@ from scirl.trainer import attention, head
 from scirl.trainer.kernels import Kernels
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import dummy_micro_batch, pack
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 from in_process import train_here  # tests/in_process.py
 
@@ -172,6 +172,31 @@ def test_compiled_layers_take_any_length_and_the_stand_in_in_one_graph(tiny_mode
     for _ in range(2):
         step(1)
     assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
+def test_the_training_forwards_patches_hold_through_its_backward_and_are_undone_after(tiny_model_dir):
+    """``patches.training_forward``: through a micro-batch's forward and backward the layers run compiled, the
+    attention is the packed rows' and the head returns hidden states; before and after a step the module is
+    transformers' own (a sampler sharing it is unaffected)."""
+    from scirl.trainer.kernels import decoder_layers
+
+    trainer = tiny_trainer(tiny_model_dir, "eager", dynamic=True)
+    model, rng, during = trainer.compute_model, random.Random(3), []
+    head = model.get_output_embeddings()
+    # the layers' own forwards stand in for compiled ones: what is patched in, without the seconds compiling takes
+    trainer.kernels.compiled = [(layer, layer.forward) for layer in decoder_layers(model)]
+
+    def patches() -> tuple[bool, bool, bool]:
+        return (all("forward" in vars(layer) for layer, _ in trainer.kernels.compiled),
+                model.config._attn_implementation == attention.PACKED_ATTENTION, "forward" in vars(head))
+
+    head.weight.register_hook(lambda grad: during.append(patches()))  # runs in the backward
+    samples = [Sample([rng.randint(10, 400) for _ in range(8)], [rng.randint(10, 400) for _ in range(6)], [-1.0] * 6,
+                      rng.uniform(-1, 1), g) for g in (0, 0, 1, 1)]
+    assert patches() == (False, False, False)
+    assert trainer.train_step(trainer.batches(samples))["stepped"]
+    assert during and all(state == (True, True, True) for state in during)
+    assert patches() == (False, False, False)
 
 
 @pytest.mark.slow

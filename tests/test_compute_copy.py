@@ -16,7 +16,7 @@ from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.run.config import TrainConfig
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 from in_process import one_thread  # tests/in_process.py
 
@@ -28,7 +28,7 @@ from scirl import algorithms
 from scirl.distributed import setup, exit_process, teardown
 from scirl.run.config import TrainConfig
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 model_dir, ids_file, out_file = sys.argv[1:4]
 dist, device = setup("cpu")
 cfg = TrainConfig()

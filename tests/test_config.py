@@ -208,3 +208,25 @@ def test_train_help_lists_every_field_with_its_default_and_what_it_means(capsys)
         assert f"--{name.replace('_', '-')} {shown}: {' '.join(field.description.split())}" in text, name
     for section in ("[optim]", "[data]", "[filters.gibberish]", "[deployment]", "[sdpo]", "[loss]"):
         assert section in text
+
+
+def test_each_registered_algorithm_has_its_section_declared_on_the_config():
+    """``TrainConfig`` declares the algorithms' sections as fields in its class body (a type checker reads them
+    there); the registry (``scirl.algorithms``) names them: an algorithm registered without its field, or a field
+    left behind by one removed, fails here."""
+    import ast
+    import inspect
+
+    from scirl import algorithms
+    from scirl.algorithms import sections
+    from scirl.run import config
+
+    tree = ast.parse(inspect.getsource(config))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TrainConfig").body
+    in_body = {node.target.id for node in body if isinstance(node, ast.AnnAssign)}
+    declared = {name: field.annotation for name, field in TrainConfig.model_fields.items()
+                if getattr(field.annotation, "__module__", None) == sections.__name__}
+    assert declared == algorithms.config_sections() and declared.keys() <= in_body
+    cfg = TrainConfig()
+    for name, model in declared.items():
+        assert getattr(cfg, name) == model()

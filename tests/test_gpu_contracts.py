@@ -61,7 +61,7 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
     from scirl.weights.check import WeightCheck
     from scirl.weights.servers import start_server_sink
 

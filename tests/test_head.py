@@ -20,7 +20,7 @@ from scirl.trainer.head import Head, block_stats, hidden_states_out
 from scirl.trainer.loss import rl_loss, token_logprobs
 from scirl.trainer.targets import student_logprobs, teacher_targets
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 from tests.test_train import fixed_samples
 
 # float32 throughout: two orders of the same float32 sums (block matmuls, softmax over a row) differ by a

@@ -167,3 +167,25 @@ def test_reading_a_config_and_launching_a_run_import_neither_torch_nor_transform
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", f"imported: {done.stdout.strip()}"
+
+
+def test_the_architecture_page_maps_every_module_in_a_line():
+    """docs/architecture.md's package map names every module of scirl/ once, with what it holds, and no module that
+    is gone: a module added, moved or removed fails here until the map says so."""
+    page = (ROOT.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = page.split("```text\nscirl/\n", 1)[1].split("```", 1)[0]
+    folders: list[str] = []
+    named = []
+    for line in block.splitlines():
+        depth = (len(line) - len(line.lstrip())) // 2 - 1
+        name, _, holds = line.strip().partition(" ")
+        del folders[depth:]
+        if name.endswith("/"):
+            folders.append(name.rstrip("/"))
+        else:
+            assert holds.strip(), f"{line!r}: a module and what it holds"
+            named.append("/".join([*folders, name]))
+    modules = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")}
+    assert len(named) == len(set(named)), f"named twice: {sorted(n for n in set(named) if named.count(n) > 1)}"
+    assert set(named) == modules, (f"not in the map: {sorted(modules - set(named))}; "
+                                   f"in the map, not in scirl/: {sorted(set(named) - modules)}")

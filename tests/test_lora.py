@@ -35,7 +35,7 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
     from scirl.distributed import Dist
     from scirl.trainer.lora import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     cfg.optim.lr = 1e-2
@@ -63,7 +63,7 @@ def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_
     from scirl.distributed import Dist
     from scirl.trainer.lora import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)

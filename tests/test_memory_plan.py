@@ -52,7 +52,7 @@ from scirl.run.memory import (
 )
 from scirl.trainer.batching import Batching
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_8B = str(ROOT / "configs" / "sciknoweval-qwen3-8b.toml")

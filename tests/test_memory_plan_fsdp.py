@@ -42,7 +42,7 @@ from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
 from scirl.trainer.batching import Batching
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 cases, out_dir, group_size, groups = json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
 dist, device = setup("cpu")
 cfg = TrainConfig()

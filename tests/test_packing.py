@@ -30,7 +30,7 @@ from scirl.trainer.batching import Batching
 from scirl.trainer.head import hidden_states_out
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import completion_grids, make_micro_batches, pack
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 
 CPU = torch.device("cpu")
 
@@ -386,7 +386,7 @@ from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
 from scirl.trainer.batching import Batching
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]

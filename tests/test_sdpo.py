@@ -221,7 +221,7 @@ def samples_with_teachers(seed=0):
 def make_trainer(model_dir, **sdpo):
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig(algorithm="sdpo", sdpo=sdpo)
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
@@ -347,7 +347,7 @@ def test_in_one_bf16_process_the_teacher_computes_with_the_ema_cast_and_the_copy
     EMA's values, cast, into that copy, and the copy is the masters' cast again afterwards."""
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig(algorithm="sdpo")
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)

@@ -122,7 +122,7 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     from scirl.run.config import TrainConfig
     from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
     from test_train import fixed_samples
 
     cfg = TrainConfig()
@@ -236,7 +236,7 @@ from scirl.distributed import setup, teardown, exit_process
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 model_dir, samples_file, ema_file, out_file = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
@@ -274,7 +274,7 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     from scirl.run.config import TrainConfig
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     samples = samples_with_teachers(seed=4) + samples_with_teachers(seed=5)
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")

@@ -201,7 +201,7 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     from scirl.distributed import Dist
     from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 10, 9, 13, 12 and 11 tokens
     cfg = TrainConfig(optim={"lr": 1e-2})
@@ -240,7 +240,7 @@ def test_fused_adamw_takes_the_default_adamws_steps(tiny_model_dir):
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig(optim={"lr": 1e-2, "weight_decay": 0.1})
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
@@ -418,7 +418,7 @@ from scirl.distributed import setup
 from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
@@ -464,7 +464,7 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     samples = fixed_samples()
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
@@ -568,7 +568,7 @@ def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
@@ -909,7 +909,7 @@ def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     from scirl.distributed import Dist
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     cfg = TrainConfig()
     samples = grouped_samples()
@@ -1055,10 +1055,10 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
     """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
     end the run with exit 1 and no checkpoint is written from them."""
     import scirl.algorithms.grpo
-    import scirl.trainer.step
+    import scirl.trainer.trainer
     from scirl.commands.train import main
 
-    plain_loss, plain_step, steps = scirl.algorithms.grpo.rl_loss, scirl.trainer.step.Trainer.train_step, []
+    plain_loss, plain_step, steps = scirl.algorithms.grpo.rl_loss, scirl.trainer.trainer.Trainer.train_step, []
 
     def counting_step(self, micro_batches):
         steps.append(1)
@@ -1068,7 +1068,7 @@ def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(lette
         loss, sums = plain_loss(*args, **kwargs)
         return (loss * float("nan") if len(steps) > 1 else loss), sums
 
-    monkeypatch.setattr(scirl.trainer.step.Trainer, "train_step", counting_step)
+    monkeypatch.setattr(scirl.trainer.trainer.Trainer, "train_step", counting_step)
     monkeypatch.setattr(scirl.algorithms.grpo, "rl_loss", nan_from_step_2)
     run_dir = tmp_path / "nan"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=6, extra=["--ckpt.interval", "1"])

@@ -43,7 +43,7 @@ def bf16_trainer(model_dir):
     """One process, bf16 compute on a CPU: a push casts every float32 master (a tensor it creates)."""
     from scirl.run.config import TrainConfig
     from scirl.trainer.model import load_model
-    from scirl.trainer.step import Trainer
+    from scirl.trainer import Trainer
 
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
     cfg = TrainConfig()
@@ -135,7 +135,7 @@ from scirl.errors import TrainError
 from scirl.inference.client import ServerClient
 from scirl.run.config import TrainConfig
 from scirl.trainer.model import load_model
-from scirl.trainer.step import Trainer
+from scirl.trainer import Trainer
 from scirl.weights.buckets import LARGEST_FIRST
 from scirl.weights.check import WeightCheck
 from scirl.weights.filesystem import FilesystemWeightSync

@@ -3,7 +3,7 @@ registered here by name: ``grpo`` (prime-rl's default loss, the default), ``dr_g
 ``cispo`` and ``sdpo`` (a package: its teacher prompts, its distillation, its algorithm). An algorithm decides
 the advantage from a group's rewards, the per-token loss and its normaliser, extra inputs on a sample, extra
 state it keeps (checkpointed) and its metrics; each has its own config section, validated by its own model
-(``sections``), which ``scirl.run.config`` adds to the run's config without naming any.
+(``sections``) and declared as a field of ``scirl.run.config.TrainConfig`` (a test checks the two agree).
 
 The registry is a ``Spec`` per algorithm: what reading, checking and planning a config need (its section's
 model, its summary, whether prime-rl has its loss, what state it keeps), torch-free, and where its

@@ -2,7 +2,7 @@
 
 An ``Algorithm`` is built once per process from the run's config (``scirl.algorithms.build``) and handed to
 both halves: the orchestrator's half (``scirl.rollouts``) calls its first group of methods, the trainer's
-half (``scirl.trainer.step.Trainer``) the second, the loop, checkpoints and metrics the third. Neither half
+half (``scirl.trainer.Trainer``) the second, the loop, checkpoints and metrics the third. Neither half
 imports this module: they call the methods named here on the object they are given.
 
 The default methods are prime-rl's GRPO except for the loss, which each algorithm writes: a function over
@@ -58,7 +58,7 @@ class Algorithm:
     def needs_tokenizer(self) -> bool:
         return False
 
-    # ---- the trainer's half (``scirl.trainer.step.Trainer``) ----
+    # ---- the trainer's half (``scirl.trainer.Trainer``) ----
 
     def attach(self, trainer) -> None:
         """Called once by the trainer: extra state the algorithm keeps beside the weights (an EMA teacher)."""

@@ -1,9 +1,6 @@
-"""Which generator and trainer a run gets, chosen once, here.
-
-The trainer (``trainer.step.Trainer``) is the same on every device. The generator's core class
-(``inference.hf.HFGenerator``) is what a GPU runs; on a CPU ``scirl.cpu``'s subclass serves the same
-contract faster. The vLLM backend plugs in here too (``inference.backend``), behind the same ``Generator``
-contract. Nothing below this module knows which one it got.
+"""Which generator and trainer a run gets, chosen once, here: the trainer (``scirl.trainer.Trainer``) is the same on
+every device; the generator is transformers' (``HFGenerator``; on a CPU ``scirl.cpu``'s faster subclass), vLLM's, or
+a client of servers, all behind the ``Generator`` contract. Nothing below this module knows which it got.
 """
 
 from __future__ import annotations
@@ -23,14 +20,13 @@ from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
 from scirl.run import memory
 from scirl.run.config import COLOCATED_GPU_SHARE
-from scirl.trainer import kernels
+from scirl.trainer import Trainer, kernels
 from scirl.trainer.batching import Batching
-from scirl.trainer.step import Trainer
 
 
 def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
-    """The trainer of ``algorithm`` (``scirl.algorithms.build(cfg)``, the one the orchestrator's half also holds):
-    the same on every device; its decoder kernels (``kernels``) are resolved for this one."""
+    """The trainer of ``algorithm`` (the one the orchestrator's half holds too), its kernels resolved for
+    ``device``."""
     batching = Batching(micro_batch_tokens=cfg.micro_batch_tokens, micro_batch_size=cfg.micro_batch_size,
                         share_prompts=cfg.share_prompts, attention=cfg.attention)
     return Trainer(model, cfg.optim, algorithm, temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist,
@@ -51,18 +47,17 @@ def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:
 
 
 def inference_backend(cfg, device: torch.device) -> str:
-    """``hf`` or ``vllm``: ``auto`` takes vLLM on a GPU where it is installed (on a CPU, transformers
-    is the faster choice for the tiny models a CPU trains)."""
+    """``hf`` or ``vllm``: ``auto`` takes vLLM on a GPU where installed (transformers is faster for the tiny models
+    a CPU trains)."""
     if cfg.inference.backend != "auto":
         return cfg.inference.backend
     return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
 
 
 def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.device, dist, dtype: torch.dtype) -> Generator:
-    """An in-process vLLM engine per rank over the run's starting weights (the base model, or the
-    checkpoint a resume starts from), in the trainer's compute dtype. Build it before the trainer:
-    vLLM sizes its memory from what is free when it starts. On one GPU it sleeps during each train
-    step (``inference.sleep_level``) and ``update_weights`` wakes it."""
+    """An in-process vLLM engine per rank over the run's starting weights, in the compute dtype; built before the
+    trainer, as vLLM sizes its memory from what is free. On one GPU it sleeps through each update
+    (``inference.sleep_level``)."""
     extra = {}
     if dist.world_size > 1:  # each rank its own engine, in the process group torchrun made (TRL's colocate design)
         extra["distributed_executor_backend"] = "external_launcher"
@@ -75,22 +70,17 @@ def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.devi
 
 
 def make_generator(trainer: Trainer, model_source: str, tokenizer) -> Generator:
-    """The transformers training sampler.
-
-    One process samples from the very module the trainer computes with (in bf16 runs, its bf16 copy
-    of the float32 masters, refreshed in place by every optimizer step), so sampler and trainer
-    logprobs come from the same weights in the same dtype and no weights need pushing. Under FSDP
-    each rank's parameters are shards, so each rank keeps a full generation copy in the compute
-    dtype, which takes the gathered weights after each step.
-    """
+    """The transformers sampler. One process samples from the module the trainer computes with (in bf16, its
+    compute copy), so both logprobs come from the same weights and nothing is pushed. Under FSDP each rank keeps a
+    full copy in the compute dtype, which takes the gathered weights after each step."""
     if trainer.dist.world_size == 1:
         return hf_generator(trainer.compute_model, tokenizer=tokenizer)
     return hf_generator(local_model_dir(model_source), tokenizer=tokenizer, device=trainer.device, dtype=trainer.dtype)
 
 
 def local_model_dir(model: str) -> str:
-    """The directory of a model given as a path or a hub name: a hub model is in the local cache,
-    where loading it put it (the per-rank generation copy is loaded from a directory)."""
+    """The directory of a model given as a path or a hub name (in the local cache, where loading it put it): the
+    per-rank generation copy loads from a directory."""
     if Path(model).is_dir():
         return model
     config = try_to_load_from_cache(model, "config.json")
@@ -100,11 +90,10 @@ def local_model_dir(model: str) -> str:
 
 
 def make_remote_generator(urls: list[str], tokenizer, deployment, say=lambda text: None) -> RemoteGenerator:
-    """The orchestrator's client over the servers at ``urls`` (``deployment``: the ``[deployment]``
-    section's timeouts): every one healthy and serving the same model, or a clear error. While they are
-    not ready, ``say`` gets a line every few seconds naming them and what they answered."""
-    # short questions, each bounded by seconds: a server that accepts connections but never answers is named
-    # within deployment.startup_timeout_s, not after a generation request's timeout
+    """The orchestrator's client of the servers at ``urls``, each healthy and serving the same model, or a clear
+    error; while they are not ready, ``say`` gets a line every few seconds naming them and what they answered."""
+    # questions bounded by seconds: a server that accepts connections but never answers is named within
+    # deployment.startup_timeout_s, not after a generation request's timeout
     clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, deployment.request_timeout_s)) for url in urls]
     try:
         wait_until_ready(clients, deployment.startup_timeout_s, say=say)

@@ -2,43 +2,35 @@
 
 Layout of one checkpoint (``scirl/run/checkpointer.py`` writes it, every rank its own files)::
 
-    weights/step_N/                  committed first: the serving weights, what `vllm serve` and `scirl eval` load
+    weights/step_N/                  committed first: the serving weights `vllm serve` and `scirl eval` load
       config.json, generation_config.json, tokenizer files
-      model.safetensors              in the model's dtype (its config's: bf16 for a bf16 model; float32 here for a
-        or model-0000K-of-0000M.safetensors + model.safetensors.index.json
-                                     float32 one); several ranks each write their share, as whole tensors, each file
-                                     at most 2 GiB; LoRA: the merged weights
-      run_config.toml                the run's resolved config: its data settings travel with the weights, so
-                                     `scirl eval` of a copy still knows which questions the run trained on
-      manifest.json                  every file above with its size and sha256, plus the step; written last
-      trainer_state/                 committed second (absent in a ``ckpt.final = "weights"`` checkpoint): what a
-        .metadata, __R_0.distcp      resume needs, as torch's distributed checkpoint (DCP): "model" (the trained
-                                     float32 parameters; LoRA: the adapter's), "optimizer" (AdamW's state) and
-                                     "algorithm" (its own: SDPO's EMA teacher), each rank's shards in its own
-                                     file; a resume on another number of ranks reshards them
-        state.pt                     step, data position, RNG states, the loop's extras (rank 0's)
-        adapter_config.json          LoRA runs: the adapter's peft config (a resume needs the same shape)
+      model*.safetensors (+ index)   the weights in the model's own dtype (LoRA: merged), whole tensors, each rank
+                                     writing its share, files of at most 2 GiB
+      run_config.toml                the run's config: `scirl eval` of a copy knows which questions it trained on
+      manifest.json                  every file above with its size and sha256, and the step; written last
+      trainer_state/                 committed second (not with ``ckpt.final = "weights"``): what a resume needs
+        .metadata, __R_0.distcp      DCP, each rank's shards (resharded on another number of ranks): "model"
+                                     (the float32 trained parameters), "optimizer" (AdamW's), "algorithm" (its own)
+        state.pt                     step, data position, RNG states, the loop's extras
+        adapter_config.json          LoRA: the adapter's peft config, which a resume checks
         manifest.json                every file of trainer_state/ with its size and sha256; written last
-    weights/latest                   text file "step_N", replaced after each serving commit: the newest serving
-                                     weights (`vllm serve weights/$(cat weights/latest)`); a resume scans the step
-                                     dirs instead
+    weights/latest                   "step_N": the newest serving weights (a resume scans the step dirs instead)
 
-Commit protocol, per part: the files are written into a tmp dir (``weights/.step_N.tmp/``, then
-``weights/step_N/.trainer_state.tmp/``), every file and directory fsync'd, the manifest written and fsync'd,
-the dir renamed into place and its parent fsync'd. A part counts only when its manifest exists and its files
-match it, so a write cut at any point (kill -9, a timeout, a full disk) leaves the previous checkpoint, or the
-serving weights of this one without its trainer state, or a stale tmp dir that ``remove_stale`` deletes.
+Each part commits the same way: its files written into a tmp dir (``weights/.step_N.tmp/``, then
+``step_N/.trainer_state.tmp/``), every file and directory fsync'd, the manifest last, the dir renamed into place
+and its parent fsync'd. A part counts only when its manifest exists and its files match it, so a write cut at any
+point (kill -9, a timeout, a full disk) leaves the previous checkpoint, this one's serving weights alone, or a stale
+tmp dir that ``remove_stale`` deletes.
 
-Resume (``find_resume_checkpoint``) takes the newest step whose two parts verify: manifests, every file's size
-and sha256, and that the weights, the DCP metadata and the small state load. Others are skipped with a
-one-line reason. Checkpoints of scirl versions before this layout (one ``trainer_state/optimizer.pt`` gathered
-on rank 0) still serve and evaluate; a resume refuses them in one line. ``prune_checkpoints`` never deletes the
-newest resumable checkpoint, so a damaged newer one cannot push the last good one out.
+A resume (``find_resume_checkpoint``) takes the newest step whose two parts verify (manifests, sizes, sha256, and
+that the files load) and names each one skipped. Checkpoints of the earlier single-writer layout (one
+``trainer_state/optimizer.pt``) still serve and evaluate; a resume refuses them in one line. ``prune_checkpoints``
+never deletes the newest resumable checkpoint, so damaged newer ones cannot push it out.
 
-Test hooks: ``SCIRL_CKPT_WRITE_DELAY`` (seconds, float) makes the writer sleep after each file it seals;
-``SCIRL_CKPT_PAUSE=STEP:PHASE`` stops it for good at a phase of checkpoint STEP (``staging``: staged, not yet
-released to training; ``writing``: the serving files written, not committed; ``committing``: every trainer-state
-file durable, not committed) once ``weights/.paused`` says so, so tests kill a process at a chosen moment.
+Test hooks: ``SCIRL_CKPT_WRITE_DELAY`` (seconds) makes the writer sleep after each file it seals;
+``SCIRL_CKPT_PAUSE=STEP:PHASE`` stops it for good at a phase of checkpoint STEP (``staging``: staged, not released
+to training; ``writing``: serving files written, not committed; ``committing``: the trainer state durable, not
+committed), said in ``weights/.paused``, so tests kill a process at a chosen moment.
 """
 
 from __future__ import annotations
@@ -73,11 +65,8 @@ SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (typically a full disk); its tmp dir is removed, older checkpoints are intact.
-
-    An OSError, so callers that already handle I/O failures catch it; ``errno`` is the underlying one when known.
-    ``str()`` is the one-line message for the user.
-    """
+    """A checkpoint could not be written (typically a full disk); its tmp dir is removed, older ones are intact.
+    An OSError, so callers handling I/O failures catch it; ``str()`` is the user's one line."""
 
     def __init__(self, message: str, errno_: int | None = None):
         super().__init__(errno_, message)
@@ -99,7 +88,7 @@ def capture_rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        # as a tensor, so torch.load(weights_only=True) can read it back
+        # a tensor, which torch.load(weights_only=True) reads back
         "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
@@ -136,8 +125,8 @@ _OS_ERROR_CODE = re.compile(r"os error (\d+)")
 
 
 def write_failure(e: BaseException) -> tuple[int | None, str] | None:
-    """(errno or None, reason) when ``e`` is a failed write rather than a bug; None otherwise. DCP wraps a rank's
-    failure in its ``CheckpointException``, whose ``failures`` hold the original errors."""
+    """(errno or None, reason) when ``e`` is a failed write rather than a bug, else None; looks inside DCP's
+    ``CheckpointException``, whose ``failures`` hold each rank's error."""
     for inner in getattr(e, "failures", {}).values():
         found = write_failure(inner[0] if isinstance(inner, tuple) else inner)
         if found is not None:
@@ -168,7 +157,7 @@ def write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) -
 
 
 def manifest_problems(manifest: Any) -> list[str]:
-    """What is structurally wrong with a parsed manifest (empty when it is well formed)."""
+    """What is structurally wrong with a parsed manifest (empty: nothing)."""
     if not isinstance(manifest, dict):
         return [f"{MANIFEST} is not a JSON object"]
     step = manifest.get("step")
@@ -220,10 +209,8 @@ def files_problems(path: Path, files: dict, checksums: bool, name: str) -> list[
 
 
 def verify_checkpoint(path: str | Path, checksums: bool = False) -> list[str]:
-    """Problems that make the serving weights at ``path`` (``weights/step_N``) unusable (empty when complete).
-
-    Always: the manifest's structure and every file's size; with ``checksums`` also every file's sha256: a full
-    read of the files, at disk or hashing speed, whichever is slower (about 1 GB/s per core for sha256)."""
+    """Why the serving weights at ``path`` (``weights/step_N``) are unusable (empty: complete): the manifest and
+    every file's size; with ``checksums`` every file's sha256 too, a full read (about 1 GB/s a core)."""
     path = Path(path)
     manifest, problems = read_manifest(path)
     if manifest is None or problems:
@@ -235,9 +222,8 @@ def verify_checkpoint(path: str | Path, checksums: bool = False) -> list[str]:
 
 
 def verify_trainer_state(path: str | Path, checksums: bool = False) -> list[str]:
-    """Problems that make the trainer state of ``path`` (``weights/step_N``) unusable for a resume (empty when it
-    is complete): as ``verify_checkpoint``, for ``trainer_state/``. A checkpoint without one (``ckpt.final =
-    "weights"``, or a write cut before its commit) has a problem saying so."""
+    """``verify_checkpoint`` for ``path``'s ``trainer_state/``, whose absence (``ckpt.final = "weights"``, a write
+    cut before its commit) is a problem too."""
     path = Path(path)
     state = path / TRAINER_STATE
     name = f"{path.name}/{TRAINER_STATE}"
@@ -253,20 +239,16 @@ def verify_trainer_state(path: str | Path, checksums: bool = False) -> list[str]
 
 
 def is_single_writer_checkpoint(path: str | Path) -> bool:
-    """A checkpoint of the earlier layout (its manifest lists ``trainer_state/optimizer.pt``: the full optimizer
-    state, gathered and written by rank 0), which this scirl serves and evaluates but does not resume."""
+    """A checkpoint of the earlier layout (``trainer_state/optimizer.pt``, gathered and written by rank 0), which
+    this scirl serves and evaluates but does not resume."""
     manifest, problems = read_manifest(Path(path))
     return manifest is not None and not problems and OLD_OPTIMIZER in manifest["files"]
 
 
 def load_problems(path: str | Path) -> list[str]:
-    """Problems found by actually loading a checkpoint's files (empty when all load).
-
-    Every ``*.safetensors`` must open and give every tensor (its header, dtypes, shapes and byte ranges must hold
-    together); ``trainer_state/state.pt`` must load with ``torch.load(weights_only=True)``; the DCP metadata must
-    load and every byte range it names must lie inside its file. Memory-mapped or read from the headers, so this
-    checks structure in well under a second even for an 8B run's ~110 GB, without holding them in memory; the
-    bytes themselves are the sha256's job (``verify_checkpoint``)."""
+    """Problems loading a checkpoint's files (empty: all load): every safetensors tensor, ``state.pt`` with
+    ``weights_only=True``, and the DCP metadata, each byte range it names inside its file. Memory-mapped or read
+    from headers, so an 8B run's ~110 GB take well under a second; the bytes are the sha256's job."""
     path = Path(path)
     problems = []
     shards = sorted(path.glob("*.safetensors"))
@@ -329,8 +311,8 @@ def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def remove_stale(run_dir: str | Path) -> list[Path]:
-    """Delete leftovers of interrupted writes (``.step_N.tmp``, ``.step_N.old``, ``step_N/.trainer_state.tmp``).
-    Call only when no writer runs."""
+    """Delete interrupted writes' leftovers (``.step_N.tmp``, ``.step_N.old``, ``step_N/.trainer_state.tmp``); only
+    while no writer runs."""
     root = weights_dir(run_dir)
     removed = []
     if (root / PAUSED).is_file():  # the writer's test hook said where it stopped
@@ -347,12 +329,9 @@ def remove_stale(run_dir: str | Path) -> list[Path]:
 
 
 def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = True) -> tuple[int, Path] | None:
-    """The newest checkpoint whose serving weights are complete, as (step, path), or None.
-
-    Complete means: its manifest exists and every listed file has the listed size (and sha256, with
-    ``verify=True``). Incomplete ``step_N`` dirs are skipped, not deleted, so nothing is lost to a false alarm.
-    With ``clean``, stale tmp dirs of interrupted writes are removed.
-    """
+    """(step, path) of the newest checkpoint whose serving weights verify (sha256 too with ``verify``), or None.
+    Incomplete ones are skipped, not deleted, so nothing is lost to a false alarm; ``clean`` removes stale tmp
+    dirs."""
     if clean:
         remove_stale(run_dir)
     for step, path in reversed(list_checkpoints(run_dir)):
@@ -362,8 +341,7 @@ def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = T
 
 
 def resume_problems(path: Path, checksums: bool = True) -> list[str]:
-    """Why the checkpoint at ``path`` cannot be resumed from (empty when it can): both parts verified (sizes and
-    sha256 with ``checksums``) and their files loadable."""
+    """Why ``path`` cannot be resumed from (empty: it can): both parts verified and their files loadable."""
     return (verify_checkpoint(path, checksums=checksums) or verify_trainer_state(path, checksums=checksums)
             or load_problems(path))
 
@@ -371,14 +349,10 @@ def resume_problems(path: Path, checksums: bool = True) -> list[str]:
 def find_resume_checkpoint(
     run_dir: str | Path, clean: bool = True
 ) -> tuple[tuple[int, Path] | None, list[tuple[Path, str]]]:
-    """The checkpoint to resume from, and the newer ones skipped with a one-line reason each.
-
-    Newest first, a checkpoint is taken when ``resume_problems`` finds none. A damaged one is never deleted here:
-    it is reported and left for a human. Cost: one full read of each checkpoint tried (sha256); the load check
-    only maps the files. With ``clean``, stale tmp dirs of interrupted writes are removed first (call only when no
-    writer runs). A checkpoint of the single-writer layout met before any resumable one is refused
-    (``RunDirError``): starting the run over in its own directory would drop its history.
-    """
+    """The newest checkpoint without ``resume_problems``, and the newer ones skipped, a reason each. A damaged one
+    is reported and left for a human, never deleted. Costs a full read (sha256) of each one tried. ``clean``: stale
+    tmp dirs removed first (only while no writer runs). A single-writer checkpoint met first is a ``RunDirError``:
+    starting over in its directory would drop the run's history."""
     if clean:
         remove_stale(run_dir)
     skipped: list[tuple[Path, str]] = []
@@ -397,8 +371,7 @@ def find_resume_checkpoint(
 
 
 def load_progress(path: str | Path) -> dict[str, Any]:
-    """{"step", "data_position", "rng", "extra"} of a checkpoint's trainer state (restore the RNG with
-    ``restore_rng_state(state["rng"])``); the tensors are ``load_trainer_state``'s job."""
+    """{"step", "data_position", "rng", "extra"} of a checkpoint's trainer state (tensors: ``load_trainer_state``)."""
     state = Path(path) / TRAINER_STATE
     if not (state / PROGRESS).is_file():
         raise FileNotFoundError(f"no trainer state in {path} (expected {TRAINER_STATE}/{PROGRESS})")
@@ -412,9 +385,8 @@ def saved_keys(path: str | Path) -> set[str]:
 
 
 def load_trainer_state(path: str | Path, state: dict, process_group=None) -> None:
-    """Read a checkpoint's trainer state into ``state`` in place (``Trainer.checkpoint_state()``'s dict: the live
-    tensors, each rank's shards under FSDP2; DCP reads the slices each rank holds, whatever the number of ranks
-    that wrote it). Every rank calls it."""
+    """A checkpoint's trainer state read in place into ``state`` (``Trainer.checkpoint_state()``'s live tensors);
+    DCP reads each rank's slices whatever the number of ranks that wrote it. Every rank calls it."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
@@ -432,10 +404,8 @@ def read_adapter_config(path: str | Path) -> dict | None:
 
 
 def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int | None:
-    """Step of the newest checkpoint a resume would take (its two parts verified), or None.
-
-    ``trusted``: steps this process committed (their checksums were computed from the bytes written moments
-    ago): checked by sizes only, so the usual case costs no hashing."""
+    """The newest step a resume would take, or None. ``trusted``: steps this process committed moments ago,
+    checked by size only, so the usual case hashes nothing."""
     for step, path in reversed(list_checkpoints(run_dir)):
         checksums = step not in trusted
         if not (verify_checkpoint(path, checksums=checksums) or verify_trainer_state(path, checksums=checksums)):
@@ -445,11 +415,8 @@ def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int 
 
 def prune_checkpoints(run_dir: str | Path, keep: int, protect: int | None = None,
                       trusted: set[int] = frozenset()) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (never step ``protect``); return what was removed.
-
-    The newest resumable checkpoint (both parts verified: sizes and sha256) is never deleted either, whatever
-    ``keep`` says: if newer ones are damaged, or hold serving weights only, it is the one a resume needs.
-    """
+    """Delete all but the newest ``keep`` checkpoints -> what was removed. Never step ``protect``, nor the newest
+    resumable one: if newer ones are damaged or serving weights only, a resume needs it."""
     checkpoints = list_checkpoints(run_dir)
     candidates = [(s, p) for s, p in checkpoints[: max(len(checkpoints) - keep, 0)] if s != protect]
     if not candidates:
@@ -457,7 +424,7 @@ def prune_checkpoints(run_dir: str | Path, keep: int, protect: int | None = None
     good = resumable_step(run_dir, trusted=trusted | ({protect} if protect is not None else set()))
     doomed = [(s, p) for s, p in candidates if s != good]
     for _, p in doomed:
-        # rename first so a crash mid-delete leaves a stale dir, not a half-deleted step_N
+        # renamed first: a crash mid-delete leaves a stale dir, not a half-deleted step_N
         trash = p.with_name(f".{p.name}.old")
         os.rename(p, trash)
         shutil.rmtree(trash)

@@ -1,31 +1,26 @@
-"""Checkpoints written beside training: the step is blocked only while its state is handed over, the writing runs
-on a thread of each rank, and the commit happens once every rank's files are durable. Layout and what counts as
-committed: ``scirl/run/checkpoint.py``.
+"""Checkpoints written beside training: the step blocks only while its state is handed over, a thread on each rank
+writes, and each part commits once every rank's files are durable. The layout and what counts as committed:
+``checkpoint.py``.
 
 One checkpoint, on each rank:
 
-1. ``save`` (the training thread): the trainer's state as it is held (``Trainer.checkpoint_state``: references to
-   the live tensors, each rank's shards under FSDP2; no copy, no collective), the small state (step, data position,
-   RNG) captured now, queued for the writer. At most one checkpoint is in flight: the next waits, and says so.
-2. Staging (the writer): the state copied into host buffers allocated at the first checkpoint and reused
-   (torch's ``DefaultStager``: pinned memory and a side stream on CUDA, after the step's kernels are done; a copy
-   into the same buffers on a CPU), so training may change the live tensors again. The trainer calls
-   ``wait_for_staging`` before it next changes its state (``Trainer.before_update``): the copy overlaps the next
-   step's generation. With ``staging = "chunks"`` (a host that cannot hold the copy) nothing is staged: the
-   writes read the live state a chunk at a time, and the next update waits for all of them.
-3. The serving weights (``serving_weights.py``): each rank writes its share as whole tensors in the model's dtype,
-   sealed (fsync, sha256, off the training thread); rank 0 adds the config, tokenizer and run config and, once
-   every rank has reported its files, commits them (manifest, rename, ``weights/latest``): an eval or ``vllm
-   serve`` can start.
-4. The trainer state: torch's DCP writes each rank's shards of the weights, AdamW's state and the algorithm's,
-   into ``step_N/.trainer_state.tmp``, rank 0 the small state; each rank seals its files; rank 0 commits once all
-   have reported, then prunes old checkpoints.
+1. ``save`` (the training thread): references to the live state (``Trainer.checkpoint_state``; no copy, no
+   collective) and the small state (step, data position, RNG), queued for the writer. At most one checkpoint is in
+   flight: the next waits, and says so.
+2. Staging (the writer): the state copied into host buffers allocated once (torch's ``DefaultStager``; pinned, on a
+   side stream, on CUDA). The trainer's next update waits for it (``Trainer.before_update`` ->
+   ``wait_for_staging``), so the copy overlaps the next step's generation. ``staging = "chunks"``, for a host that
+   cannot hold the copy: no copy, the writes read the live state and the next update waits for all of them.
+3. The serving weights (``serving_weights.py``): each rank writes and seals its share in the model's dtype; rank 0
+   adds the config, tokenizer and run config and commits once every rank has reported (manifest, rename,
+   ``weights/latest``): an eval or ``vllm serve`` can start.
+4. The trainer state: DCP writes each rank's shards (weights, AdamW's, the algorithm's) into
+   ``step_N/.trainer_state.tmp``, rank 0 the small state; once all have sealed theirs rank 0 commits and prunes.
 
-The ranks' writers meet only on a gloo group of their own, made at setup (``checkpoint_group``): never on the
-training group, whose collectives the training thread issues meanwhile. A rank that fails (a full disk, weights
-not finite) still joins each meeting, so every rank learns it and none waits for it; the failure reaches the
-training thread at its next ``poll``, ``save`` or ``finish``. A kill at any moment leaves the previous checkpoint
-(or this one's serving weights without its trainer state): the resume takes the newest whose two parts verify.
+The writers meet on a gloo group of their own (``checkpoint_group``), never on the training group, whose
+collectives the training thread issues meanwhile. A rank that fails (a full disk, weights not finite) still joins
+each meeting, so every rank learns it and none waits; the training thread raises it at its next ``poll``, ``save``
+or ``finish``. A kill at any moment leaves the previous checkpoint, or this one's serving weights alone.
 """
 
 from __future__ import annotations
@@ -56,21 +51,21 @@ from scirl.run.rundir import LATEST
 log = logging.getLogger("scirl.run")
 
 PAUSE_ENV = "SCIRL_CKPT_PAUSE"  # test hook: "STEP:PHASE" blocks the writer there (weights/.paused says so)
-PHASES = ("staging", "writing", "committing")  # staged but not yet released; serving files written; all files durable
-GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a writer waits this long for another rank's (the training group's)
+PHASES = ("staging", "writing", "committing")  # staged, not released; serving files written; all files durable
+GROUP_TIMEOUT = datetime.timedelta(minutes=30)  # a writer's longest wait for another rank's (the training group's)
 SAY_AFTER_S = 1.0  # a wait longer than this says what it waits for
 
 
 def checkpoint_group(world_size: int):
-    """The writers' own gloo group (None for one process). Every rank creates it at setup, in the same order."""
+    """The writers' own gloo group (None for one process), made by every rank at setup, in the same order."""
     if world_size == 1:
         return None
     return torch.distributed.new_group(backend="gloo", timeout=GROUP_TIMEOUT)
 
 
 def file_mode() -> int:
-    """The mode a new file gets under this process's umask (0644 under 022): every checkpoint file gets it, whatever
-    wrote it (safetensors writes 0600)."""
+    """A new file's mode under this process's umask (0644 under 022), for every checkpoint file whatever wrote it
+    (safetensors writes 0600)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -88,7 +83,7 @@ class Job:
     full: bool  # with the trainer state (else the serving weights alone)
     ready: object  # a CUDA event after the step's kernels (None on a CPU)
     submitted: float = field(default_factory=time.perf_counter)
-    phase: str = "staging"  # what the writer is doing: for the lines that say what a wait waits for
+    phase: str = "staging"  # what the writer is doing, for the lines that say what a wait waits for
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     seconds: float = 0.0  # the background write's, submission to the last commit
@@ -96,13 +91,11 @@ class Job:
 
 
 class Checkpointer:
-    """Writes a run's checkpoints in the background, on every rank (each calls every method, in step).
+    """Writes a run's checkpoints in the background; every rank calls every method, in step.
 
-    ``state(full)``: the trainer's state to keep (``Trainer.checkpoint_state``); ``serving``: None, or (LoRA) a
-    function giving the merged serving tensors on the host (it reads the live adapter: called while staging);
-    ``tied``: names a serving file leaves out (a tied head); ``fixed``: the files every checkpoint carries
-    (``serving_weights.fixed_files``); ``dtype``: the serving weights'; ``staging``: "full" or "chunks";
-    ``adapter_config``: a LoRA run's peft config; ``say``: a line on rank 0's console and log."""
+    ``state(full)``: ``Trainer.checkpoint_state``; ``serving``: (LoRA) the merged serving tensors on the host, read
+    from the live adapter while staging; ``tied``: names the serving files leave out (a tied head); ``fixed``: the
+    files every checkpoint carries; ``dtype``: the serving weights'; ``say``: a line on rank 0's console and log."""
 
     def __init__(self, run_dir: Path, *, state: Callable[[bool], dict], fixed: dict[str, bytes], dtype: torch.dtype,
                  dist, group, device: torch.device, staging: str = "full", keep: int | None = None,
@@ -118,17 +111,17 @@ class Checkpointer:
         if staging == "full":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            # made here, on the training thread: on CUDA its side stream must come after the default one is set up
+            # on the training thread: on CUDA its side stream must come after the default one is set up
             self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
                                                        use_async_staging=self.cuda, use_non_blocking_copy=self.cuda))
-        self.stream = torch.cuda.Stream() if self.cuda else None  # "chunks": the writer's reads of the live state
+        self.stream = torch.cuda.Stream() if self.cuda else None  # the writer's reads of the live state
         self.plan: list[serving_weights.ServingFile] | None = None  # made at the first checkpoint, then kept
         self.serving_bytes = 0
         self.job: Job | None = None
         self.staged = threading.Event()
         self.staged.set()
         self.blocked = 0.0  # seconds the training thread waited since the last ``take_blocked``
-        self.trusted: set[int] = set()  # steps committed here (checked by sizes only when pruning)
+        self.trusted: set[int] = set()  # steps committed here, checked by size only when pruning
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name="scirl-checkpoint-writer", daemon=True)
         self.thread.start()
@@ -136,9 +129,8 @@ class Checkpointer:
     # ---- the training thread ----
 
     def save(self, step: int, progress: dict | None, *, full: bool) -> float:
-        """Hand checkpoint ``step`` to the writer; return the seconds the training thread was blocked (waiting for
-        the previous checkpoint, if still in flight, and taking the state's references). ``progress``: rank 0's
-        small state (step, data position, RNG, extras); ``full``: with the trainer state."""
+        """Hand checkpoint ``step`` to the writer -> the seconds blocked (waiting for the previous one, taking the
+        references). ``progress``: rank 0's small state; ``full``: with the trainer state."""
         started = time.perf_counter()
         previous = self.job
         if previous is not None and not previous.done.is_set():
@@ -149,7 +141,7 @@ class Checkpointer:
         ready = None
         if self.cuda:
             ready = torch.cuda.Event()
-            ready.record()  # the writer reads the state only once the kernels queued so far (the update) are done
+            ready.record()  # the writer reads the state once the kernels queued so far (the update) are done
         self.job = Job(step, live, progress, full, ready)
         self.staged.clear()
         self.queue.put(self.job)
@@ -158,7 +150,7 @@ class Checkpointer:
         return seconds
 
     def wait_for_staging(self) -> None:
-        """Before the trainer changes its state: until the checkpoint in flight no longer reads the live tensors."""
+        """Before the trainer changes its state: wait until the checkpoint in flight reads the live tensors no more."""
         if self.staged.is_set():
             return
         started = time.perf_counter()
@@ -174,8 +166,7 @@ class Checkpointer:
         return seconds
 
     def poll(self) -> float | None:
-        """The background seconds of the checkpoint in flight once it has been committed (once), else None; raises
-        its failure."""
+        """The committed checkpoint's background seconds (once), else None; raises its failure."""
         job = self.job
         if job is None or not job.done.is_set() or job.polled:
             return None
@@ -192,7 +183,7 @@ class Checkpointer:
         self._finish_job(job)
 
     def close(self) -> None:
-        """End the writer after the checkpoint in flight (no wait for it: call ``finish`` first for that)."""
+        """End the writer after the checkpoint in flight, without waiting for it (``finish`` waits)."""
         self.queue.put(None)
         if self.stager is not None and (self.job is None or self.job.done.is_set()):
             self.stager.close()
@@ -242,7 +233,7 @@ class Checkpointer:
                      f"{time.perf_counter() - job.submitted:.1f}s in the background)")
 
     def _stage(self, job: Job) -> tuple[dict, dict]:
-        """(the state the writes read: staged host copies, or the live state under "chunks"; the serving tensors)."""
+        """(what the writes read: the staged copy, or the live state under "chunks"; the serving tensors)."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             staged = job.live
             if self.stager is not None:
@@ -252,8 +243,8 @@ class Checkpointer:
         return staged, serving
 
     def _write_serving(self, job: Job, tensors: dict) -> str:
-        """Every rank writes its serving files into ``weights/.step_N.tmp``; rank 0 commits them. Returns what was
-        written, for the line."""
+        """Every rank writes its serving files into ``weights/.step_N.tmp``, rank 0 commits them -> what was written,
+        for the line."""
         step, tmp, rank = job.step, self.root / f".step_{job.step}.tmp", self.dist.rank
         if self.plan is None:
             specs = [(name, serving_weights.nbytes(t, self.dtype)) for name, t in tensors.items()
@@ -303,7 +294,7 @@ class Checkpointer:
         _write_manifest(tmp, {"step": step, "created": time.time(), "dtype": str(self.dtype).removeprefix("torch."),
                               "files": files}, self.mode)
         if final.exists():
-            # re-saving a step (after a resume): the old one moves aside, deleted only once the new one is in place
+            # a step saved again after a resume: the old one is deleted only once the new one is in place
             old = self.root / f".step_{step}.old"
             if old.exists():
                 shutil.rmtree(old)
@@ -317,8 +308,8 @@ class Checkpointer:
         write_text_atomic(self.root / LATEST, f"step_{step}\n")
 
     def _write_trainer_state(self, job: Job, staged: dict) -> str:
-        """Every rank writes its DCP shards into ``step_N/.trainer_state.tmp``, rank 0 the small state; rank 0
-        commits them as ``step_N/trainer_state``. Returns what was written, for the line."""
+        """Every rank writes its DCP shards into ``step_N/.trainer_state.tmp``, rank 0 the small state, and rank 0
+        commits them as ``trainer_state`` -> what was written, for the line."""
         from torch.distributed.checkpoint import FileSystemWriter
         from torch.distributed.checkpoint import save as dcp_save
         from torch.distributed.checkpoint.api import CheckpointException
@@ -331,7 +322,7 @@ class Checkpointer:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(), \
                     warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: meant
-                # DCP's own fsync is left to ``_seal``, which reads each file back for its sha256 and fsyncs it once
+                # no DCP fsync: ``_seal`` reads each file back for its sha256 and fsyncs it once
                 dcp_save({key: staged[key] for key in ("model", "optimizer", "algorithm")},
                          storage_writer=FileSystemWriter(str(tmp), sync_files=False), process_group=self.group,
                          no_dist=self.dist.world_size == 1)
@@ -368,8 +359,8 @@ class Checkpointer:
     # ---- the writers' meetings ----
 
     def _agree(self, item, step: int, tmp: Path | None) -> list:
-        """Every rank's ``item`` ((entries, failure) or a failure alone), on every rank; a failure on any rank ends
-        this checkpoint on every rank (rank 0 removes ``tmp``), raised as the one line it is."""
+        """Every rank's ``item`` ((entries, failure) or a failure), on every rank. A failure on any rank ends the
+        checkpoint on every rank (rank 0 removes ``tmp``), raised as one line."""
         items = [item]
         if self.group is not None:
             items = [None] * self.dist.world_size
@@ -379,7 +370,7 @@ class Checkpointer:
             if failure is None:
                 continue
             if self.dist.is_main and tmp is not None:
-                shutil.rmtree(tmp, ignore_errors=True)  # on a full disk it holds the space the user needs back
+                shutil.rmtree(tmp, ignore_errors=True)  # on a full disk it holds the space the user needs
             kind, errno_, text = failure
             if kind == "write":
                 raise CheckpointWriteError(checkpoint.write_failure_message(self.run_dir, step, (errno_, text)), errno_)
@@ -397,7 +388,7 @@ class Checkpointer:
         return entry
 
     def _pause(self, step: int, phase: str) -> None:
-        """Test hook (``SCIRL_CKPT_PAUSE=STEP:PHASE``): stop here for good, once ``weights/.paused`` says where."""
+        """Test hook (``SCIRL_CKPT_PAUSE=STEP:PHASE``): stop here for good, saying where in ``weights/.paused``."""
         if os.environ.get(PAUSE_ENV) != f"{step}:{phase}":
             return
         if self.dist.is_main:
@@ -407,8 +398,8 @@ class Checkpointer:
 
 
 def _failure(e) -> tuple[str, int | None, str] | None:
-    """A rank's failure as the other ranks can be told it: ("write", errno, reason) for a failed write, ("finite",
-    None, what) for weights that are not finite, ("error", None, what) for anything else."""
+    """A rank's failure as the others can be told it: ("write", errno, reason), ("finite", None, what) for weights
+    not finite, ("error", None, what) otherwise."""
     if e is None:
         return None
     if isinstance(e, str):

@@ -1,10 +1,7 @@
-"""The training config: one pydantic model per section of the TOML file, every field with its default,
-its bounds and what it means. Reading it (TOML files, dotted flags) and writing it back is
-``config_io.py``.
-
-Every model forbids unknown keys, so a typo is an error that names the field instead of a setting
-that is silently ignored. Each part of a run gets the slice it reads: a section (``Trainer`` takes
-``optim`` and ``loss``), or a small record built here (``rollout_settings``).
+"""The training config, ``TrainConfig``: one pydantic model per section of the TOML file, every field with its
+default, bounds and meaning (reading and writing it: ``config_io.py``). Unknown keys are errors, so a typo names
+its field instead of being silently ignored. Each part of a run gets the slice it reads: a section (``Trainer``
+takes ``optim``), or a record built here (``rollout_settings``).
 """
 
 from __future__ import annotations
@@ -12,18 +9,18 @@ from __future__ import annotations
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, create_model, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from scirl import algorithms
-from scirl.algorithms.sections import Section
+from scirl.algorithms.sections import CispoConfig, DapoConfig, DrGrpoConfig, GspoConfig, LossConfig, SdpoConfig, Section
 from scirl.rollouts.contract import RolloutSettings
 from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, DataSplits, load_splits
 from scirl.task.formats import known_format, parse_columns
 from scirl.trainer.batching import DEFAULT_MICRO_BATCH_TOKENS
 from scirl.weights.base import DEFAULT_BUCKET_MIB
 
-# Bounds below refuse values that can only be mistakes (a typo'd exponent, a NaN from a script), so they
-# fail here naming the field instead of as NaN losses or a crash inside AdamW mid-run.
+# bounds refuse values that can only be mistakes (a typo'd exponent, a NaN from a script): here, naming the field,
+# not as NaN losses or a crash inside AdamW mid-run
 MAX_TEMPERATURE = 10.0  # at T=10 a 150k-token softmax is near uniform: samples are noise; useful RL sampling is T <= ~2
 MAX_SEED = 2**63 - 1  # what torch, numpy and random all accept
 
@@ -39,7 +36,7 @@ class OptimConfig(Section):
     @field_validator("betas")
     @classmethod
     def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
-        # AdamW's moving averages need 0 <= beta < 1 (torch raises mid-setup otherwise; 1 never forgets)
+        # AdamW's averages need 0 <= beta < 1 (1 never forgets; torch would raise mid-setup)
         if not all(0 <= b < 1 for b in betas):
             raise ValueError(f"each beta must be in [0, 1), got {list(betas)}")
         return betas
@@ -54,7 +51,7 @@ class OptimConfig(Section):
 
 
 class AdvantageConfig(Section):
-    # prime-rl's GRPO uses A = r - mean(group) with no std normalisation; this is the opt-in.
+    # prime-rl's GRPO: A = r - mean(group), no std normalisation; this is the opt-in
     std_normalize: bool = Field(False, description="divide each group's advantages by their standard deviation")
     eps: float = Field(1e-6, gt=0, description="added to that standard deviation")
 
@@ -112,8 +109,8 @@ class DataConfig(Section):
     split_method: Literal["content", "guide"] = Field(
         DEFAULT_SPLIT_METHOD, description="content: deterministic from row content, twins share a split; guide: the "
         "run guide's seeded permutation over rows in hub order")
-    # the holdout's own seed, apart from the training seed, so reseeding a run never moves eval questions into train;
-    # named as `scirl eval --split-seed` and `scirl data --split-seed` name it (before: `seed`, still read from a file)
+    # the holdout's own seed, so reseeding a run never moves eval questions into train; named as `scirl eval` and
+    # `scirl data` name it (before: `seed`, still read from a file)
     split_seed: int = Field(DEFAULT_SPLIT_SEED, ge=0, le=MAX_SEED, description="seed of the train/held-out split "
                             "(scirl eval's --split-seed), apart from the training seed")
     format: str = Field("auto", description="schema of the source's rows: auto (the set a hub id names, else the one "
@@ -166,7 +163,7 @@ class EvalConfig(Section):
     @field_validator("interval")
     @classmethod
     def _zero_is_off(cls, interval: int | None) -> int | None:
-        # one spelling of "off" (like ckpt.interval), while `--eval.interval 0` still turns a resumed run's eval off
+        # one spelling of "off", while `--eval.interval 0` still turns a resumed run's eval off
         return interval or None
 
 
@@ -279,8 +276,9 @@ class LoraSettings(Section):
         return names
 
 
-class RunConfig(Section):
-    """Every section but the algorithms' own; ``TrainConfig`` below adds those (``scirl.algorithms``)."""
+class TrainConfig(Section):
+    """The run's config: every section. The algorithms' own sections come last, one field per registered
+    algorithm (``scirl.algorithms``; ``tests/test_config.py`` checks they match the registry)."""
 
     max_steps: int = Field(30, ge=1, description="optimizer steps of the run")
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")
@@ -330,6 +328,14 @@ class RunConfig(Section):
     inference: InferenceConfig = InferenceConfig()
     lora: LoraSettings = LoraSettings()
     deployment: DeploymentConfig = DeploymentConfig()
+    # each algorithm's section, validated by its own model; all present whatever the algorithm, so a run can be
+    # resumed under another one
+    loss: LossConfig = LossConfig()  # grpo's (and SDPO's GRPO term)
+    dr_grpo: DrGrpoConfig = DrGrpoConfig()
+    dapo: DapoConfig = DapoConfig()
+    gspo: GspoConfig = GspoConfig()
+    cispo: CispoConfig = CispoConfig()
+    sdpo: SdpoConfig = SdpoConfig()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "TrainConfig":
@@ -348,7 +354,7 @@ class RunConfig(Section):
             raise ValueError("eval.interval needs held-out questions, and data.eval_per_domain = 0 holds out none")
         if self.max_completion_tokens >= self.seq_len:
             raise ValueError(f"max_completion_tokens ({self.max_completion_tokens}) must be below seq_len ({self.seq_len})")
-        problem = algorithms.config_problem(self) if hasattr(self, "loss") else None
+        problem = algorithms.config_problem(self)
         if problem:
             raise ValueError(problem)
         return self
@@ -358,15 +364,10 @@ class RunConfig(Section):
         return self.batch_size // self.group_size
 
     def rollout_settings(self, algorithm=None) -> RolloutSettings:
-        """The slice the orchestrator's half reads (``scirl.rollouts``), with the run's algorithm (built here
-        when not given)."""
+        """The slice the orchestrator's half reads, with the run's algorithm (built when not given)."""
         return RolloutSettings(
             questions_per_step=self.questions_per_step, group_size=self.group_size, temperature=self.temperature,
             top_p=self.top_p, max_tokens=self.max_completion_tokens, seq_len=self.seq_len, seed=self.seed,
             shuffle_options=self.data.shuffle_options, reward_mode=self.reward.mode, filters=self.filters,
             algorithm=algorithm if algorithm is not None else algorithms.build(self))
 
-
-# each algorithm's section ([loss] for grpo, one per variant), validated by its own model, from the registry
-TrainConfig = create_model("TrainConfig", __base__=RunConfig, __doc__="The run's config: every section.",
-                           **{name: (model, model()) for name, model in algorithms.config_sections().items()})

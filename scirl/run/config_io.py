@@ -54,9 +54,8 @@ def _accepts(annotation, kind) -> bool:
     return False
 
 
-# Fields renamed since runs were saved under the old name: (section, old name) -> new name. A config file
-# (a run's config.toml above all, the base of its --resume) is read with the new name and a note; a flag
-# with the old name is refused, naming the new one.
+# (section, old name) -> new name: a file (a run's config.toml, the base of its --resume) is read under the new name
+# with a note; a flag with the old name is refused, naming the new one
 RENAMED = {("data", "seed"): "split_seed"}  # the split's seed, named as `scirl eval --split-seed` names it
 
 
@@ -96,8 +95,8 @@ def _parse_value(text: str, annotation) -> Any:
 
 
 def field_reference(model: type[BaseModel] = TrainConfig, width: int = 110) -> str:
-    """Every field of the config as its flag, with its default and what it means, section by section (what
-    ``scirl train --help`` lists): read from the config classes, so it lists what they hold."""
+    """``scirl train --help``'s listing: every field as its flag, default and meaning, read from the config
+    classes."""
     lines: list[str] = []
 
     def walk(section: type[BaseModel], prefix: str) -> None:
@@ -186,8 +185,7 @@ def parse_overrides(argv: list[str]) -> tuple[list[Path], dict]:
 
 
 def read_toml(path: Path, note_renamed: bool = True) -> dict:
-    """A config file as a dict, its renamed fields (``RENAMED``) under their new names (said on stderr unless
-    ``note_renamed`` is false: a file read a second time)."""
+    """A config file as a dict, renamed fields under their new names (said on stderr with ``note_renamed``)."""
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
@@ -203,8 +201,8 @@ def read_toml(path: Path, note_renamed: bool = True) -> dict:
 
 
 def renamed_fields(data: dict, path: Path, note: bool = True) -> dict:
-    """``data`` with each field of ``RENAMED`` under its new name, saying so in one line on stderr (an old run's
-    config.toml must still resume); both names at once is an error."""
+    """``data`` with each ``RENAMED`` field under its new name, said in one line (an old run's config.toml must
+    still resume); both names at once is an error."""
     for (section, old), new in RENAMED.items():
         table = data.get(section)
         if not isinstance(table, dict) or old not in table:
@@ -240,9 +238,8 @@ def validate(data: dict, origin: str = "config") -> TrainConfig:
         raise ConfigError(f"invalid {origin}: " + "; ".join(problems)) from None
 
 
-# The inputs a config file may name relative to itself: written "./..." or "../...", they are read from the
-# file's own directory, so a config that ships beside its model (configs/demo.toml) works from any directory.
-# Every other relative path (output_dir, a flag's value) stays relative to where the command runs.
+# inputs a file may name relative to itself ("./...", "../..."), so a config shipped beside its model works from any
+# directory; every other relative path (output_dir, a flag's value) is relative to where the command runs
 FILE_RELATIVE_FIELDS = (("model",), ("data", "source"))
 
 
@@ -259,8 +256,8 @@ def anchor_to_file(data: dict, path: Path) -> dict:
 
 
 def saved_config(run_dir: Path, note_renamed: bool = True) -> TrainConfig:
-    """The config a run directory recorded (its ``config.toml``; a checkpoint copied out of its run: the
-    ``run_config.toml`` it carries), validated; ``ConfigError`` when there is none."""
+    """The validated config a run directory recorded (``config.toml``, or a copied checkpoint's
+    ``run_config.toml``); ``ConfigError`` when there is none."""
     path = run_dir / "config.toml"
     if not path.is_file() and (run_dir / RUN_CONFIG).is_file():
         path = run_dir / RUN_CONFIG
@@ -269,15 +266,13 @@ def saved_config(run_dir: Path, note_renamed: bool = True) -> TrainConfig:
     return validate(read_toml(path, note_renamed), origin=str(path))
 
 
-# Where a run is this time, not what it computes: its directory (a run copied or moved resumes where it is) and its
-# inference servers' addresses (a launcher starts new ones on each resume; a job's allocation moves them). A
-# resume does not report them as changed.
+# where a run is this time, not what it computes (a moved run resumes where it is; each resume gets new servers):
+# never reported as changed
 WHERE_NOT_WHAT = ("output_dir", "inference.urls", "deployment.nccl_port", "deployment.nccl_address")
 
 
 def changed_settings(before: TrainConfig, after: TrainConfig) -> dict[str, list]:
-    """The settings that differ between two configs, by dotted name: [before, after] (None: not set), where the
-    run is aside (``WHERE_NOT_WHAT``)."""
+    """Dotted name -> [before, after] (None: not set) of the settings that differ, ``WHERE_NOT_WHAT`` aside."""
 
     def flat(table: dict, prefix: str = "") -> dict:
         out = {}
@@ -294,10 +289,8 @@ def changed_settings(before: TrainConfig, after: TrainConfig) -> dict[str, list]
 
 
 def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:
-    """``["@", "configs/demo.toml", "--max-steps", "3"]`` -> a validated TrainConfig.
-
-    ``base`` (e.g. a resumed run's saved config) sits below the files and flags.
-    """
+    """``["@", "configs/demo.toml", "--max-steps", "3"]`` -> a validated TrainConfig; ``base`` (a resumed run's
+    saved config) sits below the files and flags."""
     files, overrides = parse_overrides(argv)
     data: dict = dict(base or {})
     for path in files:

@@ -1,32 +1,23 @@
-"""Eval during training: every ``eval.interval`` steps, and at the last step, the greedy accuracy of
-the policy on a fixed subset of the held-out split, for that step's ``metrics.jsonl`` row.
+"""Eval during training: every ``eval.interval`` steps and at the last, the policy's greedy accuracy on a fixed
+subset of the held-out split, in that step's ``metrics.jsonl`` row.
 
-Which questions (``eval_subset``): the first ``eval.questions`` of the held-out split
-(``splits.split("eval")``, which never overlaps the train split) in an order seeded by ``data.split_seed``,
-the holdout's own seed rather than the training ``seed``: each domain's questions sorted by a hash
-of (seed, id), then the domains interleaved. So the subset is balanced across domains, the same
-after any resume and in every run on the same data whatever seed it trains with (their curves
-compare), and a smaller ``eval.questions`` takes a prefix of a larger one. A question whose prompt
-plus ``max_completion_tokens`` exceeds ``seq_len`` is passed over, as training passes it over (an
-engine sized to ``seq_len`` would refuse it). Nothing here makes training samples: these questions
-are never trained on.
+Which questions (``eval_subset``): the first ``eval.questions`` of the held-out split, each domain's sorted by a
+hash of (``data.split_seed``, id), the domains interleaved. The holdout's own seed, not the training seed, so the
+subset is balanced across domains and the same after any resume and in every run on the same data (their curves
+compare); a smaller ``eval.questions`` takes a prefix of a larger one. A question too long for ``seq_len`` is
+passed over, as training passes it over.
 
-How: ``scirl.eval.local.evaluate_generator`` through the generator that samples the rollouts (so
-the weights of the step just taken), at temperature 0 with ``max_completion_tokens`` tokens: the
-prompts, answer extraction and scoring of ``scirl eval``, so ``eval/accuracy`` (lenient) is that
-command's ``overall_accuracy`` on these questions and ``eval/accuracy_strict`` the training
-reward's parser.
+How: ``scirl.eval.local.evaluate_generator`` through the rollouts' generator (the step's new weights), greedy:
+``scirl eval``'s prompts, extraction and scoring, so ``eval/accuracy`` is that command's ``overall_accuracy`` and
+``eval/accuracy_strict`` the training reward's parser.
 
-Where: with a generator on every rank (colocated), each rank answers its share of the questions and
-the records are gathered; every rank generates, as in a step, so engines that run in lockstep across
-ranks stay in step. With a generator on rank 0 only (vLLM servers), rank 0 alone evaluates and the
-other ranks go on to the next step, whose first collective waits for rank 0 anyway; that client is
-then also used by the orchestrator's thread, so it must take concurrent calls. Either way a
-collective is called by every rank or by none.
+Where: colocated, each rank answers its share and the records are gathered (every rank generates, as in a step,
+so engines in lockstep stay in step). With servers, rank 0 alone evaluates and the others go on to the next
+step, whose first collective waits for it; its client then takes the orchestrator thread's calls concurrently.
+Either way a collective is called by every rank or by none.
 
-Training is untouched: no data position moves, greedy decoding draws no random numbers, and the
-global RNG states (Python, numpy, torch) are restored after the eval anyway, since an engine may draw
-from them. A resumed run therefore trains bit for bit as an uninterrupted one, eval on or off.
+Training is untouched: no data position moves and the RNG states are restored after the eval (an engine may
+draw from them), so a resumed run trains bit for bit as an uninterrupted one, eval on or off.
 """
 
 from __future__ import annotations
@@ -49,10 +40,8 @@ from scirl.task.schema import Question
 
 def eval_subset(questions: list[Question], n: int, seed: int,
                 fits: Callable[[Question], bool] = lambda q: True) -> list[Question]:
-    """The first ``n`` questions that ``fits`` accepts, in the seeded domain-interleaved order.
-
-    The order depends only on the questions' ids, domains and ``seed``, never on the order of
-    ``questions``."""
+    """The first ``n`` questions ``fits`` accepts in the seeded, domain-interleaved order, which depends on the ids,
+    domains and ``seed``, never on the order of ``questions``."""
     by_domain: dict[str, list[Question]] = defaultdict(list)
     for q in questions:
         by_domain[q.domain].append(q)
@@ -79,9 +68,8 @@ def eval_metrics(records: list[dict], seconds: float) -> dict:
 
 
 class TrainingEval:
-    """``evaluate(step)``: the ``eval/*`` metrics (and ``time/eval``) on rank 0 when an eval is due
-    after ``step``, else ``{}``. Every rank calls it after every step. ``colocated``: every rank holds
-    its own in-process generator (else only rank 0 holds one, a client of the servers)."""
+    """``evaluate(step)``: the ``eval/*`` metrics on rank 0 when an eval is due after ``step``, else ``{}``; every
+    rank calls it after every step. ``colocated``: every rank holds a generator (else rank 0 alone, a client)."""
 
     def __init__(self, questions: list[Question], generator, dist, *, interval: int | None, last_step: int,
                  max_tokens: int, seed: int, colocated: bool):
@@ -106,8 +94,8 @@ class TrainingEval:
         finally:
             restore_rng_state(rng)
         if self.colocated and mine and hasattr(self.generator, "reset_prefix_cache"):
-            # an in-process vLLM engine starts each step with an empty prefix cache (the weight update
-            # resets it); the eval prompts' cached K/V would otherwise change how the next step prefills
+            # an in-process vLLM engine starts each step with an empty prefix cache (the weight update resets it):
+            # the eval prompts' cached K/V would change how the next step prefills
             self.generator.reset_prefix_cache()
         if self.colocated:
             records = distributed.gather_objects(records, self.dist)

@@ -115,8 +115,8 @@ def peak_memory_mb(device) -> float:
 
 
 def memory_metrics(device) -> dict:
-    """``memory/peak_mb`` and, on CUDA, ``memory/alloc_retries``: how often the caching allocator found no free
-    block, freed its cached ones and asked CUDA again (a device-wide synchronisation each; near the GPU's capacity)."""
+    """``memory/peak_mb`` and, on CUDA, ``memory/alloc_retries``: how often the caching allocator freed its cache
+    and asked CUDA again, a device-wide synchronisation each."""
     m = {"memory/peak_mb": peak_memory_mb(device)}
     if device.type == "cuda":
         m["memory/alloc_retries"] = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from scirl.errors import RunDirError
 
-# the checkpoints' names under weights/ (``scirl.run.checkpoint`` writes them): here, so that a launcher can
-# check a run directory without importing torch
+# the checkpoints' names under weights/, here so that a launcher checks a run directory without importing torch
 LATEST = "latest"  # text file "step_N"
 PAUSED = ".paused"  # where a checkpoint writer stopped for a test (``SCIRL_CKPT_PAUSE``)
 STEP_DIR = re.compile(r"^step_(\d+)$")  # a committed checkpoint
@@ -56,10 +55,8 @@ def stopped_line(signal_name: str, step: int, run_dir: Path) -> str:
 
 
 def prepare(run_dir: Path, *, resume: bool, clean: bool) -> None:
-    """Refuse to mix two runs in one directory (``check``), then make it ready.
-
-    ``--clean`` deletes only what ``scirl train`` writes, and only in a directory that holds a scirl
-    run (its ``config.toml``); any other file stays where it is."""
+    """Refuse to mix two runs in one directory (``check``), then make it ready. ``--clean`` deletes only what
+    ``scirl train`` writes, and only where a run's ``config.toml`` is."""
     check(run_dir, resume=resume, clean=clean)
     if clean and (run_dir / "config.toml").is_file():
         remove_run_files(run_dir)
@@ -68,8 +65,8 @@ def prepare(run_dir: Path, *, resume: bool, clean: bool) -> None:
 
 
 def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
-    """Results in ``run_dir`` need ``--resume`` or ``--clean``. (A config and logs alone are what a run
-    that failed before its first step leaves, or a launcher's logs and ports: no refusal.) Changes nothing."""
+    """Results in ``run_dir`` need ``--resume`` or ``--clean``; a config and logs alone (a run that failed before its
+    first step, a launcher's logs and ports) do not. Changes nothing."""
     results = [name for name in RESULTS if has_content(run_dir / name)]
     is_run = (run_dir / "config.toml").is_file()
     if results and not is_run:

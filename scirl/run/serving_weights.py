@@ -1,16 +1,12 @@
-"""A checkpoint's serving weights: the HF model directory `vllm serve` and `scirl eval` load, written by every
-rank in parallel from the state a checkpoint staged.
+"""A checkpoint's serving weights: the HF model directory `vllm serve` and `scirl eval` load, written by every rank
+in parallel from the staged state.
 
-Each tensor is written whole by one rank, its owner (``plan_files``: the model's tensors in order, cut into
-contiguous runs of about equal bytes, one run per rank, each run into files of at most ``FILE_BYTES``), so the
-ranks' writes go to disk side by side and no rank holds more than a file's tensors. Under FSDP2 each rank holds a
-shard of every tensor: each rank casts its shard to the serving dtype and the owner gathers the shards over the
-checkpoint's own gloo group (``assemble``), off the training thread. The model's dtype is its config's (bf16 for a
-bf16 model): serving needs no float32 masters. Tied tensors (a head tied to the embeddings) are written once, as
-``save_pretrained`` does; ``from_pretrained`` ties them again.
-
-The files that never change in a run (config with the serving dtype, generation config, tokenizer, the run's
-config) are rendered once (``fixed_files``) and written by rank 0 with every checkpoint.
+Each tensor is written whole by one rank, its owner (``plan_files``: the tensors in order, one contiguous run of
+about equal bytes a rank, cut into files of at most ``FILE_BYTES``), so the ranks write side by side and none holds
+more than a file's tensors. Under FSDP2 each rank casts its shard to the serving dtype and the owner gathers the
+shards on the checkpoint's gloo group (``assemble``). The dtype is the model config's, as serving needs no float32
+masters; tied tensors are written once, as ``save_pretrained`` does. The files that never change in a run are
+rendered once (``fixed_files``).
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def serving_dtype(model_config) -> torch.dtype:
-    """The model's own dtype, as its config names it (``dtype``, or ``torch_dtype`` in older configs); float32 when
-    it names none."""
+    """The dtype the model's config names (``dtype``, or the older ``torch_dtype``), else float32."""
     named = getattr(model_config, "dtype", None) or getattr(model_config, "torch_dtype", None)
     if isinstance(named, torch.dtype):
         return named if named in DTYPES.values() else torch.float32
@@ -40,9 +35,8 @@ def serving_dtype(model_config) -> torch.dtype:
 
 
 def fixed_files(model_config, generation_config, tokenizer, run_config: str, dtype: torch.dtype) -> dict[str, bytes]:
-    """Name -> bytes of the files every checkpoint carries beside its weights: ``config.json`` (its dtype the serving
-    weights'), ``generation_config.json``, the tokenizer's files and ``run_config.toml`` (``run_config``: the run's
-    resolved config). Rendered once, with transformers' own writers."""
+    """Name -> bytes of the files every checkpoint carries beside its weights (``config.json`` with the serving
+    dtype, the generation config, the tokenizer, ``run_config.toml``), rendered once by transformers' writers."""
     config = model_config.__class__.from_dict(model_config.to_dict())
     config.dtype = dtype
     with tempfile.TemporaryDirectory() as tmp:
@@ -64,10 +58,9 @@ class ServingFile:
 
 
 def plan_files(specs: list[tuple[str, int]], ranks: int, file_bytes: int = FILE_BYTES) -> list[ServingFile]:
-    """The serving files of tensors ``specs`` ((name, bytes in the serving dtype), in the model's order) over
-    ``ranks`` writers: each rank a contiguous run of about ``total / ranks`` bytes (a tensor goes to the rank whose
-    share its middle falls in), each run cut into files of at most ``file_bytes`` (a larger tensor alone). One file
-    in all is ``model.safetensors``; more are ``model-0000K-of-0000M.safetensors``. The same on every rank."""
+    """The serving files of ``specs`` ((name, bytes), in the model's order) over ``ranks`` writers, the same on
+    every rank: each rank a contiguous run of about ``total / ranks`` bytes (a tensor goes where its middle falls),
+    cut into files of at most ``file_bytes`` (a larger tensor alone), named as ``save_pretrained`` names them."""
     total = sum(size for _, size in specs) or 1
     runs: list[list[tuple[str, int]]] = [[] for _ in range(ranks)]
     done = 0
@@ -97,8 +90,8 @@ def index_file(files: list[ServingFile], total_bytes: int) -> bytes | None:
 
 
 def tied_names(model, rename=lambda name: name) -> frozenset[str]:
-    """The names of ``model``'s parameters that are another's (a head tied to the embeddings), as ``rename`` gives
-    them: a serving file leaves them out. From the module's structure, so the same on every rank."""
+    """``model``'s parameters that are another's (a tied head), renamed, which serving files leave out; from the
+    module's structure, so the same on every rank."""
     kept = {name for name, _ in model.named_parameters()}
     return frozenset(rename(name) for name, _ in model.named_parameters(remove_duplicate=False) if name not in kept)
 
@@ -108,8 +101,7 @@ def nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
 
 
 def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-    """(this rank's part of ``tensor`` on the host, the dim it is sharded on or None when it is whole): under FSDP2 a
-    DTensor sharded on one dim of a 1-D mesh, otherwise a plain tensor."""
+    """(this rank's part of ``tensor`` on the host, its sharded dim or None when whole)."""
     if not hasattr(tensor, "to_local"):
         return tensor.detach().cpu(), None
     placements = tensor.placements
@@ -122,8 +114,8 @@ def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
 
 def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int,
              group) -> tuple[torch.Tensor | None, bool]:
-    """(the whole ``tensor`` in ``dtype`` on rank ``owner``, None on the others; whether this rank's part is finite).
-    Each rank's part is cast before it moves. A collective on ``group`` for a sharded tensor: every rank calls it."""
+    """(the whole ``tensor`` in ``dtype`` on rank ``owner``, else None; whether this rank's part is finite), each
+    part cast before it moves. For a sharded tensor a collective on ``group``."""
     local, dim = local_part(tensor)
     finite = bool(torch.isfinite(local).all())
     local = local.to(dtype)
@@ -143,10 +135,9 @@ def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ra
 
 def write_files(out: Path, files: list[ServingFile], tensors: dict[str, torch.Tensor], dtype: torch.dtype, *,
                 rank: int, ranks: int, group, seal) -> tuple[dict[str, dict], str | None]:
-    """Write this rank's serving files into ``out``; ``seal(path)`` fsyncs a written file and returns its manifest
-    entry. Returns (this rank's entries by file name, why this rank failed or None). A rank that fails (a tensor not
-    finite, a write refused) writes no more but still joins every tensor's gather, in the plan's order, so the
-    other ranks never wait for it."""
+    """This rank's serving files written into ``out`` -> (their manifest entries from ``seal``, why this rank failed
+    or None). A rank that fails (weights not finite, a write refused) writes no more but joins every gather, so the
+    others never wait for it."""
     entries: dict[str, dict] = {}
     failed = None
     for file in files:

@@ -1,15 +1,11 @@
-"""Everything a run needs before its first step, built once: the process group and the run directory,
-the questions and where the run starts (a fresh start or a verified checkpoint), the policy and its
-trainer, the sampler, and the two ends of the loop's seam (``docs/architecture.md``):
+"""Everything a run needs before its first step, built once (``start`` -> ``Run``, or None at ``max_steps``): the
+process group, the run directory, the questions, where the run starts (step 0 or a verified checkpoint), the
+policy, its trainer and sampler, and the two ends of the loop's seam: the **source** of each batch
+(``ColocatedSource`` or ``ServerSource``) and the **sink** for each step's weights (``InProcessSink`` or
+``ServerSink``).
 
-- the **source** of each step's batch (``scirl.rollouts.source``): ``ColocatedSource`` (every rank
-  generates its share in process) or ``ServerSource`` (rank 0's orchestrator on vLLM servers);
-- the **sink** for each step's new weights (``scirl.weights``): ``InProcessSink`` or ``ServerSink``.
-
-``start`` returns a ``Run`` holding all of it, or None when the run is already at ``max_steps``. The
-order matters where noted: servers are asked before any model is loaded (a server that is down fails
-the run in seconds), and a vLLM engine starts before the trainer fills the GPU (it sizes its memory
-from what is free).
+The order matters where noted: servers are asked before any model loads (one that is down fails the run in
+seconds), and a vLLM engine starts before the trainer fills the GPU (it sizes its memory from what is free).
 """
 
 from __future__ import annotations
@@ -48,7 +44,7 @@ from scirl.run.config import TrainConfig
 from scirl.run.checkpointer import Checkpointer, checkpoint_group
 from scirl.run.config_io import changed_settings, saved_config, to_toml_dict, write_config
 from scirl.run.eval_hook import training_eval
-from scirl.trainer import lora
+from scirl.trainer import Trainer, lora
 from scirl.trainer.model import check_identical_ranks, compute_dtype, load_model
 from scirl.weights.check import Replica, WeightCheck, probe_sequence
 from scirl.weights.inprocess import InProcessSink
@@ -69,9 +65,9 @@ class Run:
     console: Console
     tokenizer: object
     model: torch.nn.Module  # the trained module (the optimizer's float32 masters)
-    trainer: object  # scirl.trainer.step.Trainer
+    trainer: Trainer
     questions: list[PromptedQuestion]
-    digest: str  # of the questions' ids: a checkpoint records it, and a resume on other questions is refused
+    digest: str  # of the questions' ids, recorded by checkpoints: a resume on other questions is refused
     start_step: int
     empty_steps: int  # consecutive steps without an update when the run (re)starts
     generator: object | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
@@ -96,7 +92,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     dist, device = distributed.setup(cfg.device)
     if cfg.lora.enabled:
         lora.check_supported(dist)
-    group = checkpoint_group(dist.world_size)  # the checkpoint writers' own: every rank makes it, first
+    group = checkpoint_group(dist.world_size)  # the checkpoint writers', made first on every rank
     run_dir = Path(cfg.output_dir)
     if dist.is_main:
         rundir.prepare(run_dir, resume=resume, clean=clean)
@@ -111,10 +107,10 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     splits = cfg.data.load_splits()
     latest, skipped_checkpoints = None, []
     if resume:
-        # rank 0 verifies (sha256 of every file, and a load) and removes stale tmp dirs; the others take its word
+        # rank 0 verifies (sha256, a load) and removes stale tmp dirs; the others take its word
         found = checkpoint.find_resume_checkpoint(run_dir) if dist.is_main else None
         latest, skipped_checkpoints = distributed.broadcast_object(found, dist)
-    # a resumed run needs only its run dir: the checkpoint holds the tokenizer (and the weights)
+    # a resume needs only its run dir: the checkpoint holds the tokenizer and the weights
     model_source = str(latest[1]) if latest else cfg.model
     tokenizer = load_tokenizer(model_source)
     questions, digest = prompted_questions(splits, cfg, tokenizer, dist, say)
@@ -140,8 +136,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not cfg.inference.urls, say=say)
     wandb_run = start_wandb(cfg) if dist.is_main else None
     if dist.is_main:
-        # only now that the data, the checkpoint and the model are accepted: a refused resume must
-        # not leave its flags in config.toml, the base of every later --resume
+        # only once the data, checkpoint and model are accepted: a refused resume must not leave its flags in
+        # config.toml, the base of every later --resume
         if resume:
             record_changes(run_dir, cfg, start_step, say)
         write_config(cfg, run_dir / "config.toml")
@@ -171,8 +167,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
 
 def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Path, dict] | None,
                  device: torch.device, dist: distributed.Dist, group, say) -> tuple:
-    """(this rank's sampler, the model, its trainer); with ``saved`` (a checkpoint's path and small state), its
-    trainer state read in and its RNG restored."""
+    """(this rank's sampler, the model, its trainer); ``saved`` (a checkpoint's path and small state): its trainer
+    state read in and RNG restored."""
     dtype = compute_dtype(cfg.dtype, device)
     if dist.is_main and (advice := bf16_advice(device, dtype)):
         say(advice)
@@ -182,7 +178,7 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Pa
     if not cfg.inference.urls and inference_backend(cfg, device) == "vllm":
         # first: vLLM sizes its memory from what is free when it starts
         generator = make_vllm_generator(cfg, model_source, tokenizer, device=device, dist=dist, dtype=dtype)
-    if cfg.lora.enabled:  # the base of config.toml's `model` with a new adapter; a resume reads the checkpoint's in
+    if cfg.lora.enabled:  # config.toml's `model` with a new adapter; a resume reads the checkpoint's into it
         model = lora.load_model(cfg.model, cfg.lora, device, dtype, cfg.activation_checkpointing)
     else:
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
@@ -199,8 +195,8 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Pa
 
 
 def restore(trainer, path: Path, saved: dict, group, say) -> None:
-    """Read checkpoint ``path``'s trainer state into the trainer (its weights, AdamW's state, the algorithm's: each
-    rank its own slices, whatever the number of ranks that wrote it) and restore the RNG."""
+    """Checkpoint ``path``'s trainer state read into the trainer (each rank its slices, whatever the number of
+    ranks that wrote it), and the RNG restored."""
     state = trainer.checkpoint_state()
     held = checkpoint.saved_keys(path)
     missing = [name for name in state["algorithm"] if not any(k.startswith(f"algorithm.{name}.") for k in held)]
@@ -214,8 +210,8 @@ def restore(trainer, path: Path, saved: dict, group, say) -> None:
 
 def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, dist: distributed.Dist, group,
                       device: torch.device, say) -> Checkpointer:
-    """The run's checkpoint writer: serving weights in the model's own dtype (its config's), the files every
-    checkpoint carries rendered once, the staging the host's memory allows (``memory.staging_mode``)."""
+    """The run's checkpoint writer: serving weights in the model's own dtype, the files every checkpoint carries
+    rendered once, the staging the host's memory allows."""
     lora_run = cfg.lora.enabled
     hf = lora.hf_model(trainer.model) if lora_run else trainer.model
     dtype = serving_weights.serving_dtype(AutoConfig.from_pretrained(cfg.model if lora_run else model_source))
@@ -226,7 +222,7 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
     if dist.is_main and cfg.ckpt.staging == "auto" and staging == "chunks":
         say("Checkpoints are written unstaged (ckpt.staging chunks): this host's memory cannot hold a staged copy")
     serving = None
-    if lora_run:  # the merged weights, read while staging (they need the live adapter)
+    if lora_run:  # the merged weights, read from the live adapter while staging
         serving = lambda: dict(trainer.full_weights(device="cpu", dtype=dtype))  # noqa: E731
     adapter = lora.adapter_config(trainer.model) if lora_run else None
     return Checkpointer(Path(cfg.output_dir), state=trainer.checkpoint_state, fixed=fixed, dtype=dtype, dist=dist,
@@ -245,7 +241,7 @@ def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distri
                                 extra_state=algorithms.state_bytes_per_param(cfg), lora=cfg.lora.enabled)
     ranks, host = local_ranks(dist), memory.host_memory(cfg.deployment)
     if host is not None and device.type == "cpu" and not trainer.optimizer.state:
-        host = (host[0] - ranks * 8 * trained, host[1])  # a CPU's AdamW moments come at the first step, in host memory
+        host = (host[0] - ranks * 8 * trained, host[1])  # a CPU's AdamW moments arrive in host memory at step 1
     return memory.choose_staging(cfg.ckpt.staging, need, ranks, host)
 
 
@@ -256,8 +252,8 @@ def local_ranks(dist: distributed.Dist) -> int:
 
 def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,
                     tokenizer, check: WeightCheck, start_step: int) -> tuple[ServerSource, object]:
-    """The orchestrator on rank 0 (started last: its first batch must come from the start's weights,
-    which the sink pushes first) and the sink that pushes to the servers."""
+    """Rank 0's orchestrator, started last (its first batch must come from the weights the sink pushes first), and
+    the sink that pushes to the servers."""
     dist = trainer.dist
     orchestrator = None
     if dist.is_main:
@@ -280,10 +276,9 @@ def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], positio
 
 
 def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Dist, say) -> tuple[list, str]:
-    """The split's questions with their prompts, those that fit ``seq_len``, and their digest
-    (checkpoints record it: a resume on other questions is refused)."""
+    """The split's questions that fit ``seq_len``, with their prompts, and their digest."""
     questions = splits.split(cfg.data.split)
-    skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: say so, never silently
+    skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: said, never silent
     skipped_note = (f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
                     if skipped else "")
     settings = cfg.rollout_settings()
@@ -306,9 +301,8 @@ def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Di
 
 
 def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, dist: distributed.Dist) -> dict:
-    """The checkpoint's small state (step, RNG, data position), read by every rank; its tensors are read once the
-    trainer exists (``restore``). Refuses (``RunDirError``) a checkpoint made on other questions or with another
-    seed, and one whose LoRA adapter does not match the run's."""
+    """The checkpoint's small state, read by every rank (its tensors: ``restore``). ``RunDirError`` for one made on
+    other questions, with another seed, or with another LoRA adapter."""
     saved = checkpoint.load_progress(path)
     adapter = checkpoint.read_adapter_config(path)
     if adapter is not None and not cfg.lora.enabled:
@@ -321,8 +315,8 @@ def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, di
     if position["n_questions"] != n_questions:
         raise RunDirError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
                          f"the data now has {n_questions}; resume needs the same data and config")
-    # (epoch, cursor) index a seeded order of these very questions: other questions of the same count,
-    # or another seed, would repeat some and skip others (checkpoints before these keys: unchecked)
+    # (epoch, cursor) index a seeded order of these very questions: others of the same count, or another seed,
+    # would repeat some and skip others (checkpoints older than these keys: unchecked)
     if position.get("questions", digest) != digest:
         raise RunDirError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
                          f"({cfg.data.split} split) gives now; resume needs the same data and config")
@@ -337,16 +331,15 @@ def report_resume(run_dir: Path, latest, skipped: list, say) -> None:
     start_step = latest[0] if latest else 0
     dropped = rundir.truncate(run_dir, start_step)
     say(f"Resuming {run_dir} from step {start_step}" if latest else f"No usable checkpoint in {run_dir}: starting from step 0")
-    for path, reason in skipped:  # newer but unusable (left in place for a look): the steps after start_step are redone
+    for path, reason in skipped:  # newer but unusable, left for a look: their steps are redone
         say(f"Skipped checkpoint {path.name}: {reason}")
     if dropped:
         log.info("dropped %d metrics rows written after checkpoint %d", dropped, start_step)
 
 
 def record_changes(run_dir: Path, cfg: TrainConfig, start_step: int, say) -> None:
-    """A resume's settings that differ from the run's config.toml (about to be replaced by ``cfg``): said in one
-    line and recorded in ``resumes.jsonl``, so no changed hyperparameter is applied silently and the run's record
-    keeps what each stretch of it ran with."""
+    """A resume's settings that differ from the run's config.toml, said in one line and recorded in
+    ``resumes.jsonl``: no hyperparameter changes silently, and the record keeps what each stretch ran with."""
     try:
         changed = changed_settings(saved_config(run_dir, note_renamed=False), cfg)
     except ConfigError as exc:  # valid only with this resume's flags: nothing to compare with
@@ -367,8 +360,8 @@ def load_tokenizer(model: str):
 
 
 def apply_optim_config(optimizer, optim_cfg) -> None:
-    """Set the config's hyperparameters on every param group (loading an optimizer state restores
-    the saved ones, which would silently override `--resume RUN --optim.lr X`)."""
+    """The config's hyperparameters on every param group: a loaded optimizer state restores the saved ones, which
+    would silently override `--resume RUN --optim.lr X`."""
     for group in optimizer.param_groups:
         for key, value in (("lr", optim_cfg.lr), ("betas", tuple(optim_cfg.betas)), ("weight_decay", optim_cfg.weight_decay)):
             if group[key] != value:

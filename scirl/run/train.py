@@ -1,48 +1,28 @@
-"""The GRPO recipe: a loop over one step function, the same for both deployments.
+"""The training loop: one step function, the same for both deployments, over parts ``setup.start`` builds once.
 
 A step (``one_step``):
 
-1. ``batch = source.next(step)``, the orchestrator's half (``scirl.rollouts``): the step's
-   ``batch_size / group_size`` questions, taken in a seeded order from the data position a checkpoint
-   saves; ``group_size`` completions each (token ids and sampling logprobs), seeded from
-   ``(seed, step, rank)`` so a resumed step samples what it would have; rewards, advantage = reward -
-   group mean (option: / std), prime-rl's gibberish / repetition / zero-advantage filters. In process
-   on every rank (``ColocatedSource``), or from vLLM servers by rank 0's orchestrator, up to
-   ``max_async_level`` steps ahead (``ServerSource``);
-2. ``stats = learn(batch, trainer)``, the trainer's half (``scirl.trainer``): one optimizer step over
-   the surviving samples (micro-batches, gradient accumulation), skipped when the loss or the gradients
-   are not finite;
-3. ``sink.push(step)`` (``scirl.weights``): the new weights to the sampler (in process, or to the
-   servers through the filesystem or over NCCL), checked when due; a sampler on the trainer's GPU
-   gave it back before the train step (``sink.make_room()``);
-4. the step's metrics row, from every rank's rollouts.
+1. ``batch = source.next(step)``, the orchestrator's half (``scirl.rollouts``): the step's questions in a seeded
+   order from the data position a checkpoint saves, ``group_size`` completions each, seeded by
+   ``(seed, step, rank)`` so a resumed step samples what it would have; rewards, advantages, prime-rl's filters.
+   In process on every rank (``ColocatedSource``) or on vLLM servers up to ``max_async_level`` steps ahead
+   (``ServerSource``).
+2. ``stats = learn(batch, trainer)``, the trainer's half (``scirl.trainer``): one optimizer step, skipped when the
+   loss or the gradients are not finite.
+3. ``sink.push(step)`` (``scirl.weights``): the new weights to the sampler, checked when due; a sampler on the
+   trainer's GPU gave the memory back before the update (``sink.make_room()``).
+4. The metrics row, from every rank's rollouts.
 
-The loop (``run``) adds, every ``eval.interval`` steps, the greedy accuracy on a fixed held-out subset
-(``scirl/run/eval_hook.py``; it leaves the RNG and the data position as they were), writes the step's
-line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and, every ``ckpt.interval`` steps and at
-the end, a checkpoint, written in the background (``scirl/run/checkpointer.py``): the step is blocked only
-while the state is handed over, and the next update waits, if it must, until the writer has staged it.
-The metrics row of step N is written before checkpoint N, so a checkpoint always has its rows; resuming
-from checkpoint N drops rows and rollouts past N and goes on from N+1 with the same data position, RNG
-and optimizer state: no step is missing or doubled. ``time/checkpoint`` in row N+1 is the time
-checkpoints blocked training since row N (the save after step N, and any wait of step N+1's update for
-its staging); ``time/checkpoint_background`` the seconds a checkpoint's background write took, in the
-first row after it was committed. The run ends (exit 0, or 130/143 after a stop) only once its last
-checkpoint is committed.
+``run`` adds the held-out eval every ``eval.interval`` steps (``eval_hook.py``, which leaves the RNG and the data
+position as they were), writes the step line, ``metrics.jsonl`` row and ``rollouts/step_N.jsonl``, and every
+``ckpt.interval`` steps and at the end a checkpoint written in the background (``checkpointer.py``): the step blocks
+only while the state is handed over. Row N is written before checkpoint N, so a resume from N drops what is past N
+and goes on from N+1 with the same data position, RNG and optimizer state: no step missing or doubled. The run
+ends (exit 0, or 130/143 after a stop) only once its last checkpoint is committed.
 
-Exactness holds for the same config and number of ranks (generation is seeded per rank); the trainer
-state (float32 weights, AdamW's state, the algorithm's) resumes on any number of ranks. Checkpoints
-serve in the model's own dtype (``weights/step_N``, what ``vllm serve`` loads) and resume from the
-float32 trainer state beside them, so resuming loses no precision. With ``[lora] enabled`` (one process,
-``scirl/trainer/lora.py``) only an adapter over the frozen base trains: the sampler and the serving
-weights get the merged weights, and a resume reads the base from ``cfg.model`` plus the checkpoint's
-adapter.
-
-The loop names no algorithm (``scirl/algorithms/``): the orchestrator's half asks the run's algorithm for
-advantages and a sample's extra inputs, the trainer's step for its loss, checkpoints for its state files
-and the metrics row for its entries.
-
-Everything the loop works with is built once by ``scirl.run.setup.start``.
+A resume is exact for the same config and number of ranks (generation is seeded per rank); the float32 trainer
+state resumes on any number of ranks. The loop names no algorithm: the halves, checkpoints and metrics row ask
+the run's algorithm for what is its own (``scirl.algorithms``).
 """
 
 from __future__ import annotations
@@ -65,7 +45,7 @@ from scirl.run.setup import Run, start
 log = logging.getLogger("scirl.run")
 
 MAX_EMPTY_STEPS = 10  # consecutive steps without a trainable rollout before the run gives up
-MAX_NONFINITE_STEPS = 3  # consecutive steps whose loss or gradients were not finite, likewise
+MAX_NONFINITE_STEPS = 3  # consecutive steps with a non-finite loss or gradient, likewise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +61,7 @@ class StepResult:
 
 
 def one_step(step: int, source, trainer, sink) -> StepResult:
-    """One GRPO step, in either deployment; every rank calls it (it syncs)."""
+    """One step, in either deployment; every rank calls it (it syncs)."""
     started = time.perf_counter()
     batch = source.next(step)
     t = time.perf_counter()
@@ -97,7 +77,7 @@ def one_step(step: int, source, trainer, sink) -> StepResult:
     rollouts = distributed.gather_objects(batch.rollouts, trainer.dist)
     timings = {"time/step": time.perf_counter() - started, "time/generate": batch.time_generate,
                "time/train": time_train, "time/weight_sync": time_sync, **memory_metrics(trainer.device)}
-    if batch.time_waited is not None:  # servers: how long the trainer waited for its batch (0 when generation overlapped)
+    if batch.time_waited is not None:  # servers: the trainer's wait for its batch (0 when generation overlapped)
         timings["time/wait_for_batch"] = batch.time_waited
     metrics = {**step_metrics(step, rollouts, stats, timings, trainer.algorithm), **checked}
     if stats.get("nonfinite"):
@@ -115,9 +95,9 @@ def learn(batch: RolloutBatch, trainer) -> dict:
 
 
 def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool = True) -> int:
-    """Run (or continue) a training run in ``cfg.output_dir``. Returns the process exit status."""
-    # one process per run dir: a second one (a --resume typed while the run lives) would remove the live
-    # run's checkpoint in progress as a stale tmp dir and interleave metrics rows. Rank 0 holds it for all.
+    """Run (or continue) a training run in ``cfg.output_dir`` -> the process's exit status."""
+    # one process per run dir (rank 0 holds it for all): a second one, a --resume typed while the run lives, would
+    # remove the live run's checkpoint in progress as a stale tmp dir and interleave metrics rows
     lock = rundir.lock(Path(cfg.output_dir)) if distributed.launched_rank() == 0 else None
     finished = False
     try:
@@ -125,8 +105,8 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         finished = True
         return status
     finally:
-        # a group left to the interpreter's exit can abort a finished run; after a failure, no barrier
-        # (the other ranks may never reach it)
+        # a group left to the interpreter's exit can abort a finished run; no barrier after a failure (the other
+        # ranks may never reach it)
         distributed.teardown(wait_for_others=finished)
         if lock is not None:
             lock.close()
@@ -144,7 +124,7 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     r.say(f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
           f"completions, {r.dist.world_size} rank(s) on {r.device}")
     empty_steps, nonfinite_steps, saved_seconds, status = r.empty_steps, 0, 0.0, 0
-    started = time.perf_counter()  # the time left: this session's pace so far, over the steps to go
+    started = time.perf_counter()  # the time left is this session's pace so far
     try:
         with progress:
             for step in range(r.start_step + 1, cfg.max_steps + 1):
@@ -188,10 +168,9 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
 
 def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float,
            progress: Progress, started: float) -> None:
-    """Rank 0: the step's rollouts file, metrics row, step line (console and log, with ``step N/total`` and the time
-    left at the pace since ``started``) and W&B row. ``timings``: the checkpoints' (``time/checkpoint``: what they
-    blocked since the last row, ``saved_seconds`` of it in the save after the previous step, the rest inside this
-    step's update)."""
+    """Rank 0: the step's rollouts file, metrics row, step line (with the time left at the pace since ``started``)
+    and W&B row. ``time/checkpoint`` is what checkpoints blocked since the last row: ``saved_seconds`` in the save
+    after the previous step, the rest inside this step's update."""
     step = result.batch.step
     metrics = {**result.metrics, **evaluated, "epoch": result.batch.data_position["epoch"], **timings}
     metrics["time/step"] += saved_seconds + evaluated.get("time/eval", 0.0)
@@ -210,7 +189,7 @@ def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_sec
 
 
 def check_progress(empty_steps: int, nonfinite_steps: int) -> None:
-    """A run that has stopped learning ends, with the likely cause, before it burns its budget."""
+    """A run that stopped learning ends, naming the likely cause, before it burns its budget."""
     if empty_steps >= MAX_EMPTY_STEPS:
         raise TrainError(f"{MAX_EMPTY_STEPS} consecutive steps without a trainable rollout: "
                          "check the filters and the rewards")
@@ -220,8 +199,7 @@ def check_progress(empty_steps: int, nonfinite_steps: int) -> None:
 
 
 def save(r: Run, step: int, position: dict, empty_steps: int, *, full: bool) -> float:
-    """Checkpoint ``step`` in the background (every rank takes part; ``full``: with the trainer state, else the
-    serving weights alone); returns the seconds the step was blocked."""
+    """Checkpoint ``step`` in the background (every rank; ``full``: with the trainer state) -> seconds blocked."""
     progress = {"step": step, "data_position": {**position, "n_questions": len(r.questions), "questions": r.digest,
                                                 "seed": r.cfg.seed},
                 "rng": checkpoint.capture_rng_state(), "extra": {"consecutive_empty_steps": empty_steps}}

@@ -1,26 +1,22 @@
-"""Attention over a packed row (``scirl/trainer/packing.py``): each token sees the earlier tokens of its own
-prompt and of its own completion, nothing else.
+"""Attention over a packed row (``packing.py``): each token sees the earlier tokens of its own prompt and of its own
+completion, nothing else.
 
-The trainer's forwards select ``packed_attention`` by name (``packed_rows``), through transformers'
-``AttentionInterface``, and hand it the micro-batch's ``Layout`` as the ``scirl_layout`` keyword, which the
-model's forward passes down to every attention call. Transformers builds no mask of its own for a name it
-has no mask function for, so nothing in the forward asks the device for a size. Two ways to compute it, the
-same attention (``tests/test_packing.py`` checks one against the other and both against whole sequences):
+The trainer's forwards select ``packed_attention`` by name through transformers' ``AttentionInterface``
+(``packed_rows``); the model's forward passes the micro-batch's ``Layout`` down as ``scirl_layout``. Transformers
+builds no mask for a name it has no mask function for, so the forward never asks the device for a size. Two ways,
+the same attention (``tests/test_packing.py`` checks them against each other and against whole sequences):
 
-- ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask made from the layout's per-token
-  group and branch ids. It skips the blocks no token of a block attends to (other groups, other completions),
-  reads grouped K/V heads in place, and is compiled to one fused kernel. torch has no CPU backward for it, so
-  it trains on CUDA only (``cannot_train``; ``scirl train`` refuses it elsewhere). Compiled with static shapes: a packed row is
-  padded to one of a few lengths (``row_length``), each one graph, so a run compiles a fixed number of graphs
-  whatever its lengths (a graph per new length would reach dynamo's recompile limit mid-run and fall back to
-  eager flex attention, a dense reference that keeps every [N, N] score; a dynamic graph fails to compile on
-  some torch releases);
-- ``sdpa`` (everywhere else): the prompts' queries as one batch [groups, heads, P, d] under a causal mask, the
-  completions' in a few grids of similar lengths, each [rows, heads, C, d] over their prompts' keys and their
-  own (``packing.completion_grids``: one grid padded to the longest completion would spend most of its
-  attention on padding when lengths differ), all through torch's ``scaled_dot_product_attention`` (with
-  grouped K/V heads), gathered and scattered back with the layout's host-built indices. The completions' keys
-  hold a copy of their prompt's K/V per row: memory, not compute.
+- ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask from the layout's group and branch ids,
+  skipping the blocks no query of a block sees and reading grouped K/V heads in place. torch has no CPU backward
+  for it, so it trains on CUDA only (``cannot_train``). Compiled with static shapes, rows padded to one of a few
+  lengths (``row_length``): a graph per new length would hit dynamo's recompile limit mid-run and fall back to
+  eager flex attention, a dense reference that keeps every [N, N] score; a dynamic graph fails to compile on some
+  torch releases.
+- ``sdpa`` (elsewhere): the prompts' queries as one causal batch [groups, heads, P, d], the completions' in a few
+  grids of similar lengths [rows, heads, C, d] over their prompt's keys and their own (one grid padded to the
+  longest completion would spend most of its work on padding), through torch's SDPA with grouped K/V heads,
+  gathered and scattered back with host-built indices. Each completion row holds a copy of its prompt's K/V:
+  memory, not compute.
 """
 
 from __future__ import annotations
@@ -49,8 +45,7 @@ def kind_for(setting: str, device: torch.device) -> str:
 
 
 def cannot_train(setting: str, device: torch.device) -> str | None:
-    """Why a trainer on ``device`` cannot train with the ``attention`` setting (flex off CUDA: torch's flex
-    attention has no backward there, though its forward runs), or None."""
+    """Why ``attention`` cannot train on ``device``, or None (flex off CUDA: no backward there)."""
     if kind_for(setting, device) == "flex" and device.type != "cuda":
         return (f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on {device.type}); "
                 "fix: --attention sdpa, or auto")
@@ -58,12 +53,10 @@ def cannot_train(setting: str, device: torch.device) -> str | None:
 
 
 def row_length(tokens: int, kind: str, budget: int = 0) -> int:
-    """The length a packed row of ``tokens`` positions is padded to. sdpa: none (its compiled layers take any
-    length in one dynamic graph). flex: one of a few lengths, each a static graph: up to a token ``budget``, the
-    multiples of an eighth of it (rounded up to flex's block) and the budget itself (rounded up likewise), at most
-    ``ROW_LENGTHS`` lengths, padding under an eighth of the budget (and a block) a micro-batch; without a budget,
-    or for a lone sequence longer than it, four lengths per doubling, padding under a quarter of the row (or a
-    block)."""
+    """The length a row of ``tokens`` positions is padded to. sdpa: ``tokens`` (one dynamic graph takes any).
+    flex: one of at most ``ROW_LENGTHS`` lengths up to the ``budget``, each a static graph: multiples of an eighth
+    of it in flex blocks (padding under an eighth of the budget); past it or without one, four lengths per doubling
+    (padding under a quarter of the row)."""
     if kind != "flex":
         return tokens
     top = -(-budget // FLEX_BLOCK) * FLEX_BLOCK
@@ -75,20 +68,20 @@ def row_length(tokens: int, kind: str, budget: int = 0) -> int:
 
 
 def max_grids(kind: str, compiled: bool = False) -> int:
-    """How many grids of similar lengths the micro-batches' completions are split into: flex needs none; compiled
-    layers take one (each number of grids would be a graph of its own)."""
+    """Grids of similar lengths the completions are split into: one under flex (it needs none) and with compiled
+    layers (each number of grids would be a graph of its own)."""
     return 1 if kind == "flex" or compiled else MAX_GRIDS
 
 
 def host_only(kind: str) -> frozenset[str]:
-    """The layout's fields this kind of attention never reads, left on the host (flex: the SDPA path's indices)."""
+    """The layout's fields this attention never reads, left on the host (flex: the SDPA path's indices)."""
     return frozenset({"prompt_index", "prompt_lengths", "grids", "unpack"}) if kind == "flex" else frozenset()
 
 
 def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layout:
-    """The layout with what its attention reads, made on the layout's device once per micro-batch (every layer
-    shares it): flex attention's block mask, or the SDPA path's completion keys and additive mask in the compute
-    ``dtype`` (a boolean mask would be turned into one by every layer's call, and kept by each for its backward)."""
+    """The layout with what its attention reads, made on its device once a micro-batch for every layer: flex's block
+    mask, or the SDPA path's completion keys and additive mask in ``dtype`` (every layer would turn a boolean mask
+    into one, and keep it for its backward)."""
     if kind == "flex":
         return dataclasses.replace(layout, block_mask=flex_block_mask(layout, length))
     grids = []
@@ -101,8 +94,8 @@ def prepare(layout: Layout, kind: str, length: int, dtype: torch.dtype) -> Layou
 
 
 def completion_mask(layout: Layout, grid: CompletionGrid) -> torch.Tensor:
-    """[Rk, 1, Ck, Pk + Ck] bool: the grid's row r's query k sees its prompt's real tokens and its own tokens up
-    to k (keys: its prompt's positions, then its own)."""
+    """[Rk, 1, Ck, Pk + Ck] bool: row r's query k sees its prompt's real tokens and its own up to k (keys: its
+    prompt's positions, then its own)."""
     prompt_len, completion_len = grid.prompt_len, grid.query_index.shape[1]
     device = grid.query_index.device
     key = torch.arange(prompt_len + completion_len, device=device)
@@ -113,10 +106,10 @@ def completion_mask(layout: Layout, grid: CompletionGrid) -> torch.Tensor:
 
 
 def flex_block_mask(layout: Layout, length: int) -> BlockMask:
-    """flex attention's block mask of the layout (padding sees only padding, so no row is empty): the blocks of
-    ``create_block_mask``, counted from each query's allowed keys, which are at most two ranges of positions (its
-    prompt's, and its own completion's up to it), so neither an [N, N] mask nor a compiled ``create_block_mask``
-    (a new compile wrapper a call) is needed: a few [N, N / block] integer ops on the device, no host sync."""
+    """flex attention's block mask of the layout, the blocks ``create_block_mask`` would make (padding sees only
+    padding, so no row is empty). A query's keys are at most two ranges (its prompt, its completion up to itself),
+    so the blocks are counted from them: a few [N, N / block] integer ops, no [N, N] mask, no host sync, and no
+    compiled ``create_block_mask`` (a new compile wrapper a call)."""
     group, branch = layout.group, layout.branch
     position = torch.arange(length, device=group.device)
     starts = torch.ones(length, dtype=torch.bool, device=group.device)
@@ -153,16 +146,16 @@ def flex_block_mask(layout: Layout, length: int) -> BlockMask:
 
 @functools.cache
 def compiled_flex_attention():
-    """flex attention compiled once per process, for decoder layers that run eagerly (eager flex attention is a
-    dense reference implementation). Static shapes: each of the few row lengths (``row_length``) one graph."""
+    """flex attention compiled once a process for eager decoder layers (eager flex attention is a dense reference),
+    a static graph per row length."""
     bound_recompiles()
     return torch.compile(flex_attention, dynamic=False)
 
 
 def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, scirl_layout=None,
                      **kwargs):
-    """transformers' attention-function signature: ``query`` [1, heads, N, d], ``key``/``value`` [1, kv_heads, N, d]
-    -> ([1, N, heads, d], None)."""
+    """transformers' attention signature: ``query`` [1, heads, N, d], ``key``/``value`` [1, kv_heads, N, d] ->
+    ([1, N, heads, d], None)."""
     layout = scirl_layout
     if layout is None:
         raise ValueError("packed attention needs the micro-batch's layout (the trainer's forward passes scirl_layout)")
@@ -171,7 +164,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     if layout.block_mask is None and any(grid.bias is None for grid in layout.grids):
         raise ValueError("the micro-batch's layout has no mask: Trainer.on_device (attention.prepare) makes it")
     if layout.block_mask is not None:
-        # inside a compiled layer, flex attention itself: it is traced into the layer's graph
+        # a compiled layer traces flex attention into its own graph
         flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
         out = flex(query, key, value, block_mask=layout.block_mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
@@ -179,7 +172,7 @@ def packed_attention(module, query, key, value, attention_mask, dropout=0.0, sca
 
 
 def grouped_sdpa(query, key, value, layout: Layout, scale, dropout: float) -> torch.Tensor:
-    """The ``sdpa`` path (see the module's docstring): [1, N, heads, d]."""
+    """The ``sdpa`` path (the module's docstring): [1, N, heads, d]."""
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [N, heads, d]
 
     def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [N, h, d] -> [rows, h, len, d]
@@ -207,8 +200,7 @@ def register() -> None:
 
 
 def check_supported(model) -> None:
-    """A model whose attention layers take an attention function by name (transformers' ``AttentionInterface``);
-    ValueError naming the model otherwise."""
+    """ValueError naming a model whose attention layers take no attention function by name."""
     if not getattr(model, "_supports_attention_backend", False):
         name = type(model).__name__
         raise ValueError(f"{name} does not take transformers' attention functions by name, which the trainer's "
@@ -217,8 +209,8 @@ def check_supported(model) -> None:
 
 @contextlib.contextmanager
 def packed_rows(model):
-    """Inside, ``model``'s attention is ``packed_attention`` (its forwards must pass ``scirl_layout``); the config
-    keeps its own setting outside, so a sampler sharing the module is unaffected."""
+    """Inside, ``model``'s attention is ``packed_attention`` (its forwards pass ``scirl_layout``); outside, the
+    config's own, for a sampler sharing the module (``patches.training_forward``)."""
     register()
     configs = {id(c): c for c in (model.config, model.config.get_text_config())}.values()
     before = [c._attn_implementation for c in configs]

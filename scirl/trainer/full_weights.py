@@ -1,15 +1,11 @@
-"""The trainer's full (unsharded) weights, gathered one tensor at a time as they are read: what a push sends to
-the sampler and what a checkpoint saves.
+"""The trainer's full (unsharded) weights, gathered a tensor at a time as they are read: what a push sends and a
+checkpoint's serving weights hold.
 
-Under FSDP2 each parameter is a DTensor sharded over the ranks, and gathering one is a collective that every rank
-joins, in the same order. Each rank casts its own shard to the wanted dtype before the gather (a bf16 push moves
-half the bytes of the float32 masters between ranks), and a tensor is gathered only when the reader asks for the
-next one: the reader decides how much is held at once. A push sends the weights in buckets and drops each before
-the next is gathered (``scirl/weights/buckets.py``), a checkpoint moves each tensor to host memory as it comes.
-Every tensor's name, shape and dtype are known before anything is gathered (``specs``): the NCCL push declares
-them to the servers first, and every rank cuts the same buckets from them.
-
-A LoRA model (single process) gives its merged weights, one tensor merged at a time (``lora.merged_parts``).
+Under FSDP2 each gather is a collective every rank joins in the same order. Each rank casts its shard before the
+gather (a bf16 push moves half the float32 masters' bytes), and a tensor is gathered only when the reader asks for
+it, so the reader decides how much is held (a push drops each bucket before the next, ``weights/buckets.py``).
+Names, shapes and dtypes are known before any gather (``specs``): the NCCL push declares them to the servers first
+and every rank cuts the same buckets from them. LoRA gives its merged weights (``lora.merged_parts``).
 """
 
 from __future__ import annotations
@@ -22,11 +18,10 @@ from scirl.trainer.lora import is_lora, merge, merged_parts
 
 
 class FullWeights:
-    """HF-named full tensors of ``model`` (plain, FSDP2-sharded or LoRA), in ``dtype`` (None: the masters' own,
-    float32 for a LoRA merge) on ``device``. ``specs``: (name, full shape, dtype) of each, known without gathering.
-    Iterating gives (name, tensor) in that order, each gathered when it is reached; with ``keep`` False (a rank
-    that only joins the gathers) the tensor is dropped at once and None is given in its place. Under FSDP every
-    rank must iterate to the end. The order is the module's, but for the names in ``first``, which come first."""
+    """HF-named full tensors of ``model`` (plain, FSDP2-sharded or LoRA) in ``dtype`` (None: the masters', float32
+    for a LoRA merge) on ``device``. ``specs``: (name, full shape, dtype) of each. Iterating gives (name, tensor),
+    each gathered when reached, in the module's order but ``first``'s names ahead; ``keep=False`` (a rank that only
+    joins the gathers) gives None instead. Under FSDP every rank iterates to the end."""
 
     def __init__(self, model, *, device: str | torch.device, dtype: torch.dtype | None = None, keep: bool = True,
                  first: tuple[str, ...] = ()):
@@ -38,7 +33,6 @@ class FullWeights:
             self.parts = [(name, value, None) for name, value in model.state_dict().items()]
             self.specs = [(name, tuple(value.shape), dtype or value.dtype) for name, value, _ in self.parts]
         self.lora = is_lora(model)
-        # ``first``'s tensors ahead of the rest, in its order; the others keep the module's
         rank = {name: i for i, name in enumerate(first)}
         order = sorted(range(len(self.parts)), key=lambda i: (rank.get(self.specs[i][0], len(rank)), i))
         self.parts, self.specs = [self.parts[i] for i in order], [self.specs[i] for i in order]
@@ -57,7 +51,7 @@ class FullWeights:
             return merge(value, layer, device=self.device, dtype=dtype)
         value = value.detach()
         if value.dtype != dtype:
-            value = value.to(dtype)  # a DTensor casts this rank's shard only: the gather moves the narrower dtype
+            value = value.to(dtype)  # this rank's shard only: the gather moves the narrower dtype
         if hasattr(value, "full_tensor"):
             value = value.full_tensor()  # the collective
         return value.to(self.device)

@@ -1,30 +1,22 @@
 """The LM head and its softmax over blocks of tokens: no [tokens x vocabulary] float32 tensor in a step.
 
-The training forward stops at the final hidden states (``hidden_states_out``: the model's output
-embedding returns its input for the duration of the forward and records the weight it would have used)
-and this module turns them into what the losses need, ``block_tokens`` tokens at a time:
+The training forward stops at the final hidden states (``hidden_states_out``) and this module computes from them,
+``block_tokens`` rows at a time, what the losses need: the sampled tokens' logprobs and entropies under the
+sampling temperature and nucleus (``token_logprobs``, as ``loss.token_logprobs`` from logits), a self-teacher's
+top-k targets and the student's logprobs at those ids (as ``targets.py`` from logits).
 
-- ``token_logprobs``: the sampled tokens' logprobs under the sampling distribution (temperature, the
-  top-p nucleus) and the entropy, as ``scirl.trainer.loss.token_logprobs`` computes them from logits;
-- a self-teacher's top-k targets (``teacher_targets``) and the student's logprobs at those ids
-  (``student_logprobs``), as ``scirl.trainer.targets`` computes them from logits.
+``HeadLogprobs``'s backward recomputes each block's logits from the saved log-sum-exp instead of storing them and
+adds each block's weight gradient into a float32 accumulator by the GEMM itself (a tied head's reaches the
+embedding): the head's peak is a few [block, V] float32 tensors whatever the micro-batch. ``FusedHeadLogprobs``
+(with ``kernels = "compile"``) compiles each block's elementwise work: one [block, V] tensor in the compute dtype,
+a pass or two over it.
 
-``HeadLogprobs`` is an autograd function whose backward recomputes each block's logits from the saved
-hidden states, weight and per-row log-sum-exp instead of storing them, and accumulates the gradients of
-the hidden states and of the head's weight (under tied embeddings the embedding's: the same parameter), each
-block's product added into the weight's float32 accumulator by the GEMM itself (no [V, H] product a block).
-The peak of the head is a few [block_tokens, V] float32 tensors, whatever the micro-batch's size.
-``FusedHeadLogprobs`` (with compiled decoder layers, ``kernels = compile``) computes the same with each block's
-elementwise work compiled: one [block_tokens, V] tensor in the compute dtype, a pass or two over it.
+Blocks of rows, not vocabulary chunks (prime-rl's online log-sum-exp): each row's arithmetic stays the full-logits
+path's, the nucleus's sort and the top-k need whole rows, and the memory bound is the same. By hand because
+Liger-Kernel's fused losses are Triton-only, compute their own loss rather than logprobs and entropies, and know
+no nucleus; torch has no such op.
 
-Blocks of rows, not chunks of the vocabulary (prime-rl's online log-sum-exp): every row's arithmetic is
-the one the full-logits path does (the same ops over the same row), the nucleus's sort and the teacher's top-k
-need a whole row, and the memory bound is the same (block_tokens x V instead of tokens x chunk).
-Why by hand: Liger-Kernel's fused linear cross-entropy and GRPO losses are Triton (no CPU), compute their
-own loss rather than the logprobs and entropy ours needs, and know no nucleus; torch has no such op.
-
-Under FSDP2 the weight is the one the root module's forward gathered (recorded during that forward); the
-root keeps its parameters gathered after its forward until the backward, so it is valid until then.
+Under FSDP2 the weight is the one the root's forward gathered, which the root keeps until its backward.
 """
 
 from __future__ import annotations
@@ -44,9 +36,9 @@ SORT_ELEMENTS = 1 << 24  # the nucleus's sort (values and int64 indices) runs ov
 
 @contextmanager
 def hidden_states_out(model: torch.nn.Module):
-    """Inside, ``model(...).logits`` are the final hidden states (after the final norm, sliced by
-    ``logits_to_keep``): the output embedding returns its input. Yields a dict whose ``"weight"`` is
-    the head weight the last forward would have used (the gathered one under FSDP2)."""
+    """Inside, ``model(...).logits`` are the final hidden states (after the final norm): the output embedding
+    returns its input. Yields a dict whose ``"weight"`` is the head weight the latest forward would have used (under
+    FSDP2 the gathered one). Nested, the outer one's is back on the way out."""
     head = model.get_output_embeddings()
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the block-wise LM head does not apply final_logit_softcapping")
@@ -58,19 +50,22 @@ def hidden_states_out(model: torch.nn.Module):
             raise ValueError("the block-wise LM head expects a head without bias")
         return hidden
 
+    before = head.__dict__.get("forward")  # an outer patch's, when nested
     head.forward = forward
     try:
         yield seen
     finally:
-        del head.forward  # the class's forward again
+        if before is None:
+            del head.forward  # the class's forward again
+        else:
+            head.forward = before
 
 
 def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """float32 logits / temperature of a block of rows: the matmul in the compute dtype, as the model's
-    head computes them, then cast (the full-logits path's ``logits.float()``); into ``out`` when given (a
-    buffer the blocks share: one [block, V] allocation a pass instead of one a block, which a CPU's heap
-    would otherwise scatter)."""
+    """float32 logits / temperature of a block of rows: the matmul in the compute dtype, as the model's head does,
+    then cast (the full-logits path's ``logits.float()``). ``out``: a buffer the blocks share, one [block, V]
+    allocation a pass instead of one a block, which a CPU's heap would scatter."""
     if out is None:
         logits = F.linear(hidden, weight).float()
     elif weight.dtype == torch.float32:
@@ -82,11 +77,10 @@ def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
 
 @torch.no_grad()
 def nucleus_cut(logits: torch.Tensor, top_p: float, temperature: float = 1.0) -> torch.Tensor:
-    """The smallest logit of each row's top-p nucleus under ``logits / temperature`` ([R, V] -> [R], float32, in
-    the units of ``logits``), by the rule of ``scirl.trainer.loss.nucleus_mask``: sort ascending, drop the tokens
-    whose cumulative probability stays <= 1 - top_p, keep the most likely one. The nucleus is then every token
-    at or above the cut (tokens tied with the cut all stay in it; the sort's order among them is arbitrary
-    anyway). ``logits`` in any float dtype: the probabilities are those of their float32 values."""
+    """The smallest logit of each row's top-p nucleus under ``logits / temperature`` ([R, V] -> [R] float32, in
+    ``logits``' units), by ``loss.nucleus_mask``'s rule: sort ascending, drop the tokens whose cumulative
+    probability stays <= 1 - top_p, keep the most likely. The nucleus is every token at or above the cut, so
+    tokens tied with it all stay in (the sort orders them arbitrarily anyway). Probabilities are float32's."""
     cuts = []
     rows = max(1, SORT_ELEMENTS // logits.shape[-1])
     for part in logits.split(rows):
@@ -108,21 +102,21 @@ def in_nucleus(logits: torch.Tensor, cut: torch.Tensor | None, ids: torch.Tensor
 
 
 def blocks(total: int, block_tokens: int):
-    """(a slice of rows, its length) of each block of ``block_tokens`` rows of ``total``, the last one shorter."""
+    """(rows, length) of each block of ``block_tokens`` of ``total`` rows, the last one shorter."""
     for start in range(0, total, block_tokens):
         yield slice(start, start + block_tokens), min(block_tokens, total - start)
 
 
 def outputs(hidden: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
-    """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and, under a
-    nucleus, its cut [N]."""
+    """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and the
+    nucleus's cut [N]."""
     n = ids.shape[0]
     new = lambda *shape: hidden.new_empty(shape, dtype=torch.float32)  # noqa: E731
     return new(*ids.shape), new(n), new(n), new(n) if top_p < 1.0 else None
 
 
 def saved(ctx, tensors: tuple, settings: tuple, logprobs: torch.Tensor, entropy: torch.Tensor):
-    """What a head function's backward recomputes a block from, kept; its outputs, the entropy without gradient."""
+    """Keeps what the backward recomputes a block from; returns the outputs, the entropy without gradient."""
     ctx.save_for_backward(*tensors)
     ctx.settings = settings
     ctx.mark_non_differentiable(entropy)
@@ -130,9 +124,9 @@ def saved(ctx, tensors: tuple, settings: tuple, logprobs: torch.Tensor, entropy:
 
 
 def gradients(ctx) -> tuple:
-    """A head function's backward's inputs: what its forward saved, its settings, and the gradients it fills (None
-    where autograd wants none): the hidden states' a block of rows at a time, the weight's summed over the blocks
-    in float32 (as one matmul over all tokens would accumulate)."""
+    """A backward's inputs: what the forward saved, its settings, and the gradients to fill (None where autograd
+    wants none): the hidden states' a block at a time, the weight's summed over blocks in float32 (as one matmul
+    over all tokens would accumulate)."""
     hidden, weight, ids, logsumexp, cut = ctx.saved_tensors
     want_hidden, want_weight = ctx.needs_input_grad[:2]
     return (hidden, weight, ids, logsumexp, cut, *ctx.settings, torch.empty_like(hidden) if want_hidden else None,
@@ -140,9 +134,8 @@ def gradients(ctx) -> tuple:
 
 
 class HeadLogprobs(torch.autograd.Function):
-    """From hidden states [N, H] and the head weight [V, H]: ``log_softmax(logits / T)`` at ``ids`` [N, k]
-    and the entropy [N] (no gradient), over the nucleus when ``top_p < 1``; block by block, the backward
-    recomputing each block's softmax from the saved log-sum-exp."""
+    """Hidden states [N, H], head weight [V, H] -> ``log_softmax(logits / T)`` at ``ids`` [N, k] and the entropy
+    [N] (no gradient), over the nucleus when ``top_p < 1``, a block at a time."""
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
@@ -164,10 +157,9 @@ class HeadLogprobs(torch.autograd.Function):
             lse = (shift + total.log()).squeeze(-1)
             logsumexp[rows] = lse
             logprobs[rows] = logits.gather(1, ids[rows]) - lse[:, None]
-            # -sum p log p, log p = (logit - shift) - log(total): lse - sum p * logit would subtract two numbers the
-            # size of the logits and lose a near-certain token's entropy (a few %). Outside the nucleus p = 0: with
-            # the unmasked (finite) logits their terms are 0, not 0 * -inf (a batched matmul: a dot product per
-            # row without a [block, V] product tensor)
+            # -sum p log p with log p = (logit - shift) - log(total): lse - sum p * logit would subtract two
+            # logit-sized numbers and lose a near-certain token's entropy (a few %). The unmasked (finite) logits
+            # make the terms outside the nucleus 0, not 0 * -inf; a batched matmul makes no [block, V] product
             entropy[rows] = total.log().squeeze(-1) - torch.bmm(probs[:, None], logits.sub_(shift)[:, :, None]).view(-1)
             del logits, masked, probs
         del logits_buffer, probs_buffer
@@ -199,11 +191,10 @@ class HeadLogprobs(torch.autograd.Function):
 
 def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | None,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log-sum-exp [R], logprobs at ``ids`` [R, k], entropy [R]) of a block's logits [R, V] (the compute dtype,
-    before the temperature) over the nucleus: the tokens at or above ``cut`` (``nucleus_cut``'s, in the logits'
-    units) and the ids. ``HeadLogprobs``'s arithmetic written for ``torch.compile``, which fuses it into a pass or
-    two over the block. The entropy is -sum p log p = log Z - sum p (logit - max): no cancellation between two
-    large numbers (``lse - sum p logit`` loses a near-certain token's to the log-sum-exp's round-off)."""
+    """(log-sum-exp [R], logprobs at ``ids`` [R, k], entropy [R]) of a block's logits [R, V] (compute dtype, before
+    the temperature) over the nucleus (the tokens at or above ``cut``, and the ids): ``HeadLogprobs``'s arithmetic
+    written for ``torch.compile`` to fuse into a pass or two. The entropy is log Z - sum p (logit - max), because
+    ``lse - sum p logit`` loses a near-certain token's to the log-sum-exp's round-off."""
     raw = logits.float()
     scaled = raw / temperature
     top = scaled.amax(dim=-1, keepdim=True)  # the most likely token's: always in the nucleus
@@ -217,8 +208,8 @@ def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | Non
         below = torch.where((raw.gather(1, ids) < cut[:, None]) & ~repeated, at_ids.exp(), 0.0)
     else:
         below = torch.zeros_like(at_ids)
-    # Z = 1 + rest, the most likely token's exp(0) = 1 apart: log Z = log1p(rest) keeps the digits of a
-    # near-certain row's entropy and logprobs, which 1 + rest would round away
+    # Z = 1 + rest, the most likely token's exp(0) = 1 apart: log1p(rest) keeps the digits of a near-certain row's
+    # entropy and logprobs, which 1 + rest would round away
     rest = (torch.where(shifted < 0, exp, 0.0).sum(dim=-1, keepdim=True) + below.sum(dim=-1, keepdim=True)
             + ((shifted == 0).sum(dim=-1, keepdim=True) - 1))  # ties with the most likely token, in integers
     weighted = (exp * shifted).sum(dim=-1, keepdim=True) + (below * at_ids).sum(dim=-1, keepdim=True)
@@ -228,9 +219,9 @@ def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | Non
 
 def block_grad_(logits: torch.Tensor, logsumexp: torch.Tensor, grad_sum: torch.Tensor, cut: torch.Tensor | None,
                 temperature: float) -> None:
-    """A block's logits [R, V] (the compute dtype, before the temperature) become, in place, -p * grad_sum / T:
-    the gradient of sum_k grad_k * logprob(id_k) but at the ids, which ``FusedHeadLogprobs`` writes after (written
-    for ``torch.compile``: one pass, into the block's own memory)."""
+    """A block's logits [R, V] (compute dtype, before the temperature) become, in place, -p * grad_sum / T: the
+    gradient of sum_k grad_k * logprob(id_k) except at the ids, which ``FusedHeadLogprobs`` writes after. For
+    ``torch.compile``: one pass, into the block's own memory."""
     raw = logits.float()
     probs = (raw / temperature - logsumexp[:, None]).exp()
     if cut is not None:
@@ -244,9 +235,9 @@ def compiled(fn):
 
 
 def run_compiled(fn, buffer: torch.Tensor, n: int, *args):
-    """``fn(buffer[:n], *args)`` compiled, the tensors' first dimension (a block's rows) dynamic: one graph for
-    blocks of any size, where static shapes would compile one per micro-batch's last block. A one-row block runs
-    as two equal rows (torch gives a dimension of size 1 a graph of its own); its outputs are the first row's."""
+    """``fn(buffer[:n], *args)`` compiled with a block's rows dynamic: one graph for blocks of any size (static
+    shapes would compile one per micro-batch's last block). A one-row block runs as two equal rows, since torch
+    gives a dimension of size 1 a graph of its own."""
     if n == 1:
         buffer[1].copy_(buffer[0])
         args = tuple(torch.cat([arg, arg]) if isinstance(arg, torch.Tensor) else arg for arg in args)
@@ -264,9 +255,9 @@ def fused_buffer(hidden: torch.Tensor, weight: torch.Tensor, block_tokens: int) 
 
 
 class FusedHeadLogprobs(torch.autograd.Function):
-    """``HeadLogprobs`` with each block's elementwise work compiled (``block_stats``, ``block_grad_``): the
-    eager path's ~7 passes over a [block, V] float32 tensor become one or two over the block's logits in the
-    compute dtype, the only [block, V] tensor of the forward and of the backward."""
+    """``HeadLogprobs`` with each block's elementwise work compiled (``block_stats``, ``block_grad_``): ~7 passes
+    over a [block, V] float32 tensor become one or two over the block's logits in the compute dtype, the only
+    [block, V] tensor of the forward and of the backward."""
 
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
@@ -291,8 +282,8 @@ class FusedHeadLogprobs(torch.autograd.Function):
             grad_sum = g.sum(dim=1, keepdim=True)
             block_cut = None if cut is None else cut[rows]
             run_compiled(block_grad_, buffer, n, logsumexp[rows], grad_sum, block_cut, temperature)
-            # at the ids (always in the nucleus): d logprob(id) / d logit = onehot(id) - p, through the temperature;
-            # a row's equal ids add their gradients
+            # at the ids (always in the nucleus): d logprob(id) / d logit = onehot(id) - p, over the temperature;
+            # a row's equal ids add up
             onehot = ((block_ids[:, :, None] == block_ids[:, None, :]) * g[:, None, :]).sum(dim=-1)
             at_grad = (onehot - (at_ids - lse).exp() * grad_sum) / temperature
             grad = logits.scatter_(1, block_ids, at_grad.to(logits.dtype))
@@ -306,9 +297,8 @@ class FusedHeadLogprobs(torch.autograd.Function):
 
 
 def accumulate_weight_grad(total: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor) -> None:
-    """``total`` [V, H] float32 += ``grad``.T @ ``hidden``, by one GEMM that adds into it: no [V, H] product
-    beside it. bf16 operands: a float32-output GEMM where torch has one (CUDA); elsewhere the operands cast (a
-    block's and its hidden states', not [V, H])."""
+    """``total`` [V, H] float32 += ``grad``.T @ ``hidden`` by one GEMM that adds into it (no [V, H] product). bf16
+    operands: a float32-output GEMM where torch has one (CUDA), else the block's operands cast."""
     if grad.dtype == total.dtype:
         total.addmm_(grad.t(), hidden)
     elif fp32_output_gemm(total.device):
@@ -319,9 +309,9 @@ def accumulate_weight_grad(total: torch.Tensor, grad: torch.Tensor, hidden: torc
 
 @functools.cache
 def fp32_output_gemm(device: torch.device) -> bool:
-    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` takes bf16 ``a``, ``b`` into a float32
-    ``acc`` on ``device``: CUDA only (``addmm.dtype_out``, torch >= 2.8), a float32 ``acc`` only since
-    pytorch#167931 (torch 2.10), bf16 into float32 only from compute capability 8.0. Tried once on 2 x 2 tensors."""
+    """Whether ``torch.addmm(acc, a, b, out_dtype=float32, out=acc)`` takes bf16 ``a``, ``b`` into a float32 ``acc``
+    on ``device``: CUDA only (torch >= 2.8), a float32 ``acc`` since pytorch#167931 (torch 2.10), from compute
+    capability 8.0. Tried once on 2 x 2 tensors."""
     if device.type != "cuda":
         return False
     a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
@@ -351,17 +341,16 @@ class Head:
 
     def token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor,
                        targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``hidden`` [T, H] of the positions that predict ``targets`` [T] -> their logprobs and entropies [T]:
-        those of ``scirl.trainer.loss.token_logprobs`` (the head runs on these positions only: no compute on
-        padding or prompts)."""
+        """``hidden`` [T, H] of the positions that predict ``targets`` [T] -> their logprobs and entropies [T], as
+        ``loss.token_logprobs`` (no compute on padding or prompts)."""
         logprobs, entropy = self.function.apply(hidden, weight, targets[:, None], self.temperature, self.top_p,
                                                 self.block_tokens)
         return logprobs.squeeze(1), entropy
 
     @torch.no_grad()
     def teacher_targets(self, hidden: torch.Tensor, weight: torch.Tensor, *, top_k: int, tail: bool) -> TeacherTargets:
-        """``scirl.trainer.targets.teacher_targets`` of the logits of ``hidden`` [N, H], a block at a time
-        (top_k 0, the whole vocabulary, is a [N, V] target by definition: computed at once)."""
+        """``targets.teacher_targets`` of ``hidden`` [N, H]'s logits, a block at a time (top_k 0, the whole
+        vocabulary, is an [N, V] target anyway: computed at once)."""
         if not top_k:
             return teacher_targets(block_logits(hidden, weight, 1.0), top_k=0, tail=tail, temperature=self.temperature)
         ids, tops = [], []
@@ -377,8 +366,8 @@ class Head:
 
     def student_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: TeacherTargets, *,
                          tail: bool) -> torch.Tensor:
-        """``scirl.trainer.targets.student_logprobs`` of the logits of ``hidden`` [N, H] (without the nucleus,
-        as there), a block at a time with the top-k targets."""
+        """``targets.student_logprobs`` of ``hidden`` [N, H]'s logits (no nucleus, as there), a block at a time
+        with top-k targets."""
         if targets.ids is None:
             return student_logprobs(F.linear(hidden, weight), targets, tail=tail, temperature=self.temperature)
         top, _ = self.function.apply(hidden, weight, targets.ids, self.temperature, 1.0, self.block_tokens)

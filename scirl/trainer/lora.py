@@ -1,23 +1,17 @@
-"""LoRA (``[lora] enabled = true``): train a low-rank adapter over a frozen base model, with peft.
+"""LoRA (``[lora] enabled = true``): a low-rank adapter trained over a frozen base model, with peft.
 
-Why: full fine-tuning of an 8B model keeps float32 masters, gradients and AdamW state (16 bytes a
-parameter, ~128 GB); with LoRA the base is frozen and held once, in the compute dtype (bf16 on a
-GPU, 16 GB), and only the adapter (float32, tens of millions of parameters) has gradients and
-optimizer state, so an 8B model trains on one 80 GB GPU next to a colocated vLLM engine.
+Why: full fine-tuning of an 8B model keeps float32 masters, gradients and AdamW state (16 bytes a parameter,
+~128 GB); with LoRA the frozen base is held once in the compute dtype (16 GB in bf16) and only the adapter has
+gradients and optimizer state, so an 8B model trains on one 80 GB GPU beside a colocated vLLM engine.
 
-What the rest of the run sees:
-
-- the trainer's module is peft's ``PeftModel``: its forward is the HF model's, each target linear
-  computing ``W x + B(A x) * alpha/rank``; the optimizer takes the parameters that require grad,
-  i.e. the adapter's; a transformers sampler shares the module and samples the LoRA model as is;
-- ``merged_parts`` and ``merge`` are what ``Trainer.full_state_dict`` (and a push) give for it: HF-named
-  tensors with ``W + delta`` for each adapted layer, computed out of place, one at a time (merging into the
-  module and back would round the frozen base a little differently every step). The vLLM engine loads them after
-  each step, and a checkpoint's serving weights hold them (in the base model's dtype), so ``vllm serve`` and
-  ``scirl eval`` load a checkpoint as a plain HF model;
-- a checkpoint's trainer state keeps the adapter itself (its parameters, with their optimizer state, and the
-  peft config in ``adapter_config.json``): a resume loads the base from ``cfg.model`` (so the base model must
-  still be there) with a new adapter, reads the checkpoint's into it, and goes on exactly.
+- The trainer's module is peft's ``PeftModel`` (each target linear ``W x + B(A x) * alpha/rank``); the optimizer
+  takes the adapter's parameters; a transformers sampler sharing the module samples the LoRA model as is.
+- ``merged_parts`` and ``merge`` give the full weights (pushes, serving weights): ``W + delta`` a tensor at a time,
+  out of place, since merging into the module and back would round the frozen base differently every step. A
+  checkpoint's serving weights are so a plain HF model for ``vllm serve`` and ``scirl eval``.
+- A checkpoint's trainer state keeps the adapter (parameters, optimizer state, ``adapter_config.json``); a resume
+  loads the base from ``cfg.model`` (which must still be there), reads the adapter into a fresh one, and goes on
+  exactly.
 
 Single process only: FSDP2 sharding of a peft model is future work.
 """
@@ -42,7 +36,7 @@ def is_lora(model) -> bool:
 
 
 def check_supported(dist) -> None:
-    """Fail before anything is loaded: peft must be installed, and the run must be one process."""
+    """Before anything loads: peft installed, one process."""
     if dist.world_size > 1:
         raise TrainError(f"lora.enabled runs in a single process only, not under torchrun ({dist.world_size} ranks): "
                          "FSDP2 with a peft model is not supported yet; run one process (LoRA fits an 8B model on one GPU)")
@@ -60,8 +54,7 @@ def peft_config(settings):
 
 
 def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False):
-    """The base model (frozen, in the compute ``dtype``) with a fresh adapter (a resume then reads the checkpoint's
-    into it). peft keeps the adapter in float32 over a bf16 base: those are the masters."""
+    """The frozen base in the compute ``dtype`` with a fresh adapter, which peft keeps in float32: the masters."""
     from peft import get_peft_model
 
     try:
@@ -82,7 +75,7 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
 
 
 def check_saved_config(saved: dict, settings) -> None:
-    """A resume needs the adapter's rank, alpha, dropout and targets as saved (shapes and scale)."""
+    """A resume needs the saved adapter's rank, alpha, dropout and targets (its shapes and scale)."""
     wanted = peft_config(settings).to_dict()
     differ = [f"{key} {normal(saved.get(key))} -> {normal(wanted[key])}" for key in COMPARED
               if normal(saved.get(key)) != normal(wanted[key])]
@@ -96,7 +89,7 @@ def normal(value):
 
 
 def adapter_config(model) -> dict:
-    """The adapter's peft config as a dict: what a checkpoint keeps, so a resume checks it has the same shape."""
+    """The adapter's peft config as a dict, which a checkpoint keeps for the resume's check."""
     config = model.peft_config[ADAPTER].to_dict()
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # JSON has no sets
     config["peft_type"] = str(config["peft_type"].value if hasattr(config["peft_type"], "value") else config["peft_type"])
@@ -104,13 +97,13 @@ def adapter_config(model) -> dict:
 
 
 def hf_model(model):
-    """The HF model inside peft's wrappers (its config and generation config are what a checkpoint saves)."""
+    """The HF model inside peft's wrappers, whose configs a checkpoint saves."""
     return model.get_base_model()
 
 
 def merged_parts(model) -> list[tuple[str, torch.Tensor, object]]:
     """The merged model's tensors, none computed yet: (HF name, the module's tensor, the LoRA layer whose delta
-    ``merge`` adds to it, or None), in the module's order, the adapter's own tensors left out (folded into W)."""
+    ``merge`` adds, or None) in the module's order, the adapter's own tensors left out."""
     from peft.tuners.lora import LoraLayer
 
     layers = {f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
@@ -120,9 +113,8 @@ def merged_parts(model) -> list[tuple[str, torch.Tensor, object]]:
 
 @torch.no_grad()
 def merge(value: torch.Tensor, layer, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One tensor of the merged model: ``W + B@A * scale`` for an adapted layer (summed in float32), else ``W`` as
-    is; ``dtype`` None means float32 (what checkpoints hold). The module is not modified: no merge into the base
-    and back (each round trip rounds it)."""
+    """One tensor of the merged model: ``W + B@A * scale`` (summed in float32) for an adapted layer, else ``W``;
+    ``dtype`` None: float32. The module stays as it is (a merge and unmerge would round the base)."""
     if layer is not None:
         delta = layer.get_delta_weight(ADAPTER)
         value = value.to(device=device, dtype=torch.float32) + delta.to(device=device, dtype=torch.float32)

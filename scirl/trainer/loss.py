@@ -7,10 +7,9 @@ For every completion token t with advantage A:
                 p_trainer - p_inference < -mask_low    otherwise     (probabilities, not ratios)
     loss_t    = -(not masked) * A * ratio  +  kl_tau * log_ratio**2   (the KL term over all loss tokens)
 
-The loss is the sum of ``loss_t`` over every completion token of the batch divided by
-the batch's total loss-token count (``loss_scale``: summed over all micro-batches and
-ranks before the first backward), so micro-batching and data parallelism do not change
-the gradient. There is no reference model: the "KL" is trainer vs sampler.
+The loss is ``loss_t`` summed over the batch's completion tokens and divided by the batch's loss-token count
+(``loss_scale``, summed over micro-batches and ranks before the first backward), so micro-batching and data
+parallelism leave the gradient as it is. No reference model: the "KL" is trainer vs sampler.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ import torch
 
 @dataclass
 class LossSums:
-    """Sums over loss tokens, so micro-batches and ranks can be added before dividing. Each is a number or a
-    device scalar: the trainer reads them back once a step, not once a micro-batch."""
+    """Sums over loss tokens, added over micro-batches and ranks before dividing; device scalars, read back once a
+    step."""
 
     tokens: float | torch.Tensor = 0.0
     masked: float | torch.Tensor = 0.0
@@ -48,11 +47,8 @@ def rl_loss(
     kl_tau: float,
     loss_scale: float,
 ) -> tuple[torch.Tensor, LossSums]:
-    """``*_logprobs`` and ``loss_mask`` are [B, T]; ``advantages`` is [B] (one per completion) or [B, T].
-
-    Returns this micro-batch's share of the batch loss (already divided by ``loss_scale``)
-    and detached sums for the step's statistics.
-    """
+    """``*_logprobs`` and ``loss_mask`` [B, T], ``advantages`` [B] or [B, T] -> this micro-batch's share of the
+    batch loss (divided by ``loss_scale``) and detached sums for the step's statistics."""
     if loss_scale <= 0:
         raise ValueError(f"loss_scale must be the positive loss-token count of the batch, got {loss_scale}")
     if advantages.dim() == 1:
@@ -65,8 +61,7 @@ def rl_loss(
     ratio = torch.exp(log_ratio)
     with torch.no_grad():
         prob_diff = torch.exp(trainer_logprobs) - torch.exp(inference_logprobs)
-        # as prime-rl's code: the high rule where A > 0, the low rule elsewhere (A == 0 has no PG term
-        # either way; this only decides whether such a token counts as masked in the statistics)
+        # prime-rl's: the high rule where A > 0, the low one elsewhere (A == 0 only decides the statistics)
         is_masked = torch.where(advantages > 0, prob_diff > mask_high, prob_diff < -mask_low)
     keep = (mask & ~is_masked).to(trainer_logprobs.dtype)
     per_token = -keep * advantages * ratio + kl_tau * mask.to(trainer_logprobs.dtype) * log_ratio.pow(2)
@@ -81,20 +76,17 @@ def rl_loss(
 def token_logprobs(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs of ``targets`` under the sampling distribution, and the per-token entropy (no grad).
+    """Logprobs of ``targets`` under the sampling distribution, and its entropy (no grad), from ``logits`` [B, T, V]
+    in any dtype (the log-softmax in float32).
 
-    The sampling distribution is vLLM's (and ``scirl.inference.hf``'s): ``logits / temperature``,
-    then, for ``top_p < 1``, only the nucleus (the tokens outside it get probability 0, the rest
-    are renormalised), so the ratio against the sampler's processed logprobs compares like with
-    like. The nucleus is a constant of the step (no gradient flows through its selection); a
-    target is always kept in it (see ``nucleus_mask``). The entropy is that of the same distribution.
-
-    ``logits`` is [B, T, V] in any dtype; the log-softmax runs in float32.
+    The sampler's distribution (vLLM's, ``scirl.inference.hf``'s): ``logits / temperature``, then for ``top_p < 1``
+    the nucleus alone, renormalised, so the ratio against the sampler's logprobs compares like with like. The
+    nucleus is a constant of the step (no gradient through its selection) and always keeps the target.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     logits = logits.float()
-    if temperature != 1.0:  # x / 1.0 == x exactly: skip a pass (and its backward) over the [B, T, V] logits
+    if temperature != 1.0:  # x / 1.0 == x: skip a pass and its backward over [B, T, V]
         logits = logits / temperature
     if top_p < 1.0:
         logits = logits.masked_fill(~nucleus_mask(logits, top_p, targets), float("-inf"))
@@ -104,14 +96,11 @@ def token_logprobs(
 
 @torch.no_grad()
 def nucleus_mask(logits: torch.Tensor, top_p: float, targets: torch.Tensor | None = None, chunk_elements: int = 1 << 24) -> torch.Tensor:
-    """True for the tokens in the top-p nucleus of each row of ``logits`` [..., V] (already divided by T).
-
-    The rule of vLLM's sampler and ``scirl.inference.hf.top_p_filter``: sort ascending, drop the
-    tokens whose cumulative probability stays <= 1 - top_p, always keep the most likely one.
-    ``targets`` [...] are kept too: a sampled token is in the sampler's nucleus by construction,
-    and if float noise between the two engines puts it just outside ours, its logprob would be
-    -inf (the ratio 0, the KL term infinite) instead of a near-boundary value. Rows are
-    processed in chunks so the sort's values and int64 indices stay small next to [B, T, V].
+    """True for the tokens in each row's top-p nucleus of ``logits`` [..., V] (already divided by T), by vLLM's
+    rule (and ``scirl.inference.hf.top_p_filter``'s): sort ascending, drop the tokens whose cumulative probability
+    stays <= 1 - top_p, keep the most likely one. ``targets`` are kept too: a sampled token is in the sampler's
+    nucleus, and float noise between engines putting it just outside ours would make its logprob -inf (the ratio 0,
+    the KL term infinite). Rows go in chunks, so the sort's values and int64 indices stay small beside [B, T, V].
     """
     vocab = logits.shape[-1]
     flat = logits.reshape(-1, vocab)
@@ -129,13 +118,10 @@ def nucleus_mask(logits: torch.Tensor, top_p: float, targets: torch.Tensor | Non
 
 
 class TargetLogprobs(torch.autograd.Function):
-    """``log_softmax(logits)`` at ``targets``, and the entropy, from a single softmax.
-
-    The gradient of a target's logprob with respect to the logits is ``onehot(target) - softmax``;
-    writing it out reuses the softmax the entropy needs, where autograd's logsumexp + gather
-    would recompute the exponentials and build a zero tensor to scatter into (on CPU the vocab-wide
-    passes are a tenth of the training step for a small model).
-    """
+    """``log_softmax(logits)`` at ``targets`` and the entropy from one softmax. The backward writes out
+    ``onehot(target) - softmax`` with the softmax the entropy needed; autograd's logsumexp + gather would recompute
+    the exponentials and scatter into a zero tensor (on CPU the vocabulary-wide passes are a tenth of a small model's
+    step)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, has_masked_tokens: bool = False):

@@ -1,14 +1,11 @@
 """One process's mixed precision: a bf16 compute copy of the float32 master weights.
 
-Under torchrun, FSDP2's ``MixedPrecisionPolicy`` casts the float32 shards to bf16 for forward and
-backward and reduces gradients into float32. A single process (one GPU, or a CPU with bf16 matrix
-units) gets the same numerics from this copy: forward and backward run on the bf16 module, each
-micro-batch's gradients are added into the float32 masters' ``.grad``, the optimizer steps the
-masters, and the copy is refreshed from them. (Autocast instead would keep float32 activations and
-re-cast every weight at every call, a cost that a CPU pays in full.) The sampler shares the copy, so
-sampler and trainer logprobs come from the same bf16 weights. Only the parameters are cast: buffers keep
-their dtype, as under FSDP2's policy and in vLLM (RoPE's float32 ``inv_freq`` in bf16 would turn a position's
-angles by up to ~1 radian by position 600 at head dim 128: other logprobs than the sampler's).
+FSDP2's ``MixedPrecisionPolicy`` does this under torchrun; a single process (one GPU, or a CPU with bf16 matrix
+units) gets the same numerics here: forward and backward on the bf16 copy, each micro-batch's gradients added into
+the float32 masters' ``.grad``, the optimizer stepping the masters and the copy refreshed from them. Autocast would
+instead keep float32 activations and re-cast every weight at every call, which a CPU pays in full. The sampler
+shares the copy, so its logprobs and the trainer's come from the same bf16 weights. Buffers keep their dtype, as
+under FSDP2 and in vLLM: RoPE's ``inv_freq`` in bf16 would turn angles by up to ~1 radian by position 600.
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ class ComputeCopy:
         self.pairs = [(p, compute_params[name]) for name, p in model.named_parameters() if p.requires_grad]
 
     def accumulate_grads(self) -> None:
-        """Add the copy's bf16 gradients of one micro-batch into the float32 masters' gradients."""
+        """Add one micro-batch's bf16 gradients into the float32 masters'."""
         for master, compute in self.pairs:
             if compute.grad is None:
                 continue
@@ -39,6 +36,6 @@ class ComputeCopy:
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """After an optimizer step: the copy holds the bf16 cast of the new masters."""
+        """After an optimizer step: the copy takes the new masters, cast."""
         for master, compute in self.pairs:
             compute.copy_(master)

@@ -1,14 +1,12 @@
-"""Loading the policy for training: an HF causal LM with float32 master weights, sharded with FSDP2
-(``fully_shard`` per decoder layer and the root, a bf16 compute policy on GPU) under torchrun, where
-only rank 0 reads the checkpoint and broadcasts it.
+"""Loading the policy for training: an HF causal LM with float32 master weights, sharded with FSDP2 under
+torchrun (``fully_shard`` per decoder layer and the root, a bf16 compute policy on GPU).
 
-Every rank builds the very same modules and kernels: under torchrun each builds the model with
-``from_config`` on the meta device, from the same config, and rank 0 reads the weights on the side (a
-``from_pretrained`` copy on CPU whose tensors it broadcasts, then drops). ``from_pretrained`` can switch
-on hub kernels (the ``kernels`` package, in recent transformers) that ``from_config`` never does, which
-would leave ranks running different RMSNorm code under one FSDP2 module; it is called with them off,
-here and in a single process. ``check_identical_ranks`` proves it (each module's class and forward, the
-attention implementation) and the run's log says which code the model runs (``kernel_line``).
+Every rank builds the same modules from the config on the meta device; rank 0 alone reads the weights (a
+``from_pretrained`` copy on CPU) and broadcasts them. *Hub kernels* (transformers' ``use_kernels``: forwards from
+the Hugging Face ``kernels`` package) are not the run's ``kernels`` setting (``kernels.py``): ``from_pretrained``
+may switch them on where ``from_config`` never does, which would leave ranks running different RMSNorm code under
+one FSDP2 module, so every load turns them off. ``check_identical_ranks`` proves the ranks run the same code and
+the run's log names it (``code_line``).
 """
 
 from __future__ import annotations
@@ -29,20 +27,16 @@ log = logging.getLogger(__name__)
 
 
 def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
-    """The matmul dtype. Master weights and optimizer state stay float32 in every case."""
+    """The matmul dtype; master weights and optimizer state are float32 whatever it is."""
     if dtype_name == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
 
 
 def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool = False):
-    """Load an HF causal LM in float32 (the master weights); shard it with FSDP2 under torchrun.
-
-    Under torchrun only rank 0 reads the checkpoint (on CPU); every rank builds the same module tree
-    on the meta device, every rank shards it, and rank 0 broadcasts the weights, each rank keeping
-    its shard. For an 8B model that is one full fp32 copy in host memory instead of one per rank.
-    Every rank then checks that all run the same code (``check_identical_ranks``) and rank 0 logs it.
-    """
+    """An HF causal LM in float32 (the master weights), sharded with FSDP2 under torchrun, where rank 0 alone
+    reads the checkpoint: at 8B one float32 copy in host memory instead of one per rank. Every rank then checks
+    that all run the same code and rank 0 logs it."""
     if dist.world_size > 1:
         model = load_sharded_model(path_or_name, device, dist, dtype, activation_checkpointing)
     else:
@@ -53,19 +47,18 @@ def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch
         model.to(device)
         model.train()
     check_identical_ranks(model, dist)
-    log.info(kernel_line(model, dist))
+    log.info(code_line(model, dist))
     return model
 
 
 def without_hub_kernels() -> dict:
-    """``from_pretrained``'s keyword that keeps hub kernels off, where this transformers has them (a ``from_config``
-    model never gets them): every rank must run the same code."""
+    """``from_pretrained``'s keyword that keeps hub kernels off, where this transformers has them: every rank must
+    run the same code, and ``from_config`` never turns them on."""
     return {"use_kernels": False} if hasattr(PreTrainedModel, "set_use_kernels") else {}
 
 
 def load_full_model(path_or_name: str):
-    """``from_pretrained`` in float32 on CPU, hub kernels off; a model that cannot be loaded is a TrainError
-    naming it."""
+    """``from_pretrained`` in float32 on CPU, hub kernels off; TrainError naming a model that cannot load."""
     try:
         return AutoModelForCausalLM.from_pretrained(path_or_name, dtype=torch.float32, **without_hub_kernels())
     except (OSError, ValueError) as exc:
@@ -73,8 +66,8 @@ def load_full_model(path_or_name: str):
 
 
 def build_on_meta(path_or_name: str):
-    """The module tree every rank trains: ``from_config`` on the meta device (no memory; ties are made by
-    post_init as usual), with the checkpoint's generation config (what a checkpoint saves beside the weights)."""
+    """The module tree every rank trains: ``from_config`` on the meta device (no memory; post_init ties as usual),
+    with the checkpoint's generation config, which our checkpoints save beside the weights."""
     config = AutoConfig.from_pretrained(path_or_name)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -87,7 +80,7 @@ def build_on_meta(path_or_name: str):
 
 def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype,
                        activation_checkpointing: bool):
-    """FSDP2 load: every rank builds the model on meta, rank 0 also reads the weights on CPU; shard, then broadcast."""
+    """Every rank builds the model on meta and shards it; rank 0 reads the weights on CPU and broadcasts them."""
     error = None
     full_state, buffers = {}, {}  # set_model_state_dict reads rank 0's dict only
     try:
@@ -98,8 +91,7 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
             del reader
     except Exception as exc:
         error = exc
-    # Every rank learns whether every rank got this far, so no rank waits forever in the broadcast
-    # below for a rank 0 that has failed (or the other way round).
+    # every rank learns whether all got this far, so none waits forever in the broadcast for a rank that failed
     errors = [None] * dist.world_size
     torch.distributed.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
@@ -126,8 +118,8 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full_state, options=options)
     del full_state
-    # Non-persistent buffers (rotary inv_freq) are in no state dict: to_empty left them uninitialised.
-    # Rank 0's reader computed them; copy them all (they are small).
+    # non-persistent buffers (rotary inv_freq) are in no state dict and to_empty left them uninitialised: rank 0's
+    # reader computed them; broadcast them all (they are small)
     for name, buffer in model.named_buffers():
         if dist.is_main:
             buffer.copy_(buffers[name])
@@ -138,22 +130,22 @@ def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtyp
 
 def module_code(module: torch.nn.Module) -> str:
     """The code a module runs: its class and its forward (an instance's own, as hub kernels set it, before its
-    class's), named by module, qualified name and the code's own file and line (a wrapper that copies its
-    function's name still shows), and the hub kernel repository it came from, if any."""
+    class's) by qualified name and by the code's own file and line (a wrapper that copies its function's name
+    still shows), and the hub kernel's repository, if any."""
     forward = module.__dict__.get("forward") or type(module).forward
     function = getattr(forward, "__func__", forward)
     code = getattr(function, "__code__", None)
     where = f" [{code.co_filename.rsplit('/', 1)[-1]}:{code.co_firstlineno}]" if code is not None else ""
     repo = module.__dict__.get("_kernel_repo")
-    kernel = f" hub kernel {getattr(repo, 'repo_id', type(repo).__name__)}" if repo is not None else ""
+    hub_kernel = f" hub kernel {getattr(repo, 'repo_id', type(repo).__name__)}" if repo is not None else ""
     cls = type(module)
     return (f"{cls.__module__}.{cls.__qualname__} runs {getattr(function, '__module__', '?')}."
-            f"{getattr(function, '__qualname__', type(function).__name__)}{where}{kernel}")
+            f"{getattr(function, '__qualname__', type(function).__name__)}{where}{hub_kernel}")
 
 
 def model_code(model: torch.nn.Module) -> list[str]:
-    """What decides the model's arithmetic, one line per item: the attention implementation(s), whether hub
-    kernels are on, and every module's code (``module_code``), by module name."""
+    """What decides the model's arithmetic, a line each: the attention implementation(s), whether hub kernels are
+    on, and every module's code (``module_code``) by module name."""
     configs = [model.config] + [c for c in [getattr(model.config, "get_text_config", lambda: None)()] if c is not None]
     lines = [f"attention: {sorted({str(getattr(c, '_attn_implementation', None)) for c in configs})}",
              f"hub kernels: {bool(getattr(model, '_use_kernels', False))}"]
@@ -162,9 +154,9 @@ def model_code(model: torch.nn.Module) -> list[str]:
 
 
 def check_identical_ranks(model: torch.nn.Module, dist: Dist) -> None:
-    """Every rank runs the same code (``model_code``): a TrainError (the same one line on every rank) naming the
-    first module, or the attention or kernel setting, where a rank differs from rank 0. A collective: every
-    rank calls it, e.g. again after switching kernels on."""
+    """Every rank runs the same code (``model_code``), else a TrainError, the same line on every rank, naming the
+    first module, attention or hub kernel setting where a rank differs from rank 0. A collective: every rank calls
+    it (again after switching hub kernels on)."""
     if dist.world_size == 1:
         return
     mine = model_code(model)
@@ -181,15 +173,16 @@ def check_identical_ranks(model: torch.nn.Module, dist: Dist) -> None:
                          "every rank must build the same modules and kernels")
 
 
-def kernel_line(model: torch.nn.Module, dist: Dist) -> str:
-    """One line for the run's log: the attention implementation, hub kernels, and where each module class's
-    forward comes from (by package), checked the same on every rank."""
+def code_line(model: torch.nn.Module, dist: Dist) -> str:
+    """The run log's line on the model's code: the attention implementation, hub kernels, and the package each
+    module class's forward comes from."""
     by_origin: dict[str, set[str]] = defaultdict(set)
     for module in model.modules():
         forward = module.__dict__.get("forward") or type(module).forward
         origin = getattr(getattr(forward, "__func__", forward), "__module__", "?") or "?"
         by_origin[origin.split(".", 1)[0]].add(type(module).__name__.removeprefix("FSDP"))
-    header, kernels = model_code(model)[:2]
+    header, hub_kernels = model_code(model)[:2]
     forwards = "; ".join(f"from {origin}: {', '.join(sorted(names))}" for origin, names in sorted(by_origin.items()))
     ranks = f", the same on all {dist.world_size} ranks" if dist.world_size > 1 else ""
-    return f"model code: {type(model).__name__.removeprefix('FSDP')}, {header}, {kernels}; forwards {forwards}{ranks}"
+    name = type(model).__name__.removeprefix("FSDP")
+    return f"model code: {name}, {header}, {hub_kernels}; forwards {forwards}{ranks}"

@@ -1,7 +1,6 @@
-"""A teacher's distribution over its top-k tokens of each position (with a tail bucket for the rest), and a
-student's over the same entries: the targets of top-k distillation, from logits. In the trainer's layer
-because ``head.Head`` computes the same from hidden states a block at a time and is tested against these;
-the divergence and the loss that use them are an algorithm's (``scirl.algorithms``).
+"""Top-k distillation's targets from logits: a teacher's distribution over its top-k tokens of each position (a
+tail bucket for the rest) and a student's over the same entries. In the trainer's layer because ``head.Head``
+computes the same from hidden states, tested against these; the divergence is an algorithm's.
 """
 
 from __future__ import annotations
@@ -15,8 +14,8 @@ TAIL_LOG_MASS_MAX = -1e-7  # the top-k's log mass is kept below 0, so the tail b
 
 @dataclass
 class TeacherTargets:
-    """The teacher's distribution at each teacher token: over its top-k ids (plus the tail bucket when asked),
-    or over the full vocabulary (``ids`` None)."""
+    """The teacher's distribution at each token: over its top-k ids (and the tail), or the vocabulary (``ids``
+    None)."""
 
     ids: torch.Tensor | None  # [N, k] long
     logprobs: torch.Tensor  # [N, k (+1 with the tail)] or [N, V]
