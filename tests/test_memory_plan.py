@@ -42,14 +42,13 @@ from scirl.run.memory import (
     head_block_tokens,
     head_bytes,
     lora_parameters,
-    micro_batch_shape,
     model_shape,
-    notes,
     plan_run,
     planned_workload,
     trainer_ranks,
     workload,
 )
+from scirl.run.memory_report import notes
 from scirl.trainer.batching import Batching
 from scirl.trainer.packing import make_micro_batches
 from scirl.trainer.step import Trainer
@@ -212,7 +211,7 @@ def largest_micro_batch(batches) -> tuple[int, int, int, int]:
     (300, None, 1, True),
 ])
 def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, share):
-    """``micro_batch_shape``: each of its sizes at least the largest micro-batch the packer cuts from full-length
+    """``Workload.rows``: each of its sizes at least the largest micro-batch the packer cuts from full-length
     completions (what the activations and the head are sized by), and equal where the plan's bound is the packer's
     own (a cap of whole groups, a budget of whole groups)."""
     prompt, completion = 100, 40
@@ -221,7 +220,7 @@ def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, sha
     work = Workload(ranks=1, compute_bytes=4, micro_batch_tokens=budget, micro_batch_size=cap,
                     row_tokens=prompt + completion, completion_tokens=completion, checkpointing=False,
                     group_size=group_size, share_prompts=share, attention="sdpa")
-    rows = micro_batch_shape(work)
+    rows = work.rows
     planned = (rows.tokens, rows.loss_tokens, rows.completions, rows.prompts)
     assert all(p >= g for p, g in zip(planned, got)), (planned, got)
     if (budget, cap) in ((0, 4), (520, None)):
@@ -374,7 +373,8 @@ def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_f
     the fix; a host that cannot even hold the serving writes is refused whatever the staging."""
     from scirl.commands.train import main
     from scirl.run.config_io import load_config
-    from scirl.run.memory import F32, model_shape, plan_staging
+    from scirl.run.memory import F32, model_shape
+    from scirl.run.memory_staging import plan_staging
 
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # not under torchrun: the launcher's 2 trainer ranks on its node
         monkeypatch.delenv(name, raising=False)
