@@ -4,6 +4,7 @@ flex's row lengths and the SDPA path's grids."""
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from scirl.rollouts.contract import Sample
 from scirl.trainer import cutting
 from scirl.trainer.batching import Batching
+from scirl.trainer.packing import dummy_micro_batch
 
 
 def random_step(rng: random.Random, groups: int, group_size: int, prompt: int, completion: int) -> list[Sample]:
@@ -54,3 +56,9 @@ def test_the_packer_never_cuts_past_the_largest_micro_batch(kind):
         met += max(cut[0] for cut in got) == shape.tokens
     assert met > trials // 2  # a bound, not a guess far above: most steps reach it
 
+
+@pytest.mark.parametrize("kind", ["flex", "sdpa"])
+def test_a_stand_in_micro_batch_is_the_shape_it_is_planned_at(kind):
+    for batching in (Batching(4096, None, True, kind), Batching(4096, 2, True, kind), Batching(0, 8, False, kind)):
+        stand_in = dummy_micro_batch(functools.partial(cutting.stand_in_length, batching=batching, kind=kind))
+        assert sizes(stand_in)[:6] == bounds(cutting.stand_in_shape(batching, kind))[:6]

@@ -523,3 +523,15 @@ def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monke
     assert head_block_tokens(cfg, 2, torch.device("cpu")) == 512
     fixed = load_config(["@", CONFIG_8B, "--head-block-tokens", "1024"])
     assert head_block_tokens(fixed, 2, torch.device("cuda")) == 1024
+
+
+def test_with_several_ranks_the_plan_counts_a_stand_in_micro_batch():
+    """A rank with fewer micro-batches than the busiest runs stand-ins (``cutting.stand_in_shape``), under flex as
+    long as the token budget's row: with a cap that keeps real micro-batches shorter, the activations peak there."""
+    work = Workload(ranks=2, compute_bytes=2, micro_batch_tokens=4096, micro_batch_size=2, row_tokens=1024,
+                    completion_tokens=256, checkpointing=True, group_size=16, attention="flex")
+    alone = estimate(KNOWN_SHAPES["qwen3-8b"], replace(work, ranks=1))
+    assert alone.rows.tokens <= 2048  # two completions and two prompts at most, 1024 tokens each
+    plan = estimate(KNOWN_SHAPES["qwen3-8b"], work)
+    assert plan.rows.tokens == 4096 and plan.terms["activations"] > alone.terms["activations"]
+

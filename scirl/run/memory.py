@@ -14,8 +14,8 @@ What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P
   root reduces it; at the backward's end the root's gradients and their float32 reduce-scatter input. One process
   holds a parameter's fresh gradient (a tied head's until the embeddings' joins it);
 - **activations** of one packed row (``trainer/packing.py``): the largest the trainer cuts from groups of
-  full-length completions, as ``trainer/cutting.py`` says (the packer's own rule: a token budget, a cap of
-  completions, flex's row lengths). Counted tensor by tensor as autograd keeps them in
+  full-length completions, or with several ranks its stand-in, as ``trainer/cutting.py`` says (the packer's own
+  rule: a token budget, a cap of completions, flex's row lengths). Counted tensor by tensor as autograd keeps them in
   transformers' Qwen3 layer: each RMSNorm its input in float32 and its normalised product (in bf16 the float32
   cast is a new tensor; in float32 the cast is the input itself, which the norm then keeps), the norms' outputs
   the projections read, o_proj's input, the MLP's four ``[tokens, intermediate]`` tensors; the attention's (flex:
@@ -76,7 +76,7 @@ from scirl.run.config import COLOCATED_GPU_SHARE
 from scirl.trainer import kernels
 from scirl.trainer.attention import FLEX_BLOCK
 from scirl.trainer.batching import Batching
-from scirl.trainer.cutting import MicroBatchShape, largest_micro_batch
+from scirl.trainer.cutting import MicroBatchShape, largest_micro_batch, stand_in_shape
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, SORT_ELEMENTS
 
 GIB = 1 << 30
@@ -371,8 +371,10 @@ def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
     completion = min(work.completion_tokens, work.row_tokens - 1)
     longest = max(work.row_tokens - completion, 1)
     prompts = sorted({1, longest, *range(ROW_STEP, longest, ROW_STEP)})
-    plans = (estimate_rows(shape, work, replace(work, row_tokens=p + completion).rows, source) for p in prompts)
-    return max(plans, key=lambda plan: plan.peak)
+    rows = [replace(work, row_tokens=p + completion).rows for p in prompts]
+    if work.ranks > 1:  # a rank with fewer micro-batches than the busiest runs stand-ins (under flex, long ones)
+        rows.append(stand_in_shape(work.batching, work.attention))
+    return max((estimate_rows(shape, work, r, source) for r in rows), key=lambda plan: plan.peak)
 
 
 def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, source: str = "") -> MemoryPlan:

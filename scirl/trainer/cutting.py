@@ -3,9 +3,9 @@
 ``cut`` calls the packer (``packing.make_micro_batches``) with the run's token budget, completions' cap and
 prompt sharing, and its attention's row lengths (``attention.row_length``) and grids; a rank with fewer
 micro-batches than the busiest runs stand-ins (``packing.dummy_micro_batch``) of ``stand_in_length``.
-``largest_micro_batch`` gives, from the same settings, the largest micro-batch the packer cuts: the memory plan
-(``scirl/run/memory.py``) sizes its tensors by it, so a change to how the packer cuts is a change here, and
-``tests/test_cutting.py`` checks the packer never cuts past it.
+``largest_micro_batch`` and ``stand_in_shape`` give, from the same settings, the micro-batches a rank runs at
+their largest: the memory plan (``scirl/run/memory.py``) sizes its tensors by them, so a change to how the packer
+cuts is a change here, and ``tests/test_cutting.py`` checks the packer never cuts past them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from scirl.rollouts.contract import Sample
 from scirl.trainer import attention
 from scirl.trainer.batching import Batching
-from scirl.trainer.packing import MicroBatch, make_micro_batches
+from scirl.trainer.packing import DUMMY_ROWS, MicroBatch, make_micro_batches
 
 
 def row_length(tokens: int, batching: Batching, kind: str) -> int:
@@ -104,3 +104,11 @@ def largest_micro_batch(batching: Batching, kind: str, *, group_size: int, promp
     loss_tokens = max(min(m * completion, tokens - prompt), completion)
     return MicroBatchShape(row_length(tokens, batching, kind), loss_tokens, m, prompts, prompt, completion)
 
+
+def stand_in_shape(batching: Batching, kind: str) -> MicroBatchShape:
+    """The stand-in micro-batch (``packing.DUMMY_ROWS``) a rank runs to join the busiest rank's forwards."""
+    prompts = {key: len(prompt) for key, prompt, _ in DUMMY_ROWS}
+    completions = [len(completion) for _, _, completion in DUMMY_ROWS]
+    tokens = stand_in_length(sum(prompts.values()) + sum(completions), batching, kind)
+    return MicroBatchShape(tokens, sum(completions), len(completions), len(prompts), max(prompts.values()),
+                           max(completions))
