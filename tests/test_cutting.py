@@ -52,7 +52,8 @@ def test_the_packer_never_cuts_past_the_largest_micro_batch(kind):
         shape = cutting.largest_micro_batch(batching, kind, group_size=group_size, prompt=prompt, completion=completion)
         got = [sizes(mb) for mb in cutting.cut(samples, batching, kind, compiled=rng.random() < 0.5)]
         for cut in got:
-            assert all(g <= b for g, b in zip(cut, bounds(shape))), (batching, group_size, prompt, completion, cut, shape)
+            assert all(g <= b for g, b in zip(cut, bounds(shape))), (
+                batching, group_size, prompt, completion, cut, shape)
         met += max(cut[0] for cut in got) == shape.tokens
     assert met > trials // 2  # a bound, not a guess far above: most steps reach it
 

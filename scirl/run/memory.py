@@ -221,7 +221,8 @@ class MemoryPlan:
     shape: ModelShape
     source: str  # where the shapes came from
     work: Workload
-    rows: MicroBatchShape | None = None  # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    rows: MicroBatchShape | None = None
     moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
 
     @property
@@ -250,12 +251,13 @@ class MemoryPlan:
     @property
     def allocated(self) -> dict[str, int]:
         """Each moment's bytes in tensors: what torch's allocator counts (``torch.cuda.max_memory_allocated``)."""
-        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH) for name, parts in self.moments.items()}
+        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH)
+                for name, parts in self.moments.items()}
 
 
 TERMS = ("weights", "gradients", "optimizer", "algorithm state", "compute copy", "engine", "gathered",
-         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context", "NCCL",
-         "allocator reserve")  # the plan's terms, in the table's order
+         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context",
+         "NCCL", "allocator reserve")  # the plan's terms, in the table's order
 OUTSIDE_TORCH = ("CUDA context", "NCCL", "allocator reserve")  # memory a GPU holds beyond torch's live tensors
 VARYING_TERMS = ("activations", "backward", "head")  # sized by each micro-batch's length: what fragments the allocator
 
@@ -271,8 +273,10 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
     """(bytes a decoder layer's forward keeps for its backward, those that are copies of its input in float32 runs),
     tensor by tensor as transformers' Qwen3 layer and the packed attention (``trainer/attention.py``) save them."""
     n, q, kv = rows.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden  # the two RMSNorms over the stream, their outputs (q/k/v's, gate/up's input)
-                 + rmsnorm_bytes(c) * (q + kv)  # the q and k norms (their outputs feed the rotary embedding, which keeps nothing)
+    # the two RMSNorms over the stream and their outputs (q/k/v's, gate/up's input); the q and k norms (their
+    # outputs feed the rotary embedding, which keeps nothing)
+    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden
+                 + rmsnorm_bytes(c) * (q + kv)
                  + F32 * (2 + s.heads + s.kv_heads)  # the norms' reciprocal RMS
                  + c * q  # o_proj's input
                  + 4 * c * s.intermediate)  # gate, SiLU(gate), up, their product
@@ -414,7 +418,8 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
     for name, parts in transient.items():
         parts = {k: v for k, v in parts.items() if v}
         varying = sum(parts.get(k, 0) for k in VARYING_TERMS)
-        moments[name] = {**step, **parts, **fixed, "allocator reserve": int(ALLOCATOR_RESERVE * varying) if w.cuda else 0}
+        reserve = int(ALLOCATOR_RESERVE * varying) if w.cuda else 0
+        moments[name] = {**step, **parts, **fixed, "allocator reserve": reserve}
     # the push: after the optimizer step (no gradients), one bucket gathered at a time (its shard cast first, on
     # every rank), a transport's copy of it; an engine awake to take it
     bucket = w.push_bucket + (w.push_bucket // R if R > 1 else 0) + (w.push_bucket if w.push_copy else 0)
@@ -485,9 +490,10 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     nccl_push = servers and cuda and dep.weight_sync_on(True) == "nccl"
     # FSDP2's among the trainer ranks (one node's: the launcher's, or torchrun's); rank 0's push group with the
     # launcher's servers on the same node, or with servers elsewhere (inference.urls: their GPUs unknown here)
+    push_group = ("weight push", 0, "network") if cfg.inference.urls else (
+        "weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe")
     communicators = ((("FSDP2", ranks, "NVLink/PCIe"),) if cuda and ranks > 1 else ()) + (
-        (("weight push", 0, "network") if cfg.inference.urls else ("weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe"),)
-        if nccl_push else ())
+        (push_group,) if nccl_push else ())
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
     fused_head = kernels.resolve(cfg.kernels, torch.device("cuda" if cuda else "cpu")) == "compile"
@@ -590,22 +596,25 @@ def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
     if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
         least = work.compute_bytes * shape.parameters() + GIB
         share = next((u / 20 for u in range(19, 0, -1) if u / 20 * gpu_bytes > least and fits(shape, replace(
-            work, engine_push=int(u / 20 * gpu_bytes), engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0),
-            gpu_bytes)), None)
+            work, engine_push=int(u / 20 * gpu_bytes),
+            engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0), gpu_bytes)), None)
         if share:
             found.append(f"cut the colocated engine's share ({gib(work.engine_push)}) with "
                          f"--inference.gpu-memory-utilization {share:g}")
     gpus = next((r for r in range(work.ranks + 1, 257) if fits(shape, replace(work, ranks=r), gpu_bytes)), None)
     if gpus:
         state = sum(at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "algorithm state", "compute copy"))
-        what = "weights, gradients, AdamW moments" + (" and the algorithm's state" if at_peak.get("algorithm state") else "")
+        what = "weights, gradients, AdamW moments" + (
+            " and the algorithm's state" if at_peak.get("algorithm state") else "")
         found.append(f"shard the {what} ({gib(state)} at the peak) over more trainer GPUs ({gpus_flag.format(gpus)})")
     if found:
         return ", or ".join(found)
-    gpus = next((r for r in range(work.ranks, 257) if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
+    gpus = next((r for r in range(work.ranks, 257)
+                 if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
     if gpus is None:
         return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
-    together = ([] if work.checkpointing else [checkpointing]) + ([gpus_flag.format(gpus)] if gpus != work.ranks else [])
+    together = (([] if work.checkpointing else [checkpointing])
+                + ([gpus_flag.format(gpus)] if gpus != work.ranks else []))
     return "no one change fits; together: " + " ".join(together)
 
 
@@ -665,7 +674,8 @@ def head_block_tokens(cfg, ranks: int, device: torch.device) -> int:
     return DEFAULT_BLOCK_TOKENS if isinstance(planned, str) else planned[2].head_block
 
 
-def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
+def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None,
+             row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
     """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
     note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
     planned = planned_workload(cfg, ranks=ranks, gpu=gpu, row_tokens=row_tokens)

@@ -54,7 +54,8 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
                 f"{w.head_block} x {s.vocab} vocabulary",
         "head gradient": "the head weight's float32 gradient" + (" and its bf16 cast" if c == "bf16" else ""),
         "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
-                       + (" (+ the shards' cast)" if w.ranks > 1 else "") + (", NCCL's packed copy" if w.push_copy else ""),
+                       + (" (+ the shards' cast)" if w.ranks > 1 else "")
+                       + (", NCCL's packed copy" if w.push_copy else ""),
         "CUDA context": "the driver's context and the kernels a step loads (an allowance)",
         "NCCL": nccl,
         "allocator reserve": f"fragmentation: {ALLOCATOR_RESERVE:.0%} of what changes size with each micro-batch",
@@ -64,8 +65,9 @@ def notes(plan: MemoryPlan) -> dict[str, str]:
 def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
     """The plan as text: a table of the terms, each moment's total, the verdict."""
     w, s = plan.work, plan.shape
-    table = Table(title=f"memory plan per trainer GPU, GiB (rank 0's): {s.parameters() / 1e9:.2f}B parameters, {w.ranks} "
-                  f"trainer rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute", title_justify="left")
+    table = Table(title=f"memory plan per trainer GPU, GiB (rank 0's): {s.parameters() / 1e9:.2f}B parameters, "
+                  f"{w.ranks} trainer rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute",
+                  title_justify="left")
     for column in ("term", "at peak", "largest", "what"):
         table.add_column(column, justify="right" if column in ("at peak", "largest") else "left")
     what, at_peak, largest = notes(plan), plan.moments[plan.peak_moment], plan.terms
