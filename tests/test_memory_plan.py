@@ -42,14 +42,13 @@ from scirl.run.memory import (
     head_block_tokens,
     head_bytes,
     lora_parameters,
-    micro_batch_shape,
     model_shape,
-    notes,
     plan_run,
     planned_workload,
     trainer_ranks,
     workload,
 )
+from scirl.run.memory_report import notes
 from scirl.trainer.batching import Batching
 from scirl.trainer.packing import make_micro_batches
 from scirl.trainer import Trainer
@@ -212,7 +211,7 @@ def largest_micro_batch(batches) -> tuple[int, int, int, int]:
     (300, None, 1, True),
 ])
 def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, share):
-    """``micro_batch_shape``: each of its sizes at least the largest micro-batch the packer cuts from full-length
+    """``Workload.rows``: each of its sizes at least the largest micro-batch the packer cuts from full-length
     completions (what the activations and the head are sized by), and equal where the plan's bound is the packer's
     own (a cap of whole groups, a budget of whole groups)."""
     prompt, completion = 100, 40
@@ -221,7 +220,7 @@ def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, sha
     work = Workload(ranks=1, compute_bytes=4, micro_batch_tokens=budget, micro_batch_size=cap,
                     row_tokens=prompt + completion, completion_tokens=completion, checkpointing=False,
                     group_size=group_size, share_prompts=share, attention="sdpa")
-    rows = micro_batch_shape(work)
+    rows = work.rows
     planned = (rows.tokens, rows.loss_tokens, rows.completions, rows.prompts)
     assert all(p >= g for p, g in zip(planned, got)), (planned, got)
     if (budget, cap) in ((0, 4), (520, None)):
@@ -374,7 +373,8 @@ def test_the_host_memory_a_checkpoint_stages_is_planned_and_a_layout_it_cannot_f
     the fix; a host that cannot even hold the serving writes is refused whatever the staging."""
     from scirl.commands.train import main
     from scirl.run.config_io import load_config
-    from scirl.run.memory import F32, model_shape, plan_staging
+    from scirl.run.memory import F32, model_shape
+    from scirl.run.memory_staging import plan_staging
 
     for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # not under torchrun: the launcher's 2 trainer ranks on its node
         monkeypatch.delenv(name, raising=False)
@@ -523,3 +523,15 @@ def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monke
     assert head_block_tokens(cfg, 2, torch.device("cpu")) == 512
     fixed = load_config(["@", CONFIG_8B, "--head-block-tokens", "1024"])
     assert head_block_tokens(fixed, 2, torch.device("cuda")) == 1024
+
+
+def test_with_several_ranks_the_plan_counts_a_stand_in_micro_batch():
+    """A rank with fewer micro-batches than the busiest runs stand-ins (``cutting.stand_in_shape``), under flex as
+    long as the token budget's row: with a cap that keeps real micro-batches shorter, the activations peak there."""
+    work = Workload(ranks=2, compute_bytes=2, micro_batch_tokens=4096, micro_batch_size=2, row_tokens=1024,
+                    completion_tokens=256, checkpointing=True, group_size=16, attention="flex")
+    alone = estimate(KNOWN_SHAPES["qwen3-8b"], replace(work, ranks=1))
+    assert alone.rows.tokens <= 2048  # two completions and two prompts at most, 1024 tokens each
+    plan = estimate(KNOWN_SHAPES["qwen3-8b"], work)
+    assert plan.rows.tokens == 4096 and plan.terms["activations"] > alone.terms["activations"]
+

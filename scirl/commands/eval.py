@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _check(args) -> str | None:
+def _check(args, settings) -> str | None:
     if args.n_samples < 1:
         return "--n-samples must be >= 1"
     if args.permutations < 1:
@@ -101,7 +101,7 @@ def _check(args) -> str | None:
         return "--max-reply-chars must be >= 1"
     if args.seed is not None and not 0 <= args.seed < 2**63:
         return "--seed must be in 0..2**63-1"
-    if not args.model.strip():
+    if not settings.model.strip():
         return "--model must not be empty"
     if args.timeout <= 0:
         return "--timeout must be > 0"
@@ -118,8 +118,8 @@ def _check(args) -> str | None:
         problem = _url_problem(args.base_url)
         if problem:
             return problem
-    elif not (Path(args.model) / "config.json").is_file():
-        return f"without --base-url, --model must be a local HF model directory; {args.model} has no config.json"
+    elif not (Path(settings.model) / "config.json").is_file():
+        return f"without --base-url, --model must be a local HF model directory; {settings.model} has no config.json"
     problem = _out_problem(args.out)
     if problem:
         return problem
@@ -154,121 +154,26 @@ def _out_problem(out: str) -> str | None:
     return unwritable_parent(path, out)
 
 
-def _data_id(source: str) -> str:
-    """The data setting as recorded: local paths made absolute, so a rerun from elsewhere still matches."""
-    from scirl.task.data import is_hub_source
-
-    return source if is_hub_source(source) else str(Path(source).resolve())
-
-
-# The settings that say which questions are evaluated, by their flags: named as scirl data, scirl export prime-rl
-# and (as data.<name>) scirl train name them; a run's config.toml gives their defaults
-DATA_FLAGS = {"data": "--data", "data_format": "--data-format", "data_columns": "--data-columns",
-              "eval_per_domain": "--eval-per-domain", "split_method": "--split-method", "split_seed": "--split-seed"}
-
-
-def _resolve_run(args) -> str | None:
-    """Which run the evaluation belongs to, and which model it evaluates: ``--run``, else the run whose checkpoint
-    ``--model`` is (with ``--base-url`` too: vLLM serves a model under its path unless told another name);
-    ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``--run`` alone for the run's
-    latest. Sets ``args.run`` and ``args.model``; returns why they cannot be used (None when they can)."""
-    from scirl.run.rundir import LATEST, RUN_CONFIG, checkpoint_run, latest_checkpoint_dir
-
-    if args.run is not None and not (Path(args.run) / "config.toml").is_file():
-        return f"--run {args.run}: not a scirl train run directory (no config.toml)"
-    if args.model is None:
-        if args.run is None or args.base_url is not None:
-            return ("--model is required: the served model's name with --base-url, else a local HF model directory "
-                    "or a run's checkpoint (or --run RUN_DIR for the run's latest)")
-        args.model = str(Path(args.run) / "weights" / LATEST)
-    model_run = checkpoint_run(Path(args.model))
-    if model_run is None:
-        if args.run is None and (Path(args.model) / RUN_CONFIG).is_file():
-            args.run = args.model  # a checkpoint copied out of its run: the run's config travels with it
-        return None
-    if args.run is not None and model_run.resolve() != Path(args.run).resolve():
-        return f"--model {args.model} is a checkpoint of run {model_run}, not of --run {args.run}: give one run"
-    args.run = args.run or str(model_run)
-    if Path(args.model).name == LATEST and args.base_url is None:
-        step_dir = latest_checkpoint_dir(model_run)
-        if step_dir is None:
-            return f"--model {args.model}: run {model_run} has no checkpoint yet"
-        args.model = str(step_dir)
-    return None
-
-
-def _apply_data_defaults(args, run_data) -> str | None:
-    """Fill the data settings left out with the run's (``run_data``: its [data] section), else scirl's defaults;
-    return the words that say which run they came from (None without a run). Format and columns come from the
-    run only with its own source, and when neither is given."""
-    from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID
-    from scirl.task.formats import AUTO, parse_columns
-
-    given = {key: getattr(args, key) for key in DATA_FLAGS if getattr(args, key) is not None}
-    if run_data is None:
-        defaults = {"data": HUB_ID, "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
-                    "split_seed": DEFAULT_SPLIT_SEED}
-    else:
-        defaults = {"data": run_data.source, "eval_per_domain": run_data.eval_per_domain,
-                    "split_method": run_data.split_method, "split_seed": run_data.split_seed}
-        same_source = args.data is None or _data_id(args.data) == _data_id(run_data.source)
-        if same_source and args.data_format is None and args.data_columns is None:
-            defaults["data_format"] = run_data.format
-            defaults["data_columns"] = parse_columns(run_data.columns) if run_data.columns is not None else None
-    for key, value in defaults.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.data_format is None:
-        args.data_format = AUTO
-    if args.split is None:  # a run that trained on the eval split held out the train split
-        args.split = "train" if run_data is not None and run_data.split == "eval" else "eval"
-    if run_data is None:
-        return None
-    taken = {key: getattr(args, key) for key in DATA_FLAGS if key not in given and key in defaults
-             and getattr(args, key) is not None and getattr(args, key) != AUTO}
-    recorded = ("config.toml" if (Path(args.run) / "config.toml").is_file()
-                else "run config, which its checkpoint carries")
-    return (f"data settings of run {args.run} (its {recorded}): {_flags(taken) or 'none'}"
-            + (f"; given here: {_flags(given)}" if given else ""))
-
-
-def _flags(settings: dict) -> str:
-    """``settings`` as the flags that give them, as one would type them."""
-    import shlex
-
-    return " ".join(f"{DATA_FLAGS[key]} {shlex.quote(value.as_text() if hasattr(value, 'as_text') else str(value))}"
-                    for key, value in settings.items())
-
-
-def _trained_ids(args, run_data, splits) -> set[str]:
-    """The ids of the questions the run trained on: its ``data.split`` under its own settings (``splits``, the
-    evaluation's, when those are the run's). Raises what ``load_splits`` raises for data it cannot read."""
-    columns = args.data_columns.as_dict() if args.data_columns is not None else None
-    same = (_data_id(args.data), args.data_format, columns, args.eval_per_domain, args.split_method, args.split_seed) == (
-        _data_id(run_data.source), run_data.format, run_data.columns, run_data.eval_per_domain, run_data.split_method,
-        run_data.split_seed)
-    return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}
-
-
-def _trained_problem(args, run_data, splits, questions) -> tuple[int, str | None, dict]:
+def _trained_problem(settings, allowed: bool, splits, questions) -> tuple[int, str | None, dict]:
     """(exit status, line, the results file's ``trained_on``): the refusal (2) when an evaluated question is one
-    the run trained on, unless ``--allow-trained-questions``, which turns it into a warning (0)."""
+    the run trained on, unless ``allowed`` (``--allow-trained-questions``), which turns it into a warning (0)."""
     from scirl.eval import provenance
+    from scirl.run.eval_settings import trained_ids
     from scirl.task.data import DataSourceError
 
-    allowed = args.allow_trained_questions
+    run, run_data = settings.run, settings.run_data
     try:
-        trained = _trained_ids(args, run_data, splits)
+        trained = trained_ids(settings, splits)
     except (DataSourceError, OSError, ValueError) as e:
         if allowed:
-            line = f"warning: not checked which questions run {args.run} trained on ({run_data.source}: {e})"
-            return 0, line, provenance.unchecked(args.run, allowed)
-        return 2, (f"cannot read the data run {args.run} trained on ({run_data.source}) to check which questions it "
+            line = f"warning: not checked which questions run {run} trained on ({run_data.source}: {e})"
+            return 0, line, provenance.unchecked(run, allowed)
+        return 2, (f"cannot read the data run {run} trained on ({run_data.source}) to check which questions it "
                    f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"), {}
-    record = provenance.checked(args.run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
+    record = provenance.checked(run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
     if not record["questions"]:
         return 0, None, record
-    what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {args.run}'s training split"
+    what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {run}'s training split"
     if allowed:
         return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one", record
     return 2, (f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
@@ -276,37 +181,35 @@ def _trained_problem(args, run_data, splits, questions) -> tuple[int, str | None
                "to score them anyway"), record
 
 
-def _scored_line(args, origin: str | None, trained_on: dict, n: int) -> str:
+def _scored_line(settings, trained_on: dict, n: int) -> str:
     """The eval's first line: which questions it scores (data, split, seed) and, with a run, how they stand to what
     the run trained on, in words the warning after it never contradicts."""
-    count = trained_on["questions"]
+    from scirl.run.eval_settings import DATA_FLAGS, flags
+
+    count, origin, s = trained_on["questions"], settings.origin, settings
     if origin is None:
-        split = {key: getattr(args, key) for key in list(DATA_FLAGS)[1:] if getattr(args, key) not in (None, "auto")}
-        return (f"{n} questions: the {args.split} split of {args.data} ({_flags(split)}); no run given, so not checked "
+        split = {key: getattr(s, key) for key in list(DATA_FLAGS)[1:] if getattr(s, key) not in (None, "auto")}
+        return (f"{n} questions: the {s.split} split of {s.data} ({flags(split)}); no run given, so not checked "
                 "against a training split")
     if count is None:
         return f"{origin}; evaluating {n} questions, not checked against what the run trained on"
     if count == 0:
-        return f"{origin}; evaluating {n} questions of its {args.split} split, which it did not train on"
+        return f"{origin}; evaluating {n} questions of its {s.split} split, which it did not train on"
     return f"{origin}; evaluating {n} questions, {count} of which it trained on (--allow-trained-questions)"
 
 
 def run_eval(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    problem = _resolve_run(args)
-    if problem:
-        print(f"scirl eval: {problem}", file=sys.stderr)
-        return 2
     from scirl.errors import ConfigError
-    from scirl.run.config_io import saved_config
+    from scirl.run.eval_settings import DATA_FLAGS, resolve
 
     try:
-        run_data = saved_config(Path(args.run)).data if args.run is not None else None
+        settings = resolve(model=args.model, run=args.run, served=args.base_url is not None,
+                           given={key: getattr(args, key) for key in DATA_FLAGS}, split=args.split)
     except ConfigError as e:
-        print(f"scirl eval: --run {args.run}: {e}", file=sys.stderr)
+        print(f"scirl eval: {e}", file=sys.stderr)
         return 2
-    origin = _apply_data_defaults(args, run_data)
-    problem = _check(args)
+    problem = _check(args, settings)
     if problem:
         print(f"scirl eval: {problem}", file=sys.stderr)
         return 2
@@ -318,12 +221,12 @@ def run_eval(argv: list[str]) -> int:
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
     try:
-        return _run_eval_locked(args, run_data, origin)
+        return _run_eval_locked(args, settings)
     finally:
         lock.close()
 
 
-def _run_eval_locked(args, run_data, origin: str | None) -> int:
+def _run_eval_locked(args, settings) -> int:
     if args.n_samples > 1 and args.temperature == 0:
         print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
               "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
@@ -331,46 +234,34 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
     from scirl.eval.display import print_summary
     from scirl.eval.results import BadRecordsFile, SettingsMismatch, check_resumable
 
-    loaded = _questions(args, run_data, origin)
+    loaded = _questions(args, settings)
     if isinstance(loaded, int):  # refused, said in one line
         return loaded
     questions, trained_on, lines = loaded
-    data_settings = {
-        "data": _data_id(args.data),
-        "split": args.split,
-        "eval_per_domain": args.eval_per_domain,
-        "split_method": args.split_method,
-        "split_seed": args.split_seed,
-        "limit": args.limit,
-    }
-    # recorded only when given, so a results file made before these flags still resumes with the defaults
-    if args.data_format != "auto":
-        data_settings["data_format"] = args.data_format
-    if args.data_columns is not None:
-        data_settings["data_columns"] = args.data_columns.as_text()
+    model, data_settings = settings.model, settings.recorded(args.limit)
     orders = {"permutations": args.permutations, "permutation_seed": args.permutation_seed}
     if args.base_url:
         from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server, server_settings
 
         cfg = ClientConfig(
-            base_url=args.base_url, model=args.model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            base_url=args.base_url, model=model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
             n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
             seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
             max_reply_chars=args.max_reply_chars,
         )
-        settings = server_settings(cfg, **data_settings)
+        recorded = server_settings(cfg, **data_settings)
     else:
-        settings = {"model": str(Path(args.model).resolve()), "n_samples": args.n_samples,
+        recorded = {"model": str(Path(model).resolve()), "n_samples": args.n_samples,
                     "temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
                     "seed": args.seed, **data_settings}
     try:
         if not args.overwrite:  # before any model loads or request goes, which may take minutes
-            check_resumable(args.out, {**settings, **orders})
+            check_resumable(args.out, {**recorded, **orders})
         for line in lines:  # accepted: which questions, and how they stand to a run's training split
             print(f"scirl eval: {line}", file=sys.stderr)
         if args.base_url:
             try:
-                results = evaluate_server(questions, cfg, out=args.out, settings=settings, overwrite=args.overwrite,
+                results = evaluate_server(questions, cfg, out=args.out, settings=recorded, overwrite=args.overwrite,
                                           progress=not args.no_progress, trained_on=trained_on, **orders)
             except FatalServerError as e:  # no server there, or one that refuses every request: its settings
                 print(f"scirl eval: {e}", file=sys.stderr)
@@ -379,13 +270,13 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
             from scirl.eval.local import evaluate_generator
             from scirl.run.backends import hf_generator
 
-            generator = hf_generator(args.model, device=args.device)
+            generator = hf_generator(model, device=args.device)
             try:
                 results = evaluate_generator(
                     generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
                     max_tokens=args.max_tokens, seed=args.seed, out=args.out, overwrite=args.overwrite,
                     batch_size=args.batch_size, progress=not args.no_progress,
-                    settings={"model": settings["model"], **data_settings}, trained_on=trained_on, **orders,
+                    settings={"model": recorded["model"], **data_settings}, trained_on=trained_on, **orders,
                 )
             finally:
                 generator.close()
@@ -405,28 +296,29 @@ def _run_eval_locked(args, run_data, origin: str | None) -> int:
     return 1 if results["counts"]["failed"] else 0
 
 
-def _questions(args, run_data, origin: str | None):
+def _questions(args, settings):
     """The questions to evaluate, the results file's ``trained_on`` and the lines that say which they are; or the
     exit status of a refusal, said in one line (data that cannot be read, an empty split, trained questions)."""
     from scirl.eval import provenance
     from scirl.task.data import DataSourceError, load_splits
 
+    s = settings
     try:
-        splits = load_splits(args.data, eval_per_domain=args.eval_per_domain, split_method=args.split_method,
-                             seed=args.split_seed, data_format=args.data_format, columns=args.data_columns)
+        splits = load_splits(s.data, eval_per_domain=s.eval_per_domain, split_method=s.split_method,
+                             seed=s.split_seed, data_format=s.data_format, columns=s.data_columns)
     except (DataSourceError, OSError, ValueError) as e:
-        print(f"scirl eval: cannot load {args.data}: {e}", file=sys.stderr)
+        print(f"scirl eval: cannot load {s.data}: {e}", file=sys.stderr)
         return 2
-    questions = splits.split(args.split)[: args.limit]
+    questions = splits.split(s.split)[: args.limit]
     if not questions:
-        print(f"scirl eval: the {args.split} split of {args.data} is empty", file=sys.stderr)
+        print(f"scirl eval: the {s.split} split of {s.data} is empty", file=sys.stderr)
         return 2
-    status, line, trained_on = (_trained_problem(args, run_data, splits, questions) if run_data is not None
-                                else (0, None, provenance.unchecked()))
+    status, line, trained_on = (_trained_problem(s, args.allow_trained_questions, splits, questions)
+                                if s.run_data is not None else (0, None, provenance.unchecked()))
     if status:
         print(f"scirl eval: {line}", file=sys.stderr)
         return status
-    return questions, trained_on, [_scored_line(args, origin, trained_on, len(questions))] + ([line] if line else [])
+    return questions, trained_on, [_scored_line(s, trained_on, len(questions))] + ([line] if line else [])
 
 
 def run_compare(argv: list[str]) -> int:

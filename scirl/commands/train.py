@@ -154,7 +154,9 @@ def memory_plan(cfg, *, dry_run: bool) -> tuple[int, str | None]:
     import torch
 
     from scirl.errors import PreflightError
-    from scirl.run.memory import check_staging, gpu_size, plan_run, render, trainer_ranks, verdict
+    from scirl.run.memory import gpu_size, plan_run, trainer_ranks
+    from scirl.run.memory_report import render, verdict
+    from scirl.run.memory_staging import check_staging
 
     if not (dry_run or cfg.device.startswith("cuda") or torch.cuda.is_available()):
         return 0, None  # device = auto on a machine without CUDA: a CPU run (its staging is checked as it starts)

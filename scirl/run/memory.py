@@ -13,23 +13,23 @@ What it counts, per trainer GPU (rank 0's, the busiest; ``R`` trainer ranks, ``P
   second layer on, the float32 reduce-scatter input of the one before; the head weight's gradient, held until the
   root reduces it; at the backward's end the root's gradients and their float32 reduce-scatter input. One process
   holds a parameter's fresh gradient (a tied head's until the embeddings' joins it);
-- **activations** of one packed row (``trainer/packing.py``): its shape is ``micro_batch_shape``'s, the largest
-  the packer cuts from groups of full-length completions (a token budget, a cap of ``m`` completions, and at most
-  ``ceil((m - 1) / G) + 1`` prompts of groups of ``G``). Counted tensor by tensor as autograd keeps them in
+- **activations** of one packed row (``trainer/packing.py``): the largest the trainer cuts from groups of
+  full-length completions, or with several ranks its stand-in, as ``trainer/cutting.py`` says (the packer's own
+  rule: a token budget, a cap of completions, flex's row lengths). Counted tensor by tensor as autograd keeps them in
   transformers' Qwen3 layer: each RMSNorm its input in float32 and its normalised product (in bf16 the float32
   cast is a new tensor; in float32 the cast is the input itself, which the norm then keeps), the norms' outputs
   the projections read, o_proj's input, the MLP's four ``[tokens, intermediate]`` tensors; the attention's (flex:
   q, k, v with grouped heads, its output and logsumexp; sdpa: the per-group gathers, the prompts' q, k, v and the
   completions' q with k and v over ``prompt + completion`` keys per row, both outputs and logsumexps; the key index
-  and the additive mask once per micro-batch, shared by the layers). With checkpointing each layer keeps its input and the backward recomputes
-  one layer at a time;
+  and the additive mask once per micro-batch, shared by the layers). With checkpointing each layer keeps its input
+  and the backward recomputes one layer at a time;
 - **the head** (``trainer/head.py``) at the loss tokens only, a block of rows at a time: one block's float32
   logits and exponentials in the forward (compiled, ``kernels = compile``: the block's logits in the compute
   dtype alone); in the backward the gradient of the hidden states, a block recomputed, and the head weight's
   float32 gradient, each block's product added into it by the GEMM itself. The block's rows
   (``head_block_tokens``, 0 by default) are the largest of ``HEAD_BLOCKS`` whose plan fits the GPU;
-- **the weight push**, after the optimizer step (gradients freed): one bucket of ``deployment.weight_bucket_mib`` (or the
-  largest tensor) gathered at a time on every rank, its shard cast first; rank 0's NCCL transport packs a copy
+- **the weight push**, after the optimizer step (gradients freed): one bucket of ``deployment.weight_bucket_mib``
+  (or the largest tensor) gathered at a time on every rank, its shard cast first; rank 0's NCCL transport packs a copy
   of it (vLLM's packed broadcast); a colocated engine's ``gpu_memory_utilization`` share awake to take it (also
   through the train step when ``sleep_level = 0``), or a per-rank transformers copy under FSDP (``cP``);
 - **outside torch's tensors**: ``CUDA_CONTEXT``, each NCCL communicator's buffers on this rank (FSDP2's among
@@ -55,29 +55,28 @@ partitioner recomputes elementwise work rather than keep it, so usually less tha
 many completions shorter than ``max_completion_tokens`` (more rows than full-length ones give: the SDPA path's keys
 grow with the rows). A run on CUDA checks again with its data's longest prompt (``check_rows``), before any
 weight loads.
+
+The plan as text (the ``--dry-run`` table, the verdict): ``memory_report.py``; a checkpoint's host memory:
+``memory_staging.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import math
-import os
 from dataclasses import dataclass, field, replace
-from io import StringIO
 from pathlib import Path
 
 import torch
 from huggingface_hub import try_to_load_from_cache
-from rich.console import Console
-from rich.table import Table
 
 from scirl import algorithms
 from scirl.errors import PreflightError
 from scirl.run.config import COLOCATED_GPU_SHARE
-from scirl.run.serving_weights import FILE_BYTES
 from scirl.trainer import kernels
-from scirl.trainer.attention import FLEX_BLOCK, row_length
+from scirl.trainer.attention import FLEX_BLOCK
+from scirl.trainer.batching import Batching
+from scirl.trainer.cutting import MicroBatchShape, largest_micro_batch, stand_in_shape
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, SORT_ELEMENTS
 
 GIB = 1 << 30
@@ -205,75 +204,16 @@ class Workload:
     communicators: tuple[tuple[str, int, str], ...] = ()  # NCCL communicators on this GPU: (what for, ranks, transport)
 
     @property
-    def rows(self) -> "MicroBatchShape":
-        """The largest micro-batch of rows ``row_tokens`` long."""
-        return micro_batch_shape(self)
+    def batching(self) -> Batching:
+        return Batching(self.micro_batch_tokens, self.micro_batch_size, self.share_prompts, self.attention)
 
-
-@dataclass(frozen=True)
-class MicroBatchShape:
-    """A micro-batch at its largest (``micro_batch_shape``), in the terms the packed row's tensors are sized by."""
-
-    tokens: int  # positions of the packed row (flex attention: padded to its block size)
-    loss_tokens: int  # the completion tokens: the head's positions
-    completions: int  # completion rows
-    prompts: int  # distinct prompts
-    prompt: int  # the longest prompt
-    completion: int  # the longest completion
-
-
-def prompts_per_micro_batch(completions: int, w: Workload) -> int:
-    """Distinct prompts among ``completions`` adjacent completions of groups of ``w.group_size``: each its own without
-    sharing; else the groups a run of that many completions can touch. With a token budget a micro-batch may start
-    anywhere in a group: ceil((m - 1) / G) + 1. Without one, micro-batches are the step's completions cut every m
-    (a rank's share starts at a group's first), so they start at multiples of gcd(m, G) within a group."""
-    m, g = completions, max(w.group_size, 1)
-    if not w.share_prompts:
-        return m
-    if w.micro_batch_tokens:
-        return min(m, -(-(m - 1) // g) + 1)
-    start = g - math.gcd(m, g)  # the latest a micro-batch can start within a group
-    return min(m, (start + m - 1) // g + 1)
-
-
-def completions_in_budget(budget: int, prompt: int, completion: int, w: Workload) -> int:
-    """The most completions of ``completion`` tokens a budget of ``budget`` tokens holds: each group of
-    ``w.group_size`` needs its prompt once (every completion its own without sharing)."""
-    if not w.share_prompts:
-        return budget // (prompt + completion)
-    g = max(w.group_size, 1)
-    groups, left = divmod(budget, prompt + g * completion)
-    return groups * g + min(max((left - prompt) // completion, 0), g - 1)
-
-
-def micro_batch_shape(w: Workload) -> MicroBatchShape:
-    """The largest micro-batch ``make_micro_batches`` (``trainer/packing.py``) cuts from groups of full-length
-    completions after prompts of ``w.row_tokens - w.completion_tokens`` tokens: each bound met at once (the token
-    budget, the completions' cap, a sequence longer than the budget alone), so every tensor sized by it is an
-    upper bound. The head's positions are the completion tokens: ``m`` completions' or the budget less one prompt."""
-    completion = max(min(w.completion_tokens, w.row_tokens - 1), 1)
-    prompt = max(w.row_tokens - completion, 1)
-    m = w.micro_batch_size or (1 << 40)
-    if w.micro_batch_tokens:  # the most completions the budget holds with the fewest prompts they need
-        m = min(m, max(completions_in_budget(w.micro_batch_tokens, prompt, completion, w), 1))
-    tokens = prompts_per_micro_batch(m, w) * prompt + m * completion  # m completions and the prompts they can span
-    prompts = prompts_per_micro_batch(m, w)
-    if w.micro_batch_tokens and prompts > 1:
-        # fewer completions leave room for more prompts: the most a micro-batch holds is where the prompts k
-        # completions can span (growing with k) meets the room the budget leaves them (shrinking)
-        span = lambda k: prompts_per_micro_batch(k, w)  # noqa: E731
-        room = lambda k: max((w.micro_batch_tokens - k * completion) // prompt, 1)  # noqa: E731
-        low, high = 1, m
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if span(mid) <= room(mid) else (low, mid - 1)
-        prompts = max(min(span(k), room(k)) for k in {low, min(low + 1, m)})
-    if w.micro_batch_tokens:
-        tokens = min(tokens, w.micro_batch_tokens)
-    tokens = max(tokens, prompt + completion)  # a sequence longer than the budget goes alone
-    loss_tokens = max(min(m * completion, tokens - prompt), completion)
-    tokens = row_length(tokens, w.attention, w.micro_batch_tokens)  # flex: padded to one of its few lengths
-    return MicroBatchShape(tokens, loss_tokens, m, prompts, prompt, completion)
+    @property
+    def rows(self) -> MicroBatchShape:
+        """The largest micro-batch the trainer cuts from groups of full-length completions in rows ``row_tokens``
+        long (``cutting.largest_micro_batch``)."""
+        completion = max(min(self.completion_tokens, self.row_tokens - 1), 1)
+        return largest_micro_batch(self.batching, self.attention, group_size=self.group_size,
+                                   prompt=max(self.row_tokens - completion, 1), completion=completion)
 
 
 @dataclass
@@ -281,7 +221,8 @@ class MemoryPlan:
     shape: ModelShape
     source: str  # where the shapes came from
     work: Workload
-    rows: MicroBatchShape | None = None  # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
+    rows: MicroBatchShape | None = None
     moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
 
     @property
@@ -310,12 +251,13 @@ class MemoryPlan:
     @property
     def allocated(self) -> dict[str, int]:
         """Each moment's bytes in tensors: what torch's allocator counts (``torch.cuda.max_memory_allocated``)."""
-        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH) for name, parts in self.moments.items()}
+        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH)
+                for name, parts in self.moments.items()}
 
 
 TERMS = ("weights", "gradients", "optimizer", "algorithm state", "compute copy", "engine", "gathered",
-         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context", "NCCL",
-         "allocator reserve")  # the plan's terms, in the table's order
+         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context",
+         "NCCL", "allocator reserve")  # the plan's terms, in the table's order
 OUTSIDE_TORCH = ("CUDA context", "NCCL", "allocator reserve")  # memory a GPU holds beyond torch's live tensors
 VARYING_TERMS = ("activations", "backward", "head")  # sized by each micro-batch's length: what fragments the allocator
 
@@ -331,8 +273,10 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
     """(bytes a decoder layer's forward keeps for its backward, those that are copies of its input in float32 runs),
     tensor by tensor as transformers' Qwen3 layer and the packed attention (``trainer/attention.py``) save them."""
     n, q, kv = rows.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden  # the two RMSNorms over the stream, their outputs (q/k/v's, gate/up's input)
-                 + rmsnorm_bytes(c) * (q + kv)  # the q and k norms (their outputs feed the rotary embedding, which keeps nothing)
+    # the two RMSNorms over the stream and their outputs (q/k/v's, gate/up's input); the q and k norms (their
+    # outputs feed the rotary embedding, which keeps nothing)
+    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden
+                 + rmsnorm_bytes(c) * (q + kv)
                  + F32 * (2 + s.heads + s.kv_heads)  # the norms' reciprocal RMS
                  + c * q  # o_proj's input
                  + 4 * c * s.intermediate)  # gate, SiLU(gate), up, their product
@@ -431,8 +375,10 @@ def estimate(shape: ModelShape, work: Workload, source: str = "") -> MemoryPlan:
     completion = min(work.completion_tokens, work.row_tokens - 1)
     longest = max(work.row_tokens - completion, 1)
     prompts = sorted({1, longest, *range(ROW_STEP, longest, ROW_STEP)})
-    plans = (estimate_rows(shape, work, replace(work, row_tokens=p + completion).rows, source) for p in prompts)
-    return max(plans, key=lambda plan: plan.peak)
+    rows = [replace(work, row_tokens=p + completion).rows for p in prompts]
+    if work.ranks > 1:  # a rank with fewer micro-batches than the busiest runs stand-ins (under flex, long ones)
+        rows.append(stand_in_shape(work.batching, work.attention))
+    return max((estimate_rows(shape, work, r, source) for r in rows), key=lambda plan: plan.peak)
 
 
 def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, source: str = "") -> MemoryPlan:
@@ -472,7 +418,8 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
     for name, parts in transient.items():
         parts = {k: v for k, v in parts.items() if v}
         varying = sum(parts.get(k, 0) for k in VARYING_TERMS)
-        moments[name] = {**step, **parts, **fixed, "allocator reserve": int(ALLOCATOR_RESERVE * varying) if w.cuda else 0}
+        reserve = int(ALLOCATOR_RESERVE * varying) if w.cuda else 0
+        moments[name] = {**step, **parts, **fixed, "allocator reserve": reserve}
     # the push: after the optimizer step (no gradients), one bucket gathered at a time (its shard cast first, on
     # every rank), a transport's copy of it; an engine awake to take it
     bucket = w.push_bucket + (w.push_bucket // R if R > 1 else 0) + (w.push_bucket if w.push_copy else 0)
@@ -543,9 +490,10 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     nccl_push = servers and cuda and dep.weight_sync_on(True) == "nccl"
     # FSDP2's among the trainer ranks (one node's: the launcher's, or torchrun's); rank 0's push group with the
     # launcher's servers on the same node, or with servers elsewhere (inference.urls: their GPUs unknown here)
+    push_group = ("weight push", 0, "network") if cfg.inference.urls else (
+        "weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe")
     communicators = ((("FSDP2", ranks, "NVLink/PCIe"),) if cuda and ranks > 1 else ()) + (
-        (("weight push", 0, "network") if cfg.inference.urls else ("weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe"),)
-        if nccl_push else ())
+        (push_group,) if nccl_push else ())
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
     fused_head = kernels.resolve(cfg.kernels, torch.device("cuda" if cuda else "cpu")) == "compile"
@@ -648,22 +596,25 @@ def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
     if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
         least = work.compute_bytes * shape.parameters() + GIB
         share = next((u / 20 for u in range(19, 0, -1) if u / 20 * gpu_bytes > least and fits(shape, replace(
-            work, engine_push=int(u / 20 * gpu_bytes), engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0),
-            gpu_bytes)), None)
+            work, engine_push=int(u / 20 * gpu_bytes),
+            engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0), gpu_bytes)), None)
         if share:
             found.append(f"cut the colocated engine's share ({gib(work.engine_push)}) with "
                          f"--inference.gpu-memory-utilization {share:g}")
     gpus = next((r for r in range(work.ranks + 1, 257) if fits(shape, replace(work, ranks=r), gpu_bytes)), None)
     if gpus:
         state = sum(at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "algorithm state", "compute copy"))
-        what = "weights, gradients, AdamW moments" + (" and the algorithm's state" if at_peak.get("algorithm state") else "")
+        what = "weights, gradients, AdamW moments" + (
+            " and the algorithm's state" if at_peak.get("algorithm state") else "")
         found.append(f"shard the {what} ({gib(state)} at the peak) over more trainer GPUs ({gpus_flag.format(gpus)})")
     if found:
         return ", or ".join(found)
-    gpus = next((r for r in range(work.ranks, 257) if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
+    gpus = next((r for r in range(work.ranks, 257)
+                 if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
     if gpus is None:
         return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
-    together = ([] if work.checkpointing else [checkpointing]) + ([gpus_flag.format(gpus)] if gpus != work.ranks else [])
+    together = (([] if work.checkpointing else [checkpointing])
+                + ([gpus_flag.format(gpus)] if gpus != work.ranks else []))
     return "no one change fits; together: " + " ".join(together)
 
 
@@ -689,86 +640,6 @@ def check_fit(plan: MemoryPlan, gpu_bytes: int, where: str, cfg) -> int | None:
 
 def gib(n: float) -> str:
     return f"{n / GIB:.1f} GiB"
-
-
-def gib_figure(n: float) -> str:
-    return f"{n / GIB:.1f}" if n else ""
-
-
-def notes(plan: MemoryPlan) -> dict[str, str]:
-    """What each term is, in the table's words."""
-    w, s, rows = plan.work, plan.shape, plan.rows
-    c = "bf16" if w.compute_bytes == 2 else "float32"
-    shard = f", sharded over {w.ranks}" if w.ranks > 1 else ""
-    lora = w.lora_parameters is not None
-    nccl = "; ".join(f"{what}: {f'{ranks} ranks' if ranks else 'rank 0 and the servers'} over {transport}, "
-                     f"{gib(nccl_bytes(ranks))}" for what, ranks, transport in w.communicators)
-    return {
-        "weights": "frozen base in the compute dtype + float32 adapter" if lora else f"float32 masters{shard}",
-        "gradients": f"float32{shard}",
-        "optimizer": f"AdamW's two float32 moments{shard} (fused: no temporary at the step)",
-        "algorithm state": f"the algorithm's own (an EMA teacher){shard}",
-        "compute copy": f"one process: {c} copy of the weights",
-        "engine": "colocated sampler, awake" if w.engine_push else "a per-rank sampler copy",
-        "gathered": ("FSDP2: the root and two layers gathered, a layer's gradients and reduce-scatter buffers; at the "
-                     "end the root's" if w.ranks > 1 else "the compute copy's gradients, at the backward's end" if
-                     w.compute_bytes != F32 and not lora else "a parameter's fresh gradient (the embeddings')"),
-        "activations": f"kept by the forward: a packed row of {rows.tokens} tokens, {w.attention} attention, "
-                       + ("checkpointed" if w.checkpointing else "no checkpointing"),
-        "backward": "a layer's backward: " + ("recomputed, plus its gradients" if w.checkpointing else "its gradients"),
-        "gradients in flight": "the head weight's gradient, held through the layers' backward",
-        "head": f"LM head{' (compiled)' if w.fused_head else ''}: {rows.loss_tokens} loss tokens in blocks of "
-                f"{w.head_block} x {s.vocab} vocabulary",
-        "head gradient": "the head weight's float32 gradient" + (" and its bf16 cast" if c == "bf16" else ""),
-        "push bucket": f"weight push: {gib(w.push_bucket)} of weights gathered at a time"
-                       + (" (+ the shards' cast)" if w.ranks > 1 else "") + (", NCCL's packed copy" if w.push_copy else ""),
-        "CUDA context": "the driver's context and the kernels a step loads (an allowance)",
-        "NCCL": nccl,
-        "allocator reserve": f"fragmentation: {ALLOCATOR_RESERVE:.0%} of what changes size with each micro-batch",
-    }
-
-
-def render(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
-    """The plan as text: a table of the terms, each moment's total, the verdict."""
-    w, s = plan.work, plan.shape
-    table = Table(title=f"memory plan per trainer GPU, GiB (rank 0's): {s.parameters() / 1e9:.2f}B parameters, {w.ranks} "
-                  f"trainer rank(s), {'bf16' if w.compute_bytes == 2 else 'float32'} compute", title_justify="left")
-    for column in ("term", "at peak", "largest", "what"):
-        table.add_column(column, justify="right" if column in ("at peak", "largest") else "left")
-    what, at_peak, largest = notes(plan), plan.moments[plan.peak_moment], plan.terms
-    for name in TERMS:
-        if largest.get(name):
-            table.add_row(name, gib_figure(at_peak.get(name, 0)), gib_figure(largest[name]), what[name])
-    for name, value in plan.phases.items():
-        peak = name == plan.peak_moment
-        table.add_row(f"[b]{name}[/b]" if peak else name, gib_figure(value) if peak else "", gib_figure(value),
-                      "the peak" if peak else "")
-    out = StringIO()
-    Console(file=out, width=120, color_system=None).print(table)
-    lines = [out.getvalue().rstrip(), f"shapes from {plan.source}"]
-    if w.ranks > 1 and w.push_copy:  # rank 0 alone sends the push: the others hold no push group, no packed copy
-        others = estimate(s, replace(w, push_copy=False, communicators=tuple(
-            c for c in w.communicators if c[0] != "weight push")))
-        lines.append(f"the other trainer ranks: peak about {gib(others.peak)} ({others.peak_moment}), without rank 0's "
-                     "weight-push group and packed copy")
-    return "\n".join(lines + [verdict(plan, gpu, row)])
-
-
-def verdict(plan: MemoryPlan, gpu: tuple[int, str] | None, row: int | None) -> str:
-    if gpu is None:
-        return (f"peak about {gib(plan.peak)}; the GPU's size is unknown here (no CUDA device): "
-                "give --deployment.gpu-memory-gb to check the fit")
-    size, where = gpu
-    w = plan.work
-    budget = largest_budget_that_fits(plan.shape, w, size)
-    budgets = ("micro-batches of any token budget fit" if budget is None
-               else f"micro_batch_tokens fits up to {budget}" if budget else "no micro_batch_tokens fits")
-    if row is not None:
-        return (f"fits {gib(size)} ({where}) only while the longest sequence stays under {row} tokens (seq_len allows "
-                f"{w.row_tokens}); the run checks its data's longest prompt before loading weights; {budgets}")
-    return (f"fits: peak about {gib(plan.peak)} of {gib(size)} ({where}), within the {1 - HEADROOM:.0%} "
-            f"({gib(usable(size))}) a run may plan on, at any row length up to seq_len ({w.row_tokens}): "
-            f"{gib(size - plan.peak)} left free; {budgets} (now {w.micro_batch_tokens or 'none'})")
 
 
 def largest_head_block(shape: ModelShape, work: Workload, gpu_bytes: int) -> int:
@@ -803,7 +674,8 @@ def head_block_tokens(cfg, ranks: int, device: torch.device) -> int:
     return DEFAULT_BLOCK_TOKENS if isinstance(planned, str) else planned[2].head_block
 
 
-def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
+def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None,
+             row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
     """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
     note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
     planned = planned_workload(cfg, ranks=ranks, gpu=gpu, row_tokens=row_tokens)
@@ -828,103 +700,3 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
         f"memory: with sequences of up to {row} tokens (the data's longest prompt, {longest_prompt} tokens, + "
         f"max_completion_tokens) a trainer GPU {over(plan, gpu[0], gpu[1])}; rows up to {fits_row} tokens fit; "
         f"fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, or --seq-len {fits_row} (longer prompts are then left out)")
-
-
-# ---- a checkpoint's host memory ----------------------------------------------------------------------------
-
-# Of a node's host memory, what checkpoints may stage into: the rest is for the processes themselves (rank 0's copy
-# of the model while it loads, Python, CUDA's and vLLM's host allocations) and the page cache the writes go through
-HOST_SHARE = 0.75
-STAGING_FIX = ("--ckpt.staging chunks (nothing copied: the writer reads the live state a chunk at a time, and the next "
-               "update waits for the write)")
-
-
-@dataclass(frozen=True)
-class Staging:
-    """The host memory one checkpoint takes on a trainer rank, in bytes (``scirl/run/checkpointer.py``):
-    ``trainer_state``, the staged copy of the rank's shards of the float32 weights, AdamW's two moments and the
-    algorithm's state (LoRA: the adapter's, plus the merged serving weights, held whole); ``serving``, what the
-    serving writes hold at once (a file in the serving dtype, and a tensor's parts gathered from the ranks)."""
-
-    trainer_state: int
-    serving: int
-
-    def per_rank(self, mode: str) -> int:
-        return self.serving + (self.trainer_state if mode == "full" else 0)
-
-
-def staging_bytes(*, trained: int, serving_total: int, largest: int, ranks: int, extra_state: int,
-                  lora: bool) -> Staging:
-    """``trained``: the parameters this rank trains (its shards; LoRA: the adapter's); ``serving_total``: the serving
-    weights' bytes (every rank's); ``largest``: the largest tensor's, in the serving dtype."""
-    state = trained * (3 * F32 + extra_state)  # float32 weights, AdamW's two moments, the algorithm's own
-    if lora:
-        return Staging(state + serving_total, 0)
-    return Staging(state, min(FILE_BYTES, -(-serving_total // ranks)) + (2 * largest if ranks > 1 else 0))
-
-
-def plan_staging(shape: ModelShape, cfg, ranks: int) -> Staging:
-    """``staging_bytes`` from the model's shapes and the config."""
-    lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
-    params = shape.parameters()
-    return staging_bytes(trained=lora if lora is not None else -(-params // ranks),
-                         serving_total=params * shape.serving_bytes,
-                         largest=shape.vocab * shape.hidden * shape.serving_bytes, ranks=ranks,
-                         extra_state=algorithms.state_bytes_per_param(cfg), lora=lora is not None)
-
-
-def host_memory(deployment) -> tuple[int, str] | None:
-    """(a node's host memory for checkpoints, in bytes, where that came from): ``deployment.host_memory_gb``, else
-    what this machine has available now (Linux's MemAvailable), else None."""
-    if deployment.host_memory_gb:
-        return int(deployment.host_memory_gb * GIB), "deployment.host_memory_gb"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024, "available on this machine"
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def choose_staging(wanted: str, need: Staging, ranks_per_node: int, host: tuple[int, str] | None) -> str:
-    """The staging a run uses: ``wanted`` ("full" or "chunks"), or for "auto" full when a node's ranks' copies fit
-    ``HOST_SHARE`` of its host memory (unknown: full). ``PreflightError`` (one line) for a staging that cannot fit."""
-    if host is None:
-        return "full" if wanted == "auto" else wanted
-    room = int(HOST_SHARE * host[0])
-    if wanted != "chunks" and need.per_rank("full") * ranks_per_node <= room:
-        return "full"
-    where = (f"{ranks_per_node} rank(s) on a node take {gib(need.per_rank('full') * ranks_per_node)}, over the "
-             f"{gib(room)} they may take of the host's {gib(host[0])} ({host[1]}; {1 - HOST_SHARE:.0%} is left for the "
-             "processes and the page cache)")
-    if wanted == "full":
-        raise PreflightError(f"memory: a checkpoint stages {gib(need.per_rank('full'))} a trainer rank (trainer state "
-                             f"{gib(need.trainer_state)}, serving writes {gib(need.serving)}); {where}; fix: "
-                             f"{STAGING_FIX}, more nodes, or --deployment.host-memory-gb for the nodes that train")
-    if need.per_rank("chunks") * ranks_per_node <= room:
-        return "chunks"
-    raise PreflightError(f"memory: even unstaged, a checkpoint's serving writes take {gib(need.per_rank('chunks'))} a "
-                         f"trainer rank, {gib(need.per_rank('chunks') * ranks_per_node)} on a node, over the "
-                         f"{gib(room)} it may take of the host's {gib(host[0])} ({host[1]}); fix: more trainer ranks "
-                         "or nodes, or --deployment.host-memory-gb for the nodes that train")
-
-
-def staging_line(need: Staging, mode: str, ranks_per_node: int, host: tuple[int, str] | None) -> str:
-    """The staging a checkpoint takes, in one line (``--dry-run`` prints it)."""
-    room = f" of {gib(HOST_SHARE * host[0])} usable ({host[1]})" if host else " (host memory unknown here)"
-    return (f"checkpoint staging per trainer rank: trainer state {gib(need.trainer_state)}"
-            f"{'' if mode == 'full' else ' (not staged: --ckpt.staging chunks)'}, serving writes {gib(need.serving)}; "
-            f"{ranks_per_node} rank(s) a node: {gib(need.per_rank(mode) * ranks_per_node)}{room}")
-
-
-def check_staging(cfg, ranks: int) -> str | None:
-    """The host memory a checkpoint of ``cfg``'s run stages per trainer rank, in one line (None when the model's
-    shapes are unknown here); ``PreflightError`` when its staging cannot fit a node's host (``choose_staging``)."""
-    found = model_shape(cfg.model)
-    if found is None:
-        return None
-    need = plan_staging(found[0], cfg, ranks)
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
-    host = host_memory(cfg.deployment)
-    return staging_line(need, choose_staging(cfg.ckpt.staging, need, per_node, host), per_node, host)

@@ -31,7 +31,7 @@ from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
 from scirl.rollouts.sampler import QuestionSampler
 from scirl.rollouts.source import ColocatedSource, ServerSource
-from scirl.run import checkpoint, memory, rundir, serving_weights
+from scirl.run import checkpoint, memory, memory_staging, rundir, serving_weights
 from scirl.run.backends import (
     bf16_advice,
     inference_backend,
@@ -232,17 +232,19 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
 
 def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist,
                  device: torch.device) -> str:
-    """``ckpt.staging`` resolved from this rank's state and this node's host memory (``memory.choose_staging``)."""
+    """``ckpt.staging`` resolved from this rank's state and this node's host memory
+    (``memory_staging.choose_staging``)."""
     trained = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
                   for p in trainer.model.parameters() if p.requires_grad)
     item = torch.empty((), dtype=dtype).element_size()
     sizes = [p.numel() * item for p in hf.parameters()]
-    need = memory.staging_bytes(trained=trained, serving_total=sum(sizes), largest=max(sizes), ranks=dist.world_size,
-                                extra_state=algorithms.state_bytes_per_param(cfg), lora=cfg.lora.enabled)
-    ranks, host = local_ranks(dist), memory.host_memory(cfg.deployment)
+    need = memory_staging.staging_bytes(trained=trained, serving_total=sum(sizes), largest=max(sizes),
+                                        ranks=dist.world_size, extra_state=algorithms.state_bytes_per_param(cfg),
+                                        lora=cfg.lora.enabled)
+    ranks, host = local_ranks(dist), memory_staging.host_memory(cfg.deployment)
     if host is not None and device.type == "cpu" and not trainer.optimizer.state:
         host = (host[0] - ranks * 8 * trained, host[1])  # a CPU's AdamW moments arrive in host memory at step 1
-    return memory.choose_staging(cfg.ckpt.staging, need, ranks, host)
+    return memory_staging.choose_staging(cfg.ckpt.staging, need, ranks, host)
 
 
 def local_ranks(dist: distributed.Dist) -> int:

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
-from scirl.trainer import attention
+from scirl.trainer import attention, cutting
 from scirl.trainer.batching import Batching
 from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head
 from scirl.trainer.full_weights import FullWeights
@@ -39,8 +39,7 @@ from scirl.trainer.kernels import Kernels, compile_counts
 from scirl.trainer.lora import is_lora
 from scirl.trainer.loss import LossSums, token_logprobs
 from scirl.trainer.mixed_precision import ComputeCopy
-from scirl.trainer.packing import (MicroBatch, Packed, PackedTeacher, dummy_micro_batch, dummy_teacher, make_micro_batches,
-                                   to_device)
+from scirl.trainer.packing import MicroBatch, Packed, PackedTeacher, dummy_micro_batch, dummy_teacher, to_device
 from scirl.trainer.patches import training_forward
 
 
@@ -92,18 +91,16 @@ class Trainer:
 
     def batches(self, samples: list[Sample]) -> list[MicroBatch]:
         """A step's micro-batches of the samples the algorithm learns from (``select``)."""
-        b = self.batching
-        return make_micro_batches(self.algorithm.select(samples), max_tokens=b.micro_batch_tokens,
-                                  max_rows=b.micro_batch_size, share_prompts=b.share_prompts, pad_to=self.row_length,
-                                  max_grids=attention.max_grids(self.attention, self.kernels.name == "compile"))
+        compiled = self.kernels.name == "compile"
+        return cutting.cut(self.algorithm.select(samples), self.batching, self.attention, compiled)
 
     def row_length(self, tokens: int) -> int:
-        """The length a packed row of ``tokens`` positions is padded to (``attention.row_length``)."""
-        return attention.row_length(tokens, self.attention, self.batching.micro_batch_tokens)
+        """The length a packed row of ``tokens`` positions is padded to (``cutting.row_length``)."""
+        return cutting.row_length(tokens, self.batching, self.attention)
 
     def stand_in_length(self, tokens: int) -> int:
-        """A stand-in micro-batch's row length: under flex the budget's, a graph every rank compiles anyway."""
-        return self.row_length(max(tokens, self.batching.micro_batch_tokens) if self.attention == "flex" else tokens)
+        """The row length of a stand-in micro-batch (``dummy_micro_batch``, ``cutting.stand_in_length``)."""
+        return cutting.stand_in_length(tokens, self.batching, self.attention)
 
     def describe_batching(self) -> str:
         b = self.batching

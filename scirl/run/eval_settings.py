@@ -1,0 +1,136 @@
+"""What ``scirl eval`` scores when the model belongs to a training run: the run (``--run``, the run a checkpoint path
+belongs to, or the run config a checkpoint copied out of its run carries), the model (``RUN/weights/latest`` stands
+for the checkpoint it names) and the data settings, each the one given, else the run's, else scirl's default, with
+the line that says where they came from; so the questions evaluated are the ones the run held out.
+
+The settings are named by the flags that give them (``DATA_FLAGS``), as ``scirl data`` and ``scirl export
+prime-rl`` name them (``scirl train``: ``data.<name>``).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from scirl.errors import ConfigError
+from scirl.run.config import DataConfig
+from scirl.run.config_io import saved_config
+from scirl.run.rundir import LATEST, RUN_CONFIG, checkpoint_run, latest_checkpoint_dir
+from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, is_hub_source
+from scirl.task.formats import AUTO, ColumnMapping, parse_columns
+
+# The settings that say which questions are evaluated, by their flags; a run's config.toml gives their defaults
+DATA_FLAGS = {"data": "--data", "data_format": "--data-format", "data_columns": "--data-columns",
+              "eval_per_domain": "--eval-per-domain", "split_method": "--split-method", "split_seed": "--split-seed"}
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """The model an evaluation scores, its run, and the questions: ``data``'s ``split`` split as the rest say."""
+
+    model: str
+    run: str | None  # the run directory (or the checkpoint that carries its config); None: no run
+    run_data: DataConfig | None  # the run's [data] section
+    data: str
+    data_format: str
+    data_columns: ColumnMapping | None
+    eval_per_domain: int
+    split_method: str
+    split_seed: int
+    split: str  # eval, or the one a run held out
+    origin: str | None  # with a run: which settings are its and which were given here
+
+    def recorded(self, limit: int | None) -> dict:
+        """The data settings a results file records (and a rerun must match to resume)."""
+        out = {"data": data_id(self.data), "split": self.split, "eval_per_domain": self.eval_per_domain,
+               "split_method": self.split_method, "split_seed": self.split_seed, "limit": limit}
+        # format and columns only when given, so a results file made before these flags still resumes
+        if self.data_format != AUTO:
+            out["data_format"] = self.data_format
+        if self.data_columns is not None:
+            out["data_columns"] = self.data_columns.as_text()
+        return out
+
+
+def data_id(source: str) -> str:
+    """The data setting as recorded: local paths made absolute, so a rerun from elsewhere still matches."""
+    return source if is_hub_source(source) else str(Path(source).resolve())
+
+
+def flags(settings: dict) -> str:
+    """``settings`` (by ``DATA_FLAGS``' keys) as the flags that give them, as one would type them."""
+    return " ".join(f"{DATA_FLAGS[key]} {shlex.quote(value.as_text() if hasattr(value, 'as_text') else str(value))}"
+                    for key, value in settings.items())
+
+
+def resolve(*, model: str | None, run: str | None, served: bool, given: dict, split: str | None) -> EvalSettings:
+    """The settings of an evaluation of ``model`` (a served name when ``served``, else a directory) with ``--run
+    run``; ``given``: the data settings by ``DATA_FLAGS``' keys (None: not given), ``split`` likewise. Raises
+    ``ConfigError`` (one line) for a run and model that cannot be used together, or a run config it cannot read."""
+    model, run = resolve_run(model, run, served)
+    try:
+        run_data = saved_config(Path(run)).data if run is not None else None
+    except ConfigError as e:
+        raise ConfigError(f"--run {run}: {e}") from None
+    chosen = {key: given[key] for key in DATA_FLAGS if given.get(key) is not None}
+    if run_data is None:
+        defaults = {"data": HUB_ID, "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
+                    "split_seed": DEFAULT_SPLIT_SEED}
+    else:
+        defaults = {"data": run_data.source, "eval_per_domain": run_data.eval_per_domain,
+                    "split_method": run_data.split_method, "split_seed": run_data.split_seed}
+        # format and columns come from the run only with its own source, and when neither is given
+        same_source = "data" not in chosen or data_id(chosen["data"]) == data_id(run_data.source)
+        if same_source and "data_format" not in chosen and "data_columns" not in chosen:
+            defaults["data_format"] = run_data.format
+            defaults["data_columns"] = parse_columns(run_data.columns) if run_data.columns is not None else None
+    settings = {key: None for key in DATA_FLAGS} | defaults | chosen
+    settings["data_format"] = settings["data_format"] or AUTO
+    if split is None:  # a run that trained on the eval split held out the train split
+        split = "train" if run_data is not None and run_data.split == "eval" else "eval"
+    origin = None
+    if run_data is not None:
+        taken = {key: settings[key] for key in DATA_FLAGS if key not in chosen and key in defaults
+                 and settings[key] is not None and settings[key] != AUTO}
+        recorded = ("config.toml" if (Path(run) / "config.toml").is_file()
+                    else "run config, which its checkpoint carries")
+        origin = (f"data settings of run {run} (its {recorded}): {flags(taken) or 'none'}"
+                  + (f"; given here: {flags(chosen)}" if chosen else ""))
+    return EvalSettings(model, run, run_data, split=split, origin=origin, **settings)
+
+
+def resolve_run(model: str | None, run: str | None, served: bool) -> tuple[str, str | None]:
+    """(the model, its run): ``run``, else the run whose checkpoint ``model`` is (served too: vLLM serves a model
+    under its path unless told another name), else the checkpoint itself when it carries its run's config;
+    ``RUN/weights/latest`` (a text file) stands for the checkpoint it names, and ``run`` alone for its latest."""
+    if run is not None and not (Path(run) / "config.toml").is_file():
+        raise ConfigError(f"--run {run}: not a scirl train run directory (no config.toml)")
+    if model is None:
+        if run is None or served:
+            raise ConfigError("--model is required: the served model's name with --base-url, else a local HF model "
+                              "directory or a run's checkpoint (or --run RUN_DIR for the run's latest)")
+        model = str(Path(run) / "weights" / LATEST)
+    model_run = checkpoint_run(Path(model))
+    if model_run is None:
+        carried = run is None and (Path(model) / RUN_CONFIG).is_file()  # a checkpoint copied out of its run
+        return model, model if carried else run
+    if run is not None and model_run.resolve() != Path(run).resolve():
+        raise ConfigError(f"--model {model} is a checkpoint of run {model_run}, not of --run {run}: give one run")
+    if Path(model).name == LATEST and not served:
+        step_dir = latest_checkpoint_dir(model_run)
+        if step_dir is None:
+            raise ConfigError(f"--model {model}: run {model_run} has no checkpoint yet")
+        model = str(step_dir)
+    return model, run or str(model_run)
+
+
+def trained_ids(settings: EvalSettings, splits) -> set[str]:
+    """The ids of the questions the run trained on: its ``data.split`` under its own settings (``splits``, the
+    evaluation's, when those are the run's). Raises what ``load_splits`` raises for data it cannot read."""
+    run_data = settings.run_data
+    columns = settings.data_columns.as_dict() if settings.data_columns is not None else None
+    same = (data_id(settings.data), settings.data_format, columns, settings.eval_per_domain, settings.split_method,
+            settings.split_seed) == (data_id(run_data.source), run_data.format, run_data.columns,
+                                     run_data.eval_per_domain, run_data.split_method, run_data.split_seed)
+    return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}
