@@ -18,7 +18,9 @@ import torch
 
 from scirl import algorithms
 from scirl.run.config import TrainConfig
-from test_train import data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args  # noqa: F401
+from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+    data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args,
+)
 
 # completion lengths 3, 1 and 4 (T = 4); a padded position holds a wild value the mask must hide
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
@@ -139,7 +141,7 @@ def test_cispo_weights_every_token_by_its_clipped_detached_ratio():
 
 
 def test_the_default_is_prime_rls_loss_and_its_advantages():
-    """grpo: prime-rl's default loss (``tests/test_loss.py`` has its formula), on r - mean advantages."""
+    """grpo: prime-rl's default loss (``tests/algorithms/test_loss.py`` has its formula), on r - mean advantages."""
     cfg = TrainConfig()
     algorithm = algorithms.build(cfg)
     assert cfg.algorithm == "grpo" and algorithm.spec.prime_rl and algorithms.exportable("grpo")

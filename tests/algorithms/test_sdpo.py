@@ -12,12 +12,14 @@ from scirl import algorithms
 from scirl.inference.base import Completion
 from scirl.algorithms.sdpo.distill import divergence
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
-from scirl.rollouts.contract import PromptedQuestion, Sample
+from scirl.rollouts.contract import PromptedQuestion
 from scirl.run.config import TrainConfig
 from scirl.task.prompt import build_messages, teacher_messages
 from scirl.task.reward import Scored
 from scirl.trainer.batching import Batching
 from scirl.trainer.targets import student_logprobs, teacher_targets
+
+from helpers.train_runs import samples_with_teachers
 
 # ---- the divergence, against the textbook formulas written out entry by entry ----
 
@@ -199,23 +201,6 @@ def test_grpo_makes_no_teacher_prompts():
 
 
 # ---- the trainer: teacher held fixed, EMA, shared prompts ----
-
-
-def samples_with_teachers(seed=0):
-    """Two groups, one completion without a teacher; group 0's teacher prompts differ per completion, group 1's
-    two completions were shown the same solution (one teacher prompt)."""
-    g = torch.Generator().manual_seed(seed)
-    samples = []
-    for group_index, lengths in enumerate(((3, 1, 4), (2, 2))):
-        prompt = torch.randint(10, 500, (6 + group_index,), generator=g).tolist()
-        shared = torch.randint(10, 500, (11,), generator=g).tolist()
-        for k, n in enumerate(lengths):
-            teacher = None if (group_index, k) == (0, 1) else torch.randint(10, 500, (9 + k,), generator=g).tolist()
-            teacher = shared if group_index == 1 else teacher
-            samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
-                                  (-torch.rand(n, generator=g) * 3).tolist(), float(torch.randn(1, generator=g)),
-                                  group_index, teacher))
-    return samples
 
 
 def make_trainer(model_dir, **sdpo):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_wheels  # noqa: E402
 
@@ -112,6 +112,7 @@ def install_set(*args, store: Path) -> subprocess.CompletedProcess:
                           env={**__import__("os").environ, "SCIRL_SET_STORE": str(store)})
 
 
+@pytest.mark.slow
 def test_the_set_travels_in_parts_and_installs_only_whole(tmp_path):
     """``pack`` cuts the wheels into parts of at most the given size, each with the set's checksum; the install
     refuses a missing, foreign or corrupt part in one line (exit 2) and installs a whole set, importable."""

@@ -3,7 +3,7 @@ this machine lacks is one line and exit 2 before any work; Ctrl-C ends every com
 one kind of error in every command (issue 49, the table in docs/failure-modes.md): no hub, too few usable
 questions, an extra the config asks for, vision packages built for another torch: 2, before any work.
 
-(Refusals of bad input alike on every machine are the table of tests/test_cli_errors.py.)
+(Refusals of bad input alike on every machine are the table of tests/commands/test_cli_errors.py.)
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ def test_a_demo_whose_training_is_stopped_by_ctrl_c_exits_130(tmp_path, monkeypa
     assert (out / "eval_base.json").is_file()  # what was done before the stop stays
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_server_with_130(tiny_model_dir):
     """`scirl serve` exited 0 on Ctrl-C (uvicorn shut down, then raised it again, and the command swallowed it)."""
     proc = subprocess.Popen([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0"],
@@ -235,7 +236,7 @@ def test_a_command_that_does_not_need_the_hub_does_not_wait_for_it(no_hub, tmp_p
     asked = []
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *args, **kwargs: asked.append(args) or 1 / 0)
     monkeypatch.chdir(tmp_path)
-    config = Path(__file__).resolve().parents[1] / "configs" / "sciknoweval-qwen3-8b.toml"
+    config = Path(__file__).resolve().parents[2] / "configs" / "sciknoweval-qwen3-8b.toml"
     assert cli_main(["slurm", "@", str(config), "--model", "org/not-cached", "--nodes", "2", "--infer-nodes", "1",
                      "--out", "job.sbatch"]) == 0
     assert (tmp_path / "job.sbatch").is_file()

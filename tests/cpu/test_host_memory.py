@@ -33,6 +33,7 @@ def served_from_heap(mode: str) -> bool:
     return out.stdout.split()[-1] == "True"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
 def test_big_tensors_come_from_the_heap_once_freed_memory_is_kept():
     assert not served_from_heap("plain")  # glibc's default: a fresh mmap, unmapped again on free

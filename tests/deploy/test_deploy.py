@@ -1,5 +1,5 @@
 """The deployment launcher (``scirl/deploy/``) with real processes: small HTTP servers stand in for vLLM
-and a small program for the trainer (``tests/deploy_fakes.py``), so every path runs without vLLM or a
+and a small program for the trainer (``tests/fakes/deploy_fakes.py``), so every path runs without vLLM or a
 model: ports, preflight refusals, startup, supervision, stop on a signal, and no process left behind.
 """
 
@@ -20,8 +20,8 @@ from scirl.run.config_io import load_config
 from scirl.deploy import launch, ports, preflight, supervisor
 from scirl.errors import PreflightError
 
-FAKES = Path(__file__).with_name("deploy_fakes.py")
-REPO = Path(__file__).resolve().parents[1]
+FAKES = Path(__file__).parents[1] / "fakes" / "deploy_fakes.py"
+REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60  # "within seconds", asserted generously for a loaded 2-core machine
 QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288, "vocab_size": 151936,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
@@ -313,7 +313,7 @@ def test_an_sdpo_run_with_an_ema_teacher_budgets_its_copy_in_every_checkpoint(ti
     assert preflight.disk_needed(load_config([*base, "--algorithm", "sdpo"]), "nccl")[1] == params * (16 + serving)
     current = load_config([*base, "--algorithm", "sdpo", "--sdpo.teacher", "current"])
     assert preflight.disk_needed(current, "nccl")[1] == params * (12 + serving)
-    demo_base = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
+    demo_base = REPO / "scirl" / "assets" / "demo-base"
     assert preflight.serving_bytes_per_param(str(demo_base)) == 2  # bf16
 
 

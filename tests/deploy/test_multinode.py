@@ -2,7 +2,7 @@
 address from its node list, ``scirl slurm``'s script and refusals, the stand-ins keep Slurm's contract, a
 server that cannot see the trainer's ``broadcasts/`` is refused at start, and one stop delivered twice (as
 Slurm and torchrun both deliver it) costs no checkpoint. The whole job with real processes is
-``tests/test_slurm_job.py``.
+``tests/e2e/test_slurm_job.py``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 import scirl
-import slurm_fakes  # tests/slurm_fakes.py
-from server_process import free_port, stop  # tests/server_process.py
+from fakes import slurm_fakes
+from helpers.server_process import free_port, stop
 
 from scirl.cli import main
 from scirl.deploy import launch, plan, ports, supervisor
@@ -31,7 +31,7 @@ from scirl.run.config_io import load_config
 
 DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 DEMO_CONFIG = Path(scirl.__file__).parent / "configs" / "demo.toml"
-FAKES = Path(__file__).with_name("deploy_fakes.py")
+FAKES = Path(__file__).parents[1] / "fakes" / "deploy_fakes.py"
 
 
 class RecordingSupervisor:
@@ -222,7 +222,7 @@ wait
 
 
 def start_job(tmp_path: Path, *, server_mode: str = "ok") -> tuple[subprocess.Popen, Path, Path]:
-    """``scirl job`` on three "nodes", with stand-ins for its parts (tests/deploy_fakes.py on-node): (the job's
+    """``scirl job`` on three "nodes", with stand-ins for its parts (tests/fakes/deploy_fakes.py on-node): (the job's
     process, the stand-ins' records, the file its end-job command touches)."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("the job's preflight wants vLLM installed")
@@ -250,6 +250,7 @@ def recorded_pids(record: Path) -> list[int]:
     return [row["pid"] for row in rows] + [pid for row in rows for pid in row.get("server_processes", [])]
 
 
+@pytest.mark.slow
 def test_a_stop_asks_every_trainer_node_once_to_checkpoint_and_leaves_nothing_running(tmp_path):
     """SIGTERM to the job (sbatch --signal=B:TERM@... sends it before the time limit) reaches each trainer
     node's part once; the servers are stopped after the trainer, and the allocation is left to end itself."""
@@ -270,6 +271,7 @@ def test_a_stop_asks_every_trainer_node_once_to_checkpoint_and_leaves_nothing_ru
     assert [pid for pid in recorded_pids(record) if supervisor.alive(pid)] == []
 
 
+@pytest.mark.slow
 def test_a_server_that_fails_at_start_ends_the_job_naming_it(tmp_path):
     job, record, ended = start_job(tmp_path, server_mode="exit")
     code, err = finish(job)
@@ -279,6 +281,7 @@ def test_a_server_that_fails_at_start_ends_the_job_naming_it(tmp_path):
     assert [pid for pid in recorded_pids(record) if supervisor.alive(pid)] == []
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_see_the_trainers_broadcasts_is_refused_at_start_in_one_line(tmp_path):
     """A server on a node without the trainer's file system (here one whose root is elsewhere) is refused
     at the run's first push, before step 1, in one line naming it and the path it could not load."""

@@ -65,7 +65,7 @@ def read_jsonl(path):
 
 def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
     from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
-    from test_train import assert_forwards_compute_the_unique_tokens
+    from helpers.train_runs import assert_forwards_compute_the_unique_tokens
 
     out = tmp_path / "demo"
     summary = run_demo(DemoOptions(output_dir=out, train_per_domain=40, eval_per_domain=10, report=False, progress=False,
@@ -93,7 +93,7 @@ def test_the_demos_training_on_two_torchrun_ranks_computes_each_prompt_once(tmp_
     """``torchrun --nproc-per-node 2 -m scirl train`` on the demo's config and data (2 gloo ranks, FSDP2): each rank
     packs its groups' prompts once, and what the forwards compute is the batches' unique tokens."""
     from scirl.demo.run import BASE_MODEL_DIR, DEMO_CONFIG, write_questions
-    from test_train import assert_forwards_compute_the_unique_tokens, torchrun_train
+    from helpers.train_runs import assert_forwards_compute_the_unique_tokens, torchrun_train
 
     data = write_questions(tmp_path / "questions.jsonl", 40, 10, 0)
     torchrun_train(["@", str(DEMO_CONFIG), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
@@ -139,9 +139,9 @@ def test_shortened_demo_with_the_vllm_backend_raises_held_out_accuracy(tmp_path)
 
 def test_demo_with_inference_servers_trains_through_the_launcher_in_the_guides_layout(tmp_path):
     """`scirl demo --deployment.num-infer-gpus 1 --deployment.num-train-gpus 2` trains as the guide's layout: a
-    server and two trainer ranks started by scirl train's launcher (stand-ins here, tests/deploy_fakes.py), given
+    server and two trainer ranks started by scirl train's launcher (stand-ins here, tests/fakes/deploy_fakes.py), given
     the demo's own settings; the demo evaluates what they left and says which layout trained."""
-    from deploy_fakes import launch_options  # tests/deploy_fakes.py
+    from fakes.deploy_fakes import launch_options
 
     from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
 

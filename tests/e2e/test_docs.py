@@ -32,7 +32,7 @@ from markdown_it import MarkdownIt
 from sybil import Document
 from sybil.parsers.markdown import CodeBlockParser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 LINKED = [*PAGES, "benchmarks/README.md"]  # pages whose links are checked
 NEEDS = re.compile(r"# needs (a GPU|GPUs|\d+ GPUs|a cluster|the hub|a prime-rl checkout|minutes)$")

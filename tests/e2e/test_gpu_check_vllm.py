@@ -1,6 +1,6 @@
 """``benchmarks/gpu_check.sh --cpu --stage b``: stage B of the GPU check on a CPU with a tiny model: vLLM
 colocated, the adapter vs raw generation comparison, and the disaggregated stage with its weights through
-the filesystem. Skipped where vLLM is not installed (stage A and the rest: ``tests/test_gpu_check.py``)."""
+the filesystem. Skipped where vLLM is not installed (stage A: ``test_gpu_check_stage_a.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from test_gpu_check import run_check  # noqa: E402
+from helpers.gpu_check import run_check  # noqa: E402
 
 
 @pytest.mark.slow

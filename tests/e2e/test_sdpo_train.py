@@ -1,6 +1,6 @@
 """SDPO end to end on a CPU: the GRPO path unchanged, an SDPO run that resumes exactly after kill -9 (its
 EMA teacher included), and the LoRA and two-rank paths. The loss, the teacher prompts and the EMA on their
-own are in ``test_sdpo.py``."""
+own are in ``tests/algorithms/test_sdpo.py``."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import (  # noqa: F401
+from helpers.train_runs import (  # noqa: F401
     data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args, trainer_state,
 )
 
-GRPO_REFERENCE = Path(__file__).parent / "fixtures" / "grpo_reference.json"
+GRPO_REFERENCE = Path(__file__).parents[1] / "helpers" / "fixtures" / "grpo_reference.json"
 GRPO_FLAGS = ["--optim.lr", "2e-3", "--temperature", "0.9", "--top-p", "0.95", "--batch-size", "32"]
 REFERENCE_KEYS = ("reward/mean", "reward/std", "reward/mean_all", "trainable/count", "tokens/completion", "epoch",
                   "loss", "grad_norm", "entropy", "mismatch_kl")
@@ -48,7 +48,7 @@ RECORDED_LOSS_ABS = 128 * 2.0 ** -24
 @pytest.mark.recorded
 def test_grpo_runs_as_before_sdpo_existed(letter_model_dir, data_file, tmp_path, one_thread):  # noqa: F811
     """``algorithm = "grpo"`` (the default) against the run the code before SDPO made
-    (``tests/fixtures/grpo_reference.json``, recorded on another CPU): the same completions, rewards and
+    (``tests/helpers/fixtures/grpo_reference.json``, recorded on another CPU): the same completions, rewards and
     advantages at every step (sampling and the advantage), and the same loss, gradient norm, entropy and
     mismatch at every step within the float32 bound above (the loss and its normalisation: a changed loss
     moves the next step's samples and norms).
@@ -123,7 +123,7 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
     from scirl.trainer.step import Trainer
-    from test_train import fixed_samples
+    from helpers.train_runs import fixed_samples
 
     cfg = TrainConfig()
     samples = fixed_samples(7, seed=5)
@@ -162,7 +162,7 @@ def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
     """Uninterrupted 4 SDPO steps vs kill -9 inside checkpoint 4's write and a resume from checkpoint 2:
     the same rows (the teacher's share and divergence among them), completions, weights and EMA teacher, bit for
     bit (every step in one process with one thread, so the float sums are the same)."""
-    from test_train import assert_same_rows, start, wait_for
+    from helpers.train_runs import assert_same_rows, start, wait_for
 
     reference = tmp_path / "reference"
     assert run_in_process(train_args(letter_model_dir, data_file, reference, max_steps=4, extra=SDPO)) == 0
@@ -268,7 +268,7 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     import subprocess
     import sys
 
-    from test_sdpo import samples_with_teachers
+    from helpers.train_runs import samples_with_teachers
     from scirl.distributed import Dist
     from scirl import algorithms
     from scirl.run.config import TrainConfig

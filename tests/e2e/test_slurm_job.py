@@ -1,5 +1,5 @@
 """A run over three nodes as one Slurm job, on one machine without Slurm: ``scirl slurm`` writes the sbatch
-script and submits it; stand-ins for ``sbatch``, ``srun``, ``scontrol`` and ``scancel`` (tests/slurm_fakes.py)
+script and submits it; stand-ins for ``sbatch``, ``srun``, ``scontrol`` and ``scancel`` (tests/fakes/slurm_fakes.py)
 run it on an "allocation" whose nodes are the loopback addresses 127.0.0.1, 127.0.0.2 and 127.0.0.3. Node 1
 runs a real vLLM server (CPU), nodes 2-3 the trainer under torchrun (2 nodes x 1 gloo rank), weights through
 the filesystem; the demo's questions, base model and recipe (batch 32 = 4 questions x 8).
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import scirl
-import slurm_fakes  # tests/slurm_fakes.py
+from fakes import slurm_fakes
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow

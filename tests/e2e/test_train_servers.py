@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import scirl
-from in_process import train_here  # tests/in_process.py
-from server_process import free_port  # tests/server_process.py
+from helpers.in_process import train_here
+from helpers.server_process import free_port
 
 pytest.importorskip("vllm")
 

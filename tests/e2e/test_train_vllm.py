@@ -1,7 +1,7 @@
 """`scirl train --inference.backend vllm` on a CPU, with the real vLLM: same seed, same run; exact resume after kill -9.
 
 Each training run starts its own in-process engine (a few seconds, eager, float32). Runs whose process is not
-the point run in this one (``tests/in_process.py``: no second import of torch, transformers and vLLM); the run
+the point run in this one (``tests/helpers/in_process.py``: no second import of torch, transformers and vLLM); the run
 killed with -9 and the two torchrun ranks are processes of their own. The model is the shipped demo base
 (vLLM's CPU attention needs its head size).
 """
@@ -13,17 +13,16 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
-from in_process import scirl_here, train_here  # noqa: E402  (tests/in_process.py)
-from test_train import COMPUTED_KEYS, EXACT_KEYS, assert_same_rows, final_weights, rows, wait_for  # noqa: E402
-
-DEMO_BASE = Path(__file__).resolve().parent.parent / "scirl" / "assets" / "demo-base"
+from helpers.in_process import scirl_here, train_here  # noqa: E402
+from helpers.train_runs import (  # noqa: E402
+    COMPUTED_KEYS, EXACT_KEYS, assert_same_rows, final_weights, rows, vllm_args, wait_for,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,14 +30,6 @@ def questions(tmp_path_factory):
     from scirl.demo.run import write_questions
 
     return write_questions(tmp_path_factory.mktemp("data") / "q.jsonl", 20, 4, 0)
-
-
-def vllm_args(data, out, max_steps=3, extra=()):
-    return ["--model", str(DEMO_BASE), "--data.source", str(data), "--data.eval-per-domain", "4", "--output-dir", str(out),
-            "--max-steps", str(max_steps), "--batch-size", "32", "--group-size", "8", "--micro-batch-size", "32",
-            "--max-completion-tokens", "8", "--seq-len", "512", "--optim.lr", "1e-3", "--seed", "5", "--device", "cpu",
-            "--dtype", "float32", "--filters.zero-advantage.no-enforce", "--inference.backend", "vllm",
-            "--inference.enforce-eager", "--inference.kv-cache-gib", "1", *extra]
 
 
 # every run compared bit for bit computes with the same thread count (those in this process too): float sums in

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import scirl
-from in_process import scirl_here, train_here  # tests/in_process.py
-from server_process import free_port, stop  # tests/server_process.py
+from helpers.in_process import scirl_here, train_here
+from helpers.server_process import free_port, stop
 
 pytest.importorskip("vllm")
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import scirl
-from server_process import free_port, stop  # tests/server_process.py
+from helpers.server_process import free_port, stop
 from scirl.inference.base import SamplingParams, encode_messages
 from scirl.inference.client import ServerClient, ServerError
 from scirl.inference.remote import RemoteGenerator

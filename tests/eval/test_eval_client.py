@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -13,18 +11,15 @@ import time
 from collections import Counter
 
 import pytest
-from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
 from scirl.task.data import load_splits
 from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server
 from scirl.eval.results import records_path
-from scirl.task.prompt import user_text
 from scirl.synth.questions import generate_rows, write_jsonl
 
-from asgi_server import running  # tests/asgi_server.py
+from fakes.openai_server import FakeOpenAI, Reply, answering
 
-FAULTS = ("500", "429", "hang", "bad_json", "no_choices", "short")
-FAST = 0.4  # a timeout well under FakeServer's 1.5 s hang
+FAST = 0.4  # a timeout well under the fake's 1.5 s hang
 
 
 def rule_reply(q) -> str:
@@ -32,62 +27,6 @@ def rule_reply(q) -> str:
     h = int(q.id, 16)
     label = q.answer_key if h % 3 else next(x for x in q.labels if x != q.answer_key)
     return (f"Answer: {label}", label, f"The answer is {label}.")[h % 5 % 3]
-
-
-class FakeServer:
-    """An OpenAI chat-completions server that answers by ``rule_reply`` and counts requests per question id.
-
-    ``faults`` is the chance that a request gets one of FAULTS instead (drawn from a seeded RNG);
-    ``max_n`` caps the choices per reply, like servers that ignore ``n``.
-    """
-
-    def __init__(self, questions, *, faults=0.0, seed=0, latency=0.0, hang_s=1.5, max_n=None):
-        self.by_text = {user_text(q): q for q in questions}
-        self.faults, self.latency, self.hang_s, self.max_n = faults, latency, hang_s, max_n
-        self.rng = random.Random(seed)
-        self.requests: Counter = Counter()
-        self.injected: Counter = Counter()
-
-    def app(self):
-        from fastapi import FastAPI
-        from fastapi.responses import JSONResponse, Response
-
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            q = self.by_text[body["messages"][-1]["content"]]
-            self.requests[q.id] += 1
-            if self.latency:
-                await asyncio.sleep(self.latency)
-            n = body.get("n", 1)
-            fault = self.rng.choice(FAULTS) if self.rng.random() < self.faults else None
-            if fault == "short" and n == 1:  # a one-choice reply cannot be short
-                fault = self.rng.choice(FAULTS[:-1])
-            if fault:
-                self.injected[fault] += 1
-            if fault == "500":
-                return JSONResponse({"error": "boom"}, status_code=500)
-            if fault == "429":
-                return JSONResponse({"error": "slow down"}, status_code=429, headers={"retry-after": "0"})
-            if fault == "hang":
-                await asyncio.sleep(self.hang_s)
-            if fault == "bad_json":
-                return Response('{"choices": [{"message": {"content": "A"', media_type="application/json")
-            if fault == "no_choices":
-                return {"id": "x", "object": "chat.completion"}
-            count = 1 if fault == "short" else min(n, self.max_n or n)
-            choices = [{"index": i, "message": {"role": "assistant", "content": rule_reply(q)}, "finish_reason": "stop"}
-                       for i in range(count)]
-            return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices,
-                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-
-        return app
 
 
 @pytest.fixture(scope="module")
@@ -116,11 +55,11 @@ def config(url, **kw) -> ClientConfig:
 def test_faulty_server_gives_every_answer_and_the_clean_accuracy(splits):
     questions = splits.split("eval")
     assert len(questions) == 40
-    clean = FakeServer(questions)
-    with running(clean.app()) as srv:
+    clean = answering(questions, rule_reply)
+    with clean as srv:
         clean_results = evaluate_server(questions, config(srv.url), progress=False)
-    faulty = FakeServer(questions, faults=0.4, seed=7)
-    with running(faulty.app()) as srv:
+    faulty = answering(questions, rule_reply, faults=0.4, seed=7)
+    with faulty as srv:
         faulty_results = evaluate_server(questions, config(srv.url, timeout=FAST), progress=False)
     # the faults really happened, each kind of them
     assert {"500", "429", "hang", "bad_json", "no_choices"} <= set(faulty.injected)
@@ -136,39 +75,39 @@ def test_faulty_server_gives_every_answer_and_the_clean_accuracy(splits):
 def test_question_failing_after_all_retries_is_reported_and_filled_in_by_a_rerun(splits, tmp_path):
     questions = splits.split("eval")[:12]
     out = tmp_path / "eval.json"
-    broken = FakeServer(questions, faults=1.0, seed=1)  # every request fails
-    with running(broken.app()) as srv:
+    broken = answering(questions, rule_reply, faults=1.0, seed=1)  # every request fails
+    with broken as srv:
         results = evaluate_server(questions, config(srv.url, retries=2, timeout=FAST), out=out, progress=False)
     assert results["counts"] == {**results["counts"], "answered": 0, "failed": 12}
     assert {f["id"] for f in results["failed"]} == {q.id for q in questions}
     assert all("attempts" in f["error"] for f in results["failed"])
     assert json.loads(out.read_text())["counts"]["failed"] == 12
-    healthy = FakeServer(questions)
-    with running(healthy.app()) as srv:
+    healthy = answering(questions, rule_reply)
+    with healthy as srv:
         results = evaluate_server(questions, config(srv.url, retries=2), out=out, progress=False)
     assert results["counts"]["answered"] == 12 and results["failed"] == []
 
 
 def test_n_samples_fall_back_to_one_call_per_sample(splits):
     questions = splits.split("eval")[:10]
-    server = FakeServer(questions, max_n=1)
-    with running(server.app()) as srv:
+    server = answering(questions, rule_reply, max_n=1)
+    with server as srv:
         results = evaluate_server(questions, config(srv.url, n_samples=3, concurrency=2), progress=False)
     assert all(len(r["replies"]) == 3 for r in results["records"])
     assert all(server.requests[q.id] == 3 for q in questions)
     assert results["n_samples"] == 3 and set(results["pass_at"]) == {"1", "2", "3"}
     assert results["mean_at_k"] == pytest.approx(expected_accuracy(questions))
     # one call with n=3 when the server honours n
-    server = FakeServer(questions)
-    with running(server.app()) as srv:
+    server = answering(questions, rule_reply)
+    with server as srv:
         evaluate_server(questions, config(srv.url, n_samples=3), progress=False)
     assert all(server.requests[q.id] == 1 for q in questions)
 
 
 def test_wrong_url_or_model_stops_at_once_with_a_clear_error(splits):
     questions = splits.split("eval")[:4]
-    server = FakeServer(questions)
-    with running(server.app()) as srv:
+    server = answering(questions, rule_reply)
+    with server as srv:
         with pytest.raises(FatalServerError, match="/v1"):
             evaluate_server(questions, config(srv.url.removesuffix("/v1")), progress=False)
     with pytest.raises(FatalServerError, match="cannot reach"):
@@ -185,9 +124,9 @@ def test_killed_eval_resumes_without_asking_answered_questions_again(splits, dat
     questions = splits.split("eval")
     out = tmp_path / "eval.json"
     records = records_path(out)
-    server = FakeServer(questions, latency=0.05)
+    server = answering(questions, rule_reply, delay_s=0.05)
     env = {**os.environ, "OPENAI_API_KEY": "sk-test-secret-key"}
-    with running(server.app()) as srv:
+    with server as srv:
         proc = subprocess.Popen(_eval_cmd(srv.url, data_file, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.time() + 60
         while not (records.exists() and len(records.read_text().splitlines()) >= 11):
@@ -221,8 +160,8 @@ def test_killed_eval_resumes_without_asking_answered_questions_again(splits, dat
 def test_rerun_with_other_settings_is_refused(splits, data_file, tmp_path):
     questions = splits.split("eval")
     out = tmp_path / "eval.json"
-    server = FakeServer(questions)
-    with running(server.app()) as srv:
+    server = answering(questions, rule_reply)
+    with server as srv:
         first = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4"], capture_output=True, text=True, timeout=120)
         assert first.returncode == 0, first.stdout + first.stderr
         other = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4", "--temperature", "0.7"],
@@ -246,30 +185,13 @@ def test_reply_with_odd_choice_indexes_is_malformed_not_a_crash():
 
 def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(splits):
     """httpx's timeout is per read; a server that sends a byte now and then must still time out."""
-    from fastapi import FastAPI
-    from fastapi.responses import StreamingResponse
-
-    app = FastAPI()
-    requests = Counter()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat():
-        requests["chat"] += 1
-
-        async def trickle():
-            for _ in range(15):  # 1.5 s in all, each byte well inside the 0.4 s timeout
-                yield b" "
-                await asyncio.sleep(0.1)
-            yield json.dumps({"choices": [{"index": 0, "message": {"content": "A"}, "finish_reason": "stop"}]}).encode()
-
-        return StreamingResponse(trickle(), media_type="application/json")
+    whole = json.dumps({"choices": [{"index": 0, "message": {"content": "A"}, "finish_reason": "stop"}]}).encode()
+    # 1.5 s in all, each byte well inside the 0.4 s timeout
+    app = FakeOpenAI(answer=Reply(chunks=[b" "] * 15 + [whole], chunk_delay_s=0.1), count_by=lambda request: "chat")
+    requests = app.requests
 
     questions = splits.split("eval")[:1]
-    with running(app) as srv:
+    with app as srv:
         results = evaluate_server(questions, config(srv.url, retries=1, timeout=FAST), progress=False)
     assert results["counts"]["answered"] == 0 and requests["chat"] == 2
     assert "timed out" in results["failed"][0]["error"]
@@ -278,32 +200,23 @@ def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(sp
 def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_path, capsys):
     """Some servers and proxies quote the bad credential in their error body; the error text ends up
     in the results file and on the terminal, so the key must be blanked out of it."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
     key = "sk-test-echoed-secret"
-    app = FastAPI()
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    def rejected(request):
         echoed = request.headers.get("authorization", "")
-        status = 400 if "x" in (await request.json())["messages"][-1]["content"][:1] else 500
-        return JSONResponse({"error": {"message": f"rejected credentials {echoed}"}}, status_code=status)
+        status = 400 if "x" in request.text[:1] else 500
+        return Reply(status, {"error": {"message": f"rejected credentials {echoed}"}})
 
-    @app.post("/v2/chat/completions")
-    async def unauthorized(request: Request):
-        return JSONResponse({"error": f"bad key {request.headers.get('authorization')}"}, status_code=401)
+    app = FakeOpenAI(answer=rejected)
+    unauthorized = FakeOpenAI(
+        answer=lambda request: Reply(401, {"error": f"bad key {request.headers.get('authorization')}"}))
 
     questions = splits.split("eval")[:3]
     out = tmp_path / "eval.json"
-    with running(app) as srv:
+    with app as srv, unauthorized as other:
         results = evaluate_server(questions, config(srv.url, api_key=key, retries=1), out=out, progress=False)
         with pytest.raises(FatalServerError) as fatal:
-            evaluate_server(questions, config(srv.url.removesuffix("/v1") + "/v2", api_key=key), progress=False)
+            evaluate_server(questions, config(other.url, api_key=key), progress=False)
     assert results["counts"]["failed"] == 3 and "rejected credentials" in results["failed"][0]["error"]
     for text in (out.read_text(), records_path(out).read_text(), str(fatal.value), json.dumps(results), capsys.readouterr().out):
         assert key not in text
@@ -311,27 +224,16 @@ def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_
 
 def test_a_reply_that_cannot_be_decoded_is_retried_not_fatal(splits):
     """A body that fails to decompress (a broken proxy) is a malformed reply like any other."""
-    from fastapi import FastAPI
-    from fastapi.responses import Response
-
     questions = splits.split("eval")[:4]
-    by_text = {user_text(q): q for q in questions}
-    seen = Counter()
-    app = FastAPI()
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        q = by_text[(await request.json())["messages"][-1]["content"]]
-        seen[q.id] += 1
+    def undecodable_first(q):
         if seen[q.id] == 1:
-            return Response(b"this is not gzip", media_type="application/json", headers={"content-encoding": "gzip"})
-        return {"choices": [{"index": 0, "message": {"content": rule_reply(q)}, "finish_reason": "stop"}]}
+            return Reply(body=b"this is not gzip", headers={"content-encoding": "gzip"})
+        return rule_reply(q)
 
-    with running(app) as srv:
+    app = answering(questions, undecodable_first)
+    seen = app.requests
+    with app as srv:
         results = evaluate_server(questions, config(srv.url), progress=False)
     assert results["counts"]["answered"] == 4 and results["failed"] == []
     assert all(n == 2 for n in seen.values())
@@ -341,9 +243,9 @@ def test_eval_takes_the_split_seed_so_a_reseeded_holdout_can_be_evaluated(splits
     """scirl data and scirl train take the holdout's seed; eval must be able to evaluate that same holdout."""
     reseeded = load_splits(str(data_file), eval_per_domain=10, seed=7).split("eval")
     assert {q.id for q in reseeded} != {q.id for q in splits.split("eval")}
-    server = FakeServer(load_splits(str(data_file), eval_per_domain=0).split("train"))
+    server = answering(load_splits(str(data_file), eval_per_domain=0).split("train"), rule_reply)
     out = tmp_path / "eval.json"
-    with running(server.app()) as srv:
+    with server as srv:
         done = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--split-seed", "7"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
@@ -354,8 +256,8 @@ def test_eval_takes_the_split_seed_so_a_reseeded_holdout_can_be_evaluated(splits
 def test_several_greedy_samples_are_flagged_as_identical(splits, data_file, tmp_path):
     """--n-samples 4 at the default temperature 0 gives four copies of one reply: pass@k would equal
     mean@k and look like a measurement, so the user is told."""
-    server = FakeServer(splits.split("eval"))
-    with running(server.app()) as srv:
+    server = answering(splits.split("eval"), rule_reply)
+    with server as srv:
         greedy = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "a.json") + ["--limit", "2", "--n-samples", "4"],
                                 capture_output=True, text=True, timeout=120)
         sampled = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "b.json") + ["--limit", "2", "--n-samples", "4",
@@ -386,9 +288,9 @@ def test_a_password_in_the_base_url_is_not_written_or_printed(splits, tmp_path, 
     assert public_url("http://me:s3cret-pw@host:8000/v1") == "http://me:***@host:8000/v1"
     assert public_url("http://host:8000/v1") == "http://host:8000/v1"
     questions = splits.split("eval")[:3]
-    server = FakeServer(questions)
+    server = answering(questions, rule_reply)
     out = tmp_path / "eval.json"
-    with running(server.app()) as srv:
+    with server as srv:
         url = srv.url.replace("http://", "http://me:s3cret-pw@")
         results = evaluate_server(questions, config(url), out=out, progress=False)
         with pytest.raises(FatalServerError) as fatal:

@@ -7,9 +7,8 @@ import base64
 import json
 
 import pytest
-from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
-from asgi_server import running  # tests/asgi_server.py
+from fakes.openai_server import FakeOpenAI, Reply
 from scirl.task.data import load_splits
 from scirl.eval.client import ClientConfig, evaluate_server
 from scirl.synth.questions import generate_rows, write_jsonl
@@ -24,37 +23,21 @@ def questions(data_file, per_domain=1):
     return load_splits(str(data_file), eval_per_domain=per_domain).split("eval")
 
 
-def fake_server(reply=None, status=200, error_body=None, model="m"):
-    """A chat server giving every request the same reply (or the same error); records each Authorization header."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse, Response
+def fake_server(reply=None, status=200, error_body=None, model="m") -> FakeOpenAI:
+    """The shared fake giving every request the same reply (or the same error: ``{auth}`` in ``error_body`` is the
+    request's Authorization header); it records each request's headers."""
+    def error(request):
+        return Reply(status, (error_body or "").replace("{auth}", request.headers.get("authorization", "")),
+                     media_type="text/plain")
 
-    app = FastAPI()
-    app.state.auth = []
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model, "object": "model"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        auth = request.headers.get("authorization", "")
-        app.state.auth.append(auth)
-        if status != 200:
-            body = (error_body or "").replace("{auth}", auth)
-            return Response(body, status_code=status, media_type="text/plain")
-        n = (await request.json()).get("n", 1)
-        return JSONResponse({"choices": [{"index": i, "message": {"role": "assistant", "content": reply},
-                                          "finish_reason": "length"} for i in range(n)]})
-
-    return app
+    return FakeOpenAI(answer=reply if status == 200 else error, model=model, finish_reason="length")
 
 
 def test_markup_in_a_model_name_and_a_server_error_is_printed_literally(data_file, tmp_path, capsys):
     """Before: "[/x]" in the --model name or a server's error ended `scirl eval` in rich's MarkupError."""
     from scirl.commands.eval import main
 
-    with running(fake_server(status=400, error_body="bad [/x] request [bold]", model="[/x]")) as srv:
+    with fake_server(status=400, error_body="bad [/x] request [bold]", model="[/x]") as srv:
         rc = main(["--base-url", srv.url, "--model", "[/x]", "--data", str(data_file), "--eval-per-domain", "1",
                    "--retries", "0", "--out", str(tmp_path / "e.json"), "--no-progress"])
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
@@ -78,7 +61,7 @@ def test_markup_in_data_fields_is_printed_literally(tmp_path, capsys):
 def test_replies_past_the_cap_are_stored_cut_and_counted(data_file, tmp_path):
     """Before: a server ignoring max_tokens with 20 MB replies made 160 MB results for 8 questions."""
     qs = questions(data_file)
-    with running(fake_server(reply="Answer: B " + "x" * 200_000)) as srv:
+    with fake_server(reply="Answer: B " + "x" * 200_000) as srv:
         cfg = ClientConfig(base_url=srv.url, model="m", n_samples=2, temperature=1.0, max_tokens=8, retries=0,
                            max_reply_chars=1000)
         results = evaluate_server(qs, cfg, out=tmp_path / "e.json", progress=False)
@@ -91,7 +74,7 @@ def test_replies_past_the_cap_are_stored_cut_and_counted(data_file, tmp_path):
 
 def test_a_flood_is_not_read_past_the_limit(data_file):
     qs = questions(data_file)[:2]
-    with running(fake_server(reply="x" * 3_000_000)) as srv:
+    with fake_server(reply="x" * 3_000_000) as srv:
         cfg = ClientConfig(base_url=srv.url, model="m", max_tokens=8, retries=0, max_reply_chars=100)
         results = evaluate_server(qs, cfg, progress=False)
     assert results["counts"]["answered"] == 0 and len(results["failed"]) == 2
@@ -127,7 +110,7 @@ def test_an_eval_leaves_no_lock_file_behind(data_file, tmp_path):
     from scirl.eval.results import lock_out
 
     out = tmp_path / "e.json"
-    with running(fake_server(reply="Answer: A")) as srv:
+    with fake_server(reply="Answer: A") as srv:
         assert main(["--base-url", srv.url, "--model", "m", "--data", str(data_file), "--eval-per-domain", "1",
                      "--out", str(out), "--no-progress"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.json", "e.records.jsonl"]
@@ -143,11 +126,11 @@ def test_echoed_credentials_are_blanked(data_file, tmp_path, capsys):
     """Before: a server echoing the Authorization header leaked base64(user:password) into failed[].error."""
     from scirl.commands.eval import main
 
-    with running(fake_server(status=400, error_body="you sent Authorization: {auth}")) as srv:
+    with fake_server(status=400, error_body="you sent Authorization: {auth}") as srv:
         url = srv.url.replace("http://", "http://alice:pa%24%24word@")
         rc = main(["--base-url", url, "--model", "m", "--data", str(data_file), "--eval-per-domain", "1",
                    "--retries", "0", "--out", str(tmp_path / "e.json"), "--no-progress"])
-        sent = srv.server.config.app.state.auth[0]
+        sent = srv.state.headers[0]["authorization"]
     assert rc == 1 and sent.startswith("Basic ")
     token = sent.split()[1]
     assert base64.b64decode(token) == b"alice:pa$$word"

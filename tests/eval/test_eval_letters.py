@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
 from collections import Counter
 from dataclasses import replace
 
 import pytest
-from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
-from asgi_server import running  # tests/asgi_server.py
+from fakes.openai_server import FakeOpenAI, Reply
 from scirl.task.data import load_splits, question_from_row
 from scirl.eval.letters import letter_stats, letter_summary, prior_shift
 from scirl.eval.local import evaluate_generator
@@ -249,27 +249,6 @@ def test_compare_reports_the_share_a_letter_prior_shift_explains(tmp_path, capsy
     assert "letter prior alone" in out and "68.75%" in out and "50% of the difference" in out
 
 
-class OptionServer:
-    """An OpenAI chat server that answers "A." to everything and counts requests per (question, options shown)."""
-
-    def __init__(self):
-        from fastapi import FastAPI
-
-        self.requests: Counter = Counter()
-        self.app = FastAPI()
-
-        @self.app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-        @self.app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            self.requests[body["messages"][-1]["content"]] += 1
-            return {"choices": [{"index": i, "message": {"role": "assistant", "content": "A."}, "finish_reason": "stop"}
-                                for i in range(body.get("n", 1))]}
-
-
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     return write_jsonl(generate_rows(n_per_domain=8, seed=2), tmp_path_factory.mktemp("letters") / "rows.jsonl")
@@ -284,9 +263,9 @@ def test_permutation_eval_through_a_server_prints_the_figures_and_resumes(data_f
     from scirl.commands.eval import main
 
     questions = load_splits(str(data_file), eval_per_domain=2).split("eval")
-    server = OptionServer()
+    server = FakeOpenAI(answer="A.")  # counts requests per (question, options shown)
     out = tmp_path / "perm.json"
-    with running(server.app) as srv:
+    with server as srv:
         assert main(cli_args(srv.url, data_file, out, "--permutations", "3", "--permutation-seed", "5")) == 0
         printed = " ".join(capsys.readouterr().out.split())
         assert sum(server.requests.values()) == 3 * len(questions) and set(server.requests.values()) == {1}
@@ -319,39 +298,27 @@ def test_permutations_below_one_is_a_one_line_usage_error(tmp_path, capsys, valu
 
 def test_failed_orders_are_listed_and_a_rerun_asks_only_them(data_file, tmp_path):
     """A question counts as answered once every order is; the orders that failed are named and asked again."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
     from scirl.eval.client import ClientConfig, evaluate_server
     from scirl.task.prompt import user_text
 
     questions = load_splits(str(data_file), eval_per_domain=1).split("eval")
     own = {user_text(q) for q in questions}
-    asked: Counter = Counter()
-    app = FastAPI()
-    app.state.healthy = False
+    healthy = threading.Event()
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+    def own_order_only(request):  # until the server is healthy, only the question's own order gets an answer
+        return "B" if healthy.is_set() or request.text in own else Reply(400, {"error": "bad request"})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        text = (await request.json())["messages"][-1]["content"]
-        asked[text] += 1
-        if not app.state.healthy and text not in own:  # only the question's own order gets an answer
-            return JSONResponse({"error": "bad request"}, status_code=400)
-        return {"choices": [{"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}]}
-
+    app = FakeOpenAI(answer=own_order_only, max_n=1)
+    asked = app.requests
     out = tmp_path / "perm.json"
-    with running(app) as srv:
+    with app as srv:
         cfg = ClientConfig(base_url=srv.url, model="fake", retries=0, timeout=30.0)
         results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
         assert results["counts"]["answered"] == 0 and results["counts"]["failed"] == len(questions)
         assert sorted((f["id"], f["permutation"]) for f in results["failed"]) == sorted(
             (q.id, i) for q in questions for i in (1, 2))
         asked.clear()
-        app.state.healthy = True
+        healthy.set()
         results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
     assert sum(asked.values()) == 2 * len(questions) and not set(asked) & own
     assert results["counts"]["answered"] == len(questions) and results["failed"] == []

@@ -7,7 +7,6 @@ import json
 from collections import Counter
 
 import pytest
-from fastapi import Request  # at module level: FastAPI resolves the string annotations here
 
 from scirl.commands.eval import main
 from scirl.task.data import load_splits
@@ -15,36 +14,10 @@ from scirl.eval.results import BadRecordsFile, RecordsFile, SettingsMismatch, ch
 from scirl.task.prompt import user_text
 from scirl.synth.questions import generate_rows, write_jsonl
 
-from asgi_server import running  # tests/asgi_server.py
+from fakes.openai_server import answering
 
 N = 6  # questions per evaluation (--limit)
 OTHER_ID = "0123456789abcdef"  # a well-formed id that is in no eval set here
-
-
-class AnswerServer(running):
-    """An OpenAI chat-completions server that always answers the right letter and counts requests per question."""
-
-    def __init__(self, questions):
-        from fastapi import FastAPI
-
-        self.by_text = {user_text(q): q for q in questions}
-        self.requests: Counter = Counter()
-        app = FastAPI()
-
-        @app.get("/v1/models")
-        async def models():
-            return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
-
-        @app.post("/v1/chat/completions")
-        async def chat(request: Request):
-            body = await request.json()
-            q = self.by_text[body["messages"][-1]["content"]]
-            self.requests[q.id] += 1
-            choices = [{"index": i, "message": {"role": "assistant", "content": f"Answer: {q.answer_key}"},
-                        "finish_reason": "stop"} for i in range(body.get("n", 1))]
-            return {"id": "x", "object": "chat.completion", "model": body["model"], "choices": choices}
-
-        super().__init__(app)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +26,7 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("records")
     data_file = write_jsonl(generate_rows(n_per_domain=12, seed=5), tmp / "rows.jsonl")
     questions = load_splits(str(data_file), eval_per_domain=4).split("eval")[:N]
-    with AnswerServer(questions) as server:
+    with answering(questions, lambda q: f"Answer: {q.answer_key}") as server:
         out = tmp / "clean.json"
         assert main(eval_args(server, data_file, out)) == 0
         # records arrive in completion order, which a loaded machine shuffles; the cases below damage

@@ -1,16 +1,16 @@
-"""Stand-ins for the launcher's tests (``tests/test_deploy.py``, the demo's in ``tests/test_demo.py``): real
-processes, no vLLM, no model.
+"""Stand-ins for the launcher's tests (``tests/deploy/test_deploy.py``, the demo's in ``tests/e2e/test_demo.py``):
+real processes, no vLLM, no model.
 
 ``python deploy_fakes.py server --port P --mode ok|never|exit [--die-when FILE] [--dev-routes yes|no]``
-    an HTTP server answering ``/health`` (200 with ``ok``, 503 with ``never``; ``exit`` fails at start)
-    and, unless ``--dev-routes no``, vLLM's dev route the client's weight-sync check asks; it dies
-    (exit 7) once FILE exists.
+    the fake OpenAI server (``openai_server.py``) answering ``/health`` (200 with ``ok``, 503 with ``never``;
+    ``exit`` fails at start) and, unless ``--dev-routes no``, vLLM's dev routes (the client's weight-sync check
+    asks one); it dies (exit 7) once FILE exists.
 ``python deploy_fakes.py trainer --record DIR --behave ok|crash|refuse|wait|demo [config args...]``
     a trainer that records its argv and rank, waits until every server in ``--inference.urls`` answers, then
     finishes, crashes, refuses its input (exit 2), waits for SIGTERM (recorded), says it stopped after step 1 and
     exits 143 as ``scirl train`` does, or (``demo``) leaves the weights and metrics a finished run leaves.
 ``python deploy_fakes.py vllm-view --port P --root DIR``
-    an HTTP server answering the routes a trainer's start asks of a vLLM server (``/health``, ``/v1/models``,
+    the fake OpenAI server answering the routes a trainer's start asks of a vLLM server (``/health``, ``/v1/models``,
     ``/collective_rpc reload_weights``, ...) as vLLM 0.32 does, whose file system is DIR's: it sees a path
     ``/a/b`` at ``DIR/a/b``, as a node that does not mount the trainer's file system sees another one. A
     reload from a path it cannot see gets vLLM's own answer for a missing path.
@@ -33,7 +33,6 @@ import sys
 import threading
 import time
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -49,6 +48,8 @@ def record(directory: str | None, name: str, data: dict) -> None:
 
 
 def server(argv: list[str]) -> int:
+    from fakes.openai_server import FakeOpenAI, VLLMRoutes
+
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
@@ -65,28 +66,15 @@ def server(argv: list[str]) -> int:
         print("ValueError: fake model load failed", flush=True)
         return 3
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 - http.server's hook
-            if self.path == "/health":
-                self.send_response(200 if args.mode == "ok" else 503)
-            elif self.path == "/is_sleeping" and args.dev_routes == "yes":  # what the client asks of a dev-mode server
-                self.send_response(200)
-            else:
-                self.send_response(404)
-            self.end_headers()
-
-        def log_message(self, *a):
-            pass
-
-    httpd = ThreadingHTTPServer((args.host, args.port), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    print(f"fake server {args.index}: listening on {args.port}", flush=True)
-    deadline = time.monotonic() + WAIT_LIMIT_S
-    while time.monotonic() < deadline:
-        if args.die_when and os.path.exists(args.die_when):
-            print("RuntimeError: fake engine core died", flush=True)
-            os._exit(7)
-        time.sleep(0.05)
+    with FakeOpenAI(ready=lambda: args.mode == "ok", vllm=VLLMRoutes() if args.dev_routes == "yes" else None,
+                    host=args.host, port=args.port):
+        print(f"fake server {args.index}: listening on {args.port}", flush=True)
+        deadline = time.monotonic() + WAIT_LIMIT_S
+        while time.monotonic() < deadline:
+            if args.die_when and os.path.exists(args.die_when):
+                print("RuntimeError: fake engine core died", flush=True)
+                os._exit(7)
+            time.sleep(0.05)
     return 0
 
 
@@ -99,38 +87,22 @@ MISSING_PATH_ANSWER = {"error": {"message": "Call to collective_rpc method faile
 
 
 def vllm_view(argv: list[str]) -> int:
+    from fakes.openai_server import FakeOpenAI, Reply, VLLMRoutes
+
     parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--root", required=True)
     args = parser.parse_args(argv)
-    answers = {"/health": (200, None), "/is_sleeping": (200, {"is_sleeping": False}),
-               "/v1/models": (200, {"object": "list", "data": [{"id": "policy", "object": "model", "max_model_len": 512}]})}
 
-    class Handler(BaseHTTPRequestHandler):
-        def reply(self, status: int, body) -> None:
-            data = json.dumps(body).encode() if body is not None else b""
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def reload_from_what_this_node_sees(request):
+        if request.body.get("method") != "reload_weights":
+            return Reply(404, {"detail": "Not Found"})
+        seen = Path(args.root) / request.body["kwargs"]["weights_path"].lstrip("/")
+        return None if seen.is_dir() else Reply(500, MISSING_PATH_ANSWER)
 
-        def do_GET(self):  # noqa: N802 - http.server's hook
-            self.reply(*answers.get(self.path, (404, {"detail": "Not Found"})))
-
-        def do_POST(self):  # noqa: N802
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-            if self.path != "/collective_rpc" or request.get("method") != "reload_weights":
-                return self.reply(404, {"detail": "Not Found"})
-            seen = Path(args.root) / request["kwargs"]["weights_path"].lstrip("/")
-            self.reply(*((200, {"results": [None]}) if seen.is_dir() else (500, MISSING_PATH_ANSWER)))
-
-        def log_message(self, *a):
-            pass
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", args.port), Handler)
-    threading.Timer(WAIT_LIMIT_S, httpd.shutdown).start()
-    httpd.serve_forever()
+    with FakeOpenAI(model="policy", max_model_len=512, vllm=VLLMRoutes(), port=args.port,
+                    fail={"/collective_rpc": reload_from_what_this_node_sees}):
+        time.sleep(WAIT_LIMIT_S)
     return 0
 
 
@@ -266,7 +238,7 @@ def launch(spec_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path[:0] = [str(HERE.parents[2]), str(HERE.parents[1])]  # scirl, and tests/ (the fake server)
     command, rest = sys.argv[1], sys.argv[2:]
     sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer, "on-node": on_node,
               "launch": lambda a: launch(a[0])}[command](rest))

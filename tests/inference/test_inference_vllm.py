@@ -22,6 +22,8 @@ from scirl.inference import vllm as adapter
 from scirl.inference.base import SamplingParams, encode_messages
 from scirl.trainer.loss import token_logprobs
 
+pytestmark = pytest.mark.slow  # a real vLLM engine: seconds to start, and it computes on the test's own thread
+
 MODEL_A = Path(scirl.__file__).parent / "assets" / "demo-base"
 KL_TOLERANCE = 1e-3  # mean k3 (ratio - 1 - log ratio) between vLLM's and the float32 recompute's logprobs
 

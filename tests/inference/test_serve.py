@@ -142,6 +142,7 @@ def test_requests_arriving_together_are_batched_without_blocking(generator, monk
     assert sum(slow.calls) == 6 and len(slow.calls) < 6  # the queued requests shared a generate call
 
 
+@pytest.mark.slow
 def test_port_in_use_fails_at_once_with_a_clear_message(tiny_model_dir):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -275,7 +276,7 @@ def test_a_batch_whose_client_disconnected_stops_generating(generator):
     """Before: the disconnect check never fired, so an abandoned heavy request held the model for its whole length."""
     import httpx
 
-    from asgi_server import running
+    from helpers.asgi_server import running
     from scirl.serve import create_app
 
     held = HeldGenerator(generator.tokenizer)
@@ -295,7 +296,7 @@ def test_a_batch_keeps_going_while_one_of_its_clients_waits(generator):
     """Only a batch that *every* client left is cancelled; a connected client still gets its answer."""
     import httpx
 
-    from asgi_server import running
+    from helpers.asgi_server import running
     from scirl.serve import create_app
 
     held = HeldGenerator(generator.tokenizer)

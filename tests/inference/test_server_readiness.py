@@ -6,7 +6,6 @@ accepts connections but never answers (a hung server, another program on that po
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import subprocess
 import sys
@@ -14,11 +13,9 @@ import threading
 from contextlib import contextmanager
 
 import pytest
-from fastapi import FastAPI  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import JSONResponse
 
-from asgi_server import running  # tests/asgi_server.py
-from server_process import free_port  # tests/server_process.py
+from fakes.openai_server import FakeOpenAI
+from helpers.server_process import free_port
 from scirl.run.config_io import load_config
 from scirl.errors import TrainError
 from scirl.inference.client import ServerClient, ServerError, wait_until_ready
@@ -52,19 +49,9 @@ class FakeClock:
         self.now += self.step_s
 
 
-def health_app(ready) -> FastAPI:
-    app = FastAPI()
-
-    @app.get("/health")
-    async def health():
-        return JSONResponse({}, status_code=200 if ready() else 503)
-
-    return app
-
-
 def test_the_wait_names_each_server_not_ready_with_its_answer_and_the_time_left():
     clock, lines = FakeClock(step_s=5), []
-    with silent_server() as silent, running(health_app(lambda: clock.now >= 20)) as starting:
+    with silent_server() as silent, FakeOpenAI(ready=lambda: clock.now >= 20) as starting:
         refused, slow = f"http://127.0.0.1:{free_port()}", starting.url.removesuffix("/v1")
         clients = [ServerClient(url, timeout_s=600) for url in (silent, refused, slow)]
         with pytest.raises(ServerError) as caught:
@@ -86,12 +73,7 @@ def test_a_server_whose_model_list_never_comes_is_named_within_seconds_not_the_r
     from scirl.run.backends import make_remote_generator
 
     release = threading.Event()
-    app = health_app(lambda: True)
-
-    @app.get("/v1/models")
-    async def models():
-        await asyncio.to_thread(release.wait, 2 * DEADLINE_S)
-        return {"data": [{"id": "m"}]}
+    app = FakeOpenAI(model="m", hold={"/v1/models": release})
 
     outcome: list[BaseException] = []
     finished = threading.Event()
@@ -105,7 +87,7 @@ def test_a_server_whose_model_list_never_comes_is_named_within_seconds_not_the_r
         finally:
             finished.set()
 
-    with running(app) as server:
+    with app as server:
         threading.Thread(target=connect, args=(server.url,), daemon=True).start()
         answered = finished.wait(DEADLINE_S)
         release.set()
@@ -115,6 +97,7 @@ def test_a_server_whose_model_list_never_comes_is_named_within_seconds_not_the_r
     assert str(outcome[0]).startswith(f"inference server {url} is not usable: /v1/models: no answer within 5s")
 
 
+@pytest.mark.slow
 def test_scirl_train_against_a_silent_server_says_what_it_waits_for_then_names_it(tiny_model_dir, tmp_path):
     data = write_jsonl(generate_rows(n_per_domain=4, seed=0), tmp_path / "rows.jsonl")
     with silent_server() as url:

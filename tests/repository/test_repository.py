@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LARGEST_TRACKED_BYTES = 2 * 1024 * 1024
 NEVER_TRACKED = (".whl", ".tar.gz", ".zip", ".bin", ".pt", ".pth", ".gguf")
 

@@ -321,6 +321,7 @@ def test_kill_during_write_leaves_the_previous_checkpoint(tmp_path, tiny_model_d
     assert_step_1_is_taken(run_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["staging", "writing", "committing"])
 def test_kill_at_each_phase_of_a_background_write_leaves_the_previous_checkpoint(tmp_path, tiny_model_dir, phase):
     """kill -9 while checkpoint 2 is staged but not yet released to training, once its serving files are written
@@ -543,6 +544,7 @@ FILE_LIMIT_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_FSIZE)[1] != resource.RLIM_INFINITY and
                     resource.getrlimit(resource.RLIMIT_FSIZE)[1] < (1 << 20), reason="file size limit already low")
 def test_real_failed_write_is_reported_in_one_line(tmp_path, tiny_model_dir):

@@ -107,7 +107,7 @@ def test_a_checkpoint_resumes_exactly_on_two_ranks_and_theirs_on_one(tiny_model_
     process resumes theirs (the state they saved, bit for bit). The resumed step is the one the process that never
     stopped took, up to the float32 rounding of another reduction order."""
     from safetensors.torch import load_file
-    from test_train import fixed_samples
+    from helpers.train_runs import fixed_samples
     from transformers import AutoModelForCausalLM
 
     torch.save([vars(s) for s in fixed_samples(n=8)], tmp_path / "samples.pt")

@@ -7,7 +7,7 @@ import pytest
 from scirl.errors import ConfigError
 from scirl.run.config import TrainConfig
 from scirl.run.config_io import load_config, read_toml, validate, write_config
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_overrides_kebab_snake_equals_and_bools():

@@ -1,6 +1,6 @@
 """The memory plan (``scirl/run/memory.py``): its estimate against a measured step, its shapes, and ``scirl
-train``'s plan and refusal. The measurement: ``tests/peak_tensor_bytes.py``; FSDP2 over 2 ranks:
-``tests/test_memory_plan_fsdp.py``."""
+train``'s plan and refusal. The measurement: ``tests/helpers/peak_tensor_bytes.py``; FSDP2 over 2 ranks:
+``tests/run/test_memory_plan_fsdp.py``."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from peak_tensor_bytes import PeakTensorBytes  # tests/peak_tensor_bytes.py
+from helpers.peak_tensor_bytes import PeakTensorBytes
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.errors import PreflightError
@@ -54,7 +54,7 @@ from scirl.trainer.batching import Batching
 from scirl.trainer.packing import make_micro_batches
 from scirl.trainer.step import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG_8B = str(ROOT / "configs" / "sciknoweval-qwen3-8b.toml")
 STATE = ("weights", "optimizer", "compute copy")  # what exists before a step: the plan's terms of it
 

@@ -1,6 +1,6 @@
 """The memory plan's per-rank estimate against FSDP2 over 2 gloo ranks on a CPU (torchrun, as
-``tests/test_packing.py`` starts it): each rank's peak of live tensor bytes in a training step
-(``tests/peak_tensor_bytes.py``: what CUDA's allocator would count; a process's resident size is too noisy)
+``tests/trainer/test_packing.py`` starts it): each rank's peak of live tensor bytes in a training step
+(``tests/helpers/peak_tensor_bytes.py``: what CUDA's allocator would count; a process's resident size is too noisy)
 against ``scirl.run.memory.estimate`` for one of ``R = 2`` ranks, within 15%.
 
 Each rank trains on groups of the same shapes, so both ranks run the same micro-batches and the plan of one
@@ -21,7 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from scirl.run.memory import ModelShape, Workload, estimate_rows
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 # (name, model: vocab, hidden, layers, tied; checkpointing, micro_batch_size, micro_batch_tokens, prompt, completion)
 CASES = [
@@ -33,9 +33,9 @@ GROUP_SIZE, GROUPS_PER_RANK = 4, 4
 
 STEP_SCRIPT = r'''
 import json, random, sys
-sys.path.insert(0, sys.argv[1])  # tests/: the tracker
+sys.path.insert(0, sys.argv[1])  # tests/: the tracker in helpers/
 import torch
-from peak_tensor_bytes import PeakTensorBytes
+from helpers.peak_tensor_bytes import PeakTensorBytes
 from scirl import algorithms
 from scirl.distributed import exit_process, setup, teardown
 from scirl.rollouts.contract import Sample

@@ -17,8 +17,10 @@ from scirl.errors import ConfigError
 from scirl.eval import local
 from scirl.run import eval_hook
 from scirl.task.schema import DOMAINS, Question
-from test_train import (COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows,  # noqa: F401
-                        run_in_process, train_args, train_two_ranks)
+from helpers.train_runs import (  # noqa: F401
+    COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows, run_in_process, torchrun_train,
+    train_args,
+)
 
 __all__ = ["data_file", "letter_model_dir"]  # fixtures, used by name
 
@@ -260,7 +262,7 @@ def test_two_ranks_split_the_eval_questions_and_rank_0_logs_them_all(letter_mode
     run_dir = tmp_path / "ddp"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=["--eval.interval", "1",
                                                                                   "--eval.questions", "5"])
-    train_two_ranks(argv)
+    torchrun_train(argv)
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["eval/questions"] == 5 and 0 <= m["eval/accuracy"] <= 1 for m in metrics)

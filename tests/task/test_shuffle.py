@@ -1,6 +1,6 @@
 """Option shuffling (`[data] shuffle_options`) and the control rewards (`[reward] mode = random | format`):
 seeded orders, what each completion is shown and scored against, and group baselines. The end-to-end resume
-with shuffling is in tests/test_train.py."""
+with shuffling is in tests/e2e/test_train_resume.py."""
 
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ from scirl.trainer.model import load_model
 from scirl.trainer.packing import dummy_micro_batch, pack
 from scirl.trainer.step import Trainer
 
-from in_process import train_here  # tests/in_process.py
+from helpers.in_process import train_here
 
 CPU = torch.device("cpu")
-DEMO_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "demo.toml")
+DEMO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
 
 
 @pytest.fixture(autouse=True)
@@ -123,6 +123,7 @@ def tiny_trainer(model_dir, kernels: str, *, dynamic: bool, **batching) -> Train
     return trainer
 
 
+@pytest.mark.slow
 def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir):
     """flex attention inside the compiled decoder layers (CUDA's default; here without gradients, which torch's
     CPU flex attention lacks): over rows of 10 lengths and a rank's stand-in micro-batch, one static graph for each
@@ -149,6 +150,7 @@ def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir
     assert counters["stats"]["unique_graphs"] == len(seen) and not counters["graph_break"]
 
 
+@pytest.mark.slow
 def test_compiled_layers_take_any_length_and_the_stand_in_in_one_graph(tiny_model_dir):
     """The SDPA path's compiled layers over steps of different lengths, prompts and rows, then a rank's stand-in
     micro-batch: one graph, with gradients, and no graph break. A micro-batch of one prompt (a size of 1, which

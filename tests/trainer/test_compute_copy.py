@@ -18,7 +18,7 @@ from scirl.run.config import TrainConfig
 from scirl.trainer.model import load_model
 from scirl.trainer.step import Trainer
 
-from in_process import one_thread  # tests/in_process.py
+from helpers.in_process import one_thread
 
 SEQUENCE = 1500  # positions: the rotary angles' error grows with them
 

@@ -21,7 +21,7 @@ from scirl.trainer.loss import rl_loss, token_logprobs
 from scirl.trainer.targets import student_logprobs, teacher_targets
 from scirl.trainer.packing import make_micro_batches
 from scirl.trainer.step import Trainer
-from tests.test_train import fixed_samples
+from helpers.train_runs import fixed_samples
 
 # float32 throughout: two orders of the same float32 sums (block matmuls, softmax over a row) differ by a
 # few units in the last place of values of order 1-10, hence 1e-5 absolute / 1e-4 relative
@@ -202,6 +202,7 @@ def compiled_graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+@pytest.mark.slow
 def test_a_compiled_head_equals_the_full_logits_one():
     """``Head(fused=True)`` (``kernels = "compile"``: each block's elementwise work compiled by inductor, the
     weight's gradient added into its accumulator by one GEMM a block) at a temperature and a nucleus: the

@@ -14,9 +14,9 @@ from scirl import algorithms
 
 pytest.importorskip("peft")
 
-from test_train import (  # noqa: E402
+from helpers.train_runs import (  # noqa: E402
     COMPUTED_KEYS, EXACT_KEYS, copy_run, data_file, final_weights, fixed_samples, letter_model_dir, one_step_run, one_thread,
-    rows, run_in_process, train_args, trainer_state,
+    rows, run_in_process, train_args, trainer_state, vllm_args,
 )
 
 __all__ = ["data_file", "letter_model_dir", "one_step_run", "one_thread"]  # fixtures, used by name
@@ -228,13 +228,12 @@ def test_lora_settings_are_validated(tmp_path):
             load_config(flags)
 
 
+@pytest.mark.slow
 def test_vllm_gets_the_merged_weights(tmp_path, one_thread):
     """--inference.backend vllm with LoRA on a CPU: the engine samples what the trainer scores (mismatch KL
     ~1e-9 after the adapter moved), which it can only do if the merged weights reached it (an engine left
     on the base gives ~5e-3 at step 2 with this learning rate)."""
     pytest.importorskip("vllm")
-    from test_train_vllm import vllm_args
-
     from scirl.demo.run import write_questions
 
     questions = write_questions(tmp_path / "q.jsonl", 20, 4, 0)

@@ -432,6 +432,7 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
         torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_compiled_decoder_layers_take_the_eager_step(tiny_model_dir, checkpointing):
     """``kernels = "compile"``: the decoder layers' forwards traced by dynamo, all layers one graph, through two

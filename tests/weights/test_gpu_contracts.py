@@ -18,8 +18,8 @@ import torch
 
 import scirl
 from scirl import algorithms
-from asgi_server import running  # tests/asgi_server.py
-from test_vllm_server_fakes import FakeCommunicator, body, fake_vllm, received_by_vllm
+from fakes.nccl import FakeCommunicator, received_by_vllm
+from fakes.openai_server import body, fake_vllm
 
 DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 
@@ -68,7 +68,7 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     opened = []
     monkeypatch.setattr(nccl, "_open_nccl_endpoint", lambda *args: opened.append(FakeCommunicator(*args)) or opened[-1])
     server = fake_vllm()
-    with running(server) as srv:
+    with server as srv:
         cfg = TrainConfig(model=str(DEMO_BASE), device="cpu", dtype="float32", output_dir=str(tmp_path),
                           inference={"urls": [srv.url]}, deployment={"weight_sync": "nccl", "verify_interval": 0})
         model = load_model(str(DEMO_BASE), torch.device("cpu"), Dist(), torch.float32)
@@ -138,6 +138,7 @@ def test_the_nccl_address_is_the_interface_that_routes_to_the_servers(monkeypatc
 
 # ---- offline: no usage report ----
 
+@pytest.mark.slow
 def test_vllm_engines_started_by_scirl_send_no_usage_report(tmp_path):
     """vLLM posts usage statistics to its server at start-up unless told not to; a training machine is
     often offline. Asked of vLLM itself, in a fresh process, after scirl's import of it."""

@@ -2,7 +2,7 @@
 weights gathered a tensor at a time in the wire dtype, cut into buckets as vLLM cuts them, each sent and
 dropped before the next is gathered; and the bounded wait of the ranks that join a push.
 
-What a push holds is measured by tracking every tensor created while it runs (``tests/live_tensors.py``),
+What a push holds is measured by tracking every tensor created while it runs (``tests/helpers/live_tensors.py``),
 never RSS or timings. The NCCL push against vLLM's own receiver is in ``test_vllm_server_fakes.py``; the
 filesystem push to a real vLLM server in ``test_train_servers.py`` and ``test_vllm_server.py``.
 """
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from live_tensors import LiveTensors, bucket_bound  # tests/live_tensors.py
+from helpers.live_tensors import LiveTensors, bucket_bound
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.trainer.full_weights import FullWeights
 from scirl.weights.buckets import LARGEST_FIRST, plan_buckets, spec_bytes
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]
 
 
 def specs(*sizes: int) -> list:
@@ -126,9 +126,8 @@ PUSH_SCRIPT = r'''
 import contextlib, os, sys, time, torch
 tests, model_dir, out, bucket_bytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, tests)
-from asgi_server import running
-from live_tensors import LiveTensors
-from test_vllm_server_fakes import fake_vllm
+from fakes.openai_server import fake_vllm
+from helpers.live_tensors import LiveTensors
 from scirl import algorithms
 from scirl.distributed import Rendezvous, exit_process, setup, teardown
 from scirl.errors import TrainError
@@ -154,7 +153,7 @@ def sink(transport, timeout_s, between_batches=lambda version, push: push()):
 
 # 1. a push in buckets through the filesystem, every rank's tensors tracked
 app = fake_vllm()
-with running(app) if dist.is_main else contextlib.nullcontext() as srv:
+with app if dist.is_main else contextlib.nullcontext() as srv:
     transport = (FilesystemWeightSync([ServerClient(srv.url, timeout_s=30)], f"{out}/broadcasts", timeout_s=30,
                                       bucket_bytes=bucket_bytes) if dist.is_main else None)
     pushing = sink(transport, 120)

@@ -1,181 +1,24 @@
-"""The server client's plumbing against fake vLLM servers (no vLLM, no GPU): the NCCL weight
-sync's handshake and order, the weight-sync support check, the weights directory, the command
-line, and the errors a client raises.
-
-Each fake is a small FastAPI app with the routes of a vLLM dev-mode server that records every
-request; the NCCL communicator is a fake that records what it would broadcast.
+"""Weight sync against fake vLLM servers (``tests/fakes/openai_server.py``; no vLLM, no GPU): the NCCL weight
+sync's handshake and order, the weight-sync support check, the weights directory, pushes in buckets as vLLM's own
+receiver reads them, weight versions per release, and the errors a push raises. The NCCL communicator is a fake
+that records what it would broadcast (``tests/fakes/nccl.py``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import threading
 
 import pytest
 import torch
-from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
-from fastapi.responses import JSONResponse, Response
 
-from asgi_server import running  # tests/asgi_server.py
-from live_tensors import LiveTensors, bucket_bound  # tests/live_tensors.py
-from server_process import free_port  # tests/server_process.py
-from scirl.inference.base import SamplingParams
+from fakes.nccl import FakeCommunicator, received_by_vllm
+from fakes.openai_server import RELEASE_PAYLOAD_FIELDS, body, fake_vllm, routes
+from helpers.live_tensors import LiveTensors, bucket_bound
 from scirl.inference.client import ServerClient, ServerError
-from scirl.inference.remote import RemoteGenerator
-from scirl.inference.vllm_command import server_command
 from scirl.weights import filesystem
 from scirl.weights.filesystem import FilesystemWeightSync, write_weights
 from scirl.weights.nccl import NCCLWeightSync
-
-
-def fake_vllm(*, world_size: int = 1, dev_mode: bool = True, weight_transfer: dict | None = None,
-              fail: dict[str, int] | None = None, gate: threading.Event | None = None, on_init=None,
-              keeps_version: bool = True, checksums=None, release: str = "0.32"):
-    """A FastAPI app answering like a vLLM server; ``app.state.calls`` lists (route, JSON body).
-    ``release``: "0.32" (also 0.33's routes) or "0.25", read from that release's source: no ``/weight_info``,
-    ``/update_weight_version``, ``/weight_checker`` or ``/shutdown_weight_transfer_engine``, and its workers
-    refuse an ``init_info`` or ``update_info`` key outside their dataclasses (``RELEASE_PAYLOAD_FIELDS``).
-    ``gate``: completions wait until it is set (a server still generating). ``on_init(init_info)``: runs
-    in ``/init_weight_transfer_engine`` (a worker joining the group); an exception it raises is a 500.
-    ``keeps_version``: False for a server that forgets the weight version it is given (restarted).
-    ``checksums()``: what ``/weight_checker`` answers (None: the route is missing)."""
-    app = FastAPI()
-    app.state.calls = []
-    app.state.version = "default"
-    fail = fail or {}
-
-    async def record(request: Request):
-        body = await request.body()
-        route = request.url.path
-        app.state.calls.append((route, json.loads(body) if body else None))
-        if route in fail:
-            return JSONResponse({"error": f"{route} failed on purpose"}, status_code=fail[route])
-        return None
-
-    @app.get("/health")
-    async def health():
-        return {}
-
-    if dev_mode:
-        @app.get("/is_sleeping")
-        async def is_sleeping():
-            return {"is_sleeping": False}
-
-        @app.get("/server_info")
-        async def server_info():
-            return {"vllm_config": {"weight_transfer_config": weight_transfer}}
-
-        @app.get("/get_world_size")
-        async def get_world_size():
-            return {"world_size": world_size}
-
-        init_fields, update_fields = RELEASE_PAYLOAD_FIELDS[release]
-        later = ("/shutdown_weight_transfer_engine",) if release != "0.25" else ()
-        for route in ("/start_weight_update", "/collective_rpc", *later):
-            async def handler(request: Request):
-                return await record(request) or {"message": "ok"}
-
-            app.post(route)(handler)
-
-        def unknown_keys(info: dict, fields: frozenset[str]) -> JSONResponse | None:
-            extra = sorted(set(info) - fields)  # the worker's dataclass(**info) raises TypeError: a 500
-            return JSONResponse({"error": f"unexpected keys {extra}"}, status_code=500) if extra else None
-
-        @app.post("/update_weights")
-        async def update_weights(request: Request):
-            return (await record(request) or unknown_keys(app.state.calls[-1][1]["update_info"], update_fields)
-                    or {"message": "ok"})
-
-        @app.post("/init_weight_transfer_engine")
-        async def init_weight_transfer_engine(request: Request):
-            refused = await record(request) or unknown_keys(app.state.calls[-1][1]["init_info"], init_fields)
-            if refused is None and on_init is not None:
-                try:
-                    await asyncio.to_thread(on_init, app.state.calls[-1][1]["init_info"])
-                except Exception as exc:  # noqa: BLE001 - a worker's failure is the server's 500
-                    return JSONResponse({"error": str(exc)}, status_code=500)
-            return refused or {"message": "ok"}
-
-        versioned = (("/finish_weight_update", "weight_version"), ("/update_weight_version", "new_version"))
-        if release == "0.25":  # its /finish_weight_update takes no body and no version is kept
-            @app.post("/finish_weight_update")
-            async def finish_weight_update(request: Request):
-                return await record(request) or {"message": "ok"}
-            versioned = ()
-        for route, field in versioned:
-            def sets_version(field: str):  # both routes set the version /weight_info reports
-                async def handler(request: Request):
-                    refused = await record(request)
-                    if refused is None and keeps_version:
-                        app.state.version = app.state.calls[-1][1][field]
-                    return refused or {"success": True}
-                return handler
-
-            app.post(route)(sets_version(field))
-
-        if release != "0.25":
-            @app.get("/weight_info")
-            async def weight_info():
-                return {"weight_version": app.state.version}
-
-        if checksums is not None and release != "0.25":
-            @app.post("/weight_checker")
-            async def weight_checker(request: Request):
-                return await record(request) or {"checksums": checksums()}
-
-        @app.post("/reset_prefix_cache")
-        async def reset_prefix_cache(request: Request):
-            # 0.25 answers 200 with an empty body; 0.26 on, {"success": bool}
-            return await record(request) or (Response(status_code=200) if release == "0.25" else {"success": True})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = await request.json()
-        app.state.calls.append(("/v1/completions", body))
-        if gate is not None:
-            await asyncio.to_thread(gate.wait, 30)
-        return {"choices": [{"index": i, "text": "x", "token_ids": [5, 2], "finish_reason": "stop",
-                             "logprobs": {"token_logprobs": [-0.5, -0.25]}} for i in range(body["n"])]}
-
-    return app
-
-
-# The NCCL workers' init_info and update_info fields per release (NCCLWeightTransferInitInfo and
-# NCCLWeightTransferUpdateInfo in vllm/distributed/weight_transfer/): 0.25 takes the packing with each update,
-# 0.32 and 0.33 at init.
-RELEASE_PAYLOAD_FIELDS = {
-    "0.25": (frozenset({"master_address", "master_port", "rank_offset", "world_size"}),
-             frozenset({"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"})),
-    "0.32": (frozenset({"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
-                        "packed_buffer_size_bytes", "packed_num_buffers"}),
-             frozenset({"names", "dtype_names", "shapes"})),
-}
-
-
-class FakeCommunicator:
-    """Stands in for the PyNccl endpoint: records the rendezvous and every broadcast tensor."""
-
-    def __init__(self, master_address, master_port, rank, world_size):
-        self.opened_with = (master_address, master_port, rank, world_size)
-        self.sent: list[tuple[torch.dtype, tuple[int, ...], torch.Tensor]] = []
-        self.destroyed = False
-
-    def broadcast(self, tensor, src):
-        assert src == 0
-        self.sent.append((tensor.dtype, tuple(tensor.shape), tensor.clone()))
-
-    def destroy(self):
-        self.destroyed = True
-
-
-def routes(app) -> list[str]:
-    return [route for route, _ in app.state.calls]
-
-
-def body(app, route: str):
-    return [b for r, b in app.state.calls if r == route]
 
 
 def small_model():
@@ -197,7 +40,7 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
         opened.append(FakeCommunicator(*args))
         return opened[-1]
 
-    with running(a) as srv_a, running(b) as srv_b:
+    with a as srv_a, b as srv_b:
         clients = [ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)]
         sync = NCCLWeightSync(clients, master_address="10.0.0.1", master_port=29555, timeout_s=10,
                               communicator_factory=factory, packed=False)
@@ -235,7 +78,7 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
 
 
 def test_nccl_sync_failures_name_the_server_and_route():
-    with running(fake_vllm(fail={"/update_weights": 500})) as srv:
+    with fake_vllm(fail={"/update_weights": 500}) as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=FakeCommunicator, packed=False)
         with pytest.raises(RuntimeError, match="before init"):
@@ -248,7 +91,7 @@ def test_nccl_sync_failures_name_the_server_and_route():
     def refuse(*args):
         raise ConnectionError("rendezvous refused")
 
-    with running(fake_vllm()) as srv:
+    with fake_vllm() as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=refuse)
         with pytest.raises(RuntimeError, match="did not form .ConnectionError: rendezvous refused.*filesystem"):
@@ -256,24 +99,24 @@ def test_nccl_sync_failures_name_the_server_and_route():
 
 
 def test_weight_sync_support_names_the_missing_piece_and_the_fix():
-    with running(fake_vllm(dev_mode=False)) as srv:
+    with fake_vllm(dev_mode=False) as srv:
         problem = ServerClient(srv.url, timeout_s=10).check_weight_sync_support("filesystem")
         assert "VLLM_SERVER_DEV_MODE=1" in problem and "\n" not in problem
-    with running(fake_vllm(weight_transfer=None)) as srv:
+    with fake_vllm(weight_transfer=None) as srv:
         client = ServerClient(srv.url, timeout_s=10)
         assert client.check_weight_sync_support("filesystem") is None
         problem = client.check_weight_sync_support("nccl")
         assert "--weight-transfer-config" in problem and "filesystem" in problem and "\n" not in problem
-    with running(fake_vllm(weight_transfer={"backend": "ipc"})) as srv:
+    with fake_vllm(weight_transfer={"backend": "ipc"}) as srv:
         assert "'ipc'" in ServerClient(srv.url, timeout_s=10).check_weight_sync_support("nccl")
-    with running(fake_vllm(weight_transfer={"backend": "nccl"})) as srv:
+    with fake_vllm(weight_transfer={"backend": "nccl"}) as srv:
         assert ServerClient(srv.url, timeout_s=10).check_weight_sync_support("nccl") is None
 
 
 def test_filesystem_sync_writes_reloads_every_server_and_prunes(tmp_path):
     model = small_model()
     a, b = fake_vllm(), fake_vllm()
-    with running(a) as srv_a, running(b) as srv_b:
+    with a as srv_a, b as srv_b:
         sync = FilesystemWeightSync([ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)],
                                     tmp_path / "broadcasts", keep=2, timeout_s=10)
         for version in (1, 2, 3):
@@ -322,110 +165,11 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
 
 
-def test_a_dead_url_fails_fast_and_clearly():
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    client = ServerClient(url, timeout_s=600, model="m")
-    with pytest.raises(ServerError, match=rf"^{url}/v1/completions: cannot connect"):
-        client.complete([1, 2], SamplingParams(max_tokens=2), seed=0, stop_token_ids=[2])
-    assert not client.is_healthy()
-    with pytest.raises(ServerError, match="process exited"):
-        client.wait_ready(timeout_s=600, alive=lambda: False)
-    with pytest.raises(ServerError, match="not ready after 0.2s"):
-        client.wait_ready(timeout_s=0.2)
 
 
-def test_a_hung_server_times_out():
-    """A server that accepts the connection and never answers (as a stopped process does)."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(8)  # the kernel completes connections; nobody ever reads them
-    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    try:
-        with pytest.raises(ServerError, match=r"/v1/completions: no answer within 0.5s"):
-            ServerClient(url, timeout_s=0.5, model="m").complete([1, 2], SamplingParams(max_tokens=2), seed=0)
-    finally:
-        listener.close()
 
 
-def test_remote_generator_spreads_prompts_and_sends_every_sampling_field():
-    a, b = fake_vllm(), fake_vllm()
-    with running(a) as srv_a, running(b) as srv_b:
-        generator = RemoteGenerator([srv_a.url, srv_b.url], _Tokenizer(), model_name="m", timeout_s=10,
-                                    max_concurrency=4)
-        groups = generator.generate([[1], [2], [3]], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=4,
-                                                                    seed=3))
-        assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].token_ids == [5, 2]
-        sent = {tuple(b_["prompt"]): b_ for app in (a, b) for b_ in body(app, "/v1/completions")}
-        assert len(body(a, "/v1/completions")) == 2 and len(body(b, "/v1/completions")) == 1
-        first = sent[(1,)]
-        assert first["top_k"] == 0 and first["min_p"] == 0 and first["repetition_penalty"] == 1
-        assert first["stop_token_ids"] == [2] and first["logprobs"] == 0 and first["return_token_ids"] is True
-        assert first["model"] == "m" and first["temperature"] == 0.7 and first["top_p"] == 0.9
-        assert len({s["seed"] for s in sent.values()}) == 3  # one seed per prompt
-        # greedy with n > 1: one request with n = 1, copied
-        greedy = generator.generate([[1]], SamplingParams(n=3, temperature=0, max_tokens=4))[0]
-        assert len(greedy) == 3 and greedy[0].token_ids is not greedy[1].token_ids
-        assert [b_["n"] for app in (a, b) for b_ in body(app, "/v1/completions") if b_["temperature"] == 0] == [1]
-        with pytest.raises(RuntimeError, match="NCCLWeightSync"):
-            generator.update_weights([])
-        generator.close()
 
-
-def test_should_stop_cancels_a_generation_still_running():
-    from scirl.inference.base import GenerationCancelled
-
-    gate = threading.Event()
-    app = fake_vllm(gate=gate)
-    with running(app) as srv:
-        generator = RemoteGenerator([srv.url], _Tokenizer(), model_name="m", timeout_s=30, max_concurrency=2)
-        try:
-            with pytest.raises(GenerationCancelled):
-                generator.generate([[1], [2], [3], [4]], SamplingParams(max_tokens=2, seed=0),
-                                   should_stop=lambda: len(body(app, "/v1/completions")) == 2)
-        finally:
-            gate.set()  # the two requests already sent finish, unread
-            generator.close()
-    assert len(body(app, "/v1/completions")) == 2  # the queued two were never sent
-
-
-class _Tokenizer:
-    eos_token_id = 2
-    name_or_path = ""
-
-
-def test_server_command_cpu_gpu_and_bad_combinations():
-    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="float32", max_model_len=512,
-                               device="cpu", kv_cache_gib=0.5)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
-    # dev routes; no usage report to vLLM's stats server; "m" is no local directory, so the hub stays reachable
-    # (and vLLM's own sampler where FlashInfer is missing: test_engines_and_servers_use_vllms_own_sampler_...)
-    env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
-    # on CPU the engine process runs the model itself (no second interpreter for vLLM's one worker)
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    flags = " ".join(argv)
-    assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
-    assert f"--kv-cache-memory-bytes {1 << 29}" in flags and "--no-enable-chunked-prefill" in flags
-    assert "--weight-transfer-config" not in flags and "--data-parallel-size" not in flags
-
-    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="bfloat16", max_model_len=4096,
-                               device="cuda", data_parallel_size=6, weight_sync="nccl", gpu_memory_utilization=0.8)
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # a GPU server keeps vLLM's own process layout
-    flags = " ".join(argv)
-    assert "--data-parallel-size 6" in flags and "--gpu-memory-utilization 0.8" in flags
-    assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
-    assert "--enforce-eager" not in flags and "--no-enable-chunked-prefill" not in flags
-
-    for bad in (dict(device="cpu", weight_sync="nccl"), dict(device="cpu", data_parallel_size=2),
-                dict(device="tpu"), dict(device="cuda", weight_sync="ipc")):
-        with pytest.raises(ValueError):
-            server_command("m", port=1, served_model_name="p", dtype="float32", max_model_len=8, **bad)
-
-
-def test_client_urls_with_or_without_v1():
-    assert ServerClient("http://h:1/v1/").url == ServerClient("http://h:1").url == "http://h:1"
-    assert str(ServerError("http://h:1", "/x", "status 500", "line one\nline two")) == \
-        "http://h:1/x: status 500: line one line two"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -488,7 +232,7 @@ def test_a_failed_update_weights_aborts_the_broadcast_and_names_the_server():
         opened[-1].receivers_arrived.set()  # the rendezvous itself is fine
         return opened[-1]
 
-    with running(fake_vllm()) as good, running(fake_vllm(fail={"/update_weights": 500})) as bad:
+    with fake_vllm() as good, fake_vllm(fail={"/update_weights": 500}) as bad:
         sync = NCCLWeightSync([ServerClient(good.url, timeout_s=10), ServerClient(bad.url, timeout_s=10)],
                               master_address="127.0.0.1", master_port=1, timeout_s=10, communicator_factory=factory,
                               packed=False)
@@ -511,7 +255,7 @@ def test_the_group_refused_on_a_shared_gpu_names_the_fix():
         return FakeCommunicator(address, port, rank, world_size)
 
     server = fake_vllm(on_init=lambda info: group.join(info["rank_offset"], "cuda:0"))
-    with running(server) as srv:
+    with server as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=factory)
         with pytest.raises(RuntimeError) as info:
@@ -530,40 +274,6 @@ class RecordingCommunicator(FakeCommunicator):
             super().broadcast(tensor, src)
 
 
-def received_by_vllm(sent: list[torch.Tensor], init_info: dict, update_info: dict, monkeypatch) -> dict:
-    """What vLLM's own packed receiver (``packed_nccl_broadcast_consumer``, as its workers run it) makes of the
-    broadcasts ``sent``, told what the push told the servers. It cuts its receive buffers from the metadata and
-    the buffer size alone, so a bucket cut otherwise fails here. CUDA streams become no-ops on a CPU."""
-    import contextlib
-
-    import vllm.distributed.weight_transfer.packed_tensor as packed_tensor
-
-    class NoStream:
-        def synchronize(self):
-            pass
-
-    monkeypatch.setattr(packed_tensor, "_get_streams", lambda device, count: tuple(NoStream() for _ in range(count)))
-    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    queue = list(sent)
-
-    class Replay:
-        def broadcast(self, buffer, src):
-            assert queue, "the receiver expects more broadcasts than were sent"
-            got = queue.pop(0)
-            assert (got.dtype, got.shape) == (buffer.dtype, buffer.shape), "a bucket cut otherwise than the receiver's"
-            buffer.copy_(got)
-
-    loaded = {}
-    meta = ((name, (shape, getattr(torch, dtype)))
-            for name, dtype, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]))
-    packed_tensor.packed_nccl_broadcast_consumer(
-        meta, Replay(), 0, lambda pairs: loaded.update((n, t.clone()) for n, t in pairs),
-        buffer_size_bytes=init_info["packed_buffer_size_bytes"], num_buffers=init_info["packed_num_buffers"],
-        device="cpu")
-    assert not queue, "broadcasts the receiver never took"
-    return loaded
-
 
 def test_a_packed_push_is_cut_and_laid_out_as_vllms_receiver_reads_it(monkeypatch):
     """Each bucket is one of the workers' receive buffers: vLLM's real receiver, given the metadata and the
@@ -573,7 +283,7 @@ def test_a_packed_push_is_cut_and_laid_out_as_vllms_receiver_reads_it(monkeypatc
     opened = []
     bucket_bytes = 700  # smaller than the embedding (64 x 16 bf16 = 2 KiB)
     app = fake_vllm()
-    with running(app) as srv:
+    with app as srv:
         sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                               timeout_s=10, communicator_factory=lambda *a: opened.append(FakeCommunicator(*a))
                               or opened[-1], packed=True, bucket_bytes=bucket_bytes)
@@ -602,7 +312,7 @@ def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_t
 
     def push(named_tensors) -> tuple[dict, int]:
         opened, app = [], fake_vllm()
-        with running(app) as srv:
+        with app as srv:
             sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
                                   timeout_s=10, communicator_factory=lambda *a: opened.append(RecordingCommunicator(*a))
                                   or opened[-1], packed=True, bucket_bytes=bucket_bytes)
@@ -626,7 +336,7 @@ def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_t
 
 def test_every_push_ends_with_every_server_reporting_its_version(tmp_path):
     model = small_model()
-    with running(fake_vllm()) as good, running(fake_vllm(keeps_version=False)) as restarted:
+    with fake_vllm() as good, fake_vllm(keeps_version=False) as restarted:
         clients = [ServerClient(good.url, timeout_s=10), ServerClient(restarted.url, timeout_s=10)]
         with pytest.raises(ServerError, match=r"/weight_info: reports weight version 'default' after the push of "
                                               r"version 3") as info:
@@ -648,7 +358,7 @@ def test_nccl_payloads_follow_the_release_the_workers_run(release):
         opened.append(FakeCommunicator(*args))
         return opened[-1]
 
-    with running(app) as srv:
+    with app as srv:
         client = ServerClient(srv.url, timeout_s=10)
         sync = NCCLWeightSync([client], master_address="127.0.0.1", master_port=29555, timeout_s=10,
                               communicator_factory=factory, packed=False, payload_fields=RELEASE_PAYLOAD_FIELDS[release])
@@ -668,7 +378,7 @@ def test_a_025_server_takes_filesystem_pushes_and_says_it_keeps_no_version(tmp_p
     (the probe then checks every push, ``WeightCheck.every_push``); a 0.32 server is confirmed by version."""
     model = small_model()
     old_app, new_app = fake_vllm(release="0.25"), fake_vllm()
-    with running(old_app) as old, running(new_app) as new:
+    with old_app as old, new_app as new:
         clients = [ServerClient(old.url, timeout_s=10), ServerClient(new.url, timeout_s=10)]
         sync = FilesystemWeightSync(clients, tmp_path / "broadcasts", timeout_s=10)
         sync.push(((n, p.detach()) for n, p in model.named_parameters()), 1, model_config=model.config)
@@ -692,25 +402,6 @@ def test_the_probe_runs_after_every_push_where_versions_cannot_be_confirmed():
     check.every_push = True
     assert [check.due(v) for v in (1, 2, 10)] == [True, True, True]
 
-
-def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(monkeypatch):
-    """vLLM's GPU sampler imports FlashInfer unless VLLM_USE_FLASHINFER_SAMPLER=0: a server started without
-    the package gets the variable; with FlashInfer installed, or the variable set by the user, nothing is added."""
-    import importlib.util
-
-    from scirl.inference import vllm as vllm_module
-
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-    for installed in (False, True):
-        monkeypatch.setattr(vllm_module.importlib.util, "find_spec",
-                            lambda name, *a: object() if name == "flashinfer" and installed else
-                            (None if name == "flashinfer" else real_find_spec(name, *a)))
-        _, env = server_command("m", port=8000, served_model_name="m", dtype="bfloat16", max_model_len=64, device="cuda")
-        assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if installed else "0")
-    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
-    assert "VLLM_USE_FLASHINFER_SAMPLER" not in server_command("m", port=8000, served_model_name="m", dtype="bfloat16",
-                                                                max_model_len=64, device="cuda")[1]
 
 
 def test_trainer_init_gets_a_rank_only_where_it_takes_one():
