@@ -1,5 +1,10 @@
-"""Shared session-scoped fixtures (only add fixtures here; others rely on the existing names), and the
-order in which the test files are handed to the workers."""
+"""Shared session-scoped fixtures (only add fixtures here; others rely on the existing names), the order in which
+the test files are handed to the workers, and the slow marker on every end-to-end test.
+
+The folders follow the package (tests/trainer/ for scirl/trainer/, ...); tests/e2e/ holds what starts whole
+commands, servers or runs; tests/fakes/ the stand-ins for other programs (one fake OpenAI-compatible server among
+them), tests/helpers/ the test utilities, both importable from any folder (pyproject's ``pythonpath``). The fast lane
+is ``pytest -m "not slow" tests``."""
 
 from __future__ import annotations
 

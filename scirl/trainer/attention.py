@@ -5,7 +5,7 @@ The trainer's forwards select ``packed_attention`` by name (``packed_rows``), th
 ``AttentionInterface``, and hand it the micro-batch's ``Layout`` as the ``scirl_layout`` keyword, which the
 model's forward passes down to every attention call. Transformers builds no mask of its own for a name it
 has no mask function for, so nothing in the forward asks the device for a size. Two ways to compute it, the
-same attention (``tests/test_packing.py`` checks one against the other and both against whole sequences):
+same attention (``tests/trainer/test_packing.py`` checks one against the other and both against whole sequences):
 
 - ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask made from the layout's per-token
   group and branch ids. It skips the blocks no token of a block attends to (other groups, other completions),

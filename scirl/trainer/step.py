@@ -8,7 +8,7 @@ the LM head and its softmax run there only, a block of tokens at a time (``head.
 by tokens (``micro_batch_tokens``), so short completions go many to a forward and long ones few. Everything the
 loop indexes with is built on the host with the batch and the step's statistics stay on the device until the
 step ends, so a micro-batch's forward and backward never wait for the GPU to tell the host a number
-(``tests/test_packing.py`` counts).
+(``tests/trainer/test_packing.py`` counts).
 
 Single process (CPU or one GPU): a plain module, trained in place; the generator samples from the very same
 module (in bf16 runs, its bf16 compute copy: ``mixed_precision.py``). Under torchrun (``WORLD_SIZE > 1``): the
