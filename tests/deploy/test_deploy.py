@@ -78,6 +78,7 @@ def assert_all_gone(pids: list[int]) -> None:
 # ---- end to end, through the launcher process ----
 
 
+@pytest.mark.slow
 def test_a_finished_run_exits_0_with_every_process_gone_and_its_ports_recorded(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, out, "--deployment.num-train-gpus", "2"))
@@ -101,6 +102,7 @@ def test_a_finished_run_exits_0_with_every_process_gone_and_its_ports_recorded(t
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("behave, status, last_line", [("crash", 1, "fake CUDA out of memory"),
                                                         ("refuse", 2, "fake refusal of a bad input")])
 def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(tiny_model_dir, tmp_path, behave, status,
@@ -113,6 +115,7 @@ def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(tiny_model
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 def test_a_server_dying_mid_run_stops_the_whole_run_and_shows_its_log(tiny_model_dir, tmp_path):
     die = tmp_path / "die"
     proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave="wait",
@@ -125,6 +128,7 @@ def test_a_server_dying_mid_run_stops_the_whole_run_and_shows_its_log(tiny_model
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 def test_a_server_that_never_becomes_healthy_is_named_after_the_startup_timeout(tiny_model_dir, tmp_path):
     args = deploy_args(tiny_model_dir, tmp_path / "run", "--deployment.startup-timeout-s", "2")
     proc, record = start_launcher(tmp_path, args, server_modes={"1": "never"})
@@ -137,6 +141,7 @@ def test_a_server_that_never_becomes_healthy_is_named_after_the_startup_timeout(
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_at_start_fails_the_run_at_once(tiny_model_dir, tmp_path):
     args = deploy_args(tiny_model_dir, tmp_path / "run", "--deployment.startup-timeout-s", "600")
     proc, record = start_launcher(tmp_path, args, server_modes={"0": "exit"})
@@ -146,6 +151,7 @@ def test_a_server_that_exits_at_start_fails_the_run_at_once(tiny_model_dir, tmp_
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_launcher_reaches_every_trainer_rank_stops_the_servers_and_ends_quietly(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     args = deploy_args(tiny_model_dir, out, "--deployment.num-train-gpus", "2")
@@ -170,6 +176,7 @@ def test_sigterm_to_the_launcher_reaches_every_trainer_rank_stops_the_servers_an
     assert_all_gone(recorded_pids(record))
 
 
+@pytest.mark.slow
 def test_a_server_that_cannot_take_new_weights_is_refused_with_a_fix(tiny_model_dir, tmp_path):
     proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), dev_routes="no")
     code, _, err = finish(proc)
