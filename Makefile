@@ -47,7 +47,8 @@ test: setup-vllm
 # releases. torch stays the CPU build: PyPI has the image's torch 2.11 for Linux only with CUDA.
 GPU_IMAGE_TRANSFORMERS ?= 5.17.0
 GPU_IMAGE_VENV ?= .venv-tf517
-GPU_IMAGE_TESTS ?= tests/test_packing.py tests/test_compilation.py tests/test_compute_copy.py tests/test_memory_plan.py
+GPU_IMAGE_TESTS ?= tests/trainer/test_packing.py tests/trainer/test_compilation.py tests/trainer/test_compute_copy.py \
+	tests/run/test_memory_plan.py
 
 $(GPU_IMAGE_VENV)/.ready: pyproject.toml
 	test -x $(GPU_IMAGE_VENV)/bin/python || $(PYTHON) -m venv $(GPU_IMAGE_VENV)

@@ -6,7 +6,7 @@ package, its verifiers, scirl and the sciknoweval package. It exports (or reads
 ``rl`` entrypoint does (``pydantic_config.cli(RLConfig)``), applies the launcher's
 own base_url check, prints the resolved ports and settings, and exits 1 if any
 check fails. ``--record FILE`` writes what prime-rl resolved (plus its defaults and
-field names) as the fixture tests/test_primerl.py checks the export against.
+field names) as the fixture tests/primerl/test_export.py checks the export against.
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def main() -> int:
     if args.record is not None:
         fixture = {
             "about": "prime-rl's own resolution of `scirl export prime-rl`'s grpo.toml, recorded by "
-                     "scripts/check_primerl_config.sh; tests/test_primerl.py checks the export against it",
+                     "scripts/check_primerl_config.sh; tests/primerl/test_export.py checks the export against it",
             "prime_rl_commit": commit,
             "prime_rl_ref": ref,
             "verifiers": verifiers_version,

@@ -1,5 +1,10 @@
-"""Shared session-scoped fixtures (only add fixtures here; others rely on the existing names), and the
-order in which the test files are handed to the workers."""
+"""Shared session-scoped fixtures (only add fixtures here; others rely on the existing names), the order in which
+the test files are handed to the workers, and the slow marker on every end-to-end test.
+
+The folders follow the package (tests/trainer/ for scirl/trainer/, ...); tests/e2e/ holds what starts whole
+commands, servers or runs; tests/fakes/ the stand-ins for other programs (one fake OpenAI-compatible server among
+them), tests/helpers/ the test utilities, both importable from any folder (pyproject's ``pythonpath``). The fast lane
+is ``pytest -m "not slow" tests``."""
 
 from __future__ import annotations
 
@@ -19,48 +24,64 @@ if WORKER and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# The slowest files, slowest first (their seconds on 2 cores under `make test`, from one run's per-test times;
-# a session fixture counts in the first file that asks for it; runs whose process is not the point run inside
-# the worker: ``tests/in_process.py``). `make test` hands whole files to two workers in this order
-# (`--no-loadscope-reorder`: xdist's default reorders files by their number of tests, which put the few-test,
-# minutes-long vLLM files last on one worker while the other sat idle for 3.5 minutes). Starting with the
-# longest ones keeps one worker from ending its share minutes before the other.
+# The slowest files, slowest first, by their path under tests/ (their seconds in one `make test` run on 2 cores shared
+# with other work, a load of ~5: relative figures; a session fixture counts in the first file that asks for it; runs
+# whose process is not the point run inside the worker: ``tests/helpers/in_process.py``). `make test` hands whole
+# files to two workers in this order (`--no-loadscope-reorder`: xdist's default reorders files by their number of
+# tests, which put the few-test, minutes-long vLLM files last on one worker while the other sat idle for 3.5
+# minutes). Starting with the longest ones keeps one worker from ending its share minutes before the other.
 SLOWEST_FIRST = [
-    "test_train_servers.py",  # 134 s
-    "test_docs.py",  # 94 s
-    "test_slurm_job.py",  # 91 s
-    "test_train.py",  # 75 s
-    "test_gpu_check_vllm.py",  # 75 s
-    "test_train_vllm.py",  # 66 s
-    "test_compilation.py",  # ~55 s with inductor's cache cold (~20 s warm; 1 thread, a machine loaded ~1.5x)
-    "test_packing.py",  # ~55 s cold: flex attention compiled by inductor (~35 s warm)
-    "test_gpu_check.py",  # 45 s
-    "test_vllm_server.py",  # 34 s
-    "test_checkpoint.py",  # 31 s (kill -9 at each phase of a background write: a process each)
-    "test_vllm_serve.py",  # 26 s
-    "test_demo.py",  # 25 s
-    "test_sdpo_train.py",  # 23 s
-    "test_checkpoint_ranks.py",  # 21 s
-    "test_server_readiness.py",  # 22 s
-    "test_inference_hf.py",  # 22 s
-    "test_deploy.py",  # 15 s
-    "test_serve.py",  # 14 s
-    "test_eval_client.py",  # 14 s
-    "test_memory_plan_fsdp.py",  # 14 s
-    "test_compute_copy.py",  # ~14 s
-    "test_multinode.py",  # 13 s
-    "test_primerl.py",  # 13 s
-    "test_weight_buckets.py",  # 12 s
-    "test_fsdp_load.py",  # 12 s
-    "test_train_eval.py",  # 11 s
-    "test_gpu_contracts.py",  # 10 s
+    "e2e/test_docs.py",  # 229 s
+    "e2e/test_train_servers.py",  # 211 s
+    "e2e/test_slurm_job.py",  # 168 s
+    "e2e/test_gpu_check_vllm.py",  # 153 s
+    "e2e/test_train_vllm.py",  # 136 s
+    "e2e/test_gpu_check_stage_a.py",  # 110 s
+    "e2e/test_train_ranks.py",  # 85 s
+    "run/test_checkpoint.py",  # 76 s (kill -9 at each phase of a background write: a process each)
+    "trainer/test_packing.py",  # 74 s (flex attention compiled by inductor: more with its cache cold)
+    "e2e/test_vllm_server.py",  # 67 s
+    "trainer/test_compilation.py",  # 61 s (inductor's compiles: more with its cache cold)
+    "e2e/test_vllm_serve.py",  # 49 s
+    "inference/test_inference_hf.py",  # 44 s
+    "run/test_checkpoint_ranks.py",  # 43 s
+    "e2e/test_train_resume.py",  # 38 s
+    "e2e/test_sdpo_train.py",  # 36 s
+    "inference/test_server_readiness.py",  # 35 s
+    "primerl/test_export.py",  # 33 s
+    "e2e/test_demo.py",  # 28 s
+    "deploy/test_deploy.py",  # 27 s
+    "trainer/test_fsdp_load.py",  # 24 s
+    "weights/test_weight_buckets.py",  # 23 s
+    "run/test_memory_plan_fsdp.py",  # 21 s
+    "e2e/test_train_resume_config.py",  # 21 s
+    "inference/test_serve.py",  # 19 s
+    "commands/test_refusals.py",  # 19 s
+    "task/test_reward.py",  # 18 s
+    "deploy/test_multinode.py",  # 17 s
+    "e2e/test_eval_run.py",  # 16 s
+    "eval/test_eval_client.py",  # 15 s
+    "trainer/test_compute_copy.py",  # 15 s
+    "trainer/test_lora.py",  # 12 s
+    "run/test_train_eval.py",  # 11 s
+    "weights/test_gpu_contracts.py",  # 11 s
+    "trainer/test_head.py",  # 10 s
+    "inference/test_inference_vllm.py",  # 10 s
 ]
+TESTS = Path(__file__).resolve().parent
+E2E = TESTS / "e2e"
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
-    """The slowest files first (a stable sort: the rest keep their order); each file's tests keep theirs."""
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    """Marks every test under tests/e2e/ ``slow`` (the fast lane, ``-m "not slow"``, leaves out the end-to-end
+    files and the slow tests elsewhere); the slowest files first (a stable sort: the rest keep their order); each
+    file's tests keep theirs."""
+    rank = {path: i for i, path in enumerate(SLOWEST_FIRST)}
+    for item in items:
+        if item.path.is_relative_to(E2E):
+            item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: rank.get(item.path.relative_to(TESTS).as_posix(), len(rank)))
 
 
 def cpu_description() -> str:

@@ -278,7 +278,7 @@ class LoraSettings(Section):
 
 class TrainConfig(Section):
     """The run's config: every section. The algorithms' own sections come last, one field per registered
-    algorithm (``scirl.algorithms``; ``tests/test_config.py`` checks they match the registry)."""
+    algorithm (``scirl.algorithms``; ``tests/run/test_config.py`` checks they match the registry)."""
 
     max_steps: int = Field(30, ge=1, description="optimizer steps of the run")
     seq_len: int = Field(4096, ge=2, description="longest prompt + completion the trainer sees")

@@ -43,8 +43,8 @@ longest (``estimate``: a token budget leaves short prompts the most completions,
 there). A run may plan on ``1 - HEADROOM`` of the GPU; past that it is refused (``check_fit``).
 
 Checked against measurements: on a CPU, float32 and bf16, one process and FSDP2 over 2 gloo ranks, the step's
-live tensor bytes land within 10% of the estimate (``tests/test_memory_plan*.py``); on a GPU against the allocator's
-peak (``tests/test_memory_plan.py``, skipped without CUDA: not yet run on one). Not measured: the flex path (torch
+live tensor bytes land within 10% of the estimate (``tests/run/test_memory_plan*.py``); on a GPU against the allocator's
+peak (``tests/run/test_memory_plan.py``, skipped without CUDA: not yet run on one). Not measured: the flex path (torch
 has no CPU backward for it), the compiled head (its kernels allocate where the CPU's tracker cannot see), the CUDA
 and NCCL figures, fragmentation.
 

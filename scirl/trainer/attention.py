@@ -4,7 +4,7 @@ completion, nothing else.
 The trainer's forwards select ``packed_attention`` by name through transformers' ``AttentionInterface``
 (``packed_rows``); the model's forward passes the micro-batch's ``Layout`` down as ``scirl_layout``. Transformers
 builds no mask for a name it has no mask function for, so the forward never asks the device for a size. Two ways,
-the same attention (``tests/test_packing.py`` checks them against each other and against whole sequences):
+the same attention (``tests/trainer/test_packing.py`` checks them against each other and against whole sequences):
 
 - ``flex`` (CUDA's default): torch's ``flex_attention`` with a block mask from the layout's group and branch ids,
   skipping the blocks no query of a block sees and reading grouped K/V heads in place. torch has no CPU backward

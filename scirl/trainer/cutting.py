@@ -5,7 +5,7 @@ prompt sharing, and its attention's row lengths (``attention.row_length``) and g
 micro-batches than the busiest runs stand-ins (``packing.dummy_micro_batch``) of ``stand_in_length``.
 ``largest_micro_batch`` and ``stand_in_shape`` give, from the same settings, the micro-batches a rank runs at
 their largest: the memory plan (``scirl/run/memory.py``) sizes its tensors by them, so a change to how the packer
-cuts is a change here, and ``tests/test_cutting.py`` checks the packer never cuts past them.
+cuts is a change here, and ``tests/trainer/test_cutting.py`` checks the packer never cuts past them.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ is a single row of tokens with no padding (under flex attention, up to one of it
 A completion's positions continue its prompt's, as when it was sampled, and the attention keeps completions
 apart (``Layout``; ``scirl/trainer/attention.py`` computes it): a token sees the earlier tokens of its own
 prompt and of its own completion, nothing else. Gradients flow through the prompt's states to every
-completion that reads them, so the update equals the one over whole sequences (``tests/test_packing.py``).
+completion that reads them, so the update equals the one over whole sequences (``tests/trainer/test_packing.py``).
 
 The hidden state that predicts completion token k is its prompt's last position's (k = 0) or its completion
 token k - 1's (``predictor``). Everything a forward needs to index is built here, on the host, when the

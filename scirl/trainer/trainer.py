@@ -5,7 +5,7 @@ A micro-batch is one packed row (``packing.py``): each group's prompt once, its 
 attention keeping completions apart (``attention.py``). Micro-batches are sized in tokens, so short completions go
 many to a forward and long ones few. The forward stops at the hidden states that predict a loss token and the LM
 head runs on those alone, a block of tokens at a time (``head.py``). Indices are built on the host and statistics
-stay on the device until the step ends, so a micro-batch never waits for the GPU (``tests/test_packing.py``
+stay on the device until the step ends, so a micro-batch never waits for the GPU (``tests/trainer/test_packing.py``
 counts).
 
 One process: a plain module trained in place, which the generator samples from (in bf16, its compute copy:

@@ -2,7 +2,7 @@
 ``--weight-transfer-config '{"backend":"nccl"}'``): trainer rank 0 broadcasts every tensor to every
 worker of every server, in one group.
 
-Never run on a GPU yet: tested against stand-ins that keep NCCL's contract (``tests/test_vllm_server_fakes.py``).
+Never run on a GPU yet: tested against stand-ins that keep NCCL's contract (``tests/weights/test_weight_sync.py``).
 Why this is not vLLM's own trainer side (``NCCLTrainerWeightTransferEngine.send_weights``): its
 ``WeightSource`` contract differs between the releases we pin, it cannot end a broadcast whose server
 failed mid-way, and it knows nothing of the dtype, tied head and version checks around a push
