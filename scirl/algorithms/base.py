@@ -115,16 +115,18 @@ class Algorithm:
         return []
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` elementwise, and where the clip decided."""
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     unclipped, clipped = ratio * advantages, clipped_ratio * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
-def token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, eps_low: float, eps_high: float,
-                    normaliser: float) -> tuple[torch.Tensor, LossSums]:
+def token_clip_loss(
+    trainer_logprobs, inference_logprobs, advantages, loss_mask, eps_low: float, eps_high: float, normaliser: float
+) -> tuple[torch.Tensor, LossSums]:
     """PPO's clipped surrogate of every loss token, summed and divided by ``normaliser`` (the PPO-clip variants)."""
     mask = loss_mask.to(bool)
     log_ratio = trainer_logprobs - inference_logprobs.to(trainer_logprobs.dtype)

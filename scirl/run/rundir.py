@@ -70,8 +70,9 @@ def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
     results = [name for name in RESULTS if has_content(run_dir / name)]
     is_run = (run_dir / "config.toml").is_file()
     if results and not is_run:
-        raise RunDirError(f"{run_dir} holds {', '.join(results)} but no scirl run (no config.toml); "
-                          "choose another --output-dir")
+        raise RunDirError(
+            f"{run_dir} holds {', '.join(results)} but no scirl run (no config.toml); choose another --output-dir"
+        )
     if results and not resume and not clean:
         raise RunDirError(
             f"{run_dir} already holds a run ({', '.join(results)}); "
@@ -134,7 +135,9 @@ def lock(run_dir: Path):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RunDirError(f"{run_dir} is in use by another scirl train process; wait for it to end or stop it first") from None
+        raise RunDirError(
+            f"{run_dir} is in use by another scirl train process; wait for it to end or stop it first"
+        ) from None
     return handle
 
 

@@ -77,8 +77,12 @@ def plan_files(specs: list[tuple[str, int]], ranks: int, file_bytes: int = FILE_
             files[-1][1].append(name)
             used += size
     count = len(files)
-    return [ServingFile("model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner,
-                        tuple(names)) for i, (owner, names) in enumerate(files)]
+    return [
+        ServingFile(
+            "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner, tuple(names)
+        )
+        for i, (owner, names) in enumerate(files)
+    ]
 
 
 def index_file(files: list[ServingFile], total_bytes: int) -> bytes | None:
@@ -112,8 +116,9 @@ def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     return tensor.to_local().detach().cpu(), placements[0].dim
 
 
-def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int,
-             group) -> tuple[torch.Tensor | None, bool]:
+def assemble(
+    tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int, group
+) -> tuple[torch.Tensor | None, bool]:
     """(the whole ``tensor`` in ``dtype`` on rank ``owner``, else None; whether this rank's part is finite), each
     part cast before it moves. For a sharded tensor a collective on ``group``."""
     local, dim = local_part(tensor)
@@ -133,8 +138,17 @@ def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ra
     return torch.cat(parts, dim=dim).narrow(dim, 0, full).contiguous(), finite
 
 
-def write_files(out: Path, files: list[ServingFile], tensors: dict[str, torch.Tensor], dtype: torch.dtype, *,
-                rank: int, ranks: int, group, seal) -> tuple[dict[str, dict], str | None]:
+def write_files(
+    out: Path,
+    files: list[ServingFile],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    rank: int,
+    ranks: int,
+    group,
+    seal,
+) -> tuple[dict[str, dict], str | None]:
     """This rank's serving files written into ``out`` -> (their manifest entries from ``seal``, why this rank failed
     or None). A rank that fails (weights not finite, a write refused) writes no more but joins every gather, so the
     others never wait for it."""

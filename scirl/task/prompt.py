@@ -54,7 +54,8 @@ def teacher_messages(q: Question, solution: str | None = None, feedback: str | N
     messages[-1]["content"] = REPROMPT.format(
         question=messages[-1]["content"],
         solution=SOLUTION_SECTION.format(solution=solution) if solution is not None else "",
-        feedback=FEEDBACK_SECTION.format(feedback=feedback) if feedback is not None else "")
+        feedback=FEEDBACK_SECTION.format(feedback=feedback) if feedback is not None else "",
+    )
     return messages
 
 

@@ -42,8 +42,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:
-        raise TrainError(f"{type(base).__name__} has no model.layers: kernels = 'compile' and 'liger' need a "
-                         "decoder-only transformers model (kernels = 'eager' runs any)")
+        raise TrainError(
+            f"{type(base).__name__} has no model.layers: kernels = 'compile' and 'liger' need a "
+            "decoder-only transformers model (kernels = 'eager' runs any)"
+        )
     return list(layers)
 
 
@@ -54,12 +56,15 @@ def apply_liger(model) -> None:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
-        raise TrainError(f"kernels = 'liger' needs Liger-Kernel ({exc}): pip install 'scirl[gpu]', or --kernels compile")
+        raise TrainError(
+            f"kernels = 'liger' needs Liger-Kernel ({exc}): pip install 'scirl[gpu]', or --kernels compile"
+        )
     model_type = model.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise TrainError(f"Liger-Kernel has no kernels for model type {model_type!r}: --kernels compile or eager")
-    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
 
 
 def bound_recompiles() -> None:
@@ -79,8 +84,10 @@ def bound_recompiles() -> None:
 def compile_counts() -> dict[str, int]:
     """The graphs dynamo compiled and the graph breaks it took in this process so far (``train/compiles``,
     ``train/graph_breaks``)."""
-    return {"compiles": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "compiles": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 class Kernels:
@@ -97,14 +104,19 @@ class Kernels:
         if name == "compile":
             bound_recompiles()
             # one compiled function a layer, sharing one graph: dynamo takes a layer's parameters as inputs
-            self.compiled = [(layer, torch.compile(layer.forward, backend=backend, dynamic=dynamic))
-                             for layer in decoder_layers(model)]
+            self.compiled = [
+                (layer, torch.compile(layer.forward, backend=backend, dynamic=dynamic))
+                for layer in decoder_layers(model)
+            ]
         elif name == "liger":
             apply_liger(model)
 
     def describe(self) -> str:
-        return {"eager": "transformers' eager modules", "compile": "each decoder layer compiled (torch.compile)",
-                "liger": "Liger-Kernel's RMSNorm, RoPE and SwiGLU"}[self.name]
+        return {
+            "eager": "transformers' eager modules",
+            "compile": "each decoder layer compiled (torch.compile)",
+            "liger": "Liger-Kernel's RMSNorm, RoPE and SwiGLU",
+        }[self.name]
 
     @contextlib.contextmanager
     def active(self):
