@@ -22,10 +22,10 @@ its group. So `shuffle_options = "epoch"` shows each question in the order scirl
 from __future__ import annotations
 
 import random
+import tomllib
 from pathlib import Path
 from typing import Literal
 
-import tomllib
 import verifiers.v1 as vf
 from pydantic import field_validator, model_validator
 
