@@ -43,7 +43,8 @@ class Algorithm:
         return group_advantages(rewards, std_normalize, self.advantage_cfg.eps)
 
     def drops_flat_groups(self) -> bool:
-        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says (dynamic sampling)."""
+        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says
+        (dynamic sampling)."""
         return False
 
     def refill_rounds(self) -> int:
@@ -52,7 +53,8 @@ class Algorithm:
 
     def group_extras(self, items, completions, scored, tokenizer, reward_mode: str) -> list[dict | None]:
         """Per completion of one group: None, or {"sample": ``Sample`` fields to set, "record": rollout-record
-        fields, "keep": never dropped by the zero-advantage filter}. Only a distilling algorithm adds anything (a teacher prompt)."""
+        fields, "keep": never dropped by the zero-advantage filter}. Only a distilling algorithm adds anything (a
+        teacher prompt)."""
         return [None] * len(completions)
 
     def needs_tokenizer(self) -> bool:

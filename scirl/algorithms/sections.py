@@ -123,6 +123,6 @@ def no_std_normalize(cfg) -> str | None:
 
 
 def sdpo_state_bytes(cfg) -> int:
-    """Bytes per parameter SDPO keeps beside the weights and AdamW (on the GPU, in checkpoints): the EMA teacher at full size
-    (under LoRA it is the small adapter's; ``teacher = "current"`` keeps no copy)."""
+    """Bytes per parameter SDPO keeps beside the weights and AdamW (on the GPU, in checkpoints): the EMA teacher at
+    full size (under LoRA it is the small adapter's; ``teacher = "current"`` keeps no copy)."""
     return EMA_BYTES_PER_PARAM if cfg.sdpo.teacher == "ema" and not cfg.lora.enabled else 0

@@ -77,7 +77,8 @@ def print_tables(summary: dict) -> None:
     console = Console()
     held = ", ".join(f"{kind} {n}" for kind, n in summary["mcq_types"].items()) or "none"  # what the source holds
     console.print(
-        f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): {summary['rows']} rows read, {summary['mcq']} MCQ "
+        f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): "
+        f"{summary['rows']} rows read, {summary['mcq']} MCQ "
         f"({escape(held)}); split {summary['split_method']!r}, "
         f"{summary['eval_per_domain']} eval per domain, split seed {summary['split_seed']}"
     )

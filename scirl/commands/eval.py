@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(
         prog="scirl eval",
-        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible server "
-        "(--base-url), or in-process from a local HF model directory (no --base-url). "
+        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible "
+        "server (--base-url), or in-process from a local HF model directory (no --base-url). "
         "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
     )
     p.add_argument("--base-url", default=None, help="server URL ending in /v1, e.g. http://localhost:8000/v1")

@@ -1,4 +1,5 @@
-"""``scirl serve MODEL_DIR --port P``: an OpenAI-compatible server over a local HF model (CPU; on GPUs use ``vllm serve``)."""
+"""``scirl serve MODEL_DIR --port P``: an OpenAI-compatible server over a local HF model (CPU; on GPUs use
+``vllm serve``)."""
 
 from __future__ import annotations
 

@@ -169,9 +169,8 @@ def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs:
                 cpu=process.cpu,
             )
         )
-    say(
-        f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} (logs: {logs}/inference_*.log)"
-    )
+    urls = ", ".join(ports_lib.urls(ports))
+    say(f"started {len(servers)} inference server(s) at {urls} (logs: {logs}/inference_*.log)")
     return servers
 
 

@@ -83,7 +83,8 @@ def print_summary(results: dict[str, Any], console=None) -> None:
     console.print(table)
     line = f"unparsed {_pct(results['unparsed_rate'])} of samples (strict: {_pct(results['strict_unparsed_rate'])})"
     if results["n_samples"] > 1:
-        line += f"; mean@{results['n_samples']} {_pct(results['mean_at_k'])}, pass@{results['n_samples']} {_pct(results['pass_at_k'])}"
+        k = results["n_samples"]
+        line += f"; mean@{k} {_pct(results['mean_at_k'])}, pass@{k} {_pct(results['pass_at_k'])}"
     console.print(line)
     if results.get("letters"):
         print_letters(results["letters"], console)
@@ -97,7 +98,8 @@ def print_summary(results: dict[str, Any], console=None) -> None:
     if counts["failed"]:
         console.print(
             f"[bold red]{counts['failed']} of {counts['questions']} questions failed after all retries[/] "
-            f"(first: {_text(results['failed'][0]['error'])}); accuracies cover the answered ones. Rerun the same command to fill them in."
+            f"(first: {_text(results['failed'][0]['error'])}); accuracies cover the answered ones. "
+            "Rerun the same command to fill them in."
         )
 
 

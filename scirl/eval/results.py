@@ -235,7 +235,8 @@ class RecordsFile:
             )
             reasons.append(f"{len(numbers)} {reason}: line{'s' if len(numbers) > 1 else ''} {where}{saved}")
         return (
-            f"records file {self.path}: kept {len(self.answered)}, skipped {count} damaged line{'s' if count != 1 else ''} "
+            f"records file {self.path}: kept {len(self.answered)}, "
+            f"skipped {count} damaged line{'s' if count != 1 else ''} "
             f"({'; '.join(reasons)}); questions without an intact record will be asked again"
         )
 

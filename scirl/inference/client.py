@@ -387,9 +387,8 @@ def wait_until_ready(
                 + (f"; not ready either: {listing(others)}" if others else ""),
             )
         if say is not None and now >= next_report:
-            say(
-                f"waiting for inference server(s): {listing(answers.items())}; {deadline - now:.0f}s of {timeout_s:g}s left"
-            )
+            left = f"{deadline - now:.0f}s of {timeout_s:g}s left"
+            say(f"waiting for inference server(s): {listing(answers.items())}; {left}")
             next_report = now + report_every_s
         sleep(POLL_INTERVAL_S)
 

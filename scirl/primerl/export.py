@@ -391,6 +391,7 @@ def grpo_toml(
     taskset = taskset or {}
     check_taskset_settings(taskset.get("shuffle_options", "none"), taskset.get("reward_mode", "strict"))
     data_line = taskset_lines(taskset)
+    router_metrics = f"its metrics port is this + {ROUTER_METRICS_OFFSET} ({ports.router_metrics})"
     return f"""\
 # GRPO on SciKnowEval MCQ with prime-rl: the run guide's config (step 7), written by `scirl export prime-rl`.
 # Target: prime-rl {target.name} at commit {target.commit} ({target.date}), verifiers {target.verifiers}.
@@ -462,7 +463,7 @@ name = "prime-qwen3"
 backend_port = {ports.backend}               # the vLLM engine behind the router
 
 [inference.server]
-port = {ports.api}                       # the router; its metrics port is this + {ROUTER_METRICS_OFFSET} ({ports.router_metrics})
+port = {ports.api}                       # the router; {router_metrics}
 
 [inference.vllm]
 data_parallel_size = 6             # must equal num_infer_gpus
@@ -514,13 +515,17 @@ def readme(ports: Ports, taskset: dict, scirl_source: str | None, target: Target
     )
     port_rows = "\n".join(
         [
-            f"| {ports.api} | router API (`inference.server.port`), the orchestrator's `base_url` | `[inference.server] port` and `[orchestrator.model.client] base_url`, together |",
+            f"| {ports.api} | router API (`inference.server.port`), the orchestrator's `base_url` "
+            "| `[inference.server] port` and `[orchestrator.model.client] base_url`, together |",
             f"| {ports.backend} | vLLM engine behind the router; admin calls | `[inference] backend_port` |",
             f"| {ports.router_metrics} | router Prometheus metrics | none: always API port + {ROUTER_METRICS_OFFSET} |",
-            f"| {ports.nccl} | NCCL weight broadcast, trainer and inference | top-level `[weight_broadcast] port` only |",
+            f"| {ports.nccl} | NCCL weight broadcast, trainer and inference "
+            "| top-level `[weight_broadcast] port` only |",
             f"| {ports.dp_rpc} | vLLM data-parallel RPC | `[inference.vllm] data_parallel_rpc_port` |",
-            f"| {ports.rollout}, {ports.rollout + 1} | ZMQ rollout transport and its ready socket | top-level `[rollout_transport] port` |",
-            f"| {ports.env_servers}+ | env servers, one per source (train, then eval) | `[orchestrator] env_server_base_port` |",
+            f"| {ports.rollout}, {ports.rollout + 1} | ZMQ rollout transport and its ready socket "
+            "| top-level `[rollout_transport] port` |",
+            f"| {ports.env_servers}+ | env servers, one per source (train, then eval) "
+            "| `[orchestrator] env_server_base_port` |",
             "| any free | torchrun rendezvous | picked free by the launcher |",
         ]
     )

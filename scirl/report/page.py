@@ -67,7 +67,10 @@ def duration(seconds: float | None) -> str:
 
 def image(path: Path, caption: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}"><figcaption>{esc(caption)}</figcaption></figure>'
+    return (
+        f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{esc(caption)}</figcaption></figure>"
+    )
 
 
 def clip(text: Any) -> str:
@@ -237,7 +240,8 @@ def rollout_table(rows: list[dict[str, Any]]) -> str:
         )
         body.append(
             f'<tr><td>{esc(r.get("question_id", ""))}<div class="muted">{esc(about)}</div></td>'
-            f"<td>{'' if reward is None else f'{reward:.3g}'}</td><td>{'' if advantage is None else f'{advantage:+.3f}'}</td>"
+            f"<td>{'' if reward is None else f'{reward:.3g}'}</td>"
+            f"<td>{'' if advantage is None else f'{advantage:+.3f}'}</td>"
             f"<td>{esc(r.get('answer') if r.get('answer') is not None else '')}</td><td>{parse_cell(r)}</td>"
             f"<td>{prompt}<pre>{clip(r.get('completion'))}</pre></td></tr>"
         )
@@ -310,8 +314,8 @@ def comparison_block(comparison: dict[str, Any] | None, a: str, b: str) -> str:
         f"<b>p = {m.get('p_value', float('nan')):.3g}</b>.</p>"
         f"<table><tr><th></th><th>{esc(b)} right</th><th>{esc(b)} wrong</th></tr>"
         f"<tr><th>{esc(a)} right</th><td>{t.get('both_right', '')}</td><td>{t.get('a_right_only', '')}</td></tr>"
-        f"<tr><th>{esc(a)} wrong</th><td>{t.get('b_right_only', '')}</td><td>{t.get('both_wrong', '')}</td></tr></table>"
-        + letter_prior_block(comparison.get("letter_prior"), a, b)
+        f"<tr><th>{esc(a)} wrong</th><td>{t.get('b_right_only', '')}</td><td>{t.get('both_wrong', '')}</td></tr>"
+        "</table>" + letter_prior_block(comparison.get("letter_prior"), a, b)
     )
 
 

@@ -212,8 +212,8 @@ def algorithm_keys(metrics: list[dict[str, Any]], name: str) -> list[str]:
 
 
 def plot_algorithm(metrics: list[dict[str, Any]], path: Path, name: str) -> Series:
-    """An algorithm's own metrics (``name/...``, e.g. self-distillation's divergence and share of rollouts with a teacher),
-    one panel each, per step."""
+    """An algorithm's own metrics (``name/...``, e.g. self-distillation's divergence and share of rollouts with a
+    teacher), one panel each, per step."""
     drawn = _present(metrics, algorithm_keys(metrics, name))
     if not drawn:
         return {}

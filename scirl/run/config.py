@@ -231,7 +231,8 @@ class InferenceConfig(Section):
     enforce_eager: bool = Field(False, description="vllm: no CUDA graphs / compilation (faster start, slower decode)")
     sleep_level: Literal[0, 1, 2] = Field(
         2,
-        description="vllm on one GPU: free its memory during the train step (0: never, 1: offload weights, 2: drop them)",
+        description="vllm on one GPU: free its memory during the train step "
+        "(0: never, 1: offload weights, 2: drop them)",
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm on CPU: KV-cache size in GiB (allocated up front)")
     urls: list[str] = Field(
@@ -420,7 +421,8 @@ class TrainConfig(Section):
     kernels: Literal["auto", "eager", "compile", "liger"] = Field(
         "auto",
         description="the decoder layers in the training forward: eager (transformers' modules), compile "
-        "(each layer compiled by torch.compile, and the LM head's elementwise work), liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
+        "(each layer compiled by torch.compile, and the LM head's elementwise work), "
+        "liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
         "auto: compile on CUDA, eager elsewhere",
     )
     algorithm: Literal[algorithms.names()] = Field(

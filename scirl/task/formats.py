@@ -494,7 +494,8 @@ def parse_columns(spec: str | dict[str, Any]) -> ColumnMapping:
         )
     if "options" in values and ("answer" in values) == ("answer_index" in values):
         raise ValueError(
-            "with options=..., give answer=COL (a letter or the option's text) or answer_index=COL (0-based), one of them"
+            "with options=..., give answer=COL (a letter or the option's text) "
+            "or answer_index=COL (0-based), one of them"
         )
     return ColumnMapping(**values)
 

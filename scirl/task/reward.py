@@ -1,6 +1,7 @@
 """Answer-letter extraction for multiple-choice replies, and the 0/1 reward.
 
-Two extraction modes (and two control rewards built on strict, at the end of this docstring). (SciKnowEval's own scorer effectively demands a bare letter: it scores "Answer: B" as A.)
+Two extraction modes (and two control rewards built on strict, at the end of this docstring). (SciKnowEval's own
+scorer effectively demands a bare letter: it scores "Answer: B" as A.)
 
 - ``strict`` (the training reward): the reply is the letter alone ("B", "(B)", "B.") or its last line
   is "Answer: B" (a final ``\\boxed{B}`` counts as that line). Anything looser is unparsed, so the reward

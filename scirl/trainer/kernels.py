@@ -58,7 +58,7 @@ def apply_liger(model) -> None:
     except ImportError as exc:
         raise TrainError(
             f"kernels = 'liger' needs Liger-Kernel ({exc}): pip install 'scirl[gpu]', or --kernels compile"
-        )
+        ) from exc
     model_type = model.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise TrainError(f"Liger-Kernel has no kernels for model type {model_type!r}: --kernels compile or eager")

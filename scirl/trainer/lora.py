@@ -145,5 +145,6 @@ def merge(
 
 
 def hf_name(name: str) -> str:
-    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
