@@ -136,17 +136,19 @@ def main() -> None:
 
     fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
     print(
-        f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples {args.n_samples}  "
-        f"server {'httptools+uvloop' if fast else 'h11+asyncio (install the bench extra)'}"
+        f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples "
+        f"{args.n_samples}  server {'httptools+uvloop' if fast else 'h11+asyncio (install the bench extra)'}"
     )
     print(f"elapsed {elapsed:.2f} s  (ideal {len(questions) / bound:.2f} s)")
     print(
-        f"client CPU {cpu:.2f} s = {1000 * cpu / len(questions):.2f} ms per question (load average {os.getloadavg()[0]:.1f})"
+        f"client CPU {cpu:.2f} s = {1000 * cpu / len(questions):.2f} ms per question (load average "
+        f"{os.getloadavg()[0]:.1f})"
     )
     print(f"requests/s {rate:.1f}  bound {bound:.1f}  ratio {rate / bound:.3f}  (goal >= 0.9)")
     if args.bare:
         print(
-            f"bare HTTP client on this machine now: requests/s {len(questions) / bare:.1f}  ratio {len(questions) / bare / bound:.3f}"
+            f"bare HTTP client on this machine now: requests/s {len(questions) / bare:.1f}  ratio "
+            f"{len(questions) / bare / bound:.3f}"
         )
 
 

@@ -19,12 +19,13 @@ train`` builds it (``make_trainer``: GRPO, the block-wise head, AdamW) over the 
 per setting: micro-batches, the positions the forwards computed (padding included) against the useful tokens (each
 group's prompt once plus the completions), the seconds of a train step (after an untimed one, the median of
 ``--rounds``, the settings taking turns and the order reversed every other round, so that a shared machine's load
-hits them alike) and its speed against the defaults' (above 1: faster), and the largest difference of its per-token logprobs from the defaults' (the same computation: they
-must agree to round-off).
+hits them alike) and its speed against the defaults' (above 1: faster), and the largest difference of its per-token
+logprobs from the defaults' (the same computation: they must agree to round-off).
 
     python benchmarks/bench_packing.py [--questions 2] [--group-size 16] [--limit 256] [--tokens 2048,4096]
                                       [--rounds 3] [--threads 1] [--device cpu] [--dtype float32]
-    python benchmarks/bench_packing.py --device cuda --questions 8 --hidden 1024 --layers 28 --vocab 151936 --dtype bfloat16
+    python benchmarks/bench_packing.py --device cuda --questions 8 --hidden 1024 --layers 28 --vocab 151936 \
+        --dtype bfloat16
 
 (Before micro-batches were packed this script compared right-padded rows, sorted and not, with packed ones;
 packing won once the attention stopped computing across sequences: ``benchmarks/README.md`` keeps those figures.)
@@ -193,9 +194,9 @@ def main(argv=None) -> int:
     model = Qwen3ForCausalLM(config).to(device).train()  # float32 masters, as load_model gives them
     start = {name: t.detach().clone() for name, t in model.state_dict().items()}
     print(
-        f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, {args.dtype}, "
-        f"kernels {args.kernels}; {args.questions} groups x {args.group_size} completions <= {args.limit} tokens, "
-        f"prompts of 100-350 tokens"
+        f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, "
+        f"{args.dtype}, kernels {args.kernels}; {args.questions} groups x {args.group_size} completions <= "
+        f"{args.limit} tokens, prompts of 100-350 tokens"
     )
     print(
         f"{'lengths':>12} {'setting':>34} {'mbs':>4} {'forward':>8} {'useful':>7} {'/ useful':>8} {'s/step':>8} "

@@ -104,7 +104,8 @@ def main() -> None:
         print(f"{name}: train step min {min(values):.3f}s, median {statistics.median(values):.3f}s")
     ratio = min(seconds["sdpo"]) / min(seconds["grpo"])
     print(
-        f"sdpo / grpo (min): {ratio:.2f}x; teacher forwards: min {min(teacher):.3f}s, median {statistics.median(teacher):.3f}s"
+        f"sdpo / grpo (min): {ratio:.2f}x; teacher forwards: min {min(teacher):.3f}s, median "
+        f"{statistics.median(teacher):.3f}s"
     )
 
 

@@ -36,10 +36,20 @@ from scirl.trainer import Trainer
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(
+    model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32
+)
 g = torch.Generator().manual_seed(0)
-samples = [Sample(torch.randint(10, 500, (4 + i,), generator=g).tolist(), torch.randint(10, 500, (3,), generator=g).tolist(),
-                  [-1.0, -2.0, -0.5], 0.5 - i % 2, i) for i in range(6)]
+samples = [
+    Sample(
+        torch.randint(10, 500, (4 + i,), generator=g).tolist(),
+        torch.randint(10, 500, (3,), generator=g).tolist(),
+        [-1.0, -2.0, -0.5],
+        0.5 - i % 2,
+        i,
+    )
+    for i in range(6)
+]
 trainer.train_step(trainer.batches(samples[dist.rank::2]))
 state = trainer.full_state_dict()
 ENDING

@@ -733,8 +733,8 @@ def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> in
             s = pair["results"]
             timed = next((x["timed_steps"] for x in s.values() if x), 0)
             header = (
-                f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per step, "
-                f"{model}, {args.threads} thread(s), {timed} timed step(s) each over {args.rounds} round(s)\n"
+                f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per "
+                f"step, {model}, {args.threads} thread(s), {timed} timed step(s) each over {args.rounds} round(s)\n"
             )
             if args.device == "cpu":
                 print_cpu_pair(s, header if sampler == "hf" else header.replace("\n", "\n[vLLM sampler] ", 1))

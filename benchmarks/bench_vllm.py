@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {k:8s} {result['tokens_per_s'][k]:9.0f} tok/s (median call {result['median_tokens_per_s'][k]:9.0f})")
     print(
         f"  adapter / raw: {result['ratio']:.3f} by total time, {result['median_ratio']:.3f} by median call, "
-        f"{result['paired_median_ratio']:.3f} by median of each round's pair, {result['best_call_ratio']:.3f} by best call "
-        "(goal >= 0.9)"
+        f"{result['paired_median_ratio']:.3f} by median of each round's pair, {result['best_call_ratio']:.3f} by best "
+        "call (goal >= 0.9)"
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

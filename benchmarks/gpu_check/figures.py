@@ -65,9 +65,9 @@ def print_split(m: dict) -> None:
     """The mean step of steps 2+ and its parts' shares."""
     total = m["generate_s"] + m["train_s"] + m["weight_sync_s"]
     say(
-        f"mean of steps 2+: step {m['step_s']:.3f}s = generate {m['generate_s']:.3f}s ({100 * m['generate_s'] / total:.0f}%)"
-        f" + train {m['train_s']:.3f}s ({100 * m['train_s'] / total:.0f}%)"
-        f" + weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)"
+        f"mean of steps 2+: step {m['step_s']:.3f}s = generate {m['generate_s']:.3f}s "
+        f"({100 * m['generate_s'] / total:.0f}%) + train {m['train_s']:.3f}s ({100 * m['train_s'] / total:.0f}%) + "
+        f"weight sync {m['weight_sync_s']:.3f}s ({100 * m['weight_sync_s'] / total:.0f}%)"
     )
 
 
@@ -83,8 +83,9 @@ def print_peak(allocator_mb: float, device_mb: float | None, device: str) -> Non
 def print_tokens(f: dict) -> None:
     """A run's or a step's token counts: what the forwards computed against the useful work."""
     say(
-        f"tokens a step: {f['forward_tokens']:.0f} computed by the forwards ({f['padding_tokens']:.0f} of them padding), "
-        f"{f['unique_tokens']:.0f} useful (each group's prompt once + the completions), {f['loss_tokens']:.0f} loss tokens"
+        f"tokens a step: {f['forward_tokens']:.0f} computed by the forwards ({f['padding_tokens']:.0f} of them "
+        f"padding), {f['unique_tokens']:.0f} useful (each group's prompt once + the completions), "
+        f"{f['loss_tokens']:.0f} loss tokens"
     )
 
 
@@ -92,8 +93,8 @@ def print_a_train(f: dict, ctx: dict) -> None:
     say("\n" + "=" * 78)
     say(
         f"stage A: transformers backend, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, "
-        f"{ctx['dtype']}, {ctx['questions']} questions x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens a "
-        f"step, micro-batches of {f['micro_batch_tokens']} tokens"
+        f"{ctx['dtype']}, {ctx['questions']} questions x {ctx['group_size']} completions x <= {ctx['max_tokens']} "
+        f"tokens a step, micro-batches of {f['micro_batch_tokens']} tokens"
     )
     say(
         f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'ckpt s':>7} {'step s':>8} {'gen tok/s':>10} "
@@ -115,9 +116,10 @@ def print_a_train(f: dict, ctx: dict) -> None:
     print_split(f["mean_after_first"])
     p, c, e = f["prompts"], f["completions"], f["expected_completions"]
     say(
-        f"prompts: {p['count']} of {p['min']}-{p['max']} tokens, mean {p['mean']:.0f}; completions: mean {c['mean']:.1f} "
-        f"tokens, median {c['median']:.0f}, {percent(c['at_limit'])} at the limit (designed: mean {e['mean']:.1f}, median "
-        f"{e['median']}, {percent(e['at_limit'])}; EOS {percent(f['eos_rate'], 2)} a token as built)"
+        f"prompts: {p['count']} of {p['min']}-{p['max']} tokens, mean {p['mean']:.0f}; completions: mean "
+        f"{c['mean']:.1f} tokens, median {c['median']:.0f}, {percent(c['at_limit'])} at the limit (designed: mean "
+        f"{e['mean']:.1f}, median {e['median']}, {percent(e['at_limit'])}; EOS {percent(f['eos_rate'], 2)} a token as "
+        "built)"
     )
     print_tokens(f["tokens_mean_after_first"])
     ck = f["checkpoint"]
@@ -138,8 +140,8 @@ def print_a_train(f: dict, ctx: dict) -> None:
         else "MFU n/a (a CPU: no peak given, --peak-tflops)"
     )
     say(
-        f"training: {f['useful_tokens_per_s']:.0f} useful tokens/s, {f['train_flops_per_step'] / 1e12:.2f} TFLOP a step, "
-        f"{rate}{' (the deterministic settings: a_sweep has the default ones)' if f['deterministic'] else ''}; "
+        f"training: {f['useful_tokens_per_s']:.0f} useful tokens/s, {f['train_flops_per_step'] / 1e12:.2f} TFLOP a "
+        f"step, {rate}{' (the deterministic settings: a_sweep has the default ones)' if f['deterministic'] else ''}; "
         f"FLOPs = {f['flop_formula']}"
     )
     say(f"generation: {f['generation_tokens_per_s']:.0f} tokens/s (completion tokens / generate time)")
@@ -353,8 +355,8 @@ def print_b_colocated(f: dict, ctx: dict) -> None:
         return
     s = f["summary"]
     say(
-        f"stage B: vLLM colocated, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, {ctx['dtype']}, "
-        f"{ctx['questions'] * ctx['group_size']} completions x <= {ctx['max_tokens']} tokens per step"
+        f"stage B: vLLM colocated, {ctx['shape']} shapes ({ctx['parameters'] / 1e9:.3f}B), {ctx['device']}, "
+        f"{ctx['dtype']}, {ctx['questions'] * ctx['group_size']} completions x <= {ctx['max_tokens']} tokens per step"
     )
     say(
         f"{'step':>4} {'generate s':>11} {'train s':>9} {'sync s':>8} {'step s':>8} {'tokens':>7} {'gen tok/s':>10} "
@@ -362,16 +364,16 @@ def print_b_colocated(f: dict, ctx: dict) -> None:
     )
     for r in s["steps"]:
         say(
-            f"{r['step']:>4} {r['generate_s']:>11.3f} {r['train_s']:>9.3f} {r['weight_sync_s']:>8.3f} {r['step_s']:>8.3f} "
-            f"{r['completion_tokens']:>7} {r['completion_tokens'] / r['generate_s']:>10.0f} {percent(r['mfu']):>6} "
-            f"{r['mismatch_kl']:>12.2e} {r['peak_mb']:>9.0f}"
+            f"{r['step']:>4} {r['generate_s']:>11.3f} {r['train_s']:>9.3f} {r['weight_sync_s']:>8.3f} "
+            f"{r['step_s']:>8.3f} {r['completion_tokens']:>7} {r['completion_tokens'] / r['generate_s']:>10.0f} "
+            f"{percent(r['mfu']):>6} {r['mismatch_kl']:>12.2e} {r['peak_mb']:>9.0f}"
         )
     print_split(s["mean_after_first"])
     raw = g["raw"]["tokens_per_s"]
     say(
-        f"generation tokens/s: training {s['training_generation_tokens_per_s']:.0f} | adapter {g['adapter']['tokens_per_s']:.0f}"
-        f" | raw vllm.LLM.generate {raw:.0f}  (adapter/raw {g['adapter']['tokens_per_s'] / raw:.2f},"
-        f" training/raw {s['training_generation_tokens_per_s'] / raw:.2f})"
+        f"generation tokens/s: training {s['training_generation_tokens_per_s']:.0f} | adapter "
+        f"{g['adapter']['tokens_per_s']:.0f} | raw vllm.LLM.generate {raw:.0f}  (adapter/raw "
+        f"{g['adapter']['tokens_per_s'] / raw:.2f}, training/raw {s['training_generation_tokens_per_s'] / raw:.2f})"
     )
     say(f"mismatch KL: max {s['mismatch_kl_max']:.2e}")
     checks = [(r["step"], r["weight_check_s"]) for r in s["steps"] if r.get("weight_check_s") is not None]
@@ -401,6 +403,6 @@ def print_b_disaggregated(d: dict) -> None:
 
 def print_b_eval(e: dict) -> None:
     say(
-        f"b_eval: scirl eval of {e['checkpoint']} through the server: {e['questions']} questions in {e['wall_s']:.1f}s, "
-        f"{e['requests_per_s']:.1f} requests/s, {e['reply_tokens_per_s']:.0f} reply tokens/s"
+        f"b_eval: scirl eval of {e['checkpoint']} through the server: {e['questions']} questions in "
+        f"{e['wall_s']:.1f}s, {e['requests_per_s']:.1f} requests/s, {e['reply_tokens_per_s']:.0f} reply tokens/s"
     )

@@ -37,6 +37,7 @@ import math
 import random
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from .common import REPO, say
@@ -242,13 +243,14 @@ def write_questions(path: Path, per_domain: int, model_dir: Path, seed: int) -> 
         for relation, entity, value in make_world(entities_per_relation=40, seed=1)
     ]
     rng = random.Random(f"context-{seed}")
+
+    def prompt_tokens(row: dict, question: str, words: list[str], *, source: str) -> int:
+        """The templated prompt's tokens with ``words`` before the question (``row`` left holding that text)."""
+        row["question"] = " ".join(words) + "\n\n" + question if words else question
+        return len(encode_messages(tokenizer, build_messages(question_from_row(row, source=source))))
+
     for i, (row, target) in enumerate(zip(rows, prompt_lengths(len(rows), seed))):
-        question = row["question"]
-
-        def length(words: list[str]) -> int:  # the templated prompt's tokens with ``words`` before the question
-            row["question"] = " ".join(words) + "\n\n" + question if words else question
-            return len(encode_messages(tokenizer, build_messages(question_from_row(row, source=f"gpu-check:{i}"))))
-
+        length = partial(prompt_tokens, row, row["question"], source=f"gpu-check:{i}")
         words: list[str] = []
         while length(words) < target:  # whole sentences until the target is reached
             words += rng.choice(facts).split()

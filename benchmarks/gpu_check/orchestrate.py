@@ -396,8 +396,9 @@ def orchestrate(parser, args) -> int:
             },
         )
         say(
-            f"gpu_check: {ctx['shape']} shapes on {'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, "
-            f"{ctx['steps']} steps of {ctx['questions']} x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens"
+            f"gpu_check: {ctx['shape']} shapes on "
+            f"{'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, {ctx['steps']} steps of "
+            f"{ctx['questions']} x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens"
         )
         if not info.get("scirl_imports", True):
             check.skip("model", f"scirl does not import here: {info['scirl_error']}")
@@ -539,9 +540,9 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     budget = GPU_BUDGET if gpu else CPU_BUDGET
     if targets:
         budget = {**budget, "a_sweep": (budget["a_sweep"][0], TARGETS_SWEEP_CAP)}
-    # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger shapes
-    # than at the estimates' (0.6b, BUDGET_STEPS); the sweep and the peer do not depend on the steps, a_sweep2 runs at
-    # its own shape
+    # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger
+    # shapes than at the estimates' (0.6b, BUDGET_STEPS); the sweep and the peer do not depend on the steps, a_sweep2
+    # runs at its own shape
     per_steps = FIXED_SHARE + (1 - FIXED_SHARE) * chosen["steps"] / BUDGET_STEPS["cuda" if gpu else "cpu"]
 
     def scaled(stage: str, est: float, cap: float) -> tuple[float, float]:

@@ -205,7 +205,8 @@ def a_resume_stage(ctx: dict) -> dict:
     partial = run_dir / "weights" / f".step_{k}.tmp"
     # checkpoint k's serving files appear in its tmp dir one by one, each sealed (then the writer sleeps)
     say(
-        f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in it"
+        f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in "
+        "it"
     )
     run = launch(
         ctx,
