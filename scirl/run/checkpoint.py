@@ -43,7 +43,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -85,7 +85,7 @@ def weights_dir(run_dir: str | Path) -> Path:
 
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy and torch (CPU and every CUDA device) RNG states, as tensors and plain values."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # the legacy tuple: the default
     state = {
         "python": random.getstate(),
         # a tensor, which torch.load(weights_only=True) reads back
@@ -421,7 +421,7 @@ def read_adapter_config(path: str | Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int | None:
+def resumable_step(run_dir: str | Path, trusted: set[int] | frozenset[int] = frozenset()) -> int | None:
     """The newest step a resume would take, or None. ``trusted``: steps this process committed moments ago,
     checked by size only, so the usual case hashes nothing."""
     for step, path in reversed(list_checkpoints(run_dir)):
@@ -432,7 +432,7 @@ def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int 
 
 
 def prune_checkpoints(
-    run_dir: str | Path, keep: int, protect: int | None = None, trusted: set[int] = frozenset()
+    run_dir: str | Path, keep: int, protect: int | None = None, trusted: set[int] | frozenset[int] = frozenset()
 ) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints -> what was removed. Never step ``protect``, nor the newest
     resumable one: if newer ones are damaged or serving weights only, a resume needs it."""

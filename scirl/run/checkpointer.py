@@ -36,6 +36,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,7 +91,7 @@ class Job:
     live: dict  # Trainer.checkpoint_state(): references to the live tensors
     progress: dict | None  # rank 0: what state.pt keeps
     full: bool  # with the trainer state (else the serving weights alone)
-    ready: object  # a CUDA event after the step's kernels (None on a CPU)
+    ready: torch.cuda.Event | None  # after the step's kernels (None on a CPU)
     submitted: float = field(default_factory=time.perf_counter)
     phase: str = "staging"  # what the writer is doing, for the lines that say what a wait waits for
     done: threading.Event = field(default_factory=threading.Event)
@@ -270,8 +271,8 @@ class Checkpointer:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             staged = job.live
             if self.stager is not None:
-                staged = self.stager.stage(job.live)
-                staged = staged.result() if hasattr(staged, "result") else staged
+                staging = self.stager.stage(job.live)  # a future when staged in the background (on CUDA)
+                staged = staging.result() if isinstance(staging, Future) else staging
             serving = self.serving() if self.serving is not None else staged["model"]
         return staged, serving
 
@@ -285,7 +286,7 @@ class Checkpointer:
             ]
             self.plan = serving_weights.plan_files(specs, self.dist.world_size)
             self.serving_bytes = sum(size for _, size in specs)
-        failed = None
+        failed: str | Exception | None = None
         if self.dist.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -308,7 +309,7 @@ class Checkpointer:
             )
         if self.dist.is_main and failed is None:
             try:
-                entries.update(self._write_fixed(tmp))
+                entries.update(self._write_fixed(tmp, self.plan))
             except Exception as e:  # a failed write: classified by ``_failure``
                 failed = e
         everything = self._agree((entries, _failure(failed)), step, tmp)
@@ -319,9 +320,9 @@ class Checkpointer:
         self._agree(None, step, None)  # step_N is in place before any rank writes its trainer state into it
         return f"serving weights {_gb(sum(e['size'] for e in files.values()))} ({self.dtype})".replace("torch.", "")
 
-    def _write_fixed(self, tmp: Path) -> dict[str, dict]:
+    def _write_fixed(self, tmp: Path, plan: list[serving_weights.ServingFile]) -> dict[str, dict]:
         files = dict(self.fixed)
-        index = serving_weights.index_file(self.plan, self.serving_bytes)
+        index = serving_weights.index_file(plan, self.serving_bytes)
         if index is not None:
             files[serving_weights.INDEX] = index
         entries = {}

@@ -425,7 +425,8 @@ class TrainConfig(Section):
         "liger (Liger-Kernel's RMSNorm, RoPE, SwiGLU; CUDA, the gpu extra); "
         "auto: compile on CUDA, eager elsewhere",
     )
-    algorithm: Literal[algorithms.names()] = Field(
+    # a Literal of the registry's names, built at import: pydantic checks it, a type checker cannot read it
+    algorithm: Literal[algorithms.names()] = Field(  # type: ignore[valid-type]
         algorithms.DEFAULT,
         description="the policy loss and advantages: "
         + "; ".join(f"{name}: {summary}" for name, summary in algorithms.summaries().items())

@@ -112,8 +112,8 @@ def field_reference(model: type[BaseModel] = TrainConfig, width: int = 110) -> s
             entry = f"--{(prefix + name).replace('_', '-')} {shown}" + (f": {f.description}" if f.description else "")
             lines.extend(textwrap.wrap(entry, width, initial_indent="  ", subsequent_indent="      "))
         for name, f in fields:
-            if _nested_model(f.annotation) is not None:
-                walk(f.annotation, f"{prefix}{name}.")
+            if (nested := _nested_model(f.annotation)) is not None:
+                walk(nested, f"{prefix}{name}.")
 
     walk(model, "")
     return "\n".join(lines)
@@ -263,10 +263,12 @@ FILE_RELATIVE_FIELDS = (("model",), ("data", "source"))
 def anchor_to_file(data: dict, path: Path) -> dict:
     """``model = "../scirl/assets/demo-base"`` in ``configs/demo.toml`` -> that directory's absolute path."""
     for *sections, name in FILE_RELATIVE_FIELDS:
-        table = data
+        table: dict | None = data
         for section in sections:
             table = table.get(section) if isinstance(table, dict) else None
-        value = table.get(name) if isinstance(table, dict) else None
+        if not isinstance(table, dict):
+            continue
+        value = table.get(name)
         if isinstance(value, str) and value.startswith(("./", "../")):
             table[name] = str((path.parent / value).resolve())
     return data

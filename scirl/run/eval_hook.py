@@ -49,7 +49,7 @@ def eval_subset(
     columns = [
         sorted(by_domain[d], key=lambda q: stable_hash(seed, f"eval-subset\x00{q.id}")) for d in sorted(by_domain)
     ]
-    chosen = []
+    chosen: list[Question] = []
     for q in (q for row in zip_longest(*columns) for q in row if q is not None):
         if len(chosen) == n:
             break
@@ -91,7 +91,9 @@ class TrainingEval:
         self.colocated = colocated
 
     def due(self, step: int) -> bool:
-        return bool(self.interval) and (step % self.interval == 0 or step == self.last_step)
+        if not self.interval:
+            return False
+        return step % self.interval == 0 or step == self.last_step
 
     def __call__(self, step: int) -> dict:
         if not self.due(step) or not (self.colocated or self.dist.is_main):

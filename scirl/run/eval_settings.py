@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scirl.errors import ConfigError
 from scirl.run.config import DataConfig
@@ -107,12 +108,13 @@ def resolve(*, model: str | None, run: str | None, served: bool, given: dict, sp
         if same_source and "data_format" not in chosen and "data_columns" not in chosen:
             defaults["data_format"] = run_data.format
             defaults["data_columns"] = parse_columns(run_data.columns) if run_data.columns is not None else None
-    settings = {key: None for key in DATA_FLAGS} | defaults | chosen
+    settings: dict[str, Any] = {key: None for key in DATA_FLAGS} | defaults | chosen
     settings["data_format"] = settings["data_format"] or AUTO
     if split is None:  # a run that trained on the eval split held out the train split
         split = "train" if run_data is not None and run_data.split == "eval" else "eval"
     origin = None
     if run_data is not None:
+        assert run is not None  # run_data is the run's
         taken = {
             key: settings[key]
             for key in DATA_FLAGS
@@ -158,6 +160,7 @@ def trained_ids(settings: EvalSettings, splits) -> set[str]:
     """The ids of the questions the run trained on: its ``data.split`` under its own settings (``splits``, the
     evaluation's, when those are the run's). Raises what ``load_splits`` raises for data it cannot read."""
     run_data = settings.run_data
+    assert run_data is not None, "trained_ids needs an evaluation of a run"
     columns = settings.data_columns.as_dict() if settings.data_columns is not None else None
     same = (
         data_id(settings.data),

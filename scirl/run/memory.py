@@ -243,7 +243,7 @@ class MemoryPlan:
     source: str  # where the shapes came from
     work: Workload
     # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
-    rows: MicroBatchShape | None = None
+    rows: MicroBatchShape
     moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
 
     @property
@@ -258,7 +258,7 @@ class MemoryPlan:
     @property
     def peak_moment(self) -> str:
         phases = self.phases
-        return max(phases, key=phases.get)
+        return max(phases, key=lambda name: phases[name])
 
     @property
     def terms(self) -> dict[str, int]:
@@ -816,7 +816,7 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
     row = min(cfg.seq_len, longest_prompt + cfg.max_completion_tokens)
     gpu = gpu_size(cfg.deployment)
     planned = plan_run(cfg, ranks=ranks, gpu=gpu, row_tokens=row)  # refuses what even the shortest rows cannot fit
-    if isinstance(planned, str) or planned[1] is None:
+    if gpu is None or isinstance(planned, str) or planned[1] is None:  # no GPU size known: nothing to check
         return
     plan, fits_row = planned
     raise PreflightError(

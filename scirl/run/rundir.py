@@ -187,16 +187,19 @@ def write_rollouts(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+class TrainLogHandler(logging.FileHandler):
+    """``logs/train.log``'s handler: a run started again in the same process replaces the last one's."""
+
+
 def setup_logging(run_dir: Path, is_main: bool) -> None:
     """``logs/train.log`` gets every ``scirl.*`` logger's records (data notes, warnings, step lines)."""
     package_log = logging.getLogger("scirl")
     package_log.setLevel(logging.INFO)
     for handler in list(package_log.handlers):
-        if getattr(handler, "_scirl_train", False):
+        if isinstance(handler, TrainLogHandler):
             package_log.removeHandler(handler)
             handler.close()
     if is_main:
-        handler = logging.FileHandler(run_dir / "logs" / "train.log", encoding="utf-8")
+        handler = TrainLogHandler(run_dir / "logs" / "train.log", encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._scirl_train = True
         package_log.addHandler(handler)

@@ -17,6 +17,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import tomli_w
 import torch
@@ -26,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from scirl import algorithms, distributed, extras
 from scirl.errors import ConfigError, RunDirError, TrainError
+from scirl.inference.base import Generator
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
@@ -46,6 +48,7 @@ from scirl.run.config_io import changed_settings, saved_config, to_toml_dict, wr
 from scirl.run.eval_hook import training_eval
 from scirl.trainer import Trainer, lora
 from scirl.trainer.model import check_identical_ranks, compute_dtype, load_model
+from scirl.weights.base import WeightSink
 from scirl.weights.check import Replica, WeightCheck, probe_sequence
 from scirl.weights.inprocess import InProcessSink
 from scirl.weights.servers import start_server_sink
@@ -70,11 +73,11 @@ class Run:
     digest: str  # of the questions' ids, recorded by checkpoints: a resume on other questions is refused
     start_step: int
     empty_steps: int  # consecutive steps without an update when the run (re)starts
-    generator: object | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
+    generator: Generator | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
     source: ColocatedSource | ServerSource
-    sink: object  # scirl.weights.base.WeightSink
+    sink: WeightSink
     evaluate: Callable[[int], dict]  # eval during training: {} unless due at this step
-    wandb_run: object | None
+    wandb_run: Any  # wandb's run (the optional extra), or None
     checkpointer: Checkpointer  # writes the checkpoints beside training
 
     def close(self) -> None:
@@ -99,7 +102,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     distributed.barrier(dist)
     rundir.setup_logging(run_dir, dist.is_main)
     console = Console(highlight=False, soft_wrap=True)  # soft_wrap: one step, one line, whatever the width
-    say = (lambda text: (log.info(text), console.print(text))) if dist.is_main else (lambda text: None)
+    say = rank0_say(console, dist.is_main)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -131,9 +134,8 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         return None
 
     # ---- the policy, its trainer and its sampler ----
-    generator, model, trainer = build_policy(
-        cfg, model_source, tokenizer, (latest[1], saved) if saved else None, device, dist, group, say
-    )
+    resumed = (latest[1], saved) if latest is not None and saved else None
+    generator, model, trainer = build_policy(cfg, model_source, tokenizer, resumed, device, dist, group, say)
     checkpointer = make_checkpointer(cfg, trainer, tokenizer, model_source, dist, group, device, say)
     trainer.before_update = checkpointer.wait_for_staging
     evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not cfg.inference.urls, say=say)
@@ -146,34 +148,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         write_config(cfg, run_dir / "config.toml")
 
     # ---- the seam: where batches come from, where weights go ----
-    room = min(cfg.seq_len, cfg.inference.max_model_len or cfg.seq_len)
-    check = WeightCheck(
-        trainer,
-        probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size), room),
-        interval=cfg.deployment.verify_interval,
-    )
-    position = saved["data_position"] if saved else {"epoch": 0, "cursor": 0}
-    if cfg.inference.urls:
-        source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
-    else:
-        if trainer.algorithm.refill_rounds() and dist.world_size > 1:
-            raise ConfigError(
-                f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
-                "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
-                "or drop them"
-            )
-        sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
-        source = ColocatedSource(
-            questions,
-            sampler,
-            generator,
-            cfg.rollout_settings(trainer.algorithm),
-            vocab_size=model.config.vocab_size,
-            dist=dist,
-        )
-        sink = InProcessSink(generator, trainer, check)
-        if saved is not None and checkpointer.dtype != trainer.dtype:
-            sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
+    source, sink = seam(cfg, questions, saved, generator, trainer, tokenizer, checkpointer, start_step)
     empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
     return Run(
         cfg,
@@ -198,6 +173,60 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     )
 
 
+def rank0_say(console: Console, is_main: bool) -> Callable[[str], None]:
+    """``Run.say``: a line on rank 0's console and in logs/train.log; nothing on the others."""
+
+    def say(text: str) -> None:
+        if is_main:
+            log.info(text)
+            console.print(text)
+
+    return say
+
+
+def seam(
+    cfg: TrainConfig,
+    questions: list[PromptedQuestion],
+    saved: dict | None,
+    generator,
+    trainer,
+    tokenizer,
+    checkpointer: Checkpointer,
+    start_step: int,
+) -> tuple[ColocatedSource | ServerSource, WeightSink]:
+    """Where batches come from and where weights go: the servers (``connect_servers``), else this process's
+    sampler; every push checked (``WeightCheck``), the questions drawn on from ``saved``'s position."""
+    dist, model = trainer.dist, trainer.model
+    room = min(cfg.seq_len, cfg.inference.max_model_len or cfg.seq_len)
+    check = WeightCheck(
+        trainer,
+        probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size), room),
+        interval=cfg.deployment.verify_interval,
+    )
+    position = saved["data_position"] if saved else {"epoch": 0, "cursor": 0}
+    if cfg.inference.urls:
+        return connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
+    if trainer.algorithm.refill_rounds() and dist.world_size > 1:
+        raise ConfigError(
+            f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
+            "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
+            "or drop them"
+        )
+    sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
+    source = ColocatedSource(
+        questions,
+        sampler,
+        generator,
+        cfg.rollout_settings(trainer.algorithm),
+        vocab_size=model.config.vocab_size,
+        dist=dist,
+    )
+    sink = InProcessSink(generator, trainer, check)
+    if saved is not None and checkpointer.dtype != trainer.dtype:
+        sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
+    return source, sink
+
+
 def build_policy(
     cfg: TrainConfig,
     model_source: str,
@@ -213,7 +242,7 @@ def build_policy(
     dtype = compute_dtype(cfg.dtype, device)
     if dist.is_main and (advice := bf16_advice(device, dtype)):
         say(advice)
-    generator = None
+    generator: Generator | None = None
     if cfg.inference.urls and dist.is_main:  # first: a server that is down fails the run before a model is loaded
         generator = make_remote_generator(cfg.inference.urls, tokenizer, cfg.deployment, say)
     if not cfg.inference.urls and inference_backend(cfg, device) == "vllm":
@@ -327,7 +356,7 @@ def connect_servers(
     tokenizer,
     check: WeightCheck,
     start_step: int,
-) -> tuple[ServerSource, object]:
+) -> tuple[ServerSource, WeightSink]:
     """Rank 0's orchestrator, started last (its first batch must come from the weights the sink pushes first), and
     the sink that pushes to the servers."""
     dist = trainer.dist

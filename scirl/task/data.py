@@ -44,7 +44,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -61,7 +61,7 @@ HUB_PROBE_TIMEOUT_S = hub.PROBE_TIMEOUT_S
 SPLIT_METHODS = ("content", "guide")
 # The split every command and the prime-rl plug-in use unless told otherwise: the one source of these defaults.
 DEFAULT_EVAL_PER_DOMAIN = 200  # held-out questions per domain (800 over the four)
-DEFAULT_SPLIT_METHOD = "content"
+DEFAULT_SPLIT_METHOD: Final = "content"
 DEFAULT_SPLIT_SEED = 42  # the holdout's own seed, apart from any training seed
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -558,6 +558,25 @@ def is_mcq_candidate(row: Any, types: tuple[str, ...]) -> bool:
     return not (isinstance(row, dict) and row.get("type") is not None and row["type"] not in types)
 
 
+def split_by_guide(
+    kept: list[Question], eval_ids: set[str], picked_rows: list, notes: list[str]
+) -> tuple[list[Question], list[Question]]:
+    """(train, eval) of the guide's holdout: ``eval_ids``, the questions of the rows it picked (``picked_rows``);
+    a note per domain whose pick lost rows to validation or dedup."""
+    # dedupe() keeps input order, so the identity of each kept question tells its split
+    eval_ = [q for q in kept if q.id in eval_ids]
+    train = [q for q in kept if q.id not in eval_ids]
+    picked = Counter(str(row.get("domain")) for row in picked_rows if isinstance(row, dict))
+    valid = Counter(q.domain for q in eval_)
+    for domain, n in sorted(picked.items()):
+        if valid[domain] < n:
+            notes.append(
+                f"{domain}: the guide's holdout picked {n} rows, {n - valid[domain]} of them invalid, duplicate or "
+                f"conflicting, so eval keeps {valid[domain]}"
+            )
+    return train, eval_
+
+
 def load_splits(
     source: str = HUB_ID,
     *,
@@ -622,20 +641,8 @@ def load_splits(
     if split_method == "content":
         train, eval_ = split_by_content(kept, eval_per_domain, seed, notes)
     else:
-        # dedupe() keeps input order, so the identity of each kept question tells its split
         eval_ids = {questions[k].id for k in prefer}
-        eval_ = [q for q in kept if q.id in eval_ids]
-        train = [q for q in kept if q.id not in eval_ids]
-        picked = Counter(
-            str(candidates[pos][1].get("domain")) for pos in eval_positions if isinstance(candidates[pos][1], dict)
-        )
-        valid = Counter(q.domain for q in eval_)
-        for domain, n in sorted(picked.items()):
-            if valid[domain] < n:
-                notes.append(
-                    f"{domain}: the guide's holdout picked {n} rows, {n - valid[domain]} of them invalid, duplicate or "
-                    f"conflicting, so eval keeps {valid[domain]}"
-                )
+        train, eval_ = split_by_guide(kept, eval_ids, [candidates[pos][1] for pos in sorted(eval_positions)], notes)
 
     splits = DataSplits(
         source=source,

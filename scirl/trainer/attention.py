@@ -132,7 +132,7 @@ def flex_block_mask(layout: Layout, length: int) -> BlockMask:
     def seen(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # [N, key blocks]: keys in [first, last]
         return (torch.minimum(last[:, None], block_last) - torch.maximum(first[:, None], block_first) + 1).clamp_(min=0)
 
-    counts = sum(seen(first, last) for first, last in spans)
+    counts = torch.stack([seen(first, last) for first, last in spans]).sum(0)
     counts = counts.view(length // FLEX_BLOCK, FLEX_BLOCK, -1).sum(1)[None, None]  # [1, 1, query blocks, key blocks]
     full = counts == FLEX_BLOCK * FLEX_BLOCK
     partial = (counts > 0) & ~full
@@ -197,19 +197,19 @@ def grouped_sdpa(query, key, value, layout: Layout, scale, dropout: float) -> to
     )
     outputs = [prompts.transpose(1, 2).flatten(0, 1)]
     for grid in layout.grids:
-        keys = grid.key_index
+        keys, bias = grid.key_index, grid.bias
+        assert keys is not None and bias is not None  # made together by ``prepare`` (``packed_attention`` checks)
         completions = F.scaled_dot_product_attention(
             take(q, grid.query_index),
             take(k, keys),
             take(v, keys),
-            attn_mask=grid.bias.to(query.dtype),
+            attn_mask=bias.to(query.dtype),
             dropout_p=dropout,
             scale=scale,
             enable_gqa=True,
         )
         outputs.append(completions.transpose(1, 2).flatten(0, 1))
-    outputs = torch.cat(outputs)
-    return outputs.index_select(0, layout.unpack)[None]
+    return torch.cat(outputs).index_select(0, layout.unpack)[None]
 
 
 @functools.cache

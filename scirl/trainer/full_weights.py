@@ -46,7 +46,7 @@ class FullWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         for (name, _, dtype), (_, value, layer) in zip(self.specs, self.parts):
-            tensor = self._gather(value, layer, dtype)
+            tensor: torch.Tensor | None = self._gather(value, layer, dtype)
             if not self.keep:
                 tensor = None  # this rank only joins the gather
             yield name, tensor

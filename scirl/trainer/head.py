@@ -39,7 +39,8 @@ def hidden_states_out(model: torch.nn.Module):
     """Inside, ``model(...).logits`` are the final hidden states (after the final norm): the output embedding
     returns its input. Yields a dict whose ``"weight"`` is the head weight the latest forward would have used (under
     FSDP2 the gathered one). Nested, the outer one's is back on the way out."""
-    head = model.get_output_embeddings()
+    # transformers' method; torch types an attribute it does not know as a Tensor or a Module
+    head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the block-wise LM head does not apply final_logit_softcapping")
     seen: dict = {}
@@ -108,7 +109,9 @@ def blocks(total: int, block_tokens: int):
         yield slice(start, start + block_tokens), min(block_tokens, total - start)
 
 
-def outputs(hidden: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+def outputs(
+    hidden: torch.Tensor, ids: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and the
     nucleus's cut [N]."""
     n = ids.shape[0]

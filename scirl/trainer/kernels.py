@@ -20,6 +20,8 @@ Every rank applies the same setting to the same module tree, so FSDP2's ranks ru
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx.experimental._config
@@ -100,7 +102,7 @@ class Kernels:
         if name not in CHOICES[1:]:
             raise ValueError(f"kernels must be one of {', '.join(CHOICES[1:])} once resolved, got {name!r}")
         self.name = name
-        self.compiled: list[tuple[torch.nn.Module, object]] = []
+        self.compiled: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
         if name == "compile":
             bound_recompiles()
             # one compiled function a layer, sharing one graph: dynamo takes a layer's parameters as inputs
@@ -128,8 +130,8 @@ class Kernels:
         try:
             yield
         finally:
-            for (layer, _), forward in zip(self.compiled, before):
-                if forward is None:
+            for (layer, _), outer in zip(self.compiled, before):
+                if outer is None:
                     del layer.forward  # the class's forward again
                 else:
-                    layer.forward = forward
+                    layer.forward = outer

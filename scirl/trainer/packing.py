@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,12 +138,10 @@ class MicroBatch:
         return self.packed.sequences
 
 
-def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max_grids: int = 1) -> Packed:
-    """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
-    one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
-    multiple of it with padding positions (1: none), or a function gives the padded length (flex attention's few
-    row lengths, ``attention.row_length``). ``max_grids``: how many
-    grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
+def prompt_groups(
+    rows: Sequence[tuple[object, list[int], list[int]]],
+) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+    """``pack``'s rows by prompt: (each distinct prompt's ids, the rows of each, each row's prompt)."""
     prompt_of: dict[object, int] = {}
     prompts: list[list[int]] = []
     members: list[list[int]] = []
@@ -159,6 +157,16 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max
             members.append([])
         members[g].append(r)
         row_prompt[r] = g
+    return prompts, members, row_prompt
+
+
+def pack(rows: Sequence[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max_grids: int = 1) -> Packed:
+    """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
+    one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
+    multiple of it with padding positions (1: none), or a function gives the padded length (flex attention's few
+    row lengths, ``attention.row_length``). ``max_grids``: how many
+    grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
+    prompts, members, row_prompt = prompt_groups(rows)
     lengths = [len(c) for _, _, c in rows]
     n_rows, longest_prompt, longest_completion = len(rows), max(len(p) for p in prompts), max(lengths)
 
@@ -280,11 +288,10 @@ def completion_grids(lengths: list[int], prompt_len: int, max_grids: int = MAX_G
     return grids[::-1]
 
 
-def prompt_key(s: Sample, share_prompts: bool, index: int, teacher: bool = False) -> object:
+def prompt_key(group: int, prompt: list[int], share_prompts: bool, index: int) -> object:
     """Rows with equal keys share a prompt: the group and the prompt's tokens (completions of one question may
     have seen other option orders); without sharing, every row its own."""
-    prompt = s.teacher_prompt_ids if teacher else s.prompt_ids
-    return (s.group, tuple(prompt)) if share_prompts else index
+    return (group, tuple(prompt)) if share_prompts else index
 
 
 def check_sample(s: Sample) -> None:
@@ -315,7 +322,10 @@ def micro_batch(
     for s in chunk:
         check_sample(s)
     packed = pack(
-        [(prompt_key(s, share_prompts, i), s.prompt_ids, s.completion_ids) for i, s in enumerate(chunk)],
+        [
+            (prompt_key(s.group, s.prompt_ids, share_prompts, i), s.prompt_ids, s.completion_ids)
+            for i, s in enumerate(chunk)
+        ],
         pad_to,
         max_grids,
     )
@@ -334,13 +344,13 @@ def micro_batch(
 
 def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: PadTo, max_grids: int) -> PackedTeacher | None:
     """The teacher's sequences of ``chunk``'s samples that have a teacher prompt (None: none has)."""
-    taught_rows = [i for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None]
-    if not taught_rows:
+    prompts = {i: s.teacher_prompt_ids for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None}
+    if not prompts:
         return None
     packed = pack(
         [
-            (prompt_key(chunk[i], share_prompts, i, teacher=True), chunk[i].teacher_prompt_ids, chunk[i].completion_ids)
-            for i in taught_rows
+            (prompt_key(chunk[i].group, prompt, share_prompts, i), prompt, chunk[i].completion_ids)
+            for i, prompt in prompts.items()
         ],
         pad_to,
         max_grids,
@@ -348,9 +358,9 @@ def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: PadTo, max_g
     starts = [0]
     for s in chunk:
         starts.append(starts[-1] + len(s.completion_ids))
-    taught = [t for i in taught_rows for t in range(starts[i], starts[i + 1])]
+    taught = [t for i in prompts for t in range(starts[i], starts[i + 1])]
     has_teacher = torch.zeros(len(chunk), dtype=torch.bool)
-    has_teacher[taught_rows] = True
+    has_teacher[list(prompts)] = True
     return PackedTeacher(packed, torch.tensor(taught, dtype=torch.long), has_teacher)
 
 
@@ -373,9 +383,10 @@ def make_micro_batches(
     if not samples:
         return []
     chunks: list[list[Sample]] = [[]]
-    tokens, seen = 0, set()
+    tokens = 0
+    seen: set[object] = set()
     for i, s in enumerate(samples):
-        key = prompt_key(s, share_prompts, i)
+        key = prompt_key(s.group, s.prompt_ids, share_prompts, i)
         cost = len(s.completion_ids) + (0 if key in seen else len(s.prompt_ids))
         full = (max_rows is not None and len(chunks[-1]) >= max_rows) or (max_tokens and tokens + cost > max_tokens)
         if chunks[-1] and full:
@@ -385,7 +396,8 @@ def make_micro_batches(
         chunks[-1].append(s)
         seen.add(key)
         tokens += cost
-    batches, counted = [], set()
+    batches: list[MicroBatch] = []
+    counted: set = set()
     for chunk in chunks:  # a prompt split over micro-batches is useful work once, where it first appears
         batches.append(
             dataclasses.replace(
@@ -431,7 +443,7 @@ def to_device(value, device: torch.device, host: frozenset[str] = frozenset()):
         return value.to(device)
     if isinstance(value, list):
         return [to_device(v, device, host) for v in value]
-    if dataclasses.is_dataclass(value):
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance (a class is no batch)
         return dataclasses.replace(
             value,
             **{

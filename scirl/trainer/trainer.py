@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
@@ -216,7 +218,7 @@ class Trainer:
     def reshard_root(self) -> None:
         """Free FSDP2's gathered root parameters so the next forward gathers them anew (around an EMA teacher's
         forward, whose weights are swapped in)."""
-        if hasattr(self.compute_model, "reshard"):
+        if isinstance(self.compute_model, FSDPModule):
             self.compute_model.reshard()
 
     # ---- the step ----
@@ -272,19 +274,19 @@ class Trainer:
         ]
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
+        loss_sum, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
         for mb in padded:
             # copy and masks are queued on the device, which then waits for nothing on the host
             loss, mb_sums = self.forward_backward(self.on_device(mb), counts)
-            loss_total = loss_total + loss
+            loss_sum = loss_sum + loss
             sums = sums.add(mb_sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         # the step's one wait for the device: every statistic at once (the grad norm is already global)
-        summed = self.all_reduce([loss_total, *sums.as_list(), *forward])
+        summed = self.all_reduce([loss_sum, *sums.as_list(), *forward])
         loss_total, totals, (forward_tokens, padding_tokens) = summed[0], summed[1:-2], summed[-2:]
-        grad_norm = float(grad_norm)
+        grad_norm = float(norm)
         tokens_stats = {
             "loss_tokens": int(global_tokens),
             "forward_tokens": int(forward_tokens),
