@@ -45,9 +45,8 @@ class Spec:
     config_model: type[Section] | None = None  # validates that section
     prime_rl: bool = False  # prime-rl's trainer has the same loss (``scirl export prime-rl`` may write it)
     check_config: Callable | None = None  # cfg -> what it refuses of the rest of the run's config (one line) or None
-    state_bytes: Callable | None = (
-        None  # cfg -> bytes per parameter of state it keeps beside the weights (GPU, checkpoints)
-    )
+    # cfg -> bytes per parameter of state it keeps beside the weights (GPU, checkpoints)
+    state_bytes: Callable | None = None
 
 
 ALGORITHMS: dict[str, Spec] = {

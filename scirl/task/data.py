@@ -491,9 +491,8 @@ class DataSplits:
     seed: int = DEFAULT_SPLIT_SEED
     types: tuple[str, ...] = MCQ_TYPES
     notes: list[str] = field(default_factory=list)  # anything the caller should know (small domains, ...)
-    data_format: str = (
-        "sciknoweval"  # the schema the rows were read in (a name of scirl.task.formats.FORMATS, or "columns")
-    )
+    # the schema the rows were read in (a name of scirl.task.formats.FORMATS, or "columns")
+    data_format: str = "sciknoweval"
 
     def split(self, name: str) -> list[Question]:
         if name == "train":

@@ -43,9 +43,8 @@ from torch.distributed.tensor import DTensor
 
 from scirl.trainer.loss import LossSums
 
-LOG_RATIO_BOUND = (
-    20.0  # |log ratio| beyond this is clamped before exp (the reference's bound), so the weight stays finite
-)
+# |log ratio| beyond this is clamped before exp (the reference's bound), so the weight stays finite
+LOG_RATIO_BOUND = 20.0
 
 
 # ---- the distributions and the divergence ----
