@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test
 BIN := $(VENV)/bin
 
-.PHONY: setup setup-vllm demo test test-gpu-image bench clean
+.PHONY: setup setup-vllm demo test test-fast test-gpu-image lint typecheck bench clean
 
 $(BIN)/scirl: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,8 +38,30 @@ demo: setup
 
 # two workers, each a whole test file at a time (a file's module-scoped vLLM server or engine starts once),
 # the files in tests/conftest.py's order, slowest first
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 test: setup-vllm
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
+	$(PYTEST) tests
+
+# The suite less its `slow` tests: whole commands, runs, servers, vLLM engines, torchrun, compiles (every end-to-end
+# test is one). A few minutes on 2 cores; `make test` runs everything.
+test-fast: setup-vllm
+	$(PYTEST) -m "not slow" tests
+
+# ruff and mypy at the lint extra's pins, in .venv beside scirl: mypy reads torch's, transformers' and pydantic's
+# types there (pydantic's plugin too)
+$(VENV)/.lint: $(BIN)/scirl
+	$(BIN)/python -m pip install --quiet -e ".[$(EXTRAS),lint]"
+	touch $@
+
+# ruff's lint and format check over the repository (what the pre-commit hooks check), then the type check
+lint: $(VENV)/.lint
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(MAKE) --no-print-directory typecheck
+
+# mypy over scirl/trainer and scirl/run ([tool.mypy] in pyproject.toml)
+typecheck: $(VENV)/.lint
+	$(BIN)/mypy
 
 # The GPU image's transformers (benchmarks/gpu_wheels.txt) beside the CPU torch, in a venv of its own: the packed,
 # compiled-layer and memory-plan tests. The trainer meets transformers' own code (its attention interface, its
@@ -62,4 +84,4 @@ test-gpu-image: $(GPU_IMAGE_VENV)/.ready
 	$(GPU_IMAGE_VENV)/bin/python -m pytest -q -n 2 --dist loadfile $(GPU_IMAGE_TESTS)
 
 clean:
-	rm -rf $(VENV) $(GPU_IMAGE_VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(GPU_IMAGE_VENV) outputs .pytest_cache .ruff_cache .mypy_cache

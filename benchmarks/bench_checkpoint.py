@@ -49,8 +49,16 @@ SHAPE = {"hidden_size": 1536, "num_layers": 7, "num_heads": 16, "num_kv_heads": 
 def tiny_samples():
     from scirl.rollouts.contract import Sample
 
-    return [Sample(prompt_ids=list(range(10, 26)), completion_ids=list(range(30, 38)), logprobs=[-1.0] * 8,
-                   advantage=1.0 if i % 2 else -1.0, group=i) for i in range(4)]
+    return [
+        Sample(
+            prompt_ids=list(range(10, 26)),
+            completion_ids=list(range(30, 38)),
+            logprobs=[-1.0] * 8,
+            advantage=1.0 if i % 2 else -1.0,
+            group=i,
+        )
+        for i in range(4)
+    ]
 
 
 def worker(args) -> None:
@@ -60,24 +68,37 @@ def worker(args) -> None:
     from scirl.distributed import exit_process, setup, teardown
     from scirl.run import checkpoint
     from scirl.run.config_io import load_config
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     torch.set_num_threads(1)
     dist, device = setup("cpu")
     sync = hasattr(checkpoint, "save_checkpoint")  # the earlier revision's single-writer save
-    cfg = load_config(["--model", args.model, "--output-dir", args.run_dir, "--device", "cpu", "--dtype", "float32",
-                       "--ckpt.keep", "1"])
+    cfg = load_config(
+        [
+            "--model",
+            args.model,
+            "--output-dir",
+            args.run_dir,
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--ckpt.keep",
+            "1",
+        ]
+    )
     group = None
     if not sync:
         from scirl.run.checkpointer import checkpoint_group
 
         group = checkpoint_group(dist.world_size)
     model = load_model(args.model, device, dist, torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist,
-                      dtype=torch.float32)
-    samples = tiny_samples()[dist.rank::dist.world_size]
+    trainer = Trainer(
+        model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32
+    )
+    samples = tiny_samples()[dist.rank :: dist.world_size]
 
     def step() -> None:
         trainer.train_step(make_micro_batches(samples, max_rows=2))
@@ -109,10 +130,19 @@ def sync_side(args, trainer, dist, step) -> list[dict]:
         state = trainer.full_state_dict(all_ranks=False)
         bad = [name for name, tensor in state.items() if not bool(torch.isfinite(tensor).all())]
         assert not bad
-        checkpoint.save_checkpoint(args.run_dir, n, trainer.model, tokenizer, state_dict=state, adapter=None,
-                                   optimizer_state=trainer.optimizer_state_dict(),
-                                   data_position={"epoch": 0, "cursor": n}, extra={"consecutive_empty_steps": 0},
-                                   keep=1, algorithm_state=trainer.algorithm.state_files(all_ranks=False))
+        checkpoint.save_checkpoint(
+            args.run_dir,
+            n,
+            trainer.model,
+            tokenizer,
+            state_dict=state,
+            adapter=None,
+            optimizer_state=trainer.optimizer_state_dict(),
+            data_position={"epoch": 0, "cursor": n},
+            extra={"consecutive_empty_steps": 0},
+            keep=1,
+            algorithm_state=trainer.algorithm.state_files(all_ranks=False),
+        )
         distributed.barrier(dist)
         blocked = time.perf_counter() - started
         del state
@@ -128,8 +158,9 @@ def background_side(args, cfg, trainer, dist, group, device, step) -> list[dict]
     from scirl.run.checkpoint import capture_rng_state
     from scirl.run.setup import make_checkpointer
 
-    writer = make_checkpointer(cfg, trainer, AutoTokenizer.from_pretrained(args.model), args.model, dist, group,
-                               device, lambda text: None)
+    writer = make_checkpointer(
+        cfg, trainer, AutoTokenizer.from_pretrained(args.model), args.model, dist, group, device, lambda text: None
+    )
     trainer.before_update = writer.wait_for_staging
     records = []
     for n in range(1, args.checkpoints + 1):
@@ -142,8 +173,14 @@ def background_side(args, cfg, trainer, dist, group, device, step) -> list[dict]
             if background is None and steps >= 50:
                 writer.finish()  # a write slower than 50 steps: wait for it, counted as blocked
                 background = writer.poll()
-        records.append({"blocked_s": writer.take_blocked(), "background_s": background,
-                        "bytes": written(args.run_dir, n), "steps": steps})
+        records.append(
+            {
+                "blocked_s": writer.take_blocked(),
+                "background_s": background,
+                "bytes": written(args.run_dir, n),
+                "steps": steps,
+            }
+        )
     writer.close()
     return records
 
@@ -177,11 +214,13 @@ def build_model(out: Path, shape: dict) -> Path:
 def against_tree(rev: str, tmp: Path):
     """A ``git worktree`` of revision ``rev`` of this repository for the duration."""
     tree = tmp / f"against-{rev}"
-    made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True,
-                          text=True)
+    made = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True
+    )
     if made.returncode != 0:
-        raise SystemExit(f"bench_checkpoint: --against {rev}: git worktree add failed: "
-                         f"{made.stderr.strip().splitlines()[-1]}")
+        raise SystemExit(
+            f"bench_checkpoint: --against {rev}: git worktree add failed: {made.stderr.strip().splitlines()[-1]}"
+        )
     try:
         yield tree
     finally:
@@ -193,9 +232,26 @@ def run_side(root: Path, ranks: int, model: Path, tmp: Path, checkpoints: int) -
     out, run_dir = tmp / "records.json", tmp / f"run-{time.monotonic_ns()}"
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, *launcher, str(Path(__file__).resolve()), "--worker", "--model", str(model),
-                           "--run-dir", str(run_dir), "--out", str(out), "--checkpoints", str(checkpoints)],
-                          env=env, capture_output=True, text=True, timeout=3600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            *launcher,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--model",
+            str(model),
+            "--run-dir",
+            str(run_dir),
+            "--out",
+            str(out),
+            "--checkpoints",
+            str(checkpoints),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     if done.returncode != 0:
         raise SystemExit(f"bench_checkpoint: a side failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     records = json.loads(out.read_text())
@@ -207,10 +263,14 @@ def summary(records: list[dict]) -> dict:
     blocked = [r["blocked_s"] for r in records]
     background = [r["background_s"] for r in records]
     gb = statistics.median(r["bytes"] for r in records) / 1e9
-    return {"blocked_s": statistics.median(blocked), "blocked_all_s": blocked,
-            "background_s": statistics.median(background), "gb": gb,
-            "gb_per_s": gb / statistics.median(background) if statistics.median(background) else None,
-            "steps_between": [r["steps"] for r in records]}
+    return {
+        "blocked_s": statistics.median(blocked),
+        "blocked_all_s": blocked,
+        "background_s": statistics.median(background),
+        "gb": gb,
+        "gb_per_s": gb / statistics.median(background) if statistics.median(background) else None,
+        "steps_between": [r["steps"] for r in records],
+    }
 
 
 def main() -> None:
@@ -229,8 +289,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
     sys.path.insert(0, str(REPO))
-    with tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp_name, \
-            against_tree(args.against, Path(tmp_name)) as old:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-ckpt-") as tmp_name,
+        against_tree(args.against, Path(tmp_name)) as old,
+    ):
         tmp = Path(tmp_name)
         shape = {**SHAPE, "num_layers": args.layers}
         model = build_model(tmp / "model", shape)
@@ -238,9 +300,10 @@ def main() -> None:
         results: dict[str, list] = {}
         for ranks in (int(r) for r in args.ranks.split(",")):
             for round_ in range(args.rounds):
-                for name, root in (sides if round_ % 2 == 0 else sides[::-1]):
-                    results.setdefault(f"{name} x{ranks}", []).extend(run_side(root, ranks, model, tmp,
-                                                                              args.checkpoints))
+                for name, root in sides if round_ % 2 == 0 else sides[::-1]:
+                    results.setdefault(f"{name} x{ranks}", []).extend(
+                        run_side(root, ranks, model, tmp, args.checkpoints)
+                    )
     table = {key: summary(records) for key, records in results.items()}
     print(f"{'side':<22} {'blocked s/ckpt':>14} {'vs sync':>8} {'background s':>13} {'GB':>6} {'GB/s':>6}")
     for key, row in table.items():

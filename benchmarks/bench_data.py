@@ -11,8 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from scirl.task import data
 from scirl.synth import questions as synthetic
+from scirl.task import data
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows-per-domain", type=int, default=4668)
@@ -27,9 +29,11 @@ def main() -> None:
             wall, cpu = time.perf_counter(), time.process_time()
             splits = data.load_splits(str(path), split_method=method)
             load_wall, load_cpu = time.perf_counter() - wall, time.process_time() - cpu
-            print(f"{method:8s} {splits.mcq_read} MCQ rows: read {read_wall:.2f} s wall / {read_cpu:.2f} s CPU; "
-                  f"load_splits {load_wall:.2f} s wall / {load_cpu:.2f} s CPU "
-                  f"(train {len(splits.train)}, eval {len(splits.eval)})")
+            print(
+                f"{method:8s} {splits.mcq_read} MCQ rows: read {read_wall:.2f} s wall / {read_cpu:.2f} s CPU; "
+                f"load_splits {load_wall:.2f} s wall / {load_cpu:.2f} s CPU "
+                f"(train {len(splits.train)}, eval {len(splits.eval)})"
+            )
 
 
 if __name__ == "__main__":

@@ -42,10 +42,19 @@ def run_server(latency: float, port_queue) -> None:
     async def chat(request):
         body = json.loads(await request.body())
         await asyncio.sleep(latency)
-        choices = [{"index": i, "message": {"role": "assistant", "content": "Answer: A"}, "finish_reason": "stop"}
-                   for i in range(body.get("n", 1))]
-        return JSONResponse({"id": "bench", "object": "chat.completion", "model": body.get("model"), "choices": choices,
-                             "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4}})
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": "Answer: A"}, "finish_reason": "stop"}
+            for i in range(body.get("n", 1))
+        ]
+        return JSONResponse(
+            {
+                "id": "bench",
+                "object": "chat.completion",
+                "model": body.get("model"),
+                "choices": choices,
+                "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            }
+        )
 
     app = Starlette(routes=[Route("/v1/models", models), Route("/v1/chat/completions", chat, methods=["POST"])])
     sock = bind_socket("127.0.0.1", 0)
@@ -82,12 +91,14 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--latency", type=float, default=0.5, help="server latency per request, seconds")
     p.add_argument("--n-samples", type=int, default=1)
-    p.add_argument("--bare", action="store_true", help="also time a bare HTTP client, to tell client cost from machine load")
+    p.add_argument(
+        "--bare", action="store_true", help="also time a bare HTTP client, to tell client cost from machine load"
+    )
     args = p.parse_args()
 
-    from scirl.task.data import question_from_row
     from scirl.eval.client import ClientConfig, evaluate_server
     from scirl.synth.questions import generate_rows
+    from scirl.task.data import question_from_row
 
     per_domain = -(-args.questions // 4)
     rows = generate_rows(n_per_domain=per_domain, seed=0, non_mcq=False)
@@ -98,8 +109,13 @@ def main() -> None:
     server.start()
     try:
         port = ports.get(timeout=60)
-        cfg = ClientConfig(base_url=f"http://127.0.0.1:{port}/v1", model="fixed-latency", n_samples=args.n_samples,
-                           concurrency=args.concurrency, timeout=30)
+        cfg = ClientConfig(
+            base_url=f"http://127.0.0.1:{port}/v1",
+            model="fixed-latency",
+            n_samples=args.n_samples,
+            concurrency=args.concurrency,
+            timeout=30,
+        )
         evaluate_server(questions[:4], cfg, progress=False)  # wait until the server answers (not timed)
         with tempfile.TemporaryDirectory() as tmp:
             start, cpu_start = time.perf_counter(), time.process_time()
@@ -119,13 +135,21 @@ def main() -> None:
     import importlib.util
 
     fast = all(importlib.util.find_spec(m) for m in ("httptools", "uvloop"))
-    print(f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples {args.n_samples}  "
-          f"server {'httptools+uvloop' if fast else 'h11+asyncio (install the bench extra)'}")
+    print(
+        f"questions {len(questions)}  concurrency {args.concurrency}  latency {args.latency:g} s  n_samples "
+        f"{args.n_samples}  server {'httptools+uvloop' if fast else 'h11+asyncio (install the bench extra)'}"
+    )
     print(f"elapsed {elapsed:.2f} s  (ideal {len(questions) / bound:.2f} s)")
-    print(f"client CPU {cpu:.2f} s = {1000 * cpu / len(questions):.2f} ms per question (load average {os.getloadavg()[0]:.1f})")
+    print(
+        f"client CPU {cpu:.2f} s = {1000 * cpu / len(questions):.2f} ms per question (load average "
+        f"{os.getloadavg()[0]:.1f})"
+    )
     print(f"requests/s {rate:.1f}  bound {bound:.1f}  ratio {rate / bound:.3f}  (goal >= 0.9)")
     if args.bare:
-        print(f"bare HTTP client on this machine now: requests/s {len(questions) / bare:.1f}  ratio {len(questions) / bare / bound:.3f}")
+        print(
+            f"bare HTTP client on this machine now: requests/s {len(questions) / bare:.1f}  ratio "
+            f"{len(questions) / bare / bound:.3f}"
+        )
 
 
 if __name__ == "__main__":

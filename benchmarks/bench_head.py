@@ -55,7 +55,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(args.tokens, args.hidden, generator=g).requires_grad_()
-    weight = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden ** 0.5).requires_grad_()
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5).requires_grad_()
     targets = torch.randint(0, args.vocab, (args.tokens,), generator=g)
     upstream = torch.randn(args.tokens, generator=g)
     head = Head(args.temperature, args.top_p, args.block, **({"fused": True} if args.side == "compiled" else {}))
@@ -78,9 +78,18 @@ def worker(args) -> None:
 
 
 def start(side: str, source: Path, args, work: Path) -> subprocess.Popen:
-    command = [sys.executable, __file__, "--worker", side, "--outputs", str(work / f"{side}.pt"),
-               *(f"--{k}={getattr(args, k)}" for k in ("tokens", "hidden", "vocab", "block", "temperature", "top_p",
-                                                      "threads"))]
+    command = [
+        sys.executable,
+        __file__,
+        "--worker",
+        side,
+        "--outputs",
+        str(work / f"{side}.pt"),
+        *(
+            f"--{k}={getattr(args, k)}"
+            for k in ("tokens", "hidden", "vocab", "block", "temperature", "top_p", "threads")
+        ),
+    ]
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": str(args.threads)}
     process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
@@ -114,8 +123,10 @@ def main(argv=None) -> int:
 
     import torch
 
-    with tempfile.TemporaryDirectory(prefix="bench-head-") as tmp, \
-            against_tree(args.against, Path(tmp), "bench_head") as tree:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-head-") as tmp,
+        against_tree(args.against, Path(tmp), "bench_head") as tree,
+    ):
         work = Path(tmp)
         sides = {**({args.against: tree} if tree else {}), "eager": REPO, "compiled": REPO}
         workers = {side: start(side, source, args, work) for side, source in sides.items()}
@@ -126,18 +137,24 @@ def main(argv=None) -> int:
         stop(workers)
         outputs = {side: torch.load(work / f"{side}.pt") for side in sides}
     first = next(iter(sides))
-    print(f"bench_head: {args.tokens} loss tokens, hidden {args.hidden}, vocabulary {args.vocab:,}, blocks of "
-          f"{args.block}, temperature {args.temperature}, top_p {args.top_p}, float32, {args.threads} thread(s), "
-          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"bench_head: {args.tokens} loss tokens, hidden {args.hidden}, vocabulary {args.vocab:,}, blocks of "
+        f"{args.block}, temperature {args.temperature}, top_p {args.top_p}, float32, {args.threads} thread(s), "
+        f"{args.rounds} rounds; load average {os.getloadavg()[0]:.2f}"
+    )
     medians = {side: statistics.median(r["s"] for r in runs[side]) for side in sides}
-    print(f"{'side':>10} {'s/call':>8} {'min s':>7} {'cpu s':>7} {'peak MB':>8} {'max rel diff':>13}  speed vs "
-          + ", ".join(sides))
+    print(
+        f"{'side':>10} {'s/call':>8} {'min s':>7} {'cpu s':>7} {'peak MB':>8} {'max rel diff':>13}  speed vs "
+        + ", ".join(sides)
+    )
     for side in sides:
         r = runs[side]
         speed = ", ".join(f"{medians[other] / medians[side]:.2f}x" for other in sides)
-        print(f"{side:>10} {medians[side]:>8.3f} {min(x['s'] for x in r):>7.3f} "
-              f"{statistics.median(x['cpu_s'] for x in r):>7.3f} {max(x['peak_mb'] for x in r):>8.0f} "
-              f"{largest_differences(outputs[side], outputs[first]):>13.1e}  {speed}")
+        print(
+            f"{side:>10} {medians[side]:>8.3f} {min(x['s'] for x in r):>7.3f} "
+            f"{statistics.median(x['cpu_s'] for x in r):>7.3f} {max(x['peak_mb'] for x in r):>8.0f} "
+            f"{largest_differences(outputs[side], outputs[first]):>13.1e}  {speed}"
+        )
     return 0
 
 

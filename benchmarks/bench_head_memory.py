@@ -56,11 +56,37 @@ def big_vocabulary_model(out: Path) -> Path:
 
 def train_rss_mb(source: Path, model: Path, data: Path, out: Path, completion_tokens: int) -> tuple[float, float]:
     """(max RSS in MB, wall seconds) of one ``scirl train`` step run from ``source``'s code."""
-    command = [sys.executable, "-m", "scirl", "train", "--model", str(model), "--data.source", str(data),
-               "--data.eval-per-domain", "2", "--output-dir", str(out), "--max-steps", "1", "--batch-size", "64",
-               "--group-size", "8", "--micro-batch-size", "8", "--max-completion-tokens", str(completion_tokens),
-               "--device", "cpu", "--dtype", "float32", "--filters.gibberish.no-enforce",
-               "--filters.repetition.no-enforce", "--filters.zero-advantage.no-enforce"]
+    command = [
+        sys.executable,
+        "-m",
+        "scirl",
+        "train",
+        "--model",
+        str(model),
+        "--data.source",
+        str(data),
+        "--data.eval-per-domain",
+        "2",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "64",
+        "--group-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--max-completion-tokens",
+        str(completion_tokens),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--filters.gibberish.no-enforce",
+        "--filters.repetition.no-enforce",
+        "--filters.zero-advantage.no-enforce",
+    ]
     env = {**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     with open(out.with_suffix(".log"), "w") as log:
@@ -68,8 +94,9 @@ def train_rss_mb(source: Path, model: Path, data: Path, out: Path, completion_to
         _, status, usage = os.wait4(process.pid, 0)
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        sys.exit(f"scirl train ({source}, {completion_tokens} tokens) failed with {code}: "
-                 f"see {out.with_suffix('.log')}")
+        sys.exit(
+            f"scirl train ({source}, {completion_tokens} tokens) failed with {code}: see {out.with_suffix('.log')}"
+        )
     return usage.ru_maxrss / 1024, time.perf_counter() - start  # KiB on Linux
 
 
@@ -77,8 +104,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", type=int, default=16, help="completion tokens of the baseline run")
     parser.add_argument("--long", type=int, default=384, help="completion tokens of the measured run")
-    parser.add_argument("--against", metavar="REV", help="also measure this revision's code (e.g. the one before "
-                        "the block-wise head, 8d66aba)")
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="also measure this revision's code (e.g. the one before the block-wise head, 8d66aba)",
+    )
     parser.add_argument("--keep", type=Path, help="work here and keep it (default: a temporary directory)")
     args = parser.parse_args()
 
@@ -90,13 +120,18 @@ def main() -> None:
     against = work / "against"
     try:
         if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(against), args.against],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "add", "--detach", str(against), args.against],
+                check=True,
+                capture_output=True,
+            )
             sides[args.against] = against
         extra = {}
         print(f"1 step, 64 completions, micro-batch 8, float32, vocabulary {QWEN3_VOCAB:,}, 1 thread")
-        print(f"{'code':>12}  {'RSS ' + str(args.short) + ' tok':>12}  {'RSS ' + str(args.long) + ' tok':>12}  "
-              f"{'extra MB':>9}  {'wall s':>7}")
+        print(
+            f"{'code':>12}  {'RSS ' + str(args.short) + ' tok':>12}  {'RSS ' + str(args.long) + ' tok':>12}  "
+            f"{'extra MB':>9}  {'wall s':>7}"
+        )
         for name, source in sides.items():
             short, _ = train_rss_mb(source, model, data, work / f"{name.replace(' ', '_')}-{args.short}", args.short)
             long, wall = train_rss_mb(source, model, data, work / f"{name.replace(' ', '_')}-{args.long}", args.long)
@@ -106,8 +141,11 @@ def main() -> None:
             print(f"extra memory, this tree / {args.against}: {extra['this tree'] / extra[args.against]:.2f}")
     finally:
         if args.against:
-            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(against)],
-                           check=False, capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(against)],
+                check=False,
+                capture_output=True,
+            )
     print(f"work directory: {work}")
 
 

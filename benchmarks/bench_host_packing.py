@@ -93,16 +93,22 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    with tempfile.TemporaryDirectory(prefix="bench-host-packing-") as tmp, \
-            against_tree(args.against, Path(tmp), "bench_host_packing") as tree:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-host-packing-") as tmp,
+        against_tree(args.against, Path(tmp), "bench_host_packing") as tree,
+    ):
         sides = {**({args.against: tree} if tree else {}), "this tree": REPO}
         workers, hashes = {}, {}
         names = ("questions", "group_size", "limit", "max_tokens", "calls")
         flags = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in names]
         for side, source in sides.items():
-            workers[side] = subprocess.Popen([sys.executable, __file__, "--worker", *flags], stdin=subprocess.PIPE,
-                                             stdout=subprocess.PIPE, text=True,
-                                             env={**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1"})
+            workers[side] = subprocess.Popen(
+                [sys.executable, __file__, "--worker", *flags],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": str(source), "OMP_NUM_THREADS": "1"},
+            )
             hashes[side] = json.loads(workers[side].stdout.readline())
         runs = {(side, layout): [] for side in sides for layout in LAYOUTS}
         for round_ in range(args.rounds):
@@ -111,17 +117,21 @@ def main(argv=None) -> int:
                     runs[side, layout] += reply
         stop(workers)
     first = next(iter(sides))
-    print(f"bench_host_packing: {args.questions} groups x {args.group_size} completions (geometric, <= {args.limit} "
-          f"tokens), prompts 100-350 tokens, micro_batch_tokens {args.max_tokens}; {args.rounds} rounds of "
-          f"{args.calls} steps a side; load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"bench_host_packing: {args.questions} groups x {args.group_size} completions (geometric, <= {args.limit} "
+        f"tokens), prompts 100-350 tokens, micro_batch_tokens {args.max_tokens}; {args.rounds} rounds of "
+        f"{args.calls} steps a side; load average {os.getloadavg()[0]:.2f}"
+    )
     print(f"{'layout':>6} {'side':>10} {'ms/step':>8} {'min ms':>7} {'cpu ms':>7} {'speed':>6}  same micro-batches")
     for layout in LAYOUTS:
         base = statistics.median(wall for wall, _ in runs[first, layout])
         for side in sides:
             walls, cpus = [w for w, _ in runs[side, layout]], [c for _, c in runs[side, layout]]
             same = "yes" if hashes[side][layout] == hashes[first][layout] else "NO"
-            print(f"{layout:>6} {side:>10} {statistics.median(walls):>8.2f} {min(walls):>7.2f} "
-                  f"{statistics.median(cpus):>7.2f} {base / statistics.median(walls):>5.2f}x  {same}")
+            print(
+                f"{layout:>6} {side:>10} {statistics.median(walls):>8.2f} {min(walls):>7.2f} "
+                f"{statistics.median(cpus):>7.2f} {base / statistics.median(walls):>5.2f}x  {same}"
+            )
     return 0
 
 

@@ -19,12 +19,13 @@ train`` builds it (``make_trainer``: GRPO, the block-wise head, AdamW) over the 
 per setting: micro-batches, the positions the forwards computed (padding included) against the useful tokens (each
 group's prompt once plus the completions), the seconds of a train step (after an untimed one, the median of
 ``--rounds``, the settings taking turns and the order reversed every other round, so that a shared machine's load
-hits them alike) and its speed against the defaults' (above 1: faster), and the largest difference of its per-token logprobs from the defaults' (the same computation: they
-must agree to round-off).
+hits them alike) and its speed against the defaults' (above 1: faster), and the largest difference of its per-token
+logprobs from the defaults' (the same computation: they must agree to round-off).
 
     python benchmarks/bench_packing.py [--questions 2] [--group-size 16] [--limit 256] [--tokens 2048,4096]
                                       [--rounds 3] [--threads 1] [--device cpu] [--dtype float32]
-    python benchmarks/bench_packing.py --device cuda --questions 8 --hidden 1024 --layers 28 --vocab 151936 --dtype bfloat16
+    python benchmarks/bench_packing.py --device cuda --questions 8 --hidden 1024 --layers 28 --vocab 151936 \
+        --dtype bfloat16
 
 (Before micro-batches were packed this script compared right-padded rows, sorted and not, with packed ones;
 packing won once the attention stopped computing across sequences: ``benchmarks/README.md`` keeps those figures.)
@@ -45,6 +46,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_check.model import completion_lengths, prompt_lengths  # noqa: E402  (a sibling package: benchmarks/ is on sys.path)
+
 from scirl import algorithms  # noqa: E402
 from scirl.distributed import Dist  # noqa: E402
 from scirl.rollouts.contract import Sample  # noqa: E402
@@ -55,8 +57,12 @@ PROMPT_VOCAB = 1024  # prompt ids a tokenizer's text gives; completions range ov
 DISTRIBUTIONS = {
     "geometric": lambda rng, limit, n: completion_lengths(n, limit, seed=rng.randrange(1 << 30)),
     "at the limit": lambda rng, limit, n: [limit] * n,
-    "bimodal": lambda rng, limit, n: [rng.randint(1, max(1, limit // 6)) if rng.random() < 0.5
-                                      else min(limit, rng.randint(limit // 2, int(1.2 * limit))) for _ in range(n)],
+    "bimodal": lambda rng, limit, n: [
+        rng.randint(1, max(1, limit // 6))
+        if rng.random() < 0.5
+        else min(limit, rng.randint(limit // 2, int(1.2 * limit)))
+        for _ in range(n)
+    ],
 }
 
 
@@ -77,10 +83,16 @@ def settings(device: torch.device, tokens: list[int]) -> list[tuple[str, dict]]:
     """(name, the run config's fields) of every setting, scirl's defaults first: the others are compared with them.
     On a CPU flex attention runs eagerly, a reference implementation that holds a row's whole score matrix: its
     check takes rows of 2,048 tokens (the logprobs do not depend on how a step is cut)."""
-    other = ("attention = sdpa", {"attention": "sdpa"}) if device.type == "cuda" else (
-        "attention = flex (2048-token rows)", {"attention": "flex", "micro_batch_tokens": 2048})
-    return ([("defaults", {}), ("share_prompts = false", {"share_prompts": False})]
-            + [(f"micro_batch_tokens = {n}", {"micro_batch_tokens": n}) for n in tokens] + [other])
+    other = (
+        ("attention = sdpa", {"attention": "sdpa"})
+        if device.type == "cuda"
+        else ("attention = flex (2048-token rows)", {"attention": "flex", "micro_batch_tokens": 2048})
+    )
+    return (
+        [("defaults", {}), ("share_prompts = false", {"share_prompts": False})]
+        + [(f"micro_batch_tokens = {n}", {"micro_batch_tokens": n}) for n in tokens]
+        + [other]
+    )
 
 
 def trainable(device: torch.device, fields: dict) -> bool:
@@ -89,9 +101,17 @@ def trainable(device: torch.device, fields: dict) -> bool:
 
 
 def run_config(args, fields: dict) -> TrainConfig:
-    return TrainConfig(model="bench-packing-random-qwen3", device=args.device, dtype=args.dtype, kernels=args.kernels,
-                       batch_size=args.questions * args.group_size, group_size=args.group_size,
-                       max_completion_tokens=args.limit, seq_len=4096, **fields)
+    return TrainConfig(
+        model="bench-packing-random-qwen3",
+        device=args.device,
+        dtype=args.dtype,
+        kernels=args.kernels,
+        batch_size=args.questions * args.group_size,
+        group_size=args.group_size,
+        max_completion_tokens=args.limit,
+        seq_len=4096,
+        **fields,
+    )
 
 
 def logprobs_of(trainer, samples: list[Sample]) -> torch.Tensor:
@@ -122,14 +142,28 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed steps of each setting, the settings taking turns")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=4096,
-                        help="small by default: the head runs on loss tokens only, the same in every layout")
+    parser.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="small by default: the head runs on loss tokens only, the same in every layout",
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="the compute dtype (bfloat16: a GPU's; over float32 master weights, as scirl trains)")
-    parser.add_argument("--kernels", default="auto", choices=["auto", "eager", "compile", "liger"],
-                        help="the decoder layers (auto: compiled on CUDA, eager on a CPU)")
-    parser.add_argument("--distributions", default=",".join(DISTRIBUTIONS), help="which completion-length distributions")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the compute dtype (bfloat16: a GPU's; over float32 master weights, as scirl trains)",
+    )
+    parser.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "eager", "compile", "liger"],
+        help="the decoder layers (auto: compiled on CUDA, eager on a CPU)",
+    )
+    parser.add_argument(
+        "--distributions", default=",".join(DISTRIBUTIONS), help="which completion-length distributions"
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     try:
@@ -146,17 +180,28 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-                         num_key_value_heads=max(1, args.hidden // 128), head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=8192)
+    config = Qwen3Config(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 128),
+        head_dim=64,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+    )
     model = Qwen3ForCausalLM(config).to(device).train()  # float32 masters, as load_model gives them
     start = {name: t.detach().clone() for name, t in model.state_dict().items()}
-    print(f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, {args.dtype}, "
-          f"kernels {args.kernels}; {args.questions} groups x {args.group_size} completions <= {args.limit} tokens, "
-          f"prompts of 100-350 tokens")
-    print(f"{'lengths':>12} {'setting':>34} {'mbs':>4} {'forward':>8} {'useful':>7} {'/ useful':>8} {'s/step':>8} "
-          f"{'speed':>6} {'max |dlogprob|':>14}")
+    print(
+        f"bench_packing: Qwen3 hidden {args.hidden}, {args.layers} layers, vocabulary {args.vocab}, {device}, "
+        f"{args.dtype}, kernels {args.kernels}; {args.questions} groups x {args.group_size} completions <= "
+        f"{args.limit} tokens, prompts of 100-350 tokens"
+    )
+    print(
+        f"{'lengths':>12} {'setting':>34} {'mbs':>4} {'forward':>8} {'useful':>7} {'/ useful':>8} {'s/step':>8} "
+        f"{'speed':>6} {'max |dlogprob|':>14}"
+    )
     for distribution in args.distributions.split(","):
         samples = step_samples(distribution, args.questions, args.group_size, args.limit, args.vocab)
         reference, runs = None, []
@@ -172,7 +217,9 @@ def main(argv=None) -> int:
                 trainer.train_step(run["batches"])  # untimed: new shapes, compilation on CUDA
             runs.append(run)
         timed = [run for run in runs if "trainer" in run]
-        for round_ in range(args.rounds):  # the settings in turn, reversed every other round: the machine's load hits all
+        for round_ in range(
+            args.rounds
+        ):  # the settings in turn, reversed every other round: the machine's load hits all
             for run in timed if round_ % 2 == 0 else timed[::-1]:
                 seconds, run["stats"] = timed_step(run["trainer"], run["batches"], device)
                 run["times"].append(seconds)
@@ -180,13 +227,17 @@ def main(argv=None) -> int:
         for run in runs:
             row = f"{distribution:>12} {run['name']:>34}"
             if "trainer" not in run:
-                print(f"{row} {'':>4} {'':>8} {'':>7} {'':>8} {'n/a':>8} {'n/a':>6} {run['diff']:>14.2e}  "
-                      f"(flex attention has no backward on {device.type}: its forward alone)")
+                print(
+                    f"{row} {'':>4} {'':>8} {'':>7} {'':>8} {'n/a':>8} {'n/a':>6} {run['diff']:>14.2e}  "
+                    f"(flex attention has no backward on {device.type}: its forward alone)"
+                )
                 continue
             seconds, stats = statistics.median(run["times"]), run["stats"]
-            print(f"{row} {len(run['batches']):>4} {stats['forward_tokens']:>8} {stats['unique_tokens']:>7} "
-                  f"{stats['forward_tokens'] / stats['unique_tokens']:>8.2f} {seconds:>8.3f} {base / seconds:>6.2f} "
-                  f"{run['diff']:>14.2e}")
+            print(
+                f"{row} {len(run['batches']):>4} {stats['forward_tokens']:>8} {stats['unique_tokens']:>7} "
+                f"{stats['forward_tokens'] / stats['unique_tokens']:>8.2f} {seconds:>8.3f} {base / seconds:>6.2f} "
+                f"{run['diff']:>14.2e}"
+            )
         del runs, timed
     return 0
 

@@ -33,6 +33,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from transformers import AutoTokenizer
+
     from scirl import algorithms
     from scirl.demo.run import BASE_MODEL_DIR, write_questions
     from scirl.rollouts.generate import generate_batch, prompt_for
@@ -40,29 +42,55 @@ def main() -> None:
     from scirl.run.config_io import load_config
     from scirl.task.data import load_splits
     from scirl.trainer.model import load_model
-    from transformers import AutoTokenizer
 
     work = Path("outputs") / "bench-sdpo"
     data = write_questions(work / "questions.jsonl", 250, 50, 0)
-    cfg = load_config(["@", str(ROOT / "configs" / "demo.toml"), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
-                       "--algorithm", "sdpo", "--max-completion-tokens", str(args.completion_tokens)])
+    cfg = load_config(
+        [
+            "@",
+            str(ROOT / "configs" / "demo.toml"),
+            "--model",
+            str(BASE_MODEL_DIR),
+            "--data.source",
+            str(data),
+            "--algorithm",
+            "sdpo",
+            "--max-completion-tokens",
+            str(args.completion_tokens),
+        ]
+    )
     tokenizer = AutoTokenizer.from_pretrained(BASE_MODEL_DIR)
-    questions = [prompt_for(q, tokenizer) for q in load_splits(
-        str(data), eval_per_domain=50, split_method=cfg.data.split_method, seed=cfg.data.split_seed).train[: cfg.questions_per_step]]
+    questions = [
+        prompt_for(q, tokenizer)
+        for q in load_splits(
+            str(data), eval_per_domain=50, split_method=cfg.data.split_method, seed=cfg.data.split_seed
+        ).train[: cfg.questions_per_step]
+    ]
     generator = hf_generator(str(BASE_MODEL_DIR), tokenizer=tokenizer, device="cpu", dtype="float32")
     if args.min_tokens:  # longer completions: EOS held back (the sampler's min_tokens)
         original = generator.generate
-        generator.generate = lambda prompts, params: original(prompts, dataclasses.replace(params, min_tokens=args.min_tokens))
+        generator.generate = lambda prompts, params: original(
+            prompts, dataclasses.replace(params, min_tokens=args.min_tokens)
+        )
     batch = generate_batch(1, questions, generator, cfg.rollout_settings(), vocab_size=len(tokenizer))
     taught = sum(s.teacher_prompt_ids is not None for s in batch.samples)
-    print(f"generation {batch.time_generate:.3f}s; {len(batch.samples)} samples, {taught} with a teacher; "
-          f"completion tokens {statistics.fmean(len(s.completion_ids) for s in batch.samples):.1f} on average")
+    print(
+        f"generation {batch.time_generate:.3f}s; {len(batch.samples)} samples, {taught} with a teacher; "
+        f"completion tokens {statistics.fmean(len(s.completion_ids) for s in batch.samples):.1f} on average"
+    )
 
     trainers = {}
     for algorithm in ("grpo", "sdpo"):
         run_cfg = cfg.model_copy(update={"algorithm": algorithm})
         model = load_model(str(BASE_MODEL_DIR), torch.device("cpu"), _one_process(), torch.float32)
-        trainers[algorithm] = make_trainer(model, run_cfg, algorithms.build(run_cfg), device=torch.device("cpu"), dist=_one_process(), dtype=torch.float32)
+        trainers[algorithm] = make_trainer(
+            model,
+            run_cfg,
+            algorithms.build(run_cfg),
+            device=torch.device("cpu"),
+            dist=_one_process(),
+            dtype=torch.float32,
+        )
     seconds = {name: [] for name in trainers}
     teacher = []
     for _ in range(args.rounds):
@@ -75,7 +103,10 @@ def main() -> None:
     for name, values in seconds.items():
         print(f"{name}: train step min {min(values):.3f}s, median {statistics.median(values):.3f}s")
     ratio = min(seconds["sdpo"]) / min(seconds["grpo"])
-    print(f"sdpo / grpo (min): {ratio:.2f}x; teacher forwards: min {min(teacher):.3f}s, median {statistics.median(teacher):.3f}s")
+    print(
+        f"sdpo / grpo (min): {ratio:.2f}x; teacher forwards: min {min(teacher):.3f}s, median "
+        f"{statistics.median(teacher):.3f}s"
+    )
 
 
 def _one_process():

@@ -25,7 +25,6 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
 STEP_SCRIPT = """
 import sys, torch
 from scirl import algorithms
@@ -37,10 +36,20 @@ from scirl.trainer import Trainer
 dist, device = setup("cpu")
 cfg = TrainConfig()
 model = load_model(sys.argv[1], device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(
+    model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist, dtype=torch.float32
+)
 g = torch.Generator().manual_seed(0)
-samples = [Sample(torch.randint(10, 500, (4 + i,), generator=g).tolist(), torch.randint(10, 500, (3,), generator=g).tolist(),
-                  [-1.0, -2.0, -0.5], 0.5 - i % 2, i) for i in range(6)]
+samples = [
+    Sample(
+        torch.randint(10, 500, (4 + i,), generator=g).tolist(),
+        torch.randint(10, 500, (3,), generator=g).tolist(),
+        [-1.0, -2.0, -0.5],
+        0.5 - i % 2,
+        i,
+    )
+    for i in range(6)
+]
 trainer.train_step(trainer.batches(samples[dist.rank::2]))
 state = trainer.full_state_dict()
 ENDING
@@ -53,7 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--parallel", type=int, default=1, help="trainings at once (load makes the exit race likelier)")
-    parser.add_argument("--what", choices=("train", "step"), default="train", help="a scirl train run, or the bare step")
+    parser.add_argument(
+        "--what", choices=("train", "step"), default="train", help="a scirl train run, or the bare step"
+    )
     parser.add_argument("--plain-exit", action="store_true", help="with --what step: end the old way (no exit_process)")
     args = parser.parse_args(argv)
 
@@ -73,10 +84,35 @@ def main(argv: list[str] | None = None) -> int:
             if args.what == "step":
                 cmd = launch + [str(step_script), str(model)]
             else:
-                cmd = launch + ["-m", "scirl", "train", "--model", str(model), "--data.source", str(data),
-                                "--data.eval-per-domain", "2", "--output-dir", str(work / f"run{i}"), "--max-steps", "1",
-                                "--batch-size", "16", "--group-size", "8", "--micro-batch-size", "8",
-                                "--max-completion-tokens", "4", "--seq-len", "512", "--device", "cpu", "--dtype", "float32"]
+                cmd = launch + [
+                    "-m",
+                    "scirl",
+                    "train",
+                    "--model",
+                    str(model),
+                    "--data.source",
+                    str(data),
+                    "--data.eval-per-domain",
+                    "2",
+                    "--output-dir",
+                    str(work / f"run{i}"),
+                    "--max-steps",
+                    "1",
+                    "--batch-size",
+                    "16",
+                    "--group-size",
+                    "8",
+                    "--micro-batch-size",
+                    "8",
+                    "--max-completion-tokens",
+                    "4",
+                    "--seq-len",
+                    "512",
+                    "--device",
+                    "cpu",
+                    "--dtype",
+                    "float32",
+                ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             aborted = "terminate called" in proc.stdout + proc.stderr
             return proc.returncode, "aborted at exit" if aborted else ""
@@ -85,9 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             results = list(pool.map(one, range(args.runs)))
     codes = collections.Counter(code for code, _ in results)
     aborts = sum(1 for _, note in results if note)
-    what = "scirl train" if args.what == "train" else ("bare step, plain exit" if args.plain_exit else "bare step, scirl's exit")
-    print(f"{what}: {codes.get(0, 0)}/{args.runs} runs exited 0; exit codes {dict(sorted(codes.items()))}; "
-          f"{aborts} printed 'terminate called' ({args.parallel} at a time)")
+    what = (
+        "scirl train"
+        if args.what == "train"
+        else ("bare step, plain exit" if args.plain_exit else "bare step, scirl's exit")
+    )
+    print(
+        f"{what}: {codes.get(0, 0)}/{args.runs} runs exited 0; exit codes {dict(sorted(codes.items()))}; "
+        f"{aborts} printed 'terminate called' ({args.parallel} at a time)"
+    )
     return 0 if codes.get(0, 0) == args.runs else 1
 
 

@@ -63,16 +63,21 @@ REPO = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 4096
 # both frameworks' engines get the same environment: vLLM's own PyTorch sampler (FlashInfer's needs the
 # package, often absent offline), its logs on stderr at WARNING (stdout is discarded), no usage report
-VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_LOGGING_STREAM": "ext://sys.stderr",
-            "VLLM_LOGGING_LEVEL": "WARNING", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+VLLM_ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
 TAIL_LINES = 30  # of a failed side's stderr, shown and kept in the JSON
 
 
 def build_inputs(work: Path, args) -> tuple[Path, list]:
     """The benchmark model (built once, reused) and the questions."""
-    from scirl.task.data import question_from_row
     from scirl.synth.questions import generate_rows
     from scirl.synth.tiny_model import build_tiny_model
+    from scirl.task.data import question_from_row
 
     if args.shape:
         # on the host: the parent process stays off the GPU, whose used memory is sampled per side
@@ -80,8 +85,13 @@ def build_inputs(work: Path, args) -> tuple[Path, list]:
     else:
         model_dir = work / f"model-h{args.hidden}-l{args.layers}"
         if not (model_dir / "config.json").exists():
-            build_tiny_model(model_dir, hidden_size=args.hidden, num_layers=args.layers, num_heads=args.hidden // 64,
-                             num_kv_heads=max(args.hidden // 128, 1))
+            build_tiny_model(
+                model_dir,
+                hidden_size=args.hidden,
+                num_layers=args.layers,
+                num_heads=args.hidden // 64,
+                num_kv_heads=max(args.hidden // 128, 1),
+            )
     rows = generate_rows(n_per_domain=max(args.questions, 4), seed=0, non_mcq=False)
     questions = [question_from_row(row, source=f"bench:{i}") for i, row in enumerate(rows)][: args.questions]
     return model_dir, questions
@@ -97,17 +107,17 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     import torch
 
     from scirl import algorithms
-    from scirl.run.backends import make_generator, make_trainer, make_vllm_generator
-    from scirl.run.config import TrainConfig
     from scirl.cpu.host_memory import keep_freed_memory
     from scirl.distributed import Dist, setup
     from scirl.inference.base import encode_messages
-    from scirl.task.prompt import build_messages, render_prompt
     from scirl.rollouts.contract import PromptedQuestion
     from scirl.rollouts.sampler import QuestionSampler
     from scirl.rollouts.source import ColocatedSource
+    from scirl.run.backends import make_generator, make_trainer, make_vllm_generator
+    from scirl.run.config import TrainConfig
     from scirl.run.setup import load_tokenizer
     from scirl.run.train import one_step
+    from scirl.task.prompt import build_messages, render_prompt
     from scirl.trainer.model import compute_dtype, load_model
     from scirl.weights.check import WeightCheck
     from scirl.weights.inprocess import InProcessSink
@@ -115,13 +125,32 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     vllm = args.sampler == "vllm"
     # the engine as `scirl train --inference.backend vllm` sets it up: seq_len (MAX_MODEL_LEN) as its
     # max_model_len, on a GPU asleep (level 2) during each train step
-    engine = {"inference": {"backend": "vllm", "gpu_memory_utilization": args.gpu_memory_utilization,
-                            "enforce_eager": args.enforce_eager}} if vllm else {}
+    engine = (
+        {
+            "inference": {
+                "backend": "vllm",
+                "gpu_memory_utilization": args.gpu_memory_utilization,
+                "enforce_eager": args.enforce_eager,
+            }
+        }
+        if vllm
+        else {}
+    )
     budget = {"micro_batch_tokens": args.micro_batch_tokens} if args.micro_batch_tokens else {}
-    cfg = TrainConfig(model=str(model_dir), batch_size=args.questions * args.group, group_size=args.group,
-                      micro_batch_size=args.micro_batch, max_completion_tokens=args.tokens, device=args.device, dtype=args.dtype,
-                      reward={"mode": "lenient"}, optim={"lr": args.lr},
-                      filters={"zero_advantage": {"enforce": False}}, **budget, **engine)
+    cfg = TrainConfig(
+        model=str(model_dir),
+        batch_size=args.questions * args.group,
+        group_size=args.group,
+        micro_batch_size=args.micro_batch,
+        max_completion_tokens=args.tokens,
+        device=args.device,
+        dtype=args.dtype,
+        reward={"mode": "lenient"},
+        optim={"lr": args.lr},
+        filters={"zero_advantage": {"enforce": False}},
+        **budget,
+        **engine,
+    )
     assert cfg.seq_len == MAX_MODEL_LEN
     dist, device = (Dist(), torch.device("cpu")) if args.device == "cpu" else setup(args.device)
     dtype = compute_dtype(cfg.dtype, device)
@@ -133,8 +162,10 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     model = load_model(cfg.model, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
     generator = generator or make_generator(trainer, cfg.model, tokenizer)
-    batch = [PromptedQuestion(q, encode_messages(tokenizer, build_messages(q)), render_prompt(tokenizer, build_messages(q)))
-             for q in questions]
+    batch = [
+        PromptedQuestion(q, encode_messages(tokenizer, build_messages(q)), render_prompt(tokenizer, build_messages(q)))
+        for q in questions
+    ]
     # the benchmark's only addition to a training step: fixed-length completions (EOS held back)
     plain_generate, cpu_generate = generator.generate, []
 
@@ -147,8 +178,14 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
     generator.generate = fixed_length_generate
     # every step all 8 questions (one epoch each). The transformers sampler shares the module: nothing to push;
     # the vLLM engine sleeps in make_room and takes the new weights in push
-    source = ColocatedSource(batch, QuestionSampler(len(batch), cfg.seed), generator, cfg.rollout_settings(),
-                             vocab_size=model.config.vocab_size, dist=dist)
+    source = ColocatedSource(
+        batch,
+        QuestionSampler(len(batch), cfg.seed),
+        generator,
+        cfg.rollout_settings(),
+        vocab_size=model.config.vocab_size,
+        dist=dist,
+    )
     sink = InProcessSink(generator, trainer, WeightCheck(trainer, (batch[0].prompt_ids, 1), interval=0))
     steps = []
     for step in range(1, args.steps + 1):
@@ -159,14 +196,35 @@ def run_scirl(model_dir: Path, questions: list, args) -> dict:
         tokens = sum(r["num_tokens"] for r in result.rollouts)
         assert result.stats["stepped"] and m["trainable/total"] == args.questions * args.group
         assert tokens == args.questions * args.group * args.tokens, f"scirl completions were not {args.tokens} long"
-        steps.append({"seconds": t1 - t0, "generate": m["time/generate"], "train": m["time/train"] + m["time/weight_sync"],
-                      "sync": m["time/weight_sync"], "completion_tokens": tokens, "cpu_seconds": cpu1 - cpu0,
-                      "cpu_generate": cpu_generate[-1],
-                      **{key: m[f"train/{key}"] for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")}})
-        print(f"scirl ({args.sampler}) step {step}: {t1 - t0:.1f}s (generate {m['time/generate']:.1f}s, train "
-              f"{m['time/train']:.1f}s, weight sync {m['time/weight_sync']:.1f}s), {tokens} tokens", file=sys.stderr, flush=True)
-    result = {"framework": "scirl", "sampler": args.sampler, "steps": steps, "training_batches": trainer.describe_batching(),
-              "generator": type(generator).__name__, "peak_allocated_mb": peak_allocated_mb()}
+        steps.append(
+            {
+                "seconds": t1 - t0,
+                "generate": m["time/generate"],
+                "train": m["time/train"] + m["time/weight_sync"],
+                "sync": m["time/weight_sync"],
+                "completion_tokens": tokens,
+                "cpu_seconds": cpu1 - cpu0,
+                "cpu_generate": cpu_generate[-1],
+                **{
+                    key: m[f"train/{key}"]
+                    for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")
+                },
+            }
+        )
+        print(
+            f"scirl ({args.sampler}) step {step}: {t1 - t0:.1f}s (generate {m['time/generate']:.1f}s, train "
+            f"{m['time/train']:.1f}s, weight sync {m['time/weight_sync']:.1f}s), {tokens} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+    result = {
+        "framework": "scirl",
+        "sampler": args.sampler,
+        "steps": steps,
+        "training_batches": trainer.describe_batching(),
+        "generator": type(generator).__name__,
+        "peak_allocated_mb": peak_allocated_mb(),
+    }
     if hasattr(generator, "close"):
         generator.close()
     return result
@@ -214,7 +272,9 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     # the same prompt text scirl tokenizes; TRL tokenizes a plain-string prompt as is
-    dataset = Dataset.from_list([{"prompt": render_prompt(tokenizer, build_messages(q)), "qi": i} for i, q in enumerate(questions)])
+    dataset = Dataset.from_list(
+        [{"prompt": render_prompt(tokenizer, build_messages(q)), "qi": i} for i, q in enumerate(questions)]
+    )
 
     def reward(prompts, completions, qi, **kwargs):
         return [score(c, questions[i], "lenient").reward for c, i in zip(completions, qi)]
@@ -222,8 +282,17 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
     per_step = args.questions * args.group
     # colocated vLLM with the engine's share of scirl's, asleep (level 2, as scirl's) outside generation; TRL's
     # other vLLM defaults stay (the importance-sampling correction's extra no-grad forward over the batch included)
-    engine = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=args.gpu_memory_utilization,
-                  vllm_enable_sleep_mode=args.device == "cuda", vllm_max_model_length=MAX_MODEL_LEN) if vllm else {}
+    engine = (
+        dict(
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=args.gpu_memory_utilization,
+            vllm_enable_sleep_mode=args.device == "cuda",
+            vllm_max_model_length=MAX_MODEL_LEN,
+        )
+        if vllm
+        else {}
+    )
     config = GRPOConfig(
         output_dir=str(Path(args.work) / f"trl-out-{args.sampler}"),
         per_device_train_batch_size=args.micro_batch,
@@ -261,14 +330,32 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
 
         def on_step_end(self, *_, **__):
             seconds, t = time.perf_counter() - self.start, self.totals
-            steps.append({"seconds": seconds, "generate": t["generate"], "train": seconds - t["generate"], "sync": t["sync"],
-                          "cpu_seconds": time.process_time() - self.cpu_start, "cpu_generate": t["cpu_generate"]})
-            print(f"trl ({args.sampler}) step {len(steps)}: {seconds:.1f}s (generate {t['generate']:.1f}s"
-                  + (f", weight sync {t['sync']:.1f}s)" if vllm else ")"), file=sys.stderr, flush=True)
+            steps.append(
+                {
+                    "seconds": seconds,
+                    "generate": t["generate"],
+                    "train": seconds - t["generate"],
+                    "sync": t["sync"],
+                    "cpu_seconds": time.process_time() - self.cpu_start,
+                    "cpu_generate": t["cpu_generate"],
+                }
+            )
+            print(
+                f"trl ({args.sampler}) step {len(steps)}: {seconds:.1f}s (generate {t['generate']:.1f}s"
+                + (f", weight sync {t['sync']:.1f}s)" if vllm else ")"),
+                file=sys.stderr,
+                flush=True,
+            )
 
     timer = Timer()
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer,
-                          callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
     busy: list = []
     if vllm:
         # vLLM warns once per tensor per step that TRL pushes float32 weights into a bf16 engine: expected, dropped
@@ -284,7 +371,9 @@ def run_trl(model_dir: Path, questions: list, args) -> dict:
         time_calls(trainer.model, "generate", timer.totals, "generate", busy)
     trainer.train()
     lengths = [row["completions/mean_length"] for row in trainer.state.log_history if "completions/mean_length" in row]
-    assert lengths and all(abs(x - args.tokens) < 1e-6 for x in lengths), f"TRL completions were not {args.tokens} long: {lengths}"
+    assert lengths and all(abs(x - args.tokens) < 1e-6 for x in lengths), (
+        f"TRL completions were not {args.tokens} long: {lengths}"
+    )
     for s, mean_length in zip(steps, lengths):
         s["completion_tokens"] = round(mean_length * per_step)
     return {"framework": "trl", "sampler": args.sampler, "steps": steps, "peak_allocated_mb": peak_allocated_mb()}
@@ -323,15 +412,32 @@ def run_side(side: Side, sampler: str, settings: list, env: dict, args) -> tuple
     result_path = Path(args.work) / f"result-{sampler}-{side.name}.json"
     result_path.unlink(missing_ok=True)
     script = side.source / "benchmarks" / "bench_trl.py"
-    cmd = [sys.executable, script, *map(str, settings), "--sampler", sampler, "--only", side.framework, "--result", result_path]
+    cmd = [
+        sys.executable,
+        script,
+        *map(str, settings),
+        "--sampler",
+        sampler,
+        "--only",
+        side.framework,
+        "--result",
+        result_path,
+    ]
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(side.source), env.get("PYTHONPATH")]))}
     tail: collections.deque = collections.deque(maxlen=TAIL_LINES)
     timed_out = False
     # on a GPU the device's used memory (vLLM's pools included, which torch's statistics miss), sampled meanwhile
-    with (DeviceMemoryPeak() if args.device == "cuda" else contextlib.nullcontext()) as device_peak:
+    with DeviceMemoryPeak() if args.device == "cuda" else contextlib.nullcontext() as device_peak:
         # its own process group, so that a side past --side-timeout-s is stopped with every process it started
-        proc = subprocess.Popen(list(map(str, cmd)), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, errors="replace", start_new_session=True)
+        proc = subprocess.Popen(
+            list(map(str, cmd)),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
 
         def echo():  # shown as it comes; the last lines kept for a failure's report
             for line in proc.stderr:
@@ -361,9 +467,18 @@ def run_side(side: Side, sampler: str, settings: list, env: dict, args) -> tuple
     if returncode == 0 and result is not None:
         return result, None
     why = f"timed out after {args.side_timeout_s:g}s" if timed_out else f"exit code {returncode}"
-    error = {"framework": side.name, "sampler": sampler, "error": why, "completed": result is not None, "last_lines": list(tail)}
-    print(f"\n{side.name} ({sampler} sampler) FAILED: {why}; its last lines:\n  " + "\n  ".join(tail) + "\n",
-          file=sys.stderr, flush=True)
+    error = {
+        "framework": side.name,
+        "sampler": sampler,
+        "error": why,
+        "completed": result is not None,
+        "last_lines": list(tail),
+    }
+    print(
+        f"\n{side.name} ({sampler} sampler) FAILED: {why}; its last lines:\n  " + "\n  ".join(tail) + "\n",
+        file=sys.stderr,
+        flush=True,
+    )
     return result, error
 
 
@@ -371,8 +486,17 @@ def ratio(a, b):
     return a / b if a and b else None
 
 
-RATIO_KEYS = ("s_per_step", "s_per_step_median", "generate_s", "train_s", "sync_s", "tokens_per_s", "cpu_s_per_step",
-              "peak_allocated_mb", "device_peak_mb")
+RATIO_KEYS = (
+    "s_per_step",
+    "s_per_step_median",
+    "generate_s",
+    "train_s",
+    "sync_s",
+    "tokens_per_s",
+    "cpu_s_per_step",
+    "peak_allocated_mb",
+    "device_peak_mb",
+)
 
 
 def pair_ratios(s: dict, over: str = "trl", under: str = "scirl") -> dict:
@@ -387,13 +511,17 @@ def print_cpu_pair(summaries: dict, header: str) -> None:
         if s is None:
             print(f"{name:16}  failed (see above)")
             continue
-        print(f"{name:16}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}"
-              f"{s['cpu_s_per_step']:12.1f}{s['cpu_generate_s']:11.1f}")
+        print(
+            f"{name:16}{s['s_per_step']:10.1f}{s['generate_s']:12.1f}{s['train_s']:10.1f}{s['tokens_per_s']:10.0f}"
+            f"{s['cpu_s_per_step']:12.1f}{s['cpu_generate_s']:11.1f}"
+        )
     r = pair_ratios(summaries)
     if r:
         # on a shared machine wall time swings with the neighbours' load; process CPU time much less
-        print(f"\nscirl / TRL speed: {r['s_per_step']:.2f}x wall time, {r['cpu_s_per_step']:.2f}x CPU time, "
-              f"{r['s_per_step_median']:.2f}x median wall time per step (goal >= 2x)")
+        print(
+            f"\nscirl / TRL speed: {r['s_per_step']:.2f}x wall time, {r['cpu_s_per_step']:.2f}x CPU time, "
+            f"{r['s_per_step_median']:.2f}x median wall time per step (goal >= 2x)"
+        )
 
 
 def print_gpu_pair(summaries: dict, header: str) -> None:
@@ -401,10 +529,13 @@ def print_gpu_pair(summaries: dict, header: str) -> None:
         return f"{value:{width}.{digits}f}" if value is not None else f"{'n/a':>{width}}"
 
     print(header)
-    print(f"{'':16}{'s/step':>8}{'generate s':>12}{'train s':>9}{'(sync s)':>10}{'tokens/s':>10}{'peak alloc MB':>15}"
-          f"{'device MB':>11}")
+    print(
+        f"{'':16}{'s/step':>8}{'generate s':>12}{'train s':>9}{'(sync s)':>10}{'tokens/s':>10}{'peak alloc MB':>15}"
+        f"{'device MB':>11}"
+    )
     rows = [(name, s, (2, 2, 2, 2, 0, 0, 0)) for name, s in summaries.items()] + [
-        ("TRL/scirl", pair_ratios(summaries) or None, (2, 2, 2, 2, 2, 2, 2))]
+        ("TRL/scirl", pair_ratios(summaries) or None, (2, 2, 2, 2, 2, 2, 2))
+    ]
     for name, s, d in rows:
         if s is None:
             print(f"{name:16}  " + ("failed (see above)" if name != "TRL/scirl" else "n/a: a side failed"))
@@ -417,14 +548,26 @@ def print_gpu_pair(summaries: dict, header: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where both frameworks run")
-    parser.add_argument("--sampler", choices=["hf", "vllm", "both"], default=None,
-                        help="hf: both sample through transformers; vllm: both through an in-process vLLM engine beside "
-                        "the trainer; both: one pair, then the other (default: hf on cpu, both on cuda)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                        help="a random-init model with this Qwen3 release's shapes (default: 0.6b on cuda; on cpu the "
-                        "tiny model of --hidden and --layers)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35,
-                        help="vLLM's share of the GPU beside the trainer, the same in both frameworks")
+    parser.add_argument(
+        "--sampler",
+        choices=["hf", "vllm", "both"],
+        default=None,
+        help="hf: both sample through transformers; vllm: both through an in-process vLLM engine beside "
+        "the trainer; both: one pair, then the other (default: hf on cpu, both on cuda)",
+    )
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="a random-init model with this Qwen3 release's shapes (default: 0.6b on cuda; on cpu the "
+        "tiny model of --hidden and --layers)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.35,
+        help="vLLM's share of the GPU beside the trainer, the same in both frameworks",
+    )
     parser.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs, in both frameworks")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per framework and round")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the figures")
@@ -434,18 +577,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=256, help="completion length (forced)")
     parser.add_argument("--micro-batch", type=int, default=32, help="completions a micro-batch (scirl: at most)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None,
-                        help="scirl's micro-batch token budget (default: scirl's, 8192; not passed to --against's side)")
-    parser.add_argument("--against", metavar="REV", default=None,
-                        help="also run scirl's side as revision REV of this repository has it (a git worktree of it)")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="scirl's micro-batch token budget (default: scirl's, 8192; not passed to --against's side)",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run scirl's side as revision REV of this repository has it (a git worktree of it)",
+    )
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype of both frameworks, over float32 master weights (scirl: a bf16 compute "
-                        "copy, as FSDP's mixed precision; TRL: autocast); default float32 on cpu, bfloat16 on cuda")
-    parser.add_argument("--side-timeout-s", type=float, default=300,
-                        help="stop a framework's process after this long and go on with the others")
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default=None,
+        help="compute dtype of both frameworks, over float32 master weights (scirl: a bf16 compute "
+        "copy, as FSDP's mixed precision; TRL: autocast); default float32 on cpu, bfloat16 on cuda",
+    )
+    parser.add_argument(
+        "--side-timeout-s",
+        type=float,
+        default=300,
+        help="stop a framework's process after this long and go on with the others",
+    )
     parser.add_argument("--work", default=None, help="directory for the model and TRL's output (default: a temp dir)")
     parser.add_argument("--only", choices=["scirl", "trl"], help="run one framework in this process (used internally)")
     parser.add_argument("--result", default=None, help="with --only: also write the result here (used internally)")
@@ -480,18 +639,50 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     samplers = ["hf", "vllm"] if args.sampler == "both" else [args.sampler]
-    with tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp, \
-            against_tree(args.against, Path(tmp), "bench_trl") as against:
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-trl-") as tmp,
+        against_tree(args.against, Path(tmp), "bench_trl") as against,
+    ):
         args.work = args.work or tmp
         Path(args.work).mkdir(parents=True, exist_ok=True)
         build_inputs(Path(args.work), args)  # once, outside the timed runs: every side reuses the model
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-                   TOKENIZERS_PARALLELISM="false")
-        settings = ["--steps", args.steps, "--threads", args.threads, "--questions", args.questions, "--group", args.group,
-                    "--tokens", args.tokens, "--micro-batch", args.micro_batch, "--hidden", args.hidden,
-                    "--layers", args.layers, "--lr", args.lr, "--dtype", args.dtype, "--work", args.work,
-                    "--device", args.device, "--gpu-memory-utilization", args.gpu_memory_utilization]
-        settings += (["--shape", args.shape] if args.shape else []) + (["--enforce-eager"] if args.enforce_eager else [])
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS=str(args.threads),
+            MKL_NUM_THREADS=str(args.threads),
+            TOKENIZERS_PARALLELISM="false",
+        )
+        settings = [
+            "--steps",
+            args.steps,
+            "--threads",
+            args.threads,
+            "--questions",
+            args.questions,
+            "--group",
+            args.group,
+            "--tokens",
+            args.tokens,
+            "--micro-batch",
+            args.micro_batch,
+            "--hidden",
+            args.hidden,
+            "--layers",
+            args.layers,
+            "--lr",
+            args.lr,
+            "--dtype",
+            args.dtype,
+            "--work",
+            args.work,
+            "--device",
+            args.device,
+            "--gpu-memory-utilization",
+            args.gpu_memory_utilization,
+        ]
+        settings += (["--shape", args.shape] if args.shape else []) + (
+            ["--enforce-eager"] if args.enforce_eager else []
+        )
         sides = [Side("scirl", "scirl"), Side("trl", "trl")]
         if against is not None:
             sides.insert(1, Side(f"scirl@{args.against}", "scirl", against))
@@ -505,12 +696,16 @@ def main(argv: list[str] | None = None) -> int:
             for sampler in samplers:
                 side_env = {**VLLM_ENV, **env} if sampler == "vllm" else env
                 for side in sides if round_ % 2 == 0 else sides[::-1]:
-                    result, error = run_side(side, sampler, settings + (own if side.source == REPO else []), side_env, args)
+                    result, error = run_side(
+                        side, sampler, settings + (own if side.source == REPO else []), side_env, args
+                    )
                     if result is not None:
-                        runs[sampler][side.name] += result["steps"][args.warmup:]
+                        runs[sampler][side.name] += result["steps"][args.warmup :]
                         for key in ("peak_allocated_mb", "device_peak_mb"):
                             if result.get(key) is not None:
-                                peaks[(sampler, side.name)][key] = max(result[key], peaks[(sampler, side.name)].get(key, 0))
+                                peaks[(sampler, side.name)][key] = max(
+                                    result[key], peaks[(sampler, side.name)].get(key, 0)
+                                )
                     if error is not None:
                         errors.append(error)
                     report(final=False)  # after each side: a run cut short keeps what it measured
@@ -521,9 +716,14 @@ def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> in
     """The tables (when ``final``) and the JSON file; exit status 1 when a side failed."""
     pairs = {}
     for sampler, steps in runs.items():
-        summaries = {name: ({**summarize(timed), **peaks[(sampler, name)]} if timed else None) for name, timed in steps.items()}
-        pairs[sampler] = {"results": summaries, "ratios": pair_ratios(summaries),
-                          "errors": [e for e in errors if e["sampler"] == sampler]}
+        summaries = {
+            name: ({**summarize(timed), **peaks[(sampler, name)]} if timed else None) for name, timed in steps.items()
+        }
+        pairs[sampler] = {
+            "results": summaries,
+            "ratios": pair_ratios(summaries),
+            "errors": [e for e in errors if e["sampler"] == sampler],
+        }
         if args.against:  # this tree's scirl against the other revision's: above 1, the other revision takes longer
             pairs[sampler]["against_ratios"] = pair_ratios(summaries, f"scirl@{args.against}", "scirl")
     if final:
@@ -532,28 +732,47 @@ def write_report(args, runs: dict, peaks: dict, errors: list, final: bool) -> in
         for sampler, pair in pairs.items():
             s = pair["results"]
             timed = next((x["timed_steps"] for x in s.values() if x), 0)
-            header = (f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per step, "
-                      f"{model}, {args.threads} thread(s), {timed} timed step(s) each over {args.rounds} round(s)\n")
+            header = (
+                f"\n{args.questions} questions x {args.group} = {per_step} completions x {args.tokens} tokens per "
+                f"step, {model}, {args.threads} thread(s), {timed} timed step(s) each over {args.rounds} round(s)\n"
+            )
             if args.device == "cpu":
                 print_cpu_pair(s, header if sampler == "hf" else header.replace("\n", "\n[vLLM sampler] ", 1))
             else:
-                engine = (f", vLLM colocated at {args.gpu_memory_utilization:g} of the GPU"
-                          f"{', eager' if args.enforce_eager else ''}" if sampler == "vllm" else "")
-                print_gpu_pair(s, f"\n{'vLLM' if sampler == 'vllm' else 'transformers'} sampler, {args.dtype}{engine}: "
-                               + header.lstrip("\n"))
+                engine = (
+                    f", vLLM colocated at {args.gpu_memory_utilization:g} of the GPU"
+                    f"{', eager' if args.enforce_eager else ''}"
+                    if sampler == "vllm"
+                    else ""
+                )
+                print_gpu_pair(
+                    s,
+                    f"\n{'vLLM' if sampler == 'vllm' else 'transformers'} sampler, {args.dtype}{engine}: "
+                    + header.lstrip("\n"),
+                )
             if pair.get("against_ratios"):
                 r = {k: f"{v:.2f}x" if v is not None else "n/a" for k, v in pair["against_ratios"].items()}
-                print(f"scirl@{args.against} / scirl (this tree): train {r['train_s']}, step {r['s_per_step']} "
-                      f"(median {r['s_per_step_median']}), CPU time {r['cpu_s_per_step']} (above 1: this tree is faster)")
+                print(
+                    f"scirl@{args.against} / scirl (this tree): train {r['train_s']}, step {r['s_per_step']} "
+                    f"(median {r['s_per_step_median']}), CPU time {r['cpu_s_per_step']} (above 1: this tree is faster)"
+                )
         for e in errors:
             print(f"FAILED: {e['framework']} ({e['sampler']} sampler): {e['error']}")
     if args.json:
-        out = {"config": {k: v for k, v in vars(args).items() if k != "work"}, "pairs": pairs, "errors": errors,
-               "complete": final}
+        out = {
+            "config": {k: v for k, v in vars(args).items() if k != "work"},
+            "pairs": pairs,
+            "errors": errors,
+            "complete": final,
+        }
         hf = pairs.get("hf", {}).get("ratios")
         if args.device == "cpu" and hf:  # the keys this file has always had
-            out.update(results=pairs["hf"]["results"], ratio=hf["s_per_step"], cpu_ratio=hf["cpu_s_per_step"],
-                       median_ratio=hf["s_per_step_median"])
+            out.update(
+                results=pairs["hf"]["results"],
+                ratio=hf["s_per_step"],
+                cpu_ratio=hf["cpu_s_per_step"],
+                median_ratio=hf["s_per_step_median"],
+            )
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 1 if errors else 0
 

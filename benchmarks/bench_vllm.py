@@ -30,10 +30,10 @@ from pathlib import Path
 
 
 def build_prompts(tokenizer, count: int) -> list[list[int]]:
-    from scirl.task.data import question_from_row
     from scirl.inference.base import encode_messages
-    from scirl.task.prompt import build_messages
     from scirl.synth.questions import generate_rows
+    from scirl.task.data import question_from_row
+    from scirl.task.prompt import build_messages
 
     rows = generate_rows(n_per_domain=max(1, count), seed=0, non_mcq=False)[:count]
     return [encode_messages(tokenizer, build_messages(question_from_row(r))) for r in rows]
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads)  # before the engine: the CPU backend ignores it afterwards
 
-    from scirl.inference.base import SamplingParams
-    from scirl.inference.base import request_seed
+    from scirl.inference.base import SamplingParams, request_seed
     from scirl.inference.vllm import VLLMGenerator, import_vllm
     from scirl.synth.tiny_model import build_tiny_model
 
@@ -67,21 +66,33 @@ def main(argv: list[str] | None = None) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         # the bench_trl shape: hidden 256, 4 layers, 4 query heads on 2 K/V heads (head_dim 64)
-        model_dir = build_tiny_model(Path(tmp) / "model", hidden_size=args.hidden_size, num_layers=args.layers,
-                                     num_heads=4, num_kv_heads=2)
+        model_dir = build_tiny_model(
+            Path(tmp) / "model", hidden_size=args.hidden_size, num_layers=args.layers, num_heads=4, num_kv_heads=2
+        )
         generator = VLLMGenerator(model_dir, dtype=args.dtype, max_model_len=1024, enforce_eager=True, kv_cache_gib=1)
         prompts = build_prompts(generator.tokenizer, args.prompts)
         llm = generator.llm
 
         def adapter_call(seed: int) -> int:
-            params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens, seed=seed)
+            params = SamplingParams(
+                n=args.n, temperature=1.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens, seed=seed
+            )
             groups = generator.generate(prompts, params)
             return sum(len(c.token_ids) for g in groups for c in g)
 
         def raw_call(seed: int) -> int:
             # the same requests the adapter makes: one seed per prompt, the sampled token's logprob
-            params = [vllm.SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens, min_tokens=args.max_tokens,
-                                          seed=request_seed(seed, i), logprobs=0) for i in range(len(prompts))]
+            params = [
+                vllm.SamplingParams(
+                    n=args.n,
+                    temperature=1.0,
+                    max_tokens=args.max_tokens,
+                    min_tokens=args.max_tokens,
+                    seed=request_seed(seed, i),
+                    logprobs=0,
+                )
+                for i in range(len(prompts))
+            ]
             outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
 
@@ -101,8 +112,15 @@ def main(argv: list[str] | None = None) -> dict:
     per_call_tokens = {k: tokens[k] / args.rounds for k in sides}
     result = {
         "vllm": getattr(vllm, "__version__", "?"),
-        "shape": {"prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens, "threads": args.threads,
-                  "hidden_size": args.hidden_size, "layers": args.layers, "dtype": args.dtype},
+        "shape": {
+            "prompts": args.prompts,
+            "n": args.n,
+            "max_tokens": args.max_tokens,
+            "threads": args.threads,
+            "hidden_size": args.hidden_size,
+            "layers": args.layers,
+            "dtype": args.dtype,
+        },
         "tokens_per_s": {k: tokens[k] / sum(times[k]) for k in sides},
         "median_tokens_per_s": {k: per_call_tokens[k] / statistics.median(times[k]) for k in sides},
         "seconds": times,
@@ -113,13 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
     scale = per_call_tokens["adapter"] / per_call_tokens["raw"]  # 1 when both produce full-length completions
     result["paired_median_ratio"] = statistics.median(scale * r / a for a, r in zip(times["adapter"], times["raw"]))
     result["best_call_ratio"] = scale * min(times["raw"]) / min(times["adapter"])  # each side's least-disturbed call
-    print(f"vllm {result['vllm']}: {args.prompts} prompts x n {args.n} x {args.max_tokens} tokens, {args.rounds} rounds, "
-          f"{args.threads} thread(s)")
+    print(
+        f"vllm {result['vllm']}: {args.prompts} prompts x n {args.n} x {args.max_tokens} tokens, {args.rounds} rounds, "
+        f"{args.threads} thread(s)"
+    )
     for k in sides:
         print(f"  {k:8s} {result['tokens_per_s'][k]:9.0f} tok/s (median call {result['median_tokens_per_s'][k]:9.0f})")
-    print(f"  adapter / raw: {result['ratio']:.3f} by total time, {result['median_ratio']:.3f} by median call, "
-          f"{result['paired_median_ratio']:.3f} by median of each round's pair, {result['best_call_ratio']:.3f} by best call "
-          "(goal >= 0.9)")
+    print(
+        f"  adapter / raw: {result['ratio']:.3f} by total time, {result['median_ratio']:.3f} by median call, "
+        f"{result['paired_median_ratio']:.3f} by median of each round's pair, {result['best_call_ratio']:.3f} by best "
+        "call (goal >= 0.9)"
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

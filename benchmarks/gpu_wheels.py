@@ -34,9 +34,16 @@ PART_BYTES = 54_000_000  # one part of the vLLM set: with the working tree, insi
 PYPROJECT = HERE.parent / "pyproject.toml"
 # the machine's interpreter and platform, for requirement markers
 MARKER_ENV = {
-    "python_version": "3.12", "python_full_version": "3.12.3", "implementation_name": "cpython",
-    "platform_python_implementation": "CPython", "implementation_version": "3.12.3", "sys_platform": "linux",
-    "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix", "extra": "",
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "implementation_version": "3.12.3",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+    "extra": "",
 }
 MAX_TOTAL_MB = 64  # all that travels with one call to the machine, the working tree included
 
@@ -65,8 +72,10 @@ def parse_lists(path: Path = LISTS) -> dict[str, dict]:
             kinds["waive"][(canonicalize_name(fields[0]), canonicalize_name(fields[1]))] = None
             continue
         else:
-            raise ListError(f"{where}: expected 'image NAME [VERSION]', 'wheel NAME==VERSION', 'vllm NAME==VERSION' "
-                            f"'leave NAME' or 'waive WHO NAME', got {raw.strip()!r}")
+            raise ListError(
+                f"{where}: expected 'image NAME [VERSION]', 'wheel NAME==VERSION', 'vllm NAME==VERSION' "
+                f"'leave NAME' or 'waive WHO NAME', got {raw.strip()!r}"
+            )
         if name in kinds[kind]:
             what = "pinned" if kind in ("wheel", "vllm") else "listed"
             raise ListError(f"{where}: {name} is {what} twice (keep one version of each package)")
@@ -132,7 +141,9 @@ def wheel_metadata(path: Path) -> tuple[str, str, list[str]]:
     return canonicalize_name(meta["Name"]), meta["Version"], meta.get_all("Requires-Dist") or []
 
 
-def wheel_problems(directory: Path, pins: dict[str, str], image: dict, kinds: dict | None = None) -> tuple[list[str], int]:
+def wheel_problems(
+    directory: Path, pins: dict[str, str], image: dict, kinds: dict | None = None
+) -> tuple[list[str], int]:
     """Problems of the wheels in ``directory`` against ``pins`` (exactly these, one version each, every wheel's
     own requirements met by the image or the pins, less what ``kinds`` leaves out or waives), and their size."""
     leave, waive = (kinds["leave"], kinds["waive"]) if kinds else ({}, {})
@@ -147,8 +158,12 @@ def wheel_problems(directory: Path, pins: dict[str, str], image: dict, kinds: di
             problems.append(f"{path.name}: {name} is not in the wheel lists")
         elif pins[name] != version:
             problems.append(f"{path.name}: the lists pin {name}=={pins[name]}")
-        kept = [text for text in requires if canonicalize_name(Requirement(text).name) not in leave
-                and (name, canonicalize_name(Requirement(text).name)) not in waive]
+        kept = [
+            text
+            for text in requires
+            if canonicalize_name(Requirement(text).name) not in leave
+            and (name, canonicalize_name(Requirement(text).name)) not in waive
+        ]
         problems += requirement_problems(kept, image, pins, f"{name} {version}")
     problems += [f"{name}=={version}: no wheel in {directory}" for name, version in pins.items() if name not in found]
     return problems, total
@@ -160,8 +175,10 @@ def wheelhouse_problems(directory: Path, lists: Path = LISTS, tree_bytes: int = 
     image, wheels = read_lists(lists)
     problems, total = wheel_problems(directory, wheels, image)
     if total + tree_bytes > MAX_TOTAL_MB * 2**20:
-        problems.append(f"the wheels take {total / 2**20:.1f} MiB and the working tree {tree_bytes / 2**20:.1f} MiB, "
-                        f"over the {MAX_TOTAL_MB} MiB that travel with a call")
+        problems.append(
+            f"the wheels take {total / 2**20:.1f} MiB and the working tree {tree_bytes / 2**20:.1f} MiB, "
+            f"over the {MAX_TOTAL_MB} MiB that travel with a call"
+        )
     return problems, total
 
 
@@ -169,8 +186,11 @@ def working_tree_bytes(repo: Path = HERE.parent) -> int:
     """What travels with a call besides the carried paths: the files git tracks or would track (ignored ones stay)."""
     import subprocess
 
-    listed = subprocess.run(["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     return sum((repo / name.decode()).stat().st_size for name in listed if name and (repo / name.decode()).is_file())
 
 
@@ -222,7 +242,7 @@ def pack(directory: Path, part_bytes: int = PART_BYTES) -> list[Path]:
     for i in range(count):
         folder = directory / f"part{i + 1:02d}"
         folder.mkdir()
-        (folder / f"set.tar.{i + 1:02d}").write_bytes(data[i * part_bytes:(i + 1) * part_bytes])
+        (folder / f"set.tar.{i + 1:02d}").write_bytes(data[i * part_bytes : (i + 1) * part_bytes])
         (folder / "SET").write_text(f"{digest} {count}\n")
         folders.append(folder)
     return folders
@@ -231,23 +251,31 @@ def pack(directory: Path, part_bytes: int = PART_BYTES) -> list[Path]:
 def install_line(directory: str) -> str:
     """The line that installs the wheels on the machine and puts them on the path (run in the repo's root there)."""
     site = f"{directory}/site"
-    return (f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {site} "
-            f"{directory}/*.whl && export PYTHONPATH=\"$PWD/{site}${{PYTHONPATH:+:$PYTHONPATH}}\"")
+    return (
+        f"python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target {site} "
+        f'{directory}/*.whl && export PYTHONPATH="$PWD/{site}${{PYTHONPATH:+:$PYTHONPATH}}"'
+    )
 
 
-USAGE = ("usage: gpu_wheels.py list | list-vllm | pyproject | check DIR | check-vllm DIR | pack DIR | record-vllm WHEEL\n"
-         "  list, list-vllm     stage A's pins, stage B's (the vLLM set), one a line\n"
-         "  pyproject           every requirement of pyproject.toml: in the image or a wheel\n"
-         "  check DIR           stage A's downloaded wheels: complete, their requirements met, within one call\n"
-         "  check-vllm DIR      both sets downloaded into DIR: complete, their requirements met or left out\n"
-         "  pack DIR            DIR/wheels as parts of at most 54,000,000 bytes, DIR/part01 ... (one call carries one)\n"
-         "  record-vllm WHEEL   write vLLM's Requires-Dist from its wheel to " + VLLM_REQUIRES.name)
+USAGE = (
+    "usage: gpu_wheels.py list | list-vllm | pyproject | check DIR | check-vllm DIR | pack DIR | record-vllm WHEEL\n"
+    "  list, list-vllm     stage A's pins, stage B's (the vLLM set), one a line\n"
+    "  pyproject           every requirement of pyproject.toml: in the image or a wheel\n"
+    "  check DIR           stage A's downloaded wheels: complete, their requirements met, within one call\n"
+    "  check-vllm DIR      both sets downloaded into DIR: complete, their requirements met or left out\n"
+    "  pack DIR            DIR/wheels as parts of at most 54,000,000 bytes, DIR/part01 ... (one call carries one)\n"
+    "  record-vllm WHEEL   write vLLM's Requires-Dist from its wheel to " + VLLM_REQUIRES.name
+)
 
 
 def main(argv: list[str]) -> int:
     takes_path = ("check", "check-vllm", "pack", "record-vllm")
-    if not argv or argv[0] not in ("list", "list-vllm", "pyproject", *takes_path) \
-            or (argv[0] in takes_path) != (len(argv) == 2) or len(argv) > 2:
+    if (
+        not argv
+        or argv[0] not in ("list", "list-vllm", "pyproject", *takes_path)
+        or (argv[0] in takes_path) != (len(argv) == 2)
+        or len(argv) > 2
+    ):
         print(USAGE, file=sys.stderr)
         return 2
     command = argv[0]
@@ -263,8 +291,9 @@ def main(argv: list[str]) -> int:
         path = Path(argv[1])
         if command == "record-vllm":
             name, version, requires = wheel_metadata(path)
-            VLLM_REQUIRES.write_text(f"# Requires-Dist of {name} {version} (gpu_wheels.py record-vllm)\n"
-                                     + "\n".join(requires) + "\n")
+            VLLM_REQUIRES.write_text(
+                f"# Requires-Dist of {name} {version} (gpu_wheels.py record-vllm)\n" + "\n".join(requires) + "\n"
+            )
             print(f"{VLLM_REQUIRES}: {len(requires)} requirements of {name} {version}")
             return 0
         if not path.is_dir():
@@ -289,8 +318,10 @@ def main(argv: list[str]) -> int:
     count = len(list(path.glob("*.whl")))
     print(f"{count} wheels, {total / 2**20:.2f} MiB together ({'problems above' if problems else 'complete'})")
     if command == "check":
-        print(f"with the working tree ({tree / 2**20:.2f} MiB): {(total + tree) / 2**20:.2f} MiB of the "
-              f"{MAX_TOTAL_MB} MiB one call carries")
+        print(
+            f"with the working tree ({tree / 2**20:.2f} MiB): {(total + tree) / 2**20:.2f} MiB of the "
+            f"{MAX_TOTAL_MB} MiB one call carries"
+        )
     if problems:
         return 1
     if command == "check":

@@ -20,8 +20,9 @@ def against_tree(rev: str | None, tmp: Path, bench: str = "bench"):
         yield None
         return
     tree = tmp / f"against-{rev}"
-    made = subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True,
-                          text=True)
+    made = subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", str(tree), rev], capture_output=True, text=True
+    )
     if made.returncode != 0:
         raise SystemExit(f"{bench}: --against {rev}: git worktree add failed: {made.stderr.strip().splitlines()[-1]}")
     try:
@@ -34,7 +35,7 @@ def against_tree(rev: str | None, tmp: Path, bench: str = "bench"):
 def turn(workers: dict[str, subprocess.Popen], line: str, reverse: bool) -> dict:
     """Each side's worker in turn (in reverse order when ``reverse``) sent ``line``: its reply, one JSON line."""
     replies = {}
-    for side in (list(workers)[::-1] if reverse else list(workers)):
+    for side in list(workers)[::-1] if reverse else list(workers):
         workers[side].stdin.write(line + "\n")
         workers[side].stdin.flush()
         replies[side] = json.loads(workers[side].stdout.readline())

@@ -25,21 +25,66 @@ from email.parser import Parser
 from pathlib import Path
 
 # engine arguments scirl passes to vllm.LLM (required and optional)
-ENGINE_FIELDS = ("model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "enforce_eager",
-                 "logprobs_mode", "enable_sleep_mode", "kv_cache_memory_bytes", "enable_chunked_prefill",
-                 "weight_transfer_config")
+ENGINE_FIELDS = (
+    "model",
+    "tokenizer",
+    "dtype",
+    "seed",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "enforce_eager",
+    "logprobs_mode",
+    "enable_sleep_mode",
+    "kv_cache_memory_bytes",
+    "enable_chunked_prefill",
+    "weight_transfer_config",
+)
 # server flags of scirl.inference.vllm_command.server_command
-SERVER_FLAGS = ("--model", "--served-model-name", "--dtype", "--max-model-len", "--seed", "--logprobs-mode",
-                "--disable-uvicorn-access-log", "--enforce-eager", "--kv-cache-memory-bytes",
-                "--no-enable-chunked-prefill", "--gpu-memory-utilization", "--data-parallel-size",
-                "--weight-transfer-config")
+SERVER_FLAGS = (
+    "--model",
+    "--served-model-name",
+    "--dtype",
+    "--max-model-len",
+    "--seed",
+    "--logprobs-mode",
+    "--disable-uvicorn-access-log",
+    "--enforce-eager",
+    "--kv-cache-memory-bytes",
+    "--no-enable-chunked-prefill",
+    "--gpu-memory-utilization",
+    "--data-parallel-size",
+    "--weight-transfer-config",
+)
 # routes scirl.inference.client and scirl.weights call (/openapi.json is FastAPI's own)
-SCIRL_ROUTES = ("/health", "/v1/models", "/v1/completions", "/collective_rpc", "/reset_prefix_cache", "/is_sleeping",
-                "/server_info", "/get_world_size", "/init_weight_transfer_engine", "/start_weight_update",
-                "/update_weights", "/finish_weight_update", "/update_weight_version", "/weight_info",
-                "/weight_checker", "/shutdown_weight_transfer_engine")
-SAMPLING_FIELDS = ("n", "temperature", "top_p", "max_tokens", "min_tokens", "seed", "logprobs", "prompt_logprobs",
-                   "stop_token_ids")
+SCIRL_ROUTES = (
+    "/health",
+    "/v1/models",
+    "/v1/completions",
+    "/collective_rpc",
+    "/reset_prefix_cache",
+    "/is_sleeping",
+    "/server_info",
+    "/get_world_size",
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+    "/update_weight_version",
+    "/weight_info",
+    "/weight_checker",
+    "/shutdown_weight_transfer_engine",
+)
+SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "min_tokens",
+    "seed",
+    "logprobs",
+    "prompt_logprobs",
+    "stop_token_ids",
+)
 LLM_METHODS = ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache", "generate")
 RELOAD_LOGGER_FILE = "vllm/model_executor/model_loader/reload/layerwise.py"
 WEIGHT_TRANSFER_DIR = "vllm/distributed/weight_transfer/"
@@ -95,6 +140,7 @@ class Release:
 
 # ---- ast helpers ----
 
+
 def find_class(tree: ast.Module | None, name: str) -> ast.ClassDef | None:
     if tree is None:
         return None
@@ -104,8 +150,9 @@ def find_class(tree: ast.Module | None, name: str) -> ast.ClassDef | None:
 def method(cls: ast.ClassDef | None, name: str) -> ast.FunctionDef | None:
     if cls is None:
         return None
-    return next((n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name),
-                None)
+    return next(
+        (n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name), None
+    )
 
 
 def class_fields(cls: ast.ClassDef) -> dict[str, str]:
@@ -157,23 +204,29 @@ def binds(tree: ast.Module | None, name: str) -> bool:
 
 # ---- the surfaces ----
 
+
 def distribution(release: Release) -> dict:
     meta = Parser().parsestr(release.metadata) if release.metadata else None
     version = meta.get("Version") if meta else None
     if version is None:
         match = re.search(r"__version__\s*=\s*version\s*=\s*['\"]([^'\"]+)", release.text("vllm/_version.py") or "")
         version = match.group(1) if match else "unknown"
-    torch = [r.split(";")[0].strip() for r in (meta.get_all("Requires-Dist") or [] if meta else [])
-             if re.match(r"torch\s*(==|>=|<=|~=|<|>|\(|;|$)", r)]
+    torch = [
+        r.split(";")[0].strip()
+        for r in (meta.get_all("Requires-Dist") or [] if meta else [])
+        if re.match(r"torch\s*(==|>=|<=|~=|<|>|\(|;|$)", r)
+    ]
     return {"name": meta.get("Name") if meta else None, "version": version, "torch": sorted(set(torch))}
 
 
 def engine_args(release: Release) -> dict:
     cls = find_class(release.tree("vllm/engine/arg_utils.py"), "EngineArgs")
     fields = class_fields(cls) if cls else {}
-    return {"fields": {f: f in fields for f in ENGINE_FIELDS},
-            "enable_chunked_prefill_type": fields.get("enable_chunked_prefill"),
-            "all_fields": sorted(fields)}
+    return {
+        "fields": {f: f in fields for f in ENGINE_FIELDS},
+        "enable_chunked_prefill_type": fields.get("enable_chunked_prefill"),
+        "all_fields": sorted(fields),
+    }
 
 
 def llm_class(release: Release) -> dict:
@@ -201,11 +254,14 @@ def worker(release: Release) -> dict:
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
             if method(cls, "compute_weight_checksums") is not None:
                 checksums[f"{name.removeprefix('vllm/v1/worker/')}:{cls.name}"] = True
-    return {"reload_weights": reload_params, "model_runner_reload_weights": runner_params,
-            "takes_weights_iterator": "weights_iterator" in effective,
-            "takes_weights_path": "weights_path" in effective,
-            "compute_weight_checksums": sorted(checksums),
-            "reload_logger_module": RELOAD_LOGGER_FILE in release.files}
+    return {
+        "reload_weights": reload_params,
+        "model_runner_reload_weights": runner_params,
+        "takes_weights_iterator": "weights_iterator" in effective,
+        "takes_weights_path": "weights_path" in effective,
+        "compute_weight_checksums": sorted(checksums),
+        "reload_logger_module": RELOAD_LOGGER_FILE in release.files,
+    }
 
 
 def routes(release: Release) -> list[str]:
@@ -223,10 +279,14 @@ def route_returns(release: Release, path: str) -> list[str]:
     """What the handler of ``path`` returns (each ``return`` expression), e.g. an empty ``Response`` or JSON."""
     for name in release.under("vllm/entrypoints/"):
         for fn in ast.walk(release.tree(name)):
-            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) \
-                    and any(_route_path(d) == path for d in fn.decorator_list):
-                return [" ".join(ast.unparse(r.value).split()) for r in ast.walk(fn)
-                        if isinstance(r, ast.Return) and r.value is not None]
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _route_path(d) == path for d in fn.decorator_list
+            ):
+                return [
+                    " ".join(ast.unparse(r.value).split())
+                    for r in ast.walk(fn)
+                    if isinstance(r, ast.Return) and r.value is not None
+                ]
     return []
 
 
@@ -235,9 +295,13 @@ def _route_path(node) -> str | None:
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
         return None
     first, owner = node.args[0], getattr(node.func.value, "id", "")
-    if node.func.attr in ("get", "post", "put", "delete", "api_route", "add_api_route") \
-            and isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("/") \
-            and (node.func.attr == "add_api_route" or "router" in owner or owner == "app"):
+    if (
+        node.func.attr in ("get", "post", "put", "delete", "api_route", "add_api_route")
+        and isinstance(first, ast.Constant)
+        and isinstance(first.value, str)
+        and first.value.startswith("/")
+        and (node.func.attr == "add_api_route" or "router" in owner or owner == "app")
+    ):
         return first.value
     return None
 
@@ -268,8 +332,11 @@ def server(release: Release) -> dict:
         else:
             flags[flag] = None
     module = release.text("vllm/entrypoints/openai/api_server.py") or ""
-    return {"flags": flags, "api_server_main": "__main__" in module,
-            "dev_mode_env": "VLLM_SERVER_DEV_MODE" in (release.text("vllm/envs.py") or "")}
+    return {
+        "flags": flags,
+        "api_server_main": "__main__" in module,
+        "dev_mode_env": "VLLM_SERVER_DEV_MODE" in (release.text("vllm/envs.py") or ""),
+    }
 
 
 def weight_transfer(release: Release) -> dict:
@@ -296,12 +363,17 @@ def weight_transfer(release: Release) -> dict:
     out = {}
     for cls_name in ("NCCLWeightTransferInitInfo", "NCCLWeightTransferUpdateInfo"):
         module = classes[cls_name][0].removeprefix(WEIGHT_TRANSFER_DIR) if cls_name in classes else None
-        out[cls_name] = {"module": module, "in_nccl_engine": binds(engine_tree, cls_name),
-                         "fields": fields_of(cls_name)}
-    out["nccl_common.trainer_init"] = signature(top_function(release.tree(WEIGHT_TRANSFER_DIR + "nccl_common.py"),
-                                                             "trainer_init"))
-    out["packed_tensor.packed_nccl_broadcast_producer"] = signature(top_function(
-        release.tree(WEIGHT_TRANSFER_DIR + "packed_tensor.py"), "packed_nccl_broadcast_producer"))
+        out[cls_name] = {
+            "module": module,
+            "in_nccl_engine": binds(engine_tree, cls_name),
+            "fields": fields_of(cls_name),
+        }
+    out["nccl_common.trainer_init"] = signature(
+        top_function(release.tree(WEIGHT_TRANSFER_DIR + "nccl_common.py"), "trainer_init")
+    )
+    out["packed_tensor.packed_nccl_broadcast_producer"] = signature(
+        top_function(release.tree(WEIGHT_TRANSFER_DIR + "packed_tensor.py"), "packed_nccl_broadcast_producer")
+    )
     return out
 
 
@@ -314,8 +386,7 @@ def sampler(release: Release) -> dict:
             for key, value in zip(node.keys, node.values):
                 if isinstance(key, ast.Constant) and key.value == "VLLM_USE_FLASHINFER_SAMPLER":
                     default = " ".join(ast.unparse(value).split())
-    return {"reads_VLLM_USE_FLASHINFER_SAMPLER": "VLLM_USE_FLASHINFER_SAMPLER" in sampler_text,
-            "envs_entry": default}
+    return {"reads_VLLM_USE_FLASHINFER_SAMPLER": "VLLM_USE_FLASHINFER_SAMPLER" in sampler_text, "envs_entry": default}
 
 
 def requests(release: Release) -> dict:
@@ -329,24 +400,38 @@ def requests(release: Release) -> dict:
             completion_fields |= set(class_fields(cls))
     inputs = release.text("vllm/inputs/__init__.py") or ""
     platform = find_class(release.tree("vllm/platforms/interface.py"), "Platform")
-    return {"SamplingParams": {f: f in fields for f in SAMPLING_FIELDS},
-            "CompletionRequest.return_token_ids": "return_token_ids" in completion_fields,
-            "CompletionRequest.prompt_logprobs": "prompt_logprobs" in completion_fields,
-            "inputs.TokensPrompt": "TokensPrompt" in inputs,
-            "Platform.is_sleep_mode_available": method(platform, "is_sleep_mode_available") is not None}
+    return {
+        "SamplingParams": {f: f in fields for f in SAMPLING_FIELDS},
+        "CompletionRequest.return_token_ids": "return_token_ids" in completion_fields,
+        "CompletionRequest.prompt_logprobs": "prompt_logprobs" in completion_fields,
+        "inputs.TokensPrompt": "TokensPrompt" in inputs,
+        "Platform.is_sleep_mode_available": method(platform, "is_sleep_mode_available") is not None,
+    }
 
 
 def surfaces(path: Path) -> dict:
     release = Release(path)
     all_routes = routes(release)
-    return {"source": path.name, **distribution(release), "engine_args": engine_args(release),
-            "LLM": llm_class(release), "worker": worker(release), "server": server(release),
-            "routes": {"scirl": {r: r in all_routes for r in SCIRL_ROUTES}, "all": all_routes,
-                       "/reset_prefix_cache returns": route_returns(release, "/reset_prefix_cache")},
-            "weight_transfer": weight_transfer(release), "sampler": sampler(release), "requests": requests(release)}
+    return {
+        "source": path.name,
+        **distribution(release),
+        "engine_args": engine_args(release),
+        "LLM": llm_class(release),
+        "worker": worker(release),
+        "server": server(release),
+        "routes": {
+            "scirl": {r: r in all_routes for r in SCIRL_ROUTES},
+            "all": all_routes,
+            "/reset_prefix_cache returns": route_returns(release, "/reset_prefix_cache"),
+        },
+        "weight_transfer": weight_transfer(release),
+        "sampler": sampler(release),
+        "requests": requests(release),
+    }
 
 
 # ---- the table ----
+
 
 def _cell(value) -> str:
     if value is True:
@@ -391,22 +476,26 @@ def table_rows(report: dict) -> dict[str, object]:
         rows[f"{cls_name} in nccl_engine"] = info["in_nccl_engine"]
     rows["nccl_common.trainer_init"] = _param_names(report["weight_transfer"]["nccl_common.trainer_init"])
     rows["packed_nccl_broadcast_producer"] = _param_names(
-        report["weight_transfer"]["packed_tensor.packed_nccl_broadcast_producer"])
+        report["weight_transfer"]["packed_tensor.packed_nccl_broadcast_producer"]
+    )
     rows["sampler reads VLLM_USE_FLASHINFER_SAMPLER"] = report["sampler"]["reads_VLLM_USE_FLASHINFER_SAMPLER"]
     rows["envs VLLM_USE_FLASHINFER_SAMPLER"] = report["sampler"]["envs_entry"]
     req = report["requests"]
     missing = [f for f, ok in req["SamplingParams"].items() if not ok]
     rows["SamplingParams fields scirl sets"] = "all" if not missing else "missing " + ", ".join(missing)
-    for key in ("CompletionRequest.return_token_ids", "CompletionRequest.prompt_logprobs", "inputs.TokensPrompt",
-                "Platform.is_sleep_mode_available"):
+    for key in (
+        "CompletionRequest.return_token_ids",
+        "CompletionRequest.prompt_logprobs",
+        "inputs.TokensPrompt",
+        "Platform.is_sleep_mode_available",
+    ):
         rows[key] = req[key]
     return rows
 
 
 def markdown_table(reports: list[dict], only_differing: bool = False) -> str:
     columns = [table_rows(r) for r in reports]
-    lines = ["| surface | " + " | ".join(r["version"] for r in reports) + " |",
-             "|---|" + "---|" * len(reports)]
+    lines = ["| surface | " + " | ".join(r["version"] for r in reports) + " |", "|---|" + "---|" * len(reports)]
     for row in columns[0]:
         values = [_cell(c.get(row)) for c in columns]
         if only_differing and len(set(values)) == 1:

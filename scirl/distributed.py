@@ -144,15 +144,19 @@ class Rendezvous:
         timeout_s = timeout_s or self.timeout_s
         started = time.monotonic()
         try:
-            torch.distributed.monitored_barrier(group=self.group, timeout=datetime.timedelta(seconds=timeout_s),
-                                                wait_all_ranks=True)
+            torch.distributed.monitored_barrier(
+                group=self.group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True
+            )
         except RuntimeError as exc:
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             missing = [0]  # the other ranks wait for rank 0, which hears from them all
             if self.dist.is_main:
                 found = MONITORED_BARRIER_MISSING.search(str(exc))
-                missing = ([int(r) for r in found.group(1).split(",")] if found
-                           else [r for r in range(1, self.dist.world_size)])
+                missing = (
+                    [int(r) for r in found.group(1).split(",")]
+                    if found
+                    else [r for r in range(1, self.dist.world_size)]
+                )
             raise RendezvousMissed(self.dist.rank, missing, time.monotonic() - started, timeout_s, detail) from exc
 
 

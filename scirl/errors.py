@@ -9,7 +9,6 @@ signal (``Stopped``; 130 for Ctrl-C). Everything else is a bug and keeps its tra
 
 from __future__ import annotations
 
-
 REFUSED = 2  # the input, the configuration or the machine refused before any work
 FAILED = 1  # the work began and could not go on
 

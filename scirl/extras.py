@@ -51,8 +51,9 @@ def side_package_problem() -> str | None:
             dist = metadata.distribution(name)
         except metadata.PackageNotFoundError:
             continue
-        pinned = next((m.group(1) for r in dist.requires or [] if (m := re.match(r"torch\s*==\s*([\w.+]+)\s*$", r))),
-                      None)
+        pinned = next(
+            (m.group(1) for r in dist.requires or [] if (m := re.match(r"torch\s*==\s*([\w.+]+)\s*$", r))), None
+        )
         if pinned is not None and public(pinned) != public(torch.version):
             broken.append(f"{name} {dist.version} (built for torch {pinned})")
         elif cuda_builds_by_default() and not torch_cuda and not local_label(dist.version).startswith("cpu"):
@@ -60,9 +61,11 @@ def side_package_problem() -> str | None:
     if not broken:
         return None
     names = " ".join(entry.split()[0] for entry in broken)
-    return (f"{', '.join(broken)} cannot load beside torch {torch.version}: importing it fails (operator "
-            f"torchvision::nms does not exist, or the like) and takes transformers' model classes with it; scirl "
-            f"needs none of them, fix: pip uninstall -y {names}")
+    return (
+        f"{', '.join(broken)} cannot load beside torch {torch.version}: importing it fails (operator "
+        f"torchvision::nms does not exist, or the like) and takes transformers' model classes with it; scirl "
+        f"needs none of them, fix: pip uninstall -y {names}"
+    )
 
 
 def cuda_builds_by_default() -> bool:

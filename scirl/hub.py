@@ -70,9 +70,13 @@ def unreachable(what: str, reason: str, local: str, cached: bool | None = None) 
     not known). Under ``HF_HUB_OFFLINE`` the cache was the way, and it lacks ``what``."""
     reason = " ".join(reason.split())
     if offline():
-        return (f"{what} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 keeps the hub out ({reason}); "
-                f"fix: {local}, or unset HF_HUB_OFFLINE where the hub is reachable")
-    cache = {True: "set HF_HUB_OFFLINE=1 to use its copy in the local cache",
-             False: "set HF_HUB_OFFLINE=1 once the local cache holds it (downloaded where the hub is reachable)",
-             None: "set HF_HUB_OFFLINE=1 to use the local cache if it holds it"}[cached]
+        return (
+            f"{what} is not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 keeps the hub out ({reason}); "
+            f"fix: {local}, or unset HF_HUB_OFFLINE where the hub is reachable"
+        )
+    cache = {
+        True: "set HF_HUB_OFFLINE=1 to use its copy in the local cache",
+        False: "set HF_HUB_OFFLINE=1 once the local cache holds it (downloaded where the hub is reachable)",
+        None: "set HF_HUB_OFFLINE=1 to use the local cache if it holds it",
+    }[cached]
     return f"cannot reach the Hugging Face Hub to load {what} ({reason}); fix: {local}, or {cache}"

@@ -28,7 +28,9 @@ def claim(host: str, port: int, what: str, fix: str) -> socket.socket:
         sock.close()
         holder = port_holder(port) if port else None
         by = f" by {holder}" if holder else ""
-        raise PreflightError(f"{what} {port} on {host} is in use{by}: {exc.strerror or exc}; fix: {fix or 'retry'}") from None
+        raise PreflightError(
+            f"{what} {port} on {host} is in use{by}: {exc.strerror or exc}; fix: {fix or 'retry'}"
+        ) from None
     return sock
 
 
@@ -57,7 +59,9 @@ def port_holder(port: int) -> str | None:
         try:
             fds = os.listdir(f"/proc/{pid}/fd")
             if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in fds):
-                cmdline = " ".join(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+                cmdline = " ".join(
+                    Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split()
+                )
                 return f"pid {pid} ({cmdline[:120]})"  # whitespace collapsed: the error stays one line
         except OSError:  # gone meanwhile, or not ours to look at
             continue

@@ -85,7 +85,7 @@ class Batcher:
         self.pending: list[_Pending] = []
         self.wakeup = asyncio.Event()
 
-    async def submit(self, prompt: list[int], params, disconnected: "asyncio.Future | None" = None) -> list | None:
+    async def submit(self, prompt: list[int], params, disconnected: asyncio.Future | None = None) -> list | None:
         """The completions, or None when ``disconnected`` (a future set when the client leaves) finishes first."""
         future = asyncio.get_running_loop().create_future()
         pending = _Pending(prompt, params, future)
@@ -124,8 +124,9 @@ class Batcher:
                 return all(p.abandoned for p in batch)
 
             try:
-                outputs = await asyncio.to_thread(self.generator.generate, [p.prompt for p in batch], batch[0].params,
-                                                  should_stop=should_stop)
+                outputs = await asyncio.to_thread(
+                    self.generator.generate, [p.prompt for p in batch], batch[0].params, should_stop=should_stop
+                )
             except GenerationCancelled:  # nobody is waiting for this batch any more
                 continue
             except Exception as e:  # report to every waiting request, keep serving
@@ -176,7 +177,7 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _parse_request(body: bytes) -> "ChatRequest":
+def _parse_request(body: bytes) -> ChatRequest:
     """Parse and validate a chat request; NaN, Infinity and overflowing numbers are a 422, as any bad value."""
     try:
         data = json.loads(body, parse_constant=_reject_constant, parse_float=_finite_float)
@@ -197,9 +198,17 @@ async def _wait_disconnect(receive) -> None:
         pass
 
 
-def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max_batch: int = 32, on_ready=None,
-               api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS):
+def create_app(
+    generator,
+    model_name: str,
+    *,
+    default_max_tokens: int = 256,
+    max_batch: int = 32,
+    on_ready=None,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+):
     """The FastAPI app serving ``generator`` (a ``scirl.inference.base.Generator``) as ``model_name``."""
     state: dict[str, Any] = {}
     config = getattr(getattr(generator, "model", None), "config", None)
@@ -249,13 +258,20 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
         except _Refused as e:
             return _error(e.status, e.message)
         if request.model is not None and request.model != model_name:
-            return _error(404, f"The model `{request.model}` does not exist; this server serves `{model_name}`.", "not_found_error")
+            return _error(
+                404,
+                f"The model `{request.model}` does not exist; this server serves `{model_name}`.",
+                "not_found_error",
+            )
         if request.stream:
             return _error(400, "stream=true is not supported by scirl serve")
         asked = request.max_completion_tokens or request.max_tokens
         if request.n * (asked or default_max_tokens) > max_request_tokens:
-            return _error(400, f"n x max_tokens = {request.n} x {asked or default_max_tokens} exceeds this server's limit "
-                               f"of {max_request_tokens} tokens per request (--max-request-tokens); ask for fewer")
+            return _error(
+                400,
+                f"n x max_tokens = {request.n} x {asked or default_max_tokens} exceeds this server's limit "
+                f"of {max_request_tokens} tokens per request (--max-request-tokens); ask for fewer",
+            )
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             prompt = await asyncio.to_thread(encode_messages, generator.tokenizer, messages)
@@ -265,12 +281,17 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
             room = context_length - len(prompt)
             if room < 1 or (asked is not None and asked > room):
                 # as vLLM does; generating anyway would preallocate a KV cache for all of max_tokens
-                return _error(400, f"This model's maximum context length is {context_length} tokens; the prompt has "
-                                   f"{len(prompt)} tokens and max_tokens asks for {asked or 'at least 1'} more.")
+                return _error(
+                    400,
+                    f"This model's maximum context length is {context_length} tokens; the prompt has "
+                    f"{len(prompt)} tokens and max_tokens asks for {asked or 'at least 1'} more.",
+                )
         max_tokens = asked or default_max_tokens
         if context_length is not None:
             max_tokens = min(max_tokens, context_length - len(prompt))  # a default never overflows the context
-        params = SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens, seed=request.seed)
+        params = SamplingParams(
+            n=request.n, temperature=request.temperature, top_p=request.top_p, max_tokens=max_tokens, seed=request.seed
+        )
         # the body is read, so the next ASGI message can only be the client's disconnect
         disconnected = asyncio.ensure_future(_wait_disconnect(raw.receive))
         try:
@@ -290,10 +311,19 @@ def create_app(generator, model_name: str, *, default_max_tokens: int = 256, max
             "created": int(time.time()),
             "model": model_name,
             "choices": [
-                {"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None, "finish_reason": c.finish_reason}
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": None,
+                    "finish_reason": c.finish_reason,
+                }
                 for i, c in enumerate(completions)
             ],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens, "total_tokens": len(prompt) + completion_tokens},
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt) + completion_tokens,
+            },
         }
 
     return app
@@ -303,8 +333,10 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
     """What to tell the user when ``host`` exposes the model beyond this machine with no API key."""
     if api_key or is_loopback(host):
         return None
-    return (f"listening on {host} without --api-key: anyone who can reach this machine can use the model; "
-            "set --api-key (or $SCIRL_API_KEY), or bind 127.0.0.1")
+    return (
+        f"listening on {host} without --api-key: anyone who can reach this machine can use the model; "
+        "set --api-key (or $SCIRL_API_KEY), or bind 127.0.0.1"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -332,7 +364,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortError(f"port {port} on {host} is already in use; pick another --port (--port 0 picks a free one)") from None
+            raise PortError(
+                f"port {port} on {host} is already in use; pick another --port (--port 0 picks a free one)"
+            ) from None
         raise PortError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     # listen now: connections made after the "ready" line wait in the backlog instead of being refused
     # while the server starts up
@@ -352,9 +386,19 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def serve(model_dir: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          device: str = "cpu", default_max_tokens: int = 256, max_batch: int = 32, api_key: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS) -> None:
+def serve(
+    model_dir: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    served_model_name: str | None = None,
+    device: str = "cpu",
+    default_max_tokens: int = 256,
+    max_batch: int = 32,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+) -> None:
     """Load ``model_dir`` and serve it until interrupted. Prints the bound address, then a ready line."""
     sock = bind_socket(host, port)
     warning = exposure_warning(host, api_key)

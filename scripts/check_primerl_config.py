@@ -17,28 +17,36 @@ import json
 import subprocess
 import sys
 import tempfile
-import tomllib
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
 
 import tomli_w
+import tomllib
 
 from scirl.primerl.export import EPHEMERAL_RANGE, ROUTER_METRICS_OFFSET, TARGETS, Ports, export
 
 # The flags the exported README launches with.
 LAUNCH_ARGS = ["--max-steps", "30", "--run.name", "grpo-cold-start"]
 # Settings the export moves off prime-rl's defaults; removed to see those defaults.
-OVERRIDDEN_KEYS = [("orchestrator", "train", "filter_zero_advantages"), ("orchestrator", "post_batch_filters"),
-                   ("weight_broadcast",), ("rollout_transport",), ("orchestrator", "env_server_base_port"),
-             ("orchestrator", "model"), ("inference", "backend_port"), ("inference", "server"),
-             ("inference", "vllm", "data_parallel_rpc_port")]
+OVERRIDDEN_KEYS = [
+    ("orchestrator", "train", "filter_zero_advantages"),
+    ("orchestrator", "post_batch_filters"),
+    ("weight_broadcast",),
+    ("rollout_transport",),
+    ("orchestrator", "env_server_base_port"),
+    ("orchestrator", "model"),
+    ("inference", "backend_port"),
+    ("inference", "server"),
+    ("inference", "vllm", "data_parallel_rpc_port"),
+]
 
 
 def git(checkout: Path, *args: str) -> str | None:
     try:
-        return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(checkout), *args], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
@@ -53,8 +61,10 @@ def parse(toml_path: Path, output_dir: Path):
     if config.inference is not None:
         client_port = urlparse(config.orchestrator.model.client.base_url).port
         if client_port != config.inference.server.port:
-            raise ValueError(f"orchestrator.model.client.base_url port ({client_port}) does not match "
-                             f"inference.server.port ({config.inference.server.port}) (launcher check)")
+            raise ValueError(
+                f"orchestrator.model.client.base_url port ({client_port}) does not match "
+                f"inference.server.port ({config.inference.server.port}) (launcher check)"
+            )
     return config
 
 
@@ -98,7 +108,8 @@ def resolved_facts(config) -> dict:
         facts["orchestrator.train.filter_zero_advantages"] = train.filter_zero_advantages
     if "post_batch_filters" in type(orch).model_fields:
         facts["orchestrator.post_batch_filters"] = [
-            {"type": f.type, "enforce": f.enforce} for f in orch.post_batch_filters]
+            {"type": f.type, "enforce": f.enforce} for f in orch.post_batch_filters
+        ]
     return facts
 
 
@@ -126,47 +137,76 @@ def field_names(config, exported: dict) -> dict[str, list[str]]:
 
 def checks(facts: dict, ports: Ports, target_name: str) -> list[tuple[bool, str]]:
     low, high = EPHEMERAL_RANGE
-    opened = [facts["inference.server.port"], facts["inference.backend_port"], facts["router_metrics_port"],
-              facts["trainer.weight_broadcast.port"], facts["inference.vllm.data_parallel_rpc_port"],
-              facts["orchestrator.rollout_transport.port"], facts["rollout_ready_port"], *facts["env_server_ports"]]
+    opened = [
+        facts["inference.server.port"],
+        facts["inference.backend_port"],
+        facts["router_metrics_port"],
+        facts["trainer.weight_broadcast.port"],
+        facts["inference.vllm.data_parallel_rpc_port"],
+        facts["orchestrator.rollout_transport.port"],
+        facts["rollout_ready_port"],
+        *facts["env_server_ports"],
+    ]
     api = facts["inference.server.port"]
     result = [
-        (facts["trainer.weight_broadcast.port"] == facts["orchestrator.weight_broadcast.port"] == ports.nccl
-         and facts["trainer.weight_broadcast.type"] == facts["orchestrator.weight_broadcast.type"] == "nccl",
-         f"NCCL weight broadcast on the exported port {ports.nccl}, trainer and orchestrator"),
+        (
+            facts["trainer.weight_broadcast.port"] == facts["orchestrator.weight_broadcast.port"] == ports.nccl
+            and facts["trainer.weight_broadcast.type"] == facts["orchestrator.weight_broadcast.type"] == "nccl",
+            f"NCCL weight broadcast on the exported port {ports.nccl}, trainer and orchestrator",
+        ),
         (all(not low <= p <= high for p in opened), f"no port in the ephemeral range {low}-{high}"),
         (len(set(opened)) == len(opened), "every port distinct"),
-        (api == ports.api and facts["inference.backend_port"] == ports.backend
-         and facts["inference.vllm.data_parallel_rpc_port"] == ports.dp_rpc
-         and facts["trainer.rollout_transport.port"] == facts["orchestrator.rollout_transport.port"] == ports.rollout
-         and facts["orchestrator.env_server_base_port"] == ports.env_servers,
-         "every other port at the exported block"),
-        (facts["orchestrator.model.client.base_url"] == f"http://localhost:{api}/v1"
-         and facts["orchestrator.model.client.admin_base_url"] == [f"http://localhost:{ports.backend}/v1"],
-         "client base_url on the API port, admin calls on the backend port"),
-        (facts.get("orchestrator.train.filter_zero_advantages") is False
-         or {"type": "zero_advantage", "enforce": False} in facts.get("orchestrator.post_batch_filters", []),
-         "zero-advantage rollouts kept (the guide's monitor-only filter)"),
-        (facts["trainer.model.name"] == facts["orchestrator.model.name"] == facts["inference.vllm.model"]
-         and facts["orchestrator.batch_size"] == 128 and facts["orchestrator.group_size"] == 16
-         and facts["trainer.optim.lr"] == 5e-6 and facts["seq_len"] == [4096, 4096]
-         and facts["orchestrator.train.sampling.max_completion_tokens"] == 256
-         and facts["deployment"] == [2, 6] and facts["inference.vllm.data_parallel_size"] == 6
-         and facts["max_steps"] == [30, 30],
-         "the guide's model, batch 128 / group 16, lr 5e-6, seq_len 4096, 256 tokens, 2 + 6 GPUs, DP 6"),
+        (
+            api == ports.api
+            and facts["inference.backend_port"] == ports.backend
+            and facts["inference.vllm.data_parallel_rpc_port"] == ports.dp_rpc
+            and facts["trainer.rollout_transport.port"] == facts["orchestrator.rollout_transport.port"] == ports.rollout
+            and facts["orchestrator.env_server_base_port"] == ports.env_servers,
+            "every other port at the exported block",
+        ),
+        (
+            facts["orchestrator.model.client.base_url"] == f"http://localhost:{api}/v1"
+            and facts["orchestrator.model.client.admin_base_url"] == [f"http://localhost:{ports.backend}/v1"],
+            "client base_url on the API port, admin calls on the backend port",
+        ),
+        (
+            facts.get("orchestrator.train.filter_zero_advantages") is False
+            or {"type": "zero_advantage", "enforce": False} in facts.get("orchestrator.post_batch_filters", []),
+            "zero-advantage rollouts kept (the guide's monitor-only filter)",
+        ),
+        (
+            facts["trainer.model.name"] == facts["orchestrator.model.name"] == facts["inference.vllm.model"]
+            and facts["orchestrator.batch_size"] == 128
+            and facts["orchestrator.group_size"] == 16
+            and facts["trainer.optim.lr"] == 5e-6
+            and facts["seq_len"] == [4096, 4096]
+            and facts["orchestrator.train.sampling.max_completion_tokens"] == 256
+            and facts["deployment"] == [2, 6]
+            and facts["inference.vllm.data_parallel_size"] == 6
+            and facts["max_steps"] == [30, 30],
+            "the guide's model, batch 128 / group 16, lr 5e-6, seq_len 4096, 256 tokens, 2 + 6 GPUs, DP 6",
+        ),
     ]
     if target_name == "guide":
-        result.append(([f["type"] for f in facts.get("orchestrator.post_batch_filters", [])]
-                       == ["gibberish", "repetition", "zero_advantage"],
-                       "the guide's filter list: gibberish, repetition, zero_advantage"))
+        result.append(
+            (
+                [f["type"] for f in facts.get("orchestrator.post_batch_filters", [])]
+                == ["gibberish", "repetition", "zero_advantage"],
+                "the guide's filter list: gibberish, repetition, zero_advantage",
+            )
+        )
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkout", type=Path, required=True, help="the prime-rl checkout (for its commit)")
-    parser.add_argument("--ref", choices=sorted(TARGETS), default=None,
-                        help="the export's prime-rl target; default: the one whose commit the checkout is at, else main")
+    parser.add_argument(
+        "--ref",
+        choices=sorted(TARGETS),
+        default=None,
+        help="the export's prime-rl target; default: the one whose commit the checkout is at, else main",
+    )
     parser.add_argument("--base-port", type=int, default=None, help="passed to the export")
     parser.add_argument("--export", type=Path, default=None, help="check this export instead of making one")
     parser.add_argument("--record", type=Path, default=None, help="write the fixture JSON here")
@@ -175,8 +215,10 @@ def main() -> int:
     commit = git(args.checkout, "rev-parse", "HEAD") or "unknown"
     ref = args.ref or next((t.name for t in TARGETS.values() if t.commit == commit), "main")
     target = TARGETS[ref]
-    print(f"prime-rl checkout at {commit} ({git(args.checkout, 'log', '-1', '--format=%cs') or '?'}); "
-          f"export target: {ref} = {target.commit}")
+    print(
+        f"prime-rl checkout at {commit} ({git(args.checkout, 'log', '-1', '--format=%cs') or '?'}); "
+        f"export target: {ref} = {target.commit}"
+    )
     if commit != target.commit:
         print(f"warning: the checkout is not at the target commit {target.commit}")
 
@@ -184,11 +226,17 @@ def main() -> int:
 
     verifiers_version = metadata.version("verifiers")
     [req] = [Requirement(r) for r in metadata.requires("sciknoweval") if Requirement(r).name == "verifiers"]
-    print(f"verifiers {verifiers_version} (from the checkout's deps/verifiers: "
-          f"{git(args.checkout / 'deps' / 'verifiers', 'describe', '--tags') or '?'}); "
-          f"sciknoweval requires {req}")
-    results = [(req.specifier.contains(verifiers_version, prereleases=True),
-                "the sciknoweval package accepts prime-rl's own verifiers")]
+    print(
+        f"verifiers {verifiers_version} (from the checkout's deps/verifiers: "
+        f"{git(args.checkout / 'deps' / 'verifiers', 'describe', '--tags') or '?'}); "
+        f"sciknoweval requires {req}"
+    )
+    results = [
+        (
+            req.specifier.contains(verifiers_version, prereleases=True),
+            "the sciknoweval package accepts prime-rl's own verifiers",
+        )
+    ]
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -228,7 +276,7 @@ def main() -> int:
     if args.record is not None:
         fixture = {
             "about": "prime-rl's own resolution of `scirl export prime-rl`'s grpo.toml, recorded by "
-                     "scripts/check_primerl_config.sh; tests/primerl/test_export.py checks the export against it",
+            "scripts/check_primerl_config.sh; tests/primerl/test_export.py checks the export against it",
             "prime_rl_commit": commit,
             "prime_rl_ref": ref,
             "verifiers": verifiers_version,

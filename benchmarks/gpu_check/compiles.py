@@ -14,10 +14,14 @@ def compile_counts() -> dict[str, int]:
 
     # the limit is reported as an unsupported construct whose text names it ("Dynamo recompile limit exceeded" in
     # torch 2.13, "Dynamo cache limit exceeded" before; both explain "attempted to recompile ... too many times")
-    limit_hits = sum(n for text, n in counters["unimplemented"].items()
-                     if "recompile" in text.lower() and "limit" in text.lower())
-    return {"graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
-            "recompile_limit_hits": limit_hits}
+    limit_hits = sum(
+        n for text, n in counters["unimplemented"].items() if "recompile" in text.lower() and "limit" in text.lower()
+    )
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "recompile_limit_hits": limit_hits,
+    }
 
 
 def counts_since(before: dict[str, int]) -> dict[str, int]:

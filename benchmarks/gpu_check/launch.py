@@ -24,8 +24,11 @@ from .common import REPO, StageError, python_env, say
 # (attention = "sdpa") goes through SDPA's math kernel, whose backward is plain matmuls (the flash,
 # memory-efficient and cuDNN kernels' backward passes accumulate in a nondeterministic order unless warn_only is off).
 DETERMINISM_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-DETERMINISTIC_SETTINGS = {**DETERMINISM_ENV, "use_deterministic_algorithms": "True, warn_only=True",
-                          "sdpa": "math (flash, memory-efficient and cuDNN kernels off; the flex path needs no switch)"}
+DETERMINISTIC_SETTINGS = {
+    **DETERMINISM_ENV,
+    "use_deterministic_algorithms": "True, warn_only=True",
+    "sdpa": "math (flash, memory-efficient and cuDNN kernels off; the flex path needs no switch)",
+}
 
 
 class DeviceMemoryPeak:
@@ -41,8 +44,12 @@ class DeviceMemoryPeak:
     def _run(self):
         while not self._stop.is_set():
             try:
-                text = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.gpu],
-                                      capture_output=True, text=True, timeout=10).stdout
+                text = subprocess.run(
+                    ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", self.gpu],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                ).stdout
                 value = float(text.split()[0])
                 self.peak_mb = value if self.peak_mb is None else max(self.peak_mb, value)
             except (subprocess.SubprocessError, ValueError, IndexError, OSError):
@@ -60,19 +67,52 @@ class DeviceMemoryPeak:
             self._thread.join(timeout=15)
 
 
-def train_flags(ctx: dict, run_dir: Path, *, activation_checkpointing: bool, ckpt_interval: int, engine: list[str],
-                reward: list[str] = ()) -> list[str]:
+def train_flags(
+    ctx: dict,
+    run_dir: Path,
+    *,
+    activation_checkpointing: bool,
+    ckpt_interval: int,
+    engine: list[str],
+    reward: list[str] = (),
+) -> list[str]:
     """``scirl train``'s flags for the check's run: its shapes, the micro-batch token budget asked for (else scirl's
     default), the kernels and attention the device defaults to."""
     flags = [
-        "--model", ctx["model_dir"], "--output-dir", str(run_dir), "--data.source", ctx["data"], "--data.eval-per-domain", "5",
-        "--max-steps", str(ctx["steps"]), "--batch-size", str(ctx["questions"] * ctx["group_size"]),
-        "--group-size", str(ctx["group_size"]), "--max-completion-tokens", str(ctx["max_tokens"]),
-        "--seq-len", str(ctx["seq_len"]), "--temperature", "1.0",
-        "--device", ctx["device"], "--dtype", ctx["dtype"], "--seed", "0", "--ckpt.interval", str(ckpt_interval),
-        *engine, *reward,
+        "--model",
+        ctx["model_dir"],
+        "--output-dir",
+        str(run_dir),
+        "--data.source",
+        ctx["data"],
+        "--data.eval-per-domain",
+        "5",
+        "--max-steps",
+        str(ctx["steps"]),
+        "--batch-size",
+        str(ctx["questions"] * ctx["group_size"]),
+        "--group-size",
+        str(ctx["group_size"]),
+        "--max-completion-tokens",
+        str(ctx["max_tokens"]),
+        "--seq-len",
+        str(ctx["seq_len"]),
+        "--temperature",
+        "1.0",
+        "--device",
+        ctx["device"],
+        "--dtype",
+        ctx["dtype"],
+        "--seed",
+        "0",
+        "--ckpt.interval",
+        str(ckpt_interval),
+        *engine,
+        *reward,
         # a random model: no reward, ids past the tokenizer, repeats; monitor only, so every completion is trained on
-        "--filters.gibberish.no-enforce", "--filters.repetition.no-enforce", "--filters.zero-advantage.no-enforce",
+        "--filters.gibberish.no-enforce",
+        "--filters.repetition.no-enforce",
+        "--filters.zero-advantage.no-enforce",
     ]
     if ctx.get("micro_batch_tokens"):
         flags += ["--micro-batch-tokens", str(ctx["micro_batch_tokens"])]
@@ -94,7 +134,7 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
     MB (nvidia-smi), each checkpoint's seconds (``saves``: its background write, from its "Saved ..." line;
     ``blocked``: what the save blocked the step, from its "Checkpoint ...: handed to the writer" line) and whether
     it was killed."""
-    say(f"  scirl {' '.join(cmd[cmd.index('train'):])}\n    (log: {log_path})")
+    say(f"  scirl {' '.join(cmd[cmd.index('train') :])}\n    (log: {log_path})")
     env = python_env(**(env_extra or {}))
     if ctx["device"] == "cpu":
         env["OMP_NUM_THREADS"] = str(ctx["threads"])
@@ -108,13 +148,15 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
             for line in proc.stdout:
                 log.write(line)
                 log.flush()
-                if line.startswith(("Step ", "Training ", "Saved ", "Resuming ", "Skipped ", "Checkpoint ",
-                                    "Waiting ")):
+                if line.startswith(
+                    ("Step ", "Training ", "Saved ", "Resuming ", "Skipped ", "Checkpoint ", "Waiting ")
+                ):
                     say("    " + line.rstrip())
                 # "Saved checkpoint weights/step_N (12.3s)", or, written in the background, "(...; 12.3s in the
                 # background)": the write's seconds either way
-                saved = re.match(r"Saved checkpoint weights/step_(\d+) \((?:.*; )?([\d.]+)s(?: in the background)?\)",
-                                 line)
+                saved = re.match(
+                    r"Saved checkpoint weights/step_(\d+) \((?:.*; )?([\d.]+)s(?: in the background)?\)", line
+                )
                 if saved:
                     saves[int(saved.group(1))] = float(saved.group(2))
                 handed = re.match(r"Checkpoint weights/step_(\d+): handed to the writer \(([\d.]+)s blocked\)", line)
@@ -141,7 +183,14 @@ def launch(ctx: dict, cmd: list[str], log_path: Path, env_extra: dict | None = N
                 proc.wait()
         reader.join(timeout=30)
     if proc.returncode != 0 and not killed:
-        raise StageError(f"scirl train exited {proc.returncode}; the end of {log_path.name} is in log_tail",
-                         log_path.read_text(errors="replace").splitlines()[-30:])
-    return {"wall_s": time.perf_counter() - started, "device_peak_mb": memory.peak_mb, "saves": saves,
-            "blocked": blocked, "killed": killed}
+        raise StageError(
+            f"scirl train exited {proc.returncode}; the end of {log_path.name} is in log_tail",
+            log_path.read_text(errors="replace").splitlines()[-30:],
+        )
+    return {
+        "wall_s": time.perf_counter() - started,
+        "device_peak_mb": memory.peak_mb,
+        "saves": saves,
+        "blocked": blocked,
+        "killed": killed,
+    }

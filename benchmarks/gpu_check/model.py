@@ -37,6 +37,7 @@ import math
 import random
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from .common import REPO, say
@@ -83,8 +84,12 @@ def eos_rate(limit: int) -> float:
 def length_distribution(limit: int) -> dict:
     """A completion's length when each token is EOS with ``eos_rate(limit)``: geometric, cut at ``limit``."""
     p = eos_rate(limit)
-    return {"eos_rate": p, "mean": (1 - (1 - p) ** limit) / p, "median": min(limit, math.ceil(math.log(0.5) / math.log(1 - p))),
-            "at_limit": (1 - p) ** limit}  # no EOS in ``limit`` tokens: the run's truncated/fraction
+    return {
+        "eos_rate": p,
+        "mean": (1 - (1 - p) ** limit) / p,
+        "median": min(limit, math.ceil(math.log(0.5) / math.log(1 - p))),
+        "at_limit": (1 - p) ** limit,
+    }  # no EOS in ``limit`` tokens: the run's truncated/fraction
 
 
 def prompt_lengths(n: int, seed: int) -> list[int]:
@@ -110,17 +115,23 @@ def model_stage(ctx: dict) -> dict:
 
     out = Path(ctx["out"])
     started = time.perf_counter()
-    model_dir = build_model(ctx["shape"], out / f"model-{ctx['shape']}", ctx["device"], ctx["dtype"],
-                            eos_rate=eos_rate(ctx["max_tokens"]))
+    model_dir = build_model(
+        ctx["shape"], out / f"model-{ctx['shape']}", ctx["device"], ctx["dtype"], eos_rate=eos_rate(ctx["max_tokens"])
+    )
     per_domain = max(10, -(-ctx["steps"] * ctx["questions"] // 4)) + 5  # every step new questions, plus 5 held out
     data = write_questions(out / "questions.jsonl", per_domain, model_dir, seed=0)
     # b_eval's held-out 4 x 50 (the split holds out at most half of a domain's rows)
     eval_data = write_questions(out / "eval_questions.jsonl", 2 * EVAL_PER_DOMAIN[ctx["device"]] + 5, model_dir, seed=1)
-    return {"model_dir": str(model_dir), "data": str(data), "eval_data": str(eval_data),
-            **model_parameters(ctx["shape"]),
-            "default_micro_batch_tokens": DEFAULT_MICRO_BATCH_TOKENS,
-            "eos": json.loads((model_dir / EOS_FILE).read_text()), "expected_lengths": length_distribution(ctx["max_tokens"]),
-            "build_s": round(time.perf_counter() - started, 1)}
+    return {
+        "model_dir": str(model_dir),
+        "data": str(data),
+        "eval_data": str(eval_data),
+        **model_parameters(ctx["shape"]),
+        "default_micro_batch_tokens": DEFAULT_MICRO_BATCH_TOKENS,
+        "eos": json.loads((model_dir / EOS_FILE).read_text()),
+        "expected_lengths": length_distribution(ctx["max_tokens"]),
+        "build_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def build_model(shape: str, out: Path, device: str, dtype: str, eos_rate: float | None = None) -> Path:
@@ -138,19 +149,29 @@ def build_model(shape: str, out: Path, device: str, dtype: str, eos_rate: float 
     tokenizer = AutoTokenizer.from_pretrained(REPO / "scirl" / "assets" / "demo-base")
     assert len(tokenizer) <= vocab, "the tokenizer must fit in the model's vocabulary"
     config = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter, tie_word_embeddings=tied,
-        max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=inter,
+        tie_word_embeddings=tied,
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
         bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     started = time.perf_counter()
     torch.manual_seed(0)
     # initialised where it will run and in the dtype it is saved in: an 8B float32 init on the host takes minutes
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-                                               pad_token_id=config.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    )
     eos = bias_eos(model, config.eos_token_id, eos_rate, len(tokenizer)) if eos_rate else {"rate": None}
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -160,8 +181,10 @@ def build_model(shape: str, out: Path, device: str, dtype: str, eos_rate: float 
     tmp.rename(out)
     n = sum(p.numel() for p in model.parameters())
     rate = f", EOS {100 * eos['measured']:.2f}% a token" if eos_rate else ""
-    say(f"  model: {shape} shapes, {n / 1e9:.3f}B parameters, random init, {dtype}{rate}, written to {out} "
-        f"({time.perf_counter() - started:.0f}s)")
+    say(
+        f"  model: {shape} shapes, {n / 1e9:.3f}B parameters, random init, {dtype}{rate}, written to {out} "
+        f"({time.perf_counter() - started:.0f}s)"
+    )
     return out
 
 
@@ -176,8 +199,13 @@ def bias_eos(model, eos_id: int, rate: float, prompt_vocab: int) -> dict:
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
     scale = model.model.norm.weight  # the final norm's: what coordinate 0 of every output row is multiplied by
     generator = torch.Generator().manual_seed(0)
-    ids = torch.cat([torch.randint(0, prompt_vocab, (4, 192), generator=generator),
-                     torch.randint(0, head.shape[0], (4, 64), generator=generator)], dim=1).to(head.device)
+    ids = torch.cat(
+        [
+            torch.randint(0, prompt_vocab, (4, 192), generator=generator),
+            torch.randint(0, head.shape[0], (4, 64), generator=generator),
+        ],
+        dim=1,
+    ).to(head.device)
     with torch.no_grad():
         embedding[:, 0] = EOS_CARRIER
         head[:, 0] = EOS_CARRIER  # the same shift for every token (already so when tied), which the softmax ignores
@@ -210,16 +238,19 @@ def write_questions(path: Path, per_domain: int, model_dir: Path, seed: int) -> 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = generate_rows(n_per_domain=per_domain, seed=0, non_mcq=False)
-    facts = [relation.statement.format(entity=entity, value=value)
-             for relation, entity, value in make_world(entities_per_relation=40, seed=1)]
+    facts = [
+        relation.statement.format(entity=entity, value=value)
+        for relation, entity, value in make_world(entities_per_relation=40, seed=1)
+    ]
     rng = random.Random(f"context-{seed}")
+
+    def prompt_tokens(row: dict, question: str, words: list[str], *, source: str) -> int:
+        """The templated prompt's tokens with ``words`` before the question (``row`` left holding that text)."""
+        row["question"] = " ".join(words) + "\n\n" + question if words else question
+        return len(encode_messages(tokenizer, build_messages(question_from_row(row, source=source))))
+
     for i, (row, target) in enumerate(zip(rows, prompt_lengths(len(rows), seed))):
-        question = row["question"]
-
-        def length(words: list[str]) -> int:  # the templated prompt's tokens with ``words`` before the question
-            row["question"] = " ".join(words) + "\n\n" + question if words else question
-            return len(encode_messages(tokenizer, build_messages(question_from_row(row, source=f"gpu-check:{i}"))))
-
+        length = partial(prompt_tokens, row, row["question"], source=f"gpu-check:{i}")
         words: list[str] = []
         while length(words) < target:  # whole sentences until the target is reached
             words += rng.choice(facts).split()
@@ -227,4 +258,3 @@ def write_questions(path: Path, per_domain: int, model_dir: Path, seed: int) -> 
             words.pop()
         length(words)
     return write_jsonl(rows, path)
-

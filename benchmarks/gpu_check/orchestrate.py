@@ -21,8 +21,15 @@ from pathlib import Path
 
 from . import common
 from .common import REPO, StageError, error_text, python_env, say, stage_result, write_json_atomic
-from .figures import (print_a_peer, print_a_resume, print_a_sweep, print_a_train, print_b_colocated,
-                      print_b_disaggregated, print_b_eval)
+from .figures import (
+    print_a_peer,
+    print_a_resume,
+    print_a_sweep,
+    print_a_train,
+    print_b_colocated,
+    print_b_disaggregated,
+    print_b_eval,
+)
 from .model import SHAPES, model_stage, parameter_count
 from .peer import a_peer_stage
 from .probe import probe_stage
@@ -41,8 +48,18 @@ GPU_SETTINGS = {
 TRAIN_BYTES_PER_PARAM = 4 + 4 + 8 + 2  # float32 master + gradient + AdamW's two moments + the bf16 compute copy
 H200_BF16_TFLOPS = 989.0  # dense, the datasheet's (the SXM part)
 
-STAGES = ("probe", "model", "a_train", "a_sweep", "a_resume", "a_peer", "a_sweep2", "b_colocated", "b_disaggregated",
-          "b_eval")
+STAGES = (
+    "probe",
+    "model",
+    "a_train",
+    "a_sweep",
+    "a_resume",
+    "a_peer",
+    "a_sweep2",
+    "b_colocated",
+    "b_disaggregated",
+    "b_eval",
+)
 # stage A's stages in the order they run: --stage a (and all), and --stage targets, the first GPU call's (issue 41's
 # figures first: the sweep's targets rows at 0.6b, the peer, the default row at 1.7b; then a_train, whose mid-run
 # checkpoint gives issue 48's blocked seconds)
@@ -58,11 +75,28 @@ STAGE_A = {"a": ("a_train", "a_sweep", "a_resume", "a_peer"), "targets": ("a_swe
 # timeout allows (each row is kept as it ends); a_peer: bench_trl's two sides (the model built on the host, scirl's
 # side compiling, two steps each); a_sweep2: a 1.7b model built, saved and loaded, a cold compile at its shapes, a row.
 # CPU: tiny, 2 steps, 1 thread, a busy 2-core machine.
-GPU_BUDGET = {"probe": (20, 90), "model": (40, 150), "a_train": (200, 330), "a_sweep": (150, 330),
-              "a_resume": (150, 330), "a_peer": (130, 240), "a_sweep2": (110, 200), "b_colocated": (210, 330),
-              "b_disaggregated": (190, 330)}
-CPU_BUDGET = {"probe": (20, 90), "model": (15, 120), "a_train": (20, 240), "a_sweep": (20, 240), "a_resume": (45, 360),
-              "a_peer": (30, 240), "a_sweep2": (15, 120), "b_colocated": (45, 420), "b_disaggregated": (45, 420)}
+GPU_BUDGET = {
+    "probe": (20, 90),
+    "model": (40, 150),
+    "a_train": (200, 330),
+    "a_sweep": (150, 330),
+    "a_resume": (150, 330),
+    "a_peer": (130, 240),
+    "a_sweep2": (110, 200),
+    "b_colocated": (210, 330),
+    "b_disaggregated": (190, 330),
+}
+CPU_BUDGET = {
+    "probe": (20, 90),
+    "model": (15, 120),
+    "a_train": (20, 240),
+    "a_sweep": (20, 240),
+    "a_resume": (45, 360),
+    "a_peer": (30, 240),
+    "a_sweep2": (15, 120),
+    "b_colocated": (45, 420),
+    "b_disaggregated": (45, 420),
+}
 TARGETS_SWEEP_CAP = 240  # --stage targets: a_sweep's timeout, so that a slow compile leaves the peer its time
 SHAPE_TIME = {"tiny": 1, "0.6b": 1, "1.7b": 2, "4b": 4, "8b": 4}  # the train stages' time relative to 0.6b
 # GPU defaults by shape: steps, and whether the resume check runs. A 1.7b checkpoint (float32 masters and AdamW's
@@ -88,46 +122,87 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     parser = Parser(prog="benchmarks/gpu_check.sh", description=DESCRIPTION)
-    parser.add_argument("--stage", choices=("all", "a", "b", "targets"), default="all",
-                        help="a: no vLLM (the transformers backend, the sweep, the resume check, the peer); b: "
-                             "vLLM; all (default): A, then B where vLLM imports; targets: the first GPU call's, the "
-                             "targets' figures first (the sweep's targets rows, the peer, the default row at 1.7b), "
-                             "then a_train")
+    parser.add_argument(
+        "--stage",
+        choices=("all", "a", "b", "targets"),
+        default="all",
+        help="a: no vLLM (the transformers backend, the sweep, the resume check, the peer); b: "
+        "vLLM; all (default): A, then B where vLLM imports; targets: the first GPU call's, the "
+        "targets' figures first (the sweep's targets rows, the peer, the default row at 1.7b), "
+        "then a_train",
+    )
     parser.add_argument("--no-vllm", action="store_true", help="the same as --stage a")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="seconds for the whole check (default 480); a stage that cannot fit what is left is skipped")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="seconds for the whole check (default 480); a stage that cannot fit what is left is skipped",
+    )
     parser.add_argument("--cpu", action="store_true", help="the CPU check (default where CUDA is not available)")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="model shapes (default: 0.6b on a GPU, tiny on a CPU)")
-    parser.add_argument("--steps", type=int, help="GRPO steps (default: 4 on a GPU at 0.6b, 2 at larger shapes and on a "
-                                                   "CPU; at least 2 for the resume check)")
-    parser.add_argument("--resume", action=argparse.BooleanOptionalAction, default=None,
-                        help="stage A: the kill -9 resume check (a_resume; default: at 0.6b and tiny, not at larger shapes, "
-                             "whose checkpoints take a minute each to write)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="GRPO steps (default: 4 on a GPU at 0.6b, 2 at larger shapes and on a "
+        "CPU; at least 2 for the resume check)",
+    )
+    parser.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stage A: the kill -9 resume check (a_resume; default: at 0.6b and tiny, not at larger shapes, "
+        "whose checkpoints take a minute each to write)",
+    )
     parser.add_argument("--questions", type=int, help="questions per step (default: 8 on a GPU, 4 on a CPU)")
     parser.add_argument("--group-size", type=int, help="completions per question (default: 16 on a GPU, 4 on a CPU)")
     parser.add_argument("--max-tokens", type=int, help="completion token limit (default: 256 on a GPU, 32 on a CPU)")
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--micro-batch-tokens", type=int,
-                        help="the runs' micro-batch token budget (scirl's --micro-batch-tokens; default: scirl's, 8192)")
+    parser.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        help="the runs' micro-batch token budget (scirl's --micro-batch-tokens; default: scirl's, 8192)",
+    )
     parser.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs / compilation (always on a CPU)")
     parser.add_argument("--kv-cache-gib", type=float, default=0.25, help="CPU only: the engine's KV cache")
     parser.add_argument("--threads", type=int, default=1, help="CPU only: torch threads")
-    parser.add_argument("--resume-atol", type=float, default=0.0,
-                        help="largest |difference| allowed between the resumed and the uninterrupted run's final "
-                             "weights (default 0: bit-equal)")
-    parser.add_argument("--peak-tflops", type=float,
-                        help="the peak MFU is taken against (default: 989, H200 bf16 dense, on a GPU; none on a CPU)")
-    parser.add_argument("--keep-weights", action="store_true",
-                        help="keep the runs' checkpoints (default: removed once compared; they are GBs)")
+    parser.add_argument(
+        "--resume-atol",
+        type=float,
+        default=0.0,
+        help="largest |difference| allowed between the resumed and the uninterrupted run's final "
+        "weights (default 0: bit-equal)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        help="the peak MFU is taken against (default: 989, H200 bf16 dense, on a GPU; none on a CPU)",
+    )
+    parser.add_argument(
+        "--keep-weights",
+        action="store_true",
+        help="keep the runs' checkpoints (default: removed once compared; they are GBs)",
+    )
     parser.add_argument("--out", type=Path, help="work directory (default: a fresh temporary one, kept)")
-    parser.add_argument("--json", type=Path, help="also write the JSON here, at every update (e.g. where results are collected)")
-    parser.add_argument("--disaggregated", action=argparse.BooleanOptionalAction, default=None,
-                        help="stage B: also run the steps with a vLLM server generating (default: on a GPU)")
-    parser.add_argument("--no-colocated", action="store_true",
-                        help="stage B: leave b_colocated out (the server stages alone, e.g. to rerun them)")
-    parser.add_argument("--no-sweep", action="store_true",
-                        help="stage A: leave a_sweep out (the training step alone by micro-batch tokens, checkpointing, "
-                             "kernels and attention)")
+    parser.add_argument(
+        "--json", type=Path, help="also write the JSON here, at every update (e.g. where results are collected)"
+    )
+    parser.add_argument(
+        "--disaggregated",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="stage B: also run the steps with a vLLM server generating (default: on a GPU)",
+    )
+    parser.add_argument(
+        "--no-colocated",
+        action="store_true",
+        help="stage B: leave b_colocated out (the server stages alone, e.g. to rerun them)",
+    )
+    parser.add_argument(
+        "--no-sweep",
+        action="store_true",
+        help="stage A: leave a_sweep out (the training step alone by micro-batch tokens, checkpointing, "
+        "kernels and attention)",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a stage's own process
     parser.add_argument("--context", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -183,8 +258,11 @@ class Check:
         estimate, cap = ctx["budget"][stage]
         left = self.deadline - time.monotonic() - RESERVE_S
         if left < estimate:
-            return self.skip(stage, f"needs ~{estimate:.0f}s (an estimate), {max(left, 0):.0f}s of the "
-                                    f"--budget-s {self.args.budget_s:.0f} left")
+            return self.skip(
+                stage,
+                f"needs ~{estimate:.0f}s (an estimate), {max(left, 0):.0f}s of the "
+                f"--budget-s {self.args.budget_s:.0f} left",
+            )
         timeout = min(cap, left)
         stage_dir = self.out / "stages"
         stage_dir.mkdir(parents=True, exist_ok=True)
@@ -200,7 +278,13 @@ class Check:
             # stdout: the stage's report lines, shown and logged; stderr: everything else, to the log only
             proc = subprocess.Popen(
                 [sys.executable, "-m", __package__, "--worker", stage, "--context", str(ctx_path)],
-                stdout=subprocess.PIPE, stderr=log, text=True, env=python_env(), cwd=REPO, start_new_session=True)
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                env=python_env(),
+                cwd=REPO,
+                start_new_session=True,
+            )
             echo = threading.Thread(target=tee_lines, args=(proc.stdout, log), daemon=True)
             echo.start()
             timed_out = False
@@ -303,11 +387,19 @@ def orchestrate(parser, args) -> int:
             check.result["status"] = "bad input"
             check.save()
             raise
-        check.result.update(device=ctx["device"], dtype=ctx["dtype"], shape=ctx["shape"],
-                            settings={k: ctx[k] for k in ("steps", "questions", "group_size", "max_tokens", "seq_len",
-                                                          "micro_batch_tokens")})
-        say(f"gpu_check: {ctx['shape']} shapes on {'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, "
-            f"{ctx['steps']} steps of {ctx['questions']} x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens")
+        check.result.update(
+            device=ctx["device"],
+            dtype=ctx["dtype"],
+            shape=ctx["shape"],
+            settings={
+                k: ctx[k] for k in ("steps", "questions", "group_size", "max_tokens", "seq_len", "micro_batch_tokens")
+            },
+        )
+        say(
+            f"gpu_check: {ctx['shape']} shapes on "
+            f"{'the GPU (' + info.get('gpu_name', '?') + ')' if gpu else 'the CPU'}, {ctx['steps']} steps of "
+            f"{ctx['questions']} x {ctx['group_size']} completions x <= {ctx['max_tokens']} tokens"
+        )
         if not info.get("scirl_imports", True):
             check.skip("model", f"scirl does not import here: {info['scirl_error']}")
             return finish(check, "failed")
@@ -367,8 +459,9 @@ def orchestrate(parser, args) -> int:
         stages = check.result["stages"]
         b = stages["b_colocated"]
         b = stages["b_disaggregated"] if args.no_colocated else b
-        check.result["stage_b"] = ("ran" if b["status"] == "ok" else
-                                   f"skipped: {b['reason']}" if b["status"] == "skipped" else b["status"])
+        check.result["stage_b"] = (
+            "ran" if b["status"] == "ok" else f"skipped: {b['reason']}" if b["status"] == "skipped" else b["status"]
+        )
         failed = [name for name, s in stages.items() if s["status"] in ("failed", "timed out")]
         resume = stages.get("a_resume", {}).get("figures", {}).get("compare")
         if resume is not None and not resume["pass"]:
@@ -382,8 +475,13 @@ def orchestrate(parser, args) -> int:
         return 128 + e.signum
 
 
-PRINT = {"a_train": print_a_train, "a_sweep": print_a_sweep, "a_sweep2": print_a_sweep,
-         "a_peer": lambda f, ctx: print_a_peer(f), "a_resume": lambda f, ctx: print_a_resume(f)}
+PRINT = {
+    "a_train": print_a_train,
+    "a_sweep": print_a_sweep,
+    "a_sweep2": print_a_sweep,
+    "a_peer": lambda f, ctx: print_a_peer(f),
+    "a_resume": lambda f, ctx: print_a_resume(f),
+}
 
 
 def report(stage: str, figures: dict, ctx: dict) -> None:
@@ -407,8 +505,9 @@ def run_stage_a(check: Check, ctx: dict, args, plan: tuple[str, ...]) -> None:
         elif stage == "a_resume" and done.get("a_train", {}).get("status") != "ok":
             entry = check.skip(stage, "it compares against a_train's run, which did not finish")
         elif stage == "a_sweep2" and ctx["second_shape"] is None:
-            entry = check.skip(stage, f"no second shape after {ctx['shape']} (on a GPU: 1.7b after 0.6b, where it "
-                                      "trains)")
+            entry = check.skip(
+                stage, f"no second shape after {ctx['shape']} (on a GPU: 1.7b after 0.6b, where it trains)"
+            )
         else:
             stage_ctx = {**ctx, "reference": done["a_train"]["figures"]} if stage == "a_resume" else ctx
             entry = check.run(stage, stage_ctx)
@@ -421,8 +520,11 @@ def run_stage_a(check: Check, ctx: dict, args, plan: tuple[str, ...]) -> None:
 
 def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     """The run's settings: the device's defaults under what was asked; bad combinations exit 2."""
-    defaults = dict(shape="0.6b", steps=SHAPE_STEPS["0.6b"], questions=8, group_size=16, max_tokens=256) if gpu else \
-        dict(shape="tiny", steps=2, questions=4, group_size=4, max_tokens=32)
+    defaults = (
+        dict(shape="0.6b", steps=SHAPE_STEPS["0.6b"], questions=8, group_size=16, max_tokens=256)
+        if gpu
+        else dict(shape="tiny", steps=2, questions=4, group_size=4, max_tokens=32)
+    )
     shape = args.shape or defaults["shape"]
     if gpu and shape == "tiny":
         parser.error("--shape tiny is the CPU check's; on a GPU take 0.6b, 1.7b, 4b or 8b")
@@ -438,9 +540,9 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
     budget = GPU_BUDGET if gpu else CPU_BUDGET
     if targets:
         budget = {**budget, "a_sweep": (budget["a_sweep"][0], TARGETS_SWEEP_CAP)}
-    # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger shapes
-    # than at the estimates' (0.6b, BUDGET_STEPS); the sweep and the peer do not depend on the steps, a_sweep2 runs at
-    # its own shape
+    # a train stage: a fixed part (starts, loads, the final checkpoint) and a part per step, both slower at larger
+    # shapes than at the estimates' (0.6b, BUDGET_STEPS); the sweep and the peer do not depend on the steps, a_sweep2
+    # runs at its own shape
     per_steps = FIXED_SHARE + (1 - FIXED_SHARE) * chosen["steps"] / BUDGET_STEPS["cuda" if gpu else "cpu"]
 
     def scaled(stage: str, est: float, cap: float) -> tuple[float, float]:
@@ -450,13 +552,26 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
         return est * SHAPE_TIME[shape] * steps, cap * SHAPE_TIME[shape] * max(1.0, steps)
 
     budget = {stage: scaled(stage, est, cap) for stage, (est, cap) in budget.items()}
-    ctx = dict(chosen, out=str(out), device="cuda" if gpu else "cpu", dtype="bfloat16" if gpu else "float32",
-               seq_len=args.seq_len, eager=args.eager or not gpu, kv_cache_gib=args.kv_cache_gib, threads=args.threads,
-               resume_atol=args.resume_atol, keep_weights=args.keep_weights, budget=budget,
-               peak_tflops=args.peak_tflops if args.peak_tflops is not None else (H200_BF16_TFLOPS if gpu else None),
-               settings=GPU_SETTINGS.get(shape, dict(gpu_memory_utilization=0.5, activation_checkpointing=False)),
-               micro_batch_tokens=args.micro_batch_tokens, gpu_count=info.get("gpu_count", 0), resume=resume,
-               sweep_rows="targets" if targets else "all", second_shape=SECOND_SHAPE.get(shape))
+    ctx = dict(
+        chosen,
+        out=str(out),
+        device="cuda" if gpu else "cpu",
+        dtype="bfloat16" if gpu else "float32",
+        seq_len=args.seq_len,
+        eager=args.eager or not gpu,
+        kv_cache_gib=args.kv_cache_gib,
+        threads=args.threads,
+        resume_atol=args.resume_atol,
+        keep_weights=args.keep_weights,
+        budget=budget,
+        peak_tflops=args.peak_tflops if args.peak_tflops is not None else (H200_BF16_TFLOPS if gpu else None),
+        settings=GPU_SETTINGS.get(shape, dict(gpu_memory_utilization=0.5, activation_checkpointing=False)),
+        micro_batch_tokens=args.micro_batch_tokens,
+        gpu_count=info.get("gpu_count", 0),
+        resume=resume,
+        sweep_rows="targets" if targets else "all",
+        second_shape=SECOND_SHAPE.get(shape),
+    )
     ctx["trains"], ctx["trains_reason"] = True, ""
     if gpu:
         have_gb = info["gpu_memory_gb"]
@@ -464,9 +579,11 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
             need_gb = parameter_count(name) * TRAIN_BYTES_PER_PARAM / 1e9
             if need_gb > 0.9 * have_gb and name == shape:
                 ctx["trains"] = False
-                ctx["trains_reason"] = (f"{shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, "
-                                        f"AdamW and the bf16 copy alone, this GPU has {have_gb:.0f} GB (stage B "
-                                        "measures generation only)")
+                ctx["trains_reason"] = (
+                    f"{shape}: training needs ~{need_gb:.0f} GB for float32 masters, gradients, "
+                    f"AdamW and the bf16 copy alone, this GPU has {have_gb:.0f} GB (stage B "
+                    "measures generation only)"
+                )
             elif need_gb > 0.9 * have_gb:
                 ctx["second_shape"] = None
     return ctx
@@ -475,8 +592,10 @@ def settle(parser, args, info: dict, gpu: bool, out: Path) -> dict:
 def finish(check: Check, status: str) -> int:
     check.result["status"] = status
     check.save()
-    say(f"gpu_check: {status}; wall {time.monotonic() - check.started:.0f}s; all figures in "
-        f"{check.out / 'gpu_check.json'}")
+    say(
+        f"gpu_check: {status}; wall {time.monotonic() - check.started:.0f}s; all figures in "
+        f"{check.out / 'gpu_check.json'}"
+    )
     return 0 if status == "ok" else 1
 
 
@@ -506,9 +625,17 @@ def worker(stage: str, ctx_path: Path) -> int:
     return 0
 
 
-WORKERS = {"probe": probe_stage, "model": model_stage, "a_train": a_train_stage, "a_sweep": a_sweep_stage,
-           "a_resume": a_resume_stage, "a_peer": a_peer_stage, "a_sweep2": a_sweep2_stage,
-           "b_colocated": b_colocated_stage, "b_disaggregated": b_disaggregated_stage}
+WORKERS = {
+    "probe": probe_stage,
+    "model": model_stage,
+    "a_train": a_train_stage,
+    "a_sweep": a_sweep_stage,
+    "a_resume": a_resume_stage,
+    "a_peer": a_peer_stage,
+    "a_sweep2": a_sweep2_stage,
+    "b_colocated": b_colocated_stage,
+    "b_disaggregated": b_disaggregated_stage,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

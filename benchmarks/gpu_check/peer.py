@@ -21,8 +21,28 @@ from .common import BENCHMARKS, REPO, StageError, python_env, say
 
 GPU_ARGS = ["--device", "cuda", "--sampler", "hf", "--steps", "2", "--warmup", "1"]
 # a CPU: the pair's code path at sizes that take seconds (bench_trl's own CPU figures are in benchmarks/README.md)
-CPU_ARGS = ["--device", "cpu", "--sampler", "hf", "--steps", "2", "--warmup", "1", "--questions", "2", "--group", "4",
-            "--tokens", "16", "--micro-batch", "4", "--hidden", "64", "--layers", "2"]
+CPU_ARGS = [
+    "--device",
+    "cpu",
+    "--sampler",
+    "hf",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--questions",
+    "2",
+    "--group",
+    "4",
+    "--tokens",
+    "16",
+    "--micro-batch",
+    "4",
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+]
 # the stage's time, guessed: the parent's start and the model's build on the host; TRL's side (on the H200: ~12 s a
 # step, two steps, its load); scirl's side the rest, its first step compiling. bench_trl gives every side one timeout
 START_S, TRL_SIDE_S = 40, 60
@@ -38,14 +58,25 @@ def a_peer_stage(ctx: dict) -> dict:
     side_timeout = max(60, ctx.get("stage_timeout_s", 300) - START_S - TRL_SIDE_S)
     gpu = ctx["device"] == "cuda"
     args = GPU_ARGS + ["--shape", ctx["shape"]] if gpu else CPU_ARGS + ["--threads", str(ctx["threads"])]
-    cmd = [sys.executable, str(BENCHMARKS / "bench_trl.py"), *args, "--side-timeout-s", str(int(side_timeout)),
-           "--work", str(work), "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(BENCHMARKS / "bench_trl.py"),
+        *args,
+        "--side-timeout-s",
+        str(int(side_timeout)),
+        "--work",
+        str(work),
+        "--json",
+        str(out),
+    ]
     say(f"  {' '.join(cmd[1:])}\n    (log: {work / 'bench_trl.log'})")
     with open(work / "bench_trl.log", "w") as log:
         done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=python_env(), cwd=REPO)
     if not out.is_file():
-        raise StageError(f"bench_trl.py exited {done.returncode} without its JSON; the end of its log is in log_tail",
-                         (work / "bench_trl.log").read_text(errors="replace").splitlines()[-30:])
+        raise StageError(
+            f"bench_trl.py exited {done.returncode} without its JSON; the end of its log is in log_tail",
+            (work / "bench_trl.log").read_text(errors="replace").splitlines()[-30:],
+        )
     return peer_figures(json.loads(out.read_text()))
 
 
@@ -57,5 +88,11 @@ def peer_figures(report: dict) -> dict:
         e = pair["errors"][0]
         raise StageError(f"bench_trl: {e['framework']} failed ({e['error']})", e["last_lines"])
     scirl, trl = pair["results"]["scirl"], pair["results"]["trl"]
-    return {"scirl": scirl, "trl": trl, "ratios": pair["ratios"], "train_half": scirl["train_s"] / trl["train_s"],
-            "timed_steps": scirl["timed_steps"], "config": report["config"]}
+    return {
+        "scirl": scirl,
+        "trl": trl,
+        "ratios": pair["ratios"],
+        "train_half": scirl["train_s"] / trl["train_s"],
+        "timed_steps": scirl["timed_steps"],
+        "config": report["config"],
+    }

@@ -8,12 +8,20 @@ def train_config(ctx: dict, setting: dict):
     transformers sampler, so no engine."""
     from scirl.run.config import TrainConfig
 
-    return TrainConfig(model=ctx["model_dir"], device=ctx["device"], dtype=ctx["dtype"],
-                       micro_batch_tokens=setting["micro_batch_tokens"], max_completion_tokens=ctx["max_tokens"],
-                       seq_len=ctx["seq_len"], batch_size=ctx["questions"] * ctx["group_size"],
-                       group_size=ctx["group_size"],
-                       activation_checkpointing=setting["activation_checkpointing"], attention=setting["attention"],
-                       kernels=setting["kernels"], inference={"backend": "hf"})
+    return TrainConfig(
+        model=ctx["model_dir"],
+        device=ctx["device"],
+        dtype=ctx["dtype"],
+        micro_batch_tokens=setting["micro_batch_tokens"],
+        max_completion_tokens=ctx["max_tokens"],
+        seq_len=ctx["seq_len"],
+        batch_size=ctx["questions"] * ctx["group_size"],
+        group_size=ctx["group_size"],
+        activation_checkpointing=setting["activation_checkpointing"],
+        attention=setting["attention"],
+        kernels=setting["kernels"],
+        inference={"backend": "hf"},
+    )
 
 
 def plan_figures(cfg, row_tokens: int) -> dict:
@@ -25,5 +33,9 @@ def plan_figures(cfg, row_tokens: int) -> dict:
     plan, _ = plan_run(cfg, ranks=1, gpu=None, row_tokens=row_tokens)
     allocated = plan.allocated
     moment = max(allocated, key=allocated.get)
-    return {"plan_peak_mb": plan.peak / 1e6, "plan_moment": plan.peak_moment,
-            "plan_allocated_mb": allocated[moment] / 1e6, "plan_allocated_moment": moment}
+    return {
+        "plan_peak_mb": plan.peak / 1e6,
+        "plan_moment": plan.peak_moment,
+        "plan_allocated_mb": allocated[moment] / 1e6,
+        "plan_allocated_moment": moment,
+    }

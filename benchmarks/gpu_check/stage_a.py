@@ -42,8 +42,14 @@ MIB = 2**20  # scirl's memory/peak_mb is in MiB; the check's figures are in MB (
 
 
 def stage_a_command(ctx: dict, run_dir: Path, ckpt_interval: int, steps_file: Path | None = None) -> list[str]:
-    flags = train_flags(ctx, run_dir, activation_checkpointing=ctx["settings"]["activation_checkpointing"] and ctx["device"] == "cuda",
-                        ckpt_interval=ckpt_interval, engine=["--inference.backend", "hf"], reward=["--reward.mode", "random"])
+    flags = train_flags(
+        ctx,
+        run_dir,
+        activation_checkpointing=ctx["settings"]["activation_checkpointing"] and ctx["device"] == "cuda",
+        ckpt_interval=ckpt_interval,
+        engine=["--inference.backend", "hf"],
+        reward=["--reward.mode", "random"],
+    )
     return scirl_command(["train", *flags], deterministic=ctx["device"] == "cuda", steps_file=steps_file)
 
 
@@ -62,27 +68,41 @@ def a_train_stage(ctx: dict) -> dict:
     run_dir, steps_file = out / "a-run", out / "a-run-steps.jsonl"
     shutil.rmtree(run_dir, ignore_errors=True)
     steps_file.unlink(missing_ok=True)
-    run = launch(ctx, stage_a_command(ctx, run_dir, mid_run_interval(ctx["steps"]), steps_file), out / "a-run.log",
-                 stage_a_env(ctx))
+    run = launch(
+        ctx,
+        stage_a_command(ctx, run_dir, mid_run_interval(ctx["steps"]), steps_file),
+        out / "a-run.log",
+        stage_a_env(ctx),
+    )
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     inside = {line["step"]: line for line in read_jsonl(steps_file)}
     lengths = rollout_lengths(run_dir, ctx["model_dir"])
     steps = []
     for m in metrics:
         completions, measured = lengths[m["step"]]["completions"], inside.get(m["step"], {})
-        steps.append({"step": m["step"], "generate_s": m["time/generate"], "train_s": m["time/train"],
-                      "weight_sync_s": m["time/weight_sync"], "weight_check_s": m.get("time/weight_check"),
-                      "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
-                      "checkpoint_s": m.get("time/checkpoint"),
-                      "checkpoint_background_s": m.get("time/checkpoint_background"),
-                      "prompt_tokens": sum(lengths[m["step"]]["prompts"]), "completion_tokens": sum(completions),
-                      "generation_tokens_per_s": sum(completions) / m["time/generate"],
-                      **step_work(m, ctx, m["time/train"]), "truncated_fraction": m["truncated/fraction"],
-                      "peak_mb": m["memory/peak_mb"] * MIB / 1e6, "mismatch_kl": m.get("mismatch_kl"),
-                      "train_peak_mb": megabytes(measured.get("train_peak_bytes")),
-                      "peak_before_train_mb": megabytes(measured.get("peak_before_train_bytes")),
-                      "compiles": {k: measured.get(k) for k in ("graphs", "graph_breaks", "recompile_limit_hits")},
-                      "trainer": {key: m.get(key) for key in TRAINER_FIGURES}})
+        steps.append(
+            {
+                "step": m["step"],
+                "generate_s": m["time/generate"],
+                "train_s": m["time/train"],
+                "weight_sync_s": m["time/weight_sync"],
+                "weight_check_s": m.get("time/weight_check"),
+                "step_s": m["time/step"] - m.get("time/checkpoint", 0.0),
+                "checkpoint_s": m.get("time/checkpoint"),
+                "checkpoint_background_s": m.get("time/checkpoint_background"),
+                "prompt_tokens": sum(lengths[m["step"]]["prompts"]),
+                "completion_tokens": sum(completions),
+                "generation_tokens_per_s": sum(completions) / m["time/generate"],
+                **step_work(m, ctx, m["time/train"]),
+                "truncated_fraction": m["truncated/fraction"],
+                "peak_mb": m["memory/peak_mb"] * MIB / 1e6,
+                "mismatch_kl": m.get("mismatch_kl"),
+                "train_peak_mb": megabytes(measured.get("train_peak_bytes")),
+                "peak_before_train_mb": megabytes(measured.get("peak_before_train_bytes")),
+                "compiles": {k: measured.get(k) for k in ("graphs", "graph_breaks", "recompile_limit_hits")},
+                "trainer": {key: m.get(key) for key in TRAINER_FIGURES},
+            }
+        )
     later = steps[1:] or steps
 
     def mean(key):
@@ -97,38 +117,59 @@ def a_train_stage(ctx: dict) -> dict:
     prompts = [n for step in lengths.values() for n in step["prompts"]]
     completions = [n for step in lengths.values() for n in step["completions"]]
     train_peaks = [s["train_peak_mb"] for s in steps if s["train_peak_mb"] is not None]
-    setting = {"micro_batch_tokens": ctx["micro_batch_tokens"] or ctx["default_micro_batch_tokens"],
-               "activation_checkpointing": ctx["settings"]["activation_checkpointing"] and ctx["device"] == "cuda",
-               "attention": "auto", "kernels": "auto"}
+    setting = {
+        "micro_batch_tokens": ctx["micro_batch_tokens"] or ctx["default_micro_batch_tokens"],
+        "activation_checkpointing": ctx["settings"]["activation_checkpointing"] and ctx["device"] == "cuda",
+        "attention": "auto",
+        "kernels": "auto",
+    }
     plan = plan_figures(train_config(ctx, setting), max(prompts) + max(completions))
     return {
-        "run_dir": str(run_dir), "wall_s": run["wall_s"], "steps": steps,
+        "run_dir": str(run_dir),
+        "wall_s": run["wall_s"],
+        "steps": steps,
         "mean_after_first": {k: mean(k) for k in ("generate_s", "train_s", "weight_sync_s", "step_s")},
         "tokens_mean_after_first": {k: mean(k) for k in TOKEN_KEYS},
         "prompts": {"count": len(prompts), "min": min(prompts), "max": max(prompts), "mean": statistics.fmean(prompts)},
-        "completions": {"count": len(completions), "mean": statistics.fmean(completions),
-                        "median": statistics.median(completions),
-                        "at_limit": statistics.fmean(s["truncated_fraction"] for s in steps)},
-        "expected_completions": ctx["expected_lengths"], "eos_rate": ctx["eos"]["measured"],
-        "checkpoint": {"step": last, "bytes": ckpt_bytes, "seconds": ckpt_s,
-                       "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None,  # a "0.0s" line: no rate
-                       "blocked_s": run["blocked"].get(last),  # its "handed to the writer (Xs blocked)" line
-                       "interval": mid_run_interval(ctx["steps"]),
-                       # the seconds a step waited on the checkpoint before it, as its metrics row says; a checkpoint
-                       # written in the background: its write's seconds, in the row after its commit
-                       "blocked": [{"step": s["step"], "seconds": s["checkpoint_s"]}
-                                   for s in steps if s["checkpoint_s"]],
-                       "background": [{"step": s["step"], "seconds": s["checkpoint_background_s"]}
-                                      for s in steps if s["checkpoint_background_s"]]},
+        "completions": {
+            "count": len(completions),
+            "mean": statistics.fmean(completions),
+            "median": statistics.median(completions),
+            "at_limit": statistics.fmean(s["truncated_fraction"] for s in steps),
+        },
+        "expected_completions": ctx["expected_lengths"],
+        "eos_rate": ctx["eos"]["measured"],
+        "checkpoint": {
+            "step": last,
+            "bytes": ckpt_bytes,
+            "seconds": ckpt_s,
+            "mb_per_s": ckpt_bytes / 1e6 / ckpt_s if ckpt_s else None,  # a "0.0s" line: no rate
+            "blocked_s": run["blocked"].get(last),  # its "handed to the writer (Xs blocked)" line
+            "interval": mid_run_interval(ctx["steps"]),
+            # the seconds a step waited on the checkpoint before it, as its metrics row says; a checkpoint
+            # written in the background: its write's seconds, in the row after its commit
+            "blocked": [{"step": s["step"], "seconds": s["checkpoint_s"]} for s in steps if s["checkpoint_s"]],
+            "background": [
+                {"step": s["step"], "seconds": s["checkpoint_background_s"]}
+                for s in steps
+                if s["checkpoint_background_s"]
+            ],
+        },
         "generation_tokens_per_s": sum(s["completion_tokens"] for s in later) / sum(s["generate_s"] for s in later),
         "useful_tokens_per_s": sum(s["unique_tokens"] for s in later) / train_time,
         "train_flops_per_step": flops / len(later),
-        "mfu": mfu(flops, train_time, ctx["peak_tflops"]), "peak_tflops": ctx["peak_tflops"], "flop_formula": FLOP_FORMULA,
-        "memory_peak_mb": max(s["peak_mb"] for s in steps), "device_peak_mb": run["device_peak_mb"],
+        "mfu": mfu(flops, train_time, ctx["peak_tflops"]),
+        "peak_tflops": ctx["peak_tflops"],
+        "flop_formula": FLOP_FORMULA,
+        "memory_peak_mb": max(s["peak_mb"] for s in steps),
+        "device_peak_mb": run["device_peak_mb"],
         # the training alone (generation's KV cache is freed by then) against the plan's bytes in tensors
-        "train_peak_mb": max(train_peaks) if train_peaks else None, **plan,
-        "process_peak_mb": max([*train_peaks, *(s["peak_before_train_mb"] for s in steps
-                                               if s["peak_before_train_mb"] is not None)], default=None),
+        "train_peak_mb": max(train_peaks) if train_peaks else None,
+        **plan,
+        "process_peak_mb": max(
+            [*train_peaks, *(s["peak_before_train_mb"] for s in steps if s["peak_before_train_mb"] is not None)],
+            default=None,
+        ),
         "micro_batch_tokens": setting["micro_batch_tokens"],
         "deterministic": DETERMINISTIC_SETTINGS if ctx["device"] == "cuda" else None,
     }
@@ -148,7 +189,9 @@ def rollout_lengths(run_dir: Path, model_dir: str) -> dict[int, dict[str, list[i
     for path in run_dir.glob("rollouts/step_*.jsonl"):
         for row in read_jsonl(path):
             if row["group"] not in prompts[row["step"]]:
-                prompts[row["step"]][row["group"]] = len(tokenizer(row["prompt"], add_special_tokens=False)["input_ids"])
+                prompts[row["step"]][row["group"]] = len(
+                    tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+                )
             completions[row["step"]].append(row["num_tokens"])
     return {step: {"prompts": list(prompts[step].values()), "completions": completions[step]} for step in completions}
 
@@ -161,34 +204,56 @@ def a_resume_stage(ctx: dict) -> dict:
     k = KILL_AT_CHECKPOINT
     partial = run_dir / "weights" / f".step_{k}.tmp"
     # checkpoint k's serving files appear in its tmp dir one by one, each sealed (then the writer sleeps)
-    say(f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in it")
-    run = launch(ctx, stage_a_command(ctx, run_dir, ckpt_interval=1), out / "a-resumed-killed.log",
-                 {**stage_a_env(ctx), "SCIRL_CKPT_WRITE_DELAY": CKPT_WRITE_DELAY_S[ctx["device"]]},
-                 kill_when=lambda: any(partial.glob("*.safetensors")))
+    say(
+        f"  the run again, a checkpoint every step; waiting for checkpoint {k}'s write to start, to kill -9 the run in "
+        "it"
+    )
+    run = launch(
+        ctx,
+        stage_a_command(ctx, run_dir, ckpt_interval=1),
+        out / "a-resumed-killed.log",
+        {**stage_a_env(ctx), "SCIRL_CKPT_WRITE_DELAY": CKPT_WRITE_DELAY_S[ctx["device"]]},
+        kill_when=lambda: any(partial.glob("*.safetensors")),
+    )
     if not run["killed"]:
         raise StageError(f"the run ended before checkpoint {k}'s write could be cut")
     if (run_dir / "weights" / f"step_{k}").exists():
         raise StageError(f"kill -9 came after checkpoint {k} was committed: the write was not cut")
     partial_left = partial.is_dir()
-    say(f"    killed (kill -9) in checkpoint {k}'s write: step_{k} not committed"
-        + (", its partial directory left (the resume removes it)" if partial_left else ""))
-    resumed = launch(ctx, scirl_command(["train", "--resume", str(run_dir), "--ckpt.interval", "100000"],
-                                        deterministic=ctx["device"] == "cuda"),
-                     out / "a-resumed.log", stage_a_env(ctx))
+    say(
+        f"    killed (kill -9) in checkpoint {k}'s write: step_{k} not committed"
+        + (", its partial directory left (the resume removes it)" if partial_left else "")
+    )
+    resumed = launch(
+        ctx,
+        scirl_command(
+            ["train", "--resume", str(run_dir), "--ckpt.interval", "100000"], deterministic=ctx["device"] == "cuda"
+        ),
+        out / "a-resumed.log",
+        stage_a_env(ctx),
+    )
     log = (out / "a-resumed.log").read_text(errors="replace")
     from_step = re.search(r"Resuming .* from step (\d+)", log)
     last = ctx["steps"]
     reference = Path(ctx["reference"]["run_dir"])
-    compare = compare_weights(reference / "weights" / f"step_{last}", run_dir / "weights" / f"step_{last}",
-                              ctx["resume_atol"])
+    compare = compare_weights(
+        reference / "weights" / f"step_{last}", run_dir / "weights" / f"step_{last}", ctx["resume_atol"]
+    )
     rollouts = {}
     for step in range(1, last + 1):
         a = [r["completion"] for r in read_jsonl(reference / "rollouts" / f"step_{step}.jsonl")]
         b = [r["completion"] for r in read_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl")]
         rollouts[str(step)] = a == b
-    result = {"run_dir": str(run_dir), "killed_in_checkpoint": k, "killed_after_s": run["wall_s"],
-              "partial_left": partial_left, "resumed_from": int(from_step.group(1)) if from_step else None,
-              "resumed_wall_s": resumed["wall_s"], "compare": compare, "same_completions": rollouts}
+    result = {
+        "run_dir": str(run_dir),
+        "killed_in_checkpoint": k,
+        "killed_after_s": run["wall_s"],
+        "partial_left": partial_left,
+        "resumed_from": int(from_step.group(1)) if from_step else None,
+        "resumed_wall_s": resumed["wall_s"],
+        "compare": compare,
+        "same_completions": rollouts,
+    }
     write_json_atomic(stage_result(ctx, "a_resume"), result)  # the verdict is in, whatever the clean-up does
     if not ctx["keep_weights"]:  # GBs each on a GPU; the figures are taken
         for d in (run_dir / "weights", reference / "weights"):
@@ -221,7 +286,14 @@ def compare_weights(reference: Path, resumed: Path, atol: float) -> dict:
         elements += int((x != y).sum())
         max_abs = max(max_abs, float((x.double() - y.double()).abs().max()))
     # a NaN difference never passes (NaN <= atol is false)
-    return {"bit_equal": not differing, "max_abs_diff": max_abs, "atol": atol, "pass": not differing or max_abs <= atol,
-            "tensors": len(names_a), "tensors_differing": len(differing),
-            "elements": total, "elements_differing": elements, "first_differing": differing[:5]}
-
+    return {
+        "bit_equal": not differing,
+        "max_abs_diff": max_abs,
+        "atol": atol,
+        "pass": not differing or max_abs <= atol,
+        "tensors": len(names_a),
+        "tensors_differing": len(differing),
+        "elements": total,
+        "elements_differing": elements,
+        "first_differing": differing[:5],
+    }

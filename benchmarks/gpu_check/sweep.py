@@ -83,13 +83,19 @@ def a_sweep2_stage(ctx: dict) -> dict:
     started = time.perf_counter()
     model_dir = build_model(shape, Path(ctx["out"]) / f"model-{shape}-plain", ctx["device"], ctx["dtype"])
     built = time.perf_counter() - started
-    result = run_sweep({**ctx, "shape": shape, "model_dir": str(model_dir), **model_parameters(shape)}, "a_sweep2",
-                       "default", profile=False)
+    result = run_sweep(
+        {**ctx, "shape": shape, "model_dir": str(model_dir), **model_parameters(shape)},
+        "a_sweep2",
+        "default",
+        profile=False,
+    )
     return {**result, "shape": shape, "build_s": built}
 
 
 def run_sweep(ctx: dict, stage: str, rows: str, profile: bool) -> dict:
-    os.environ.update(stage_a_env(ctx))  # before CUDA starts: cuBLAS reads its workspace setting once (every row pays it)
+    os.environ.update(
+        stage_a_env(ctx)
+    )  # before CUDA starts: cuBLAS reads its workspace setting once (every row pays it)
     import torch
 
     from scirl.distributed import Dist
@@ -115,9 +121,16 @@ def run_sweep(ctx: dict, stage: str, rows: str, profile: bool) -> dict:
             not_run.append(f"Liger-Kernel's kernels: {liger}")
 
     model = load_model(ctx["model_dir"], device, Dist(), dtype)
-    result = {"settings": [], "rows": rows, "not_run": not_run, "repeats": SWEEP_REPEATS.get(ctx["shape"], 1),
-              "peak_tflops": ctx["peak_tflops"], "shape": ctx["shape"], "batch": describe(samples, ctx["group_size"]),
-              "fresh_batches": [describe(batch, ctx["group_size"]) for batch in fresh]}
+    result = {
+        "settings": [],
+        "rows": rows,
+        "not_run": not_run,
+        "repeats": SWEEP_REPEATS.get(ctx["shape"], 1),
+        "peak_tflops": ctx["peak_tflops"],
+        "shape": ctx["shape"],
+        "batch": describe(samples, ctx["group_size"]),
+        "fresh_batches": [describe(batch, ctx["group_size"]) for batch in fresh],
+    }
     trainers = Trainers(model, ctx, device, dtype)
     targets = sum(1 for s in settings if s["role"])
     for i, setting in enumerate(settings):
@@ -133,10 +146,13 @@ def run_sweep(ctx: dict, stage: str, rows: str, profile: bool) -> dict:
 def describe(samples: list, group_size: int) -> dict:
     from scirl.trainer.packing import count_unique_tokens
 
-    return {"completions": len(samples), "unique_tokens": count_unique_tokens(samples),
-            "prompt_mean": statistics.fmean(len(s.prompt_ids) for s in samples[::group_size]),
-            "completion_mean": statistics.fmean(len(s.completion_ids) for s in samples),
-            "longest_row": max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)}
+    return {
+        "completions": len(samples),
+        "unique_tokens": count_unique_tokens(samples),
+        "prompt_mean": statistics.fmean(len(s.prompt_ids) for s in samples[::group_size]),
+        "completion_mean": statistics.fmean(len(s.completion_ids) for s in samples),
+        "longest_row": max(len(s.prompt_ids) + len(s.completion_ids) for s in samples),
+    }
 
 
 def sweep_settings(device: str, defaults: dict, stage_tokens: int, step_tokens: int, rows: str) -> list[dict]:
@@ -146,12 +162,16 @@ def sweep_settings(device: str, defaults: dict, stage_tokens: int, step_tokens: 
     base = stage_tokens if device == "cuda" else budgets[-1]
 
     def row(tokens: int, checkpointing: bool, role: str | None) -> dict:
-        return dict(defaults, micro_batch_tokens=tokens, activation_checkpointing=checkpointing, deterministic=False,
-                    role=role)
+        return dict(
+            defaults, micro_batch_tokens=tokens, activation_checkpointing=checkpointing, deterministic=False, role=role
+        )
 
     smaller = sorted((n for n in budgets if n < base), reverse=True)[:SMALLER_ROWS]
-    targets = [row(base, False, "default"), row(base, True, "checkpointed"),
-               *(row(n, False, "smaller") for n in smaller)]
+    targets = [
+        row(base, False, "default"),
+        row(base, True, "checkpointed"),
+        *(row(n, False, "smaller") for n in smaller),
+    ]
     if rows == "default":
         return targets[:1]
     if rows == "targets":
@@ -185,7 +205,9 @@ class Trainers:
             # not count against this one's recompile limit (torch._dynamo's counters are kept: rows read differences)
             torch._dynamo.reset()
             cfg = train_config(self.ctx, setting)
-            self.trainer = make_trainer(self.model, cfg, algorithms.build(cfg), device=self.device, dist=Dist(), dtype=self.dtype)
+            self.trainer = make_trainer(
+                self.model, cfg, algorithms.build(cfg), device=self.device, dist=Dist(), dtype=self.dtype
+            )
             self.key = key
         trainer = self.trainer
         trainer.batching = dataclasses.replace(trainer.batching, micro_batch_tokens=setting["micro_batch_tokens"])
@@ -193,8 +215,9 @@ class Trainers:
         return trainer
 
 
-def sweep_row(ctx: dict, stage: str, trainers: Trainers, setting: dict, samples: list, fresh: list,
-              result: dict) -> dict:
+def sweep_row(
+    ctx: dict, stage: str, trainers: Trainers, setting: dict, samples: list, fresh: list, result: dict
+) -> dict:
     """One setting's figures (or its error, or "out of memory"), reported and kept in the stage's partial result."""
     import torch
 
@@ -206,8 +229,13 @@ def sweep_row(ctx: dict, stage: str, trainers: Trainers, setting: dict, samples:
         trainer = trainers.get(setting)
         batches = trainer.batches(samples)
         with deterministic(setting["deterministic"]):
-            measured = measure_steps(lambda s: trainer.train_step(trainer.batches(s)), samples, fresh,
-                                     result["repeats"], torch.cuda if gpu else None)
+            measured = measure_steps(
+                lambda s: trainer.train_step(trainer.batches(s)),
+                samples,
+                fresh,
+                result["repeats"],
+                torch.cuda if gpu else None,
+            )
         row.update(row_figures(ctx, row, measured, batches))
     except torch.OutOfMemoryError:
         row["out_of_memory"] = True
@@ -228,11 +256,15 @@ def row_figures(ctx: dict, plan: dict, measured: dict, batches: list) -> dict:
     """A row's figures from its steps (``measure_steps``), the micro-batches of its warm-up's batch and its plan
     (``plan.plan_figures``): the work and MFU on the seen batch and on each unseen one, the compile counts, memory
     against the plan on like bases."""
-    row = {**work(ctx, measured["stats"], measured["step_s"]), "steps_s": measured["steps_s"],
-           "micro_batches": len(batches), "largest_micro_batch": max(mb.packed.forward_tokens for mb in batches),
-           "fresh": [{"step_s": seconds, **work(ctx, stats, seconds)} for seconds, stats in measured["fresh"]],
-           "compiles": measured["compiles"],
-           **{k: measured[k] for k in ("peak_mb", "reserved_mb", "device_used_mb", "alloc_retries")}}
+    row = {
+        **work(ctx, measured["stats"], measured["step_s"]),
+        "steps_s": measured["steps_s"],
+        "micro_batches": len(batches),
+        "largest_micro_batch": max(mb.packed.forward_tokens for mb in batches),
+        "fresh": [{"step_s": seconds, **work(ctx, stats, seconds)} for seconds, stats in measured["fresh"]],
+        "compiles": measured["compiles"],
+        **{k: measured[k] for k in ("peak_mb", "reserved_mb", "device_used_mb", "alloc_retries")},
+    }
     row["fresh_step_s"] = statistics.fmean(f["step_s"] for f in row["fresh"]) if row["fresh"] else None
     row["fresh_mfu"] = statistics.fmean(f["mfu"] for f in row["fresh"]) if row["fresh"] and row["mfu"] else None
     if row["peak_mb"]:
@@ -245,9 +277,13 @@ def row_figures(ctx: dict, plan: dict, measured: dict, batches: list) -> dict:
 def work(ctx: dict, stats: dict, seconds: float) -> dict:
     """A step's token counts and what they make of ``seconds``: FLOPs, useful tokens/s, MFU (``figures.py``)."""
     flops = train_flops(ctx["dense_parameters"], ctx["head_parameters"], stats["unique_tokens"], stats["loss_tokens"])
-    return {**{key: stats[key] for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")},
-            "step_s": seconds, "train_flops": flops, "useful_tokens_per_s": stats["unique_tokens"] / seconds,
-            "mfu": mfu(flops, seconds, ctx["peak_tflops"])}
+    return {
+        **{key: stats[key] for key in ("forward_tokens", "unique_tokens", "loss_tokens", "padding_tokens")},
+        "step_s": seconds,
+        "train_flops": flops,
+        "useful_tokens_per_s": stats["unique_tokens"] / seconds,
+        "mfu": mfu(flops, seconds, ctx["peak_tflops"]),
+    }
 
 
 def measure_steps(step, seen, fresh: list, repeats: int, memory=None) -> dict:
@@ -283,13 +319,25 @@ def measure_steps(step, seen, fresh: list, repeats: int, memory=None) -> dict:
         sync()
         fresh_steps.append((time.perf_counter() - started, fresh_stats))
     compiles["fresh"] = counts_since(counts)
-    out = {"step_s": statistics.fmean(times), "steps_s": times, "stats": stats, "fresh": fresh_steps,
-           "compiles": compiles, "peak_mb": None, "reserved_mb": None, "device_used_mb": None, "alloc_retries": None}
+    out = {
+        "step_s": statistics.fmean(times),
+        "steps_s": times,
+        "stats": stats,
+        "fresh": fresh_steps,
+        "compiles": compiles,
+        "peak_mb": None,
+        "reserved_mb": None,
+        "device_used_mb": None,
+        "alloc_retries": None,
+    }
     if memory is not None:
         free, total = memory.mem_get_info()
-        out.update(peak_mb=memory.max_memory_allocated() / 1e6, reserved_mb=memory.max_memory_reserved() / 1e6,
-                   device_used_mb=(total - free) / 1e6,
-                   alloc_retries=memory.memory_stats().get("num_alloc_retries", 0) - retries)
+        out.update(
+            peak_mb=memory.max_memory_allocated() / 1e6,
+            reserved_mb=memory.max_memory_reserved() / 1e6,
+            device_used_mb=(total - free) / 1e6,
+            alloc_retries=memory.memory_stats().get("num_alloc_retries", 0) - retries,
+        )
     return out
 
 
@@ -355,8 +403,11 @@ class deterministic:
         import torch
 
         if self.on:
-            self.before = (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
-                           torch.backends.cuda.cudnn_sdp_enabled())
+            self.before = (
+                torch.backends.cuda.flash_sdp_enabled(),
+                torch.backends.cuda.mem_efficient_sdp_enabled(),
+                torch.backends.cuda.cudnn_sdp_enabled(),
+            )
             deterministic_kernels()
         return self
 
@@ -395,9 +446,16 @@ def profile_step(ctx: dict, trainer, samples: list) -> dict:
     key = "self_device_time_total" if gpu else "self_cpu_time_total"
     ops = sorted((e for e in events if e.device_type == DeviceType.CPU), key=lambda e: getattr(e, key), reverse=True)
     table = Path(ctx["out"]) / "a_sweep_profile.txt"
-    table.write_text(events.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=40) + "\n")
-    return {"wall_s": wall, "gpu_busy_s": busy_s, "gpu_busy_share": busy_s / wall if gpu else None,
-            "setting": f"{trainer.kernels.name} kernels, {trainer.attention} attention, "
-                       f"{trainer.batching.micro_batch_tokens} tokens a micro-batch",
-            "top_ops": [{"name": e.key, "seconds": getattr(e, key) / 1e6, "calls": e.count} for e in ops[:20]],
-            "time": "GPU (the operators' own kernels)" if gpu else "CPU (the operators' own)", "table": str(table)}
+    table.write_text(
+        events.table(sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=40) + "\n"
+    )
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy_s,
+        "gpu_busy_share": busy_s / wall if gpu else None,
+        "setting": f"{trainer.kernels.name} kernels, {trainer.attention} attention, "
+        f"{trainer.batching.micro_batch_tokens} tokens a micro-batch",
+        "top_ops": [{"name": e.key, "seconds": getattr(e, key) / 1e6, "calls": e.count} for e in ops[:20]],
+        "time": "GPU (the operators' own kernels)" if gpu else "CPU (the operators' own)",
+        "table": str(table),
+    }

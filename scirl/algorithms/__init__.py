@@ -23,8 +23,9 @@ group advantages, teacher prompts, ``rl_loss``, the trainer's forwards). Importe
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from scirl.algorithms import sections
 from scirl.algorithms.sections import Section
@@ -44,28 +45,60 @@ class Spec:
     config_model: type[Section] | None = None  # validates that section
     prime_rl: bool = False  # prime-rl's trainer has the same loss (``scirl export prime-rl`` may write it)
     check_config: Callable | None = None  # cfg -> what it refuses of the rest of the run's config (one line) or None
-    state_bytes: Callable | None = None  # cfg -> bytes per parameter of state it keeps beside the weights (GPU, checkpoints)
+    # cfg -> bytes per parameter of state it keeps beside the weights (GPU, checkpoints)
+    state_bytes: Callable | None = None
 
 
-ALGORITHMS: dict[str, Spec] = {spec.name: spec for spec in (
-    Spec("grpo", "scirl.algorithms.grpo:Grpo", "prime-rl's default loss on group advantages r - mean (the run guide's)",
-         section="loss", config_model=sections.LossConfig, prime_rl=True),
-    Spec("dr_grpo", "scirl.algorithms.dr_grpo:DrGrpo",
-         "Dr. GRPO: r - mean advantages, PPO clip, every token summed over a constant (completions x max tokens)",
-         section="dr_grpo", config_model=sections.DrGrpoConfig, check_config=sections.no_std_normalize),
-    Spec("dapo", "scirl.algorithms.dapo:Dapo",
-         "DAPO: group-normalised advantages, clip-higher, token-level loss over the batch, flat groups dropped",
-         section="dapo", config_model=sections.DapoConfig),
-    Spec("gspo", "scirl.algorithms.gspo:Gspo",
-         "GSPO: a length-normalised sequence ratio, clipped per completion, completions averaged",
-         section="gspo", config_model=sections.GspoConfig),
-    Spec("cispo", "scirl.algorithms.cispo:Cispo",
-         "CISPO: the clipped importance weight, detached, times A log p; token-level loss over the batch",
-         section="cispo", config_model=sections.CispoConfig),
-    Spec("sdpo", "scirl.algorithms.sdpo:Sdpo",
-         "SDPO: self-distillation from the policy shown a success of the group (or feedback) [sdpo]",
-         section="sdpo", config_model=sections.SdpoConfig, state_bytes=sections.sdpo_state_bytes),
-)}
+ALGORITHMS: dict[str, Spec] = {
+    spec.name: spec
+    for spec in (
+        Spec(
+            "grpo",
+            "scirl.algorithms.grpo:Grpo",
+            "prime-rl's default loss on group advantages r - mean (the run guide's)",
+            section="loss",
+            config_model=sections.LossConfig,
+            prime_rl=True,
+        ),
+        Spec(
+            "dr_grpo",
+            "scirl.algorithms.dr_grpo:DrGrpo",
+            "Dr. GRPO: r - mean advantages, PPO clip, every token summed over a constant (completions x max tokens)",
+            section="dr_grpo",
+            config_model=sections.DrGrpoConfig,
+            check_config=sections.no_std_normalize,
+        ),
+        Spec(
+            "dapo",
+            "scirl.algorithms.dapo:Dapo",
+            "DAPO: group-normalised advantages, clip-higher, token-level loss over the batch, flat groups dropped",
+            section="dapo",
+            config_model=sections.DapoConfig,
+        ),
+        Spec(
+            "gspo",
+            "scirl.algorithms.gspo:Gspo",
+            "GSPO: a length-normalised sequence ratio, clipped per completion, completions averaged",
+            section="gspo",
+            config_model=sections.GspoConfig,
+        ),
+        Spec(
+            "cispo",
+            "scirl.algorithms.cispo:Cispo",
+            "CISPO: the clipped importance weight, detached, times A log p; token-level loss over the batch",
+            section="cispo",
+            config_model=sections.CispoConfig,
+        ),
+        Spec(
+            "sdpo",
+            "scirl.algorithms.sdpo:Sdpo",
+            "SDPO: self-distillation from the policy shown a success of the group (or feedback) [sdpo]",
+            section="sdpo",
+            config_model=sections.SdpoConfig,
+            state_bytes=sections.sdpo_state_bytes,
+        ),
+    )
+}
 DEFAULT = "grpo"
 
 

@@ -43,7 +43,8 @@ class Algorithm:
         return group_advantages(rewards, std_normalize, self.advantage_cfg.eps)
 
     def drops_flat_groups(self) -> bool:
-        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says (dynamic sampling)."""
+        """Whether a group whose advantages are all 0 is dropped whatever ``[filters] zero_advantage`` says
+        (dynamic sampling)."""
         return False
 
     def refill_rounds(self) -> int:
@@ -52,7 +53,8 @@ class Algorithm:
 
     def group_extras(self, items, completions, scored, tokenizer, reward_mode: str) -> list[dict | None]:
         """Per completion of one group: None, or {"sample": ``Sample`` fields to set, "record": rollout-record
-        fields, "keep": never dropped by the zero-advantage filter}. Only a distilling algorithm adds anything (a teacher prompt)."""
+        fields, "keep": never dropped by the zero-advantage filter}. Only a distilling algorithm adds anything (a
+        teacher prompt)."""
         return [None] * len(completions)
 
     def needs_tokenizer(self) -> bool:
@@ -115,16 +117,18 @@ class Algorithm:
         return []
 
 
-def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float,
-                      eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clipped_surrogate(
+    ratio: torch.Tensor, advantages: torch.Tensor, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)`` elementwise, and where the clip decided."""
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     unclipped, clipped = ratio * advantages, clipped_ratio * advantages
     return -torch.minimum(unclipped, clipped), (clipped < unclipped).detach()
 
 
-def token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, eps_low: float, eps_high: float,
-                    normaliser: float) -> tuple[torch.Tensor, LossSums]:
+def token_clip_loss(
+    trainer_logprobs, inference_logprobs, advantages, loss_mask, eps_low: float, eps_high: float, normaliser: float
+) -> tuple[torch.Tensor, LossSums]:
     """PPO's clipped surrogate of every loss token, summed and divided by ``normaliser`` (the PPO-clip variants)."""
     mask = loss_mask.to(bool)
     log_ratio = trainer_logprobs - inference_logprobs.to(trainer_logprobs.dtype)

@@ -28,5 +28,12 @@ class Dapo(Algorithm):
         return self.cfg.refill_rounds if self.cfg.dynamic_sampling == "refill" else 0
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):
-        return token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, self.cfg.eps_low,
-                               self.cfg.eps_high, normaliser=scales[0])
+        return token_clip_loss(
+            trainer_logprobs,
+            inference_logprobs,
+            advantages,
+            loss_mask,
+            self.cfg.eps_low,
+            self.cfg.eps_high,
+            normaliser=scales[0],
+        )

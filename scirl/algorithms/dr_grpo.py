@@ -23,5 +23,12 @@ class DrGrpo(Algorithm):
         return [sequence_count(micro_batches) * self.max_completion_tokens]
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):
-        return token_clip_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, self.cfg.eps_low,
-                               self.cfg.eps_high, normaliser=scales[1])
+        return token_clip_loss(
+            trainer_logprobs,
+            inference_logprobs,
+            advantages,
+            loss_mask,
+            self.cfg.eps_low,
+            self.cfg.eps_high,
+            normaliser=scales[1],
+        )

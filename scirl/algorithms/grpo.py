@@ -18,5 +18,13 @@ class Grpo(Algorithm):
 
     def loss(self, trainer_logprobs, inference_logprobs, advantages, loss_mask, scales):
         c = self.loss_cfg
-        return rl_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, mask_low=c.mask_low,
-                       mask_high=c.mask_high, kl_tau=c.kl_tau, loss_scale=scales[0])
+        return rl_loss(
+            trainer_logprobs,
+            inference_logprobs,
+            advantages,
+            loss_mask,
+            mask_low=c.mask_low,
+            mask_high=c.mask_high,
+            kl_tau=c.kl_tau,
+            loss_scale=scales[0],
+        )

@@ -28,8 +28,9 @@ class Gspo(Algorithm):
         lengths = weights.sum(dim=1)
         has_tokens = lengths > 0  # a dummy or padded row has none: no sequence, no term
         sequence_log_ratio = (log_ratio * weights).sum(dim=1) / lengths.clamp(min=1)
-        per_sequence, clipped = clipped_surrogate(sequence_log_ratio.exp(), advantages.to(trainer_logprobs.dtype),
-                                                  self.cfg.eps_low, self.cfg.eps_high)
+        per_sequence, clipped = clipped_surrogate(
+            sequence_log_ratio.exp(), advantages.to(trainer_logprobs.dtype), self.cfg.eps_low, self.cfg.eps_high
+        )
         loss = (per_sequence * has_tokens).sum() / scales[1]
         # a clipped sequence counts all its tokens as clipped in masked_fraction
         return loss, mismatch_sums(log_ratio.detach(), mask, clipped[:, None].expand_as(mask))

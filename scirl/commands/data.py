@@ -15,24 +15,36 @@ def add_source_args(parser: argparse.ArgumentParser) -> None:
     from scirl.task.data import HUB_ID
     from scirl.task.schema import MCQ_TYPES
 
-    parser.add_argument("--data", default=HUB_ID,
-                        help=f"hub id (default {HUB_ID}; or a known set's, REPO[:CONFIG][@SPLIT], e.g. allenai/ai2_arc:ARC-Easy), "
-                             "hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
-                             "or one .jsonl/.json/.parquet file")
+    parser.add_argument(
+        "--data",
+        default=HUB_ID,
+        help=f"hub id (default {HUB_ID}; or a known set's, REPO[:CONFIG][@SPLIT], e.g. allenai/ai2_arc:ARC-Easy), "
+        "hf:<dataset dir or id>, a directory with raw_data/<Domain>/<Level>/<task>.jsonl, "
+        "or one .jsonl/.json/.parquet file",
+    )
     add_data_format_args(parser)
-    parser.add_argument("--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)")
+    parser.add_argument(
+        "--types", default=",".join(MCQ_TYPES), help="comma-separated row types that count as MCQ (default %(default)s)"
+    )
     add_split_args(parser)
-    parser.add_argument("--seed", dest="old_seed", default=None, help=argparse.SUPPRESS)  # --split-seed's old name: refused
+    parser.add_argument(
+        "--seed", dest="old_seed", default=None, help=argparse.SUPPRESS
+    )  # --split-seed's old name: refused
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="scirl data", description="Inspect and export the MCQ splits of SciKnowEval or another science MCQ set.")
+    parser = Parser(
+        prog="scirl data", description="Inspect and export the MCQ splits of SciKnowEval or another science MCQ set."
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     stats = sub.add_parser("stats", help="counts per domain, type, level and split, and skipped rows by reason")
     add_source_args(stats)
     stats.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    export = sub.add_parser("export", help="write one split's rows as JSON lines in SciKnowEval's schema (SciKnowEval rows "
-                                               "keep their original fields)")
+    export = sub.add_parser(
+        "export",
+        help="write one split's rows as JSON lines in SciKnowEval's schema (SciKnowEval rows "
+        "keep their original fields)",
+    )
     add_source_args(export)
     export.add_argument("--split", choices=("train", "eval"), required=True)
     export.add_argument("--out", required=True, help="output .jsonl path")
@@ -45,8 +57,15 @@ def load(args: argparse.Namespace):
     types = tuple(t.strip() for t in args.types.split(",") if t.strip())
     if not types:
         raise ValueError("--types must name at least one row type")
-    return load_splits(args.data, types=types, eval_per_domain=args.eval_per_domain,
-                       split_method=args.split_method, seed=args.split_seed, data_format=args.data_format, columns=args.data_columns)
+    return load_splits(
+        args.data,
+        types=types,
+        eval_per_domain=args.eval_per_domain,
+        split_method=args.split_method,
+        seed=args.split_seed,
+        data_format=args.data_format,
+        columns=args.data_columns,
+    )
 
 
 def print_tables(summary: dict) -> None:
@@ -57,16 +76,23 @@ def print_tables(summary: dict) -> None:
     # every name below comes from the data (or the command line): printed literally, never read as markup
     console = Console()
     held = ", ".join(f"{kind} {n}" for kind, n in summary["mcq_types"].items()) or "none"  # what the source holds
-    console.print(f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): {summary['rows']} rows read, {summary['mcq']} MCQ "
-                  f"({escape(held)}); split {summary['split_method']!r}, "
-                  f"{summary['eval_per_domain']} eval per domain, split seed {summary['split_seed']}")
+    console.print(
+        f"[bold]{escape(str(summary['source']))}[/] ({escape(str(summary['format']))}): "
+        f"{summary['rows']} rows read, {summary['mcq']} MCQ "
+        f"({escape(held)}); split {summary['split_method']!r}, "
+        f"{summary['eval_per_domain']} eval per domain, split seed {summary['split_seed']}"
+    )
     for title, key in (("domain", "per_domain"), ("type", "per_type"), ("level", "per_level")):
         table = Table(title=f"by {title}")
         for col in (title, "train", "eval", "total"):
             table.add_column(col, justify="left" if col == title else "right")
         for name, counts in summary[key].items():
-            table.add_row(escape(str(name)), str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"]))
-        table.add_row("[bold]all[/]", str(summary["train"]), str(summary["eval"]), str(summary["train"] + summary["eval"]))
+            table.add_row(
+                escape(str(name)), str(counts["train"]), str(counts["eval"]), str(counts["train"] + counts["eval"])
+            )
+        table.add_row(
+            "[bold]all[/]", str(summary["train"]), str(summary["eval"]), str(summary["train"] + summary["eval"])
+        )
         console.print(table)
     table = Table(title="MCQ rows skipped, by reason")
     table.add_column("reason")
@@ -76,7 +102,9 @@ def print_tables(summary: dict) -> None:
     table.add_row("[bold]all[/]", str(summary["skipped_total"]))
     console.print(table)
     if summary["non_mcq"]:
-        console.print("not MCQ (read, not used): " + escape(", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items())))
+        console.print(
+            "not MCQ (read, not used): " + escape(", ".join(f"{t} {n}" for t, n in summary["non_mcq"].items()))
+        )
     for note in summary["notes"]:
         console.print(f"[yellow]note:[/] {escape(str(note))}")
 
@@ -118,8 +146,11 @@ def main(argv: list[str]) -> int:
         logging.getLogger("scirl.task.data").setLevel(logging.ERROR)
 
     if args.old_seed is not None:
-        print("scirl data: error: --seed is now --split-seed (its name in scirl eval, and data.split_seed in scirl "
-              "train)", file=sys.stderr)
+        print(
+            "scirl data: error: --seed is now --split-seed (its name in scirl eval, and data.split_seed in scirl "
+            "train)",
+            file=sys.stderr,
+        )
         return 2
     problem = data_format_problem(args)
     if problem:

@@ -19,13 +19,19 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint (weights/step_N: torch.distributed.checkpoint, both) to an HF model directory that `vllm serve` "
         "and `scirl eval` load. The optimizer state is not read.",
     )
-    p.add_argument("checkpoint", help="a prime-rl run's checkpoints/step_N directory (or its trainer/ subdirectory), "
-                   "or a scirl run's weights/step_N")
+    p.add_argument(
+        "checkpoint",
+        help="a prime-rl run's checkpoints/step_N directory (or its trainer/ subdirectory), "
+        "or a scirl run's weights/step_N",
+    )
     p.add_argument("--out", required=True, help="the HF model directory to write")
-    p.add_argument("--base", default=None,
-                   help="the trained model's HF directory or hub id, for config and tokenizer "
-                   "(default: a scirl checkpoint's own step directory; prime-rl: the model in the run's "
-                   "configs/trainer.json)")
+    p.add_argument(
+        "--base",
+        default=None,
+        help="the trained model's HF directory or hub id, for config and tokenizer "
+        "(default: a scirl checkpoint's own step directory; prime-rl: the model in the run's "
+        "configs/trainer.json)",
+    )
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default: %(default)s)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     return p
@@ -44,6 +50,8 @@ def main(argv: list[str]) -> int:
     except ConvertError as e:
         print(f"scirl dcp-to-hf: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {result.out}: {result.tensors} tensors in {result.shards} safetensors file(s), {result.dtype}, "
-          f"config and tokenizer from {result.base}")
+    print(
+        f"wrote {result.out}: {result.tensors} tensors in {result.shards} safetensors file(s), {result.dtype}, "
+        f"config and tokenizer from {result.base}"
+    )
     return 0

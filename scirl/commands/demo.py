@@ -26,8 +26,13 @@ the training run's metrics, rollouts and weights, and report/report.html.
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="scirl demo", description=__doc__.split("\n")[0], epilog=EPILOG,
-                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = Parser(
+        prog="scirl demo",
+        description=__doc__.split("\n")[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--output-dir", help="where everything goes (default: a fresh outputs/demo-<time>)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the questions and the training run")
     parser.add_argument("--train-per-domain", type=int, default=None, help="training questions per domain")
@@ -50,8 +55,13 @@ def main(argv: list[str]) -> int:
     from scirl.errors import REFUSED, ScirlError
 
     torch.set_num_threads(args.threads)
-    opts = DemoOptions(output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(), seed=args.seed,
-                       overrides=overrides, report=not args.no_report, progress=not args.no_progress)
+    opts = DemoOptions(
+        output_dir=Path(args.output_dir) if args.output_dir else fresh_output_dir(),
+        seed=args.seed,
+        overrides=overrides,
+        report=not args.no_report,
+        progress=not args.no_progress,
+    )
     if args.train_per_domain is not None:
         opts.train_per_domain = args.train_per_domain
     if args.eval_per_domain is not None:
@@ -71,8 +81,11 @@ def main(argv: list[str]) -> int:
 
 def arguments_problem(args: argparse.Namespace) -> str | None:
     """Why the demo's own options cannot be used (None when they can), found before anything runs."""
-    for flag, value in (("--train-per-domain", args.train_per_domain), ("--eval-per-domain", args.eval_per_domain),
-                        ("--threads", args.threads)):
+    for flag, value in (
+        ("--train-per-domain", args.train_per_domain),
+        ("--eval-per-domain", args.eval_per_domain),
+        ("--threads", args.threads),
+    ):
         if value is not None and value < 1:
             return f"{flag} must be >= 1, got {value}"
     if args.output_dir is None:

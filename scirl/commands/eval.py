@@ -38,24 +38,45 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = Parser(
         prog="scirl eval",
-        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible server "
-        "(--base-url), or in-process from a local HF model directory (no --base-url). "
+        description="Evaluate a model on science MCQ questions (SciKnowEval by default) through an OpenAI-compatible "
+        "server (--base-url), or in-process from a local HF model directory (no --base-url). "
         "Rerunning with the same --out resumes. See also: scirl eval compare A.json B.json.",
     )
     p.add_argument("--base-url", default=None, help="server URL ending in /v1, e.g. http://localhost:8000/v1")
-    p.add_argument("--model", default=None, help="served model name (with --base-url), else a local HF model directory, "
-                   "such as a run's checkpoint RUN/weights/step_N or RUN/weights/latest (default with --run: the run's latest)")
-    p.add_argument("--run", default=None, metavar="RUN_DIR",
-                   help="a scirl train run directory: its data settings are the defaults below, and a question it trained "
-                   "on is refused (default: the run of --model when that is one of its checkpoints)")
-    p.add_argument("--allow-trained-questions", action="store_true",
-                   help="evaluate even questions the run trained on (its training split), with a warning")
-    p.add_argument("--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive")
-    p.add_argument("--data", default=None, help="hub id (a known set's: REPO[:CONFIG][@SPLIT]), raw_data directory or one "
-                   f".jsonl/.json/.parquet file (default: the run's, else {HUB_ID})")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="served model name (with --base-url), else a local HF model directory, "
+        "such as a run's checkpoint RUN/weights/step_N or RUN/weights/latest (default with --run: the run's latest)",
+    )
+    p.add_argument(
+        "--run",
+        default=None,
+        metavar="RUN_DIR",
+        help="a scirl train run directory: its data settings are the defaults below, and a question it trained "
+        "on is refused (default: the run of --model when that is one of its checkpoints)",
+    )
+    p.add_argument(
+        "--allow-trained-questions",
+        action="store_true",
+        help="evaluate even questions the run trained on (its training split), with a warning",
+    )
+    p.add_argument(
+        "--out", required=True, help="results JSON; answers are appended to OUT's .records.jsonl as they arrive"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="hub id (a known set's: REPO[:CONFIG][@SPLIT]), raw_data directory or one "
+        f".jsonl/.json/.parquet file (default: the run's, else {HUB_ID})",
+    )
     add_data_format_args(p, default=None)
-    p.add_argument("--split", default=None, choices=("eval", "train"),
-                   help="default: eval (a run's held-out split: the one it did not train on)")
+    p.add_argument(
+        "--split",
+        default=None,
+        choices=("eval", "train"),
+        help="default: eval (a run's held-out split: the one it did not train on)",
+    )
     add_split_args(p, run_defaults=True)
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of the split")
     p.add_argument("--n-samples", type=int, default=1, help="samples per question; reports mean@k and pass@k")
@@ -63,20 +84,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=finite_float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=1024, help="completion tokens per sample (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed sent with each request")
-    p.add_argument("--permutations", type=int, default=1, metavar="K",
-                   help="ask each question under K option orders: order 0 is the question's own, the others seeded; "
-                   "reports consistent accuracy, mean accuracy over orders and how often the chosen text changes "
-                   "(default: %(default)s, no permutations)")
+    p.add_argument(
+        "--permutations",
+        type=int,
+        default=1,
+        metavar="K",
+        help="ask each question under K option orders: order 0 is the question's own, the others seeded; "
+        "reports consistent accuracy, mean accuracy over orders and how often the chosen text changes "
+        "(default: %(default)s, no permutations)",
+    )
     p.add_argument("--permutation-seed", type=int, default=0, help="seed of the option orders (default: %(default)s)")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight (default: %(default)s)")
     p.add_argument("--timeout", type=finite_float, default=120.0, help="per request, seconds (default: %(default)s)")
-    p.add_argument("--retries", type=int, default=6, help="retries per request after the first try (default: %(default)s)")
+    p.add_argument(
+        "--retries", type=int, default=6, help="retries per request after the first try (default: %(default)s)"
+    )
     p.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY); never printed or saved")
-    p.add_argument("--device", default=None, help="torch device for a local model (default: cuda if available, else cpu)")
+    p.add_argument(
+        "--device", default=None, help="torch device for a local model (default: cuda if available, else cpu)"
+    )
     p.add_argument("--batch-size", type=int, default=32, help="questions per generate call for a local model")
-    p.add_argument("--max-reply-chars", type=int, default=None,
-                   help="replies longer than this are stored cut to it and counted (a server that ignores "
-                   "max_tokens); default: 16 x --max-tokens, at least 4096")
+    p.add_argument(
+        "--max-reply-chars",
+        type=int,
+        default=None,
+        help="replies longer than this are stored cut to it and counted (a server that ignores "
+        "max_tokens); default: 16 x --max-tokens, at least 4096",
+    )
     p.add_argument("--overwrite", action="store_true", help="discard answers recorded with other settings")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -168,17 +202,29 @@ def _trained_problem(settings, allowed: bool, splits, questions) -> tuple[int, s
         if allowed:
             line = f"warning: not checked which questions run {run} trained on ({run_data.source}: {e})"
             return 0, line, provenance.unchecked(run, allowed)
-        return 2, (f"cannot read the data run {run} trained on ({run_data.source}) to check which questions it "
-                   f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"), {}
+        return (
+            2,
+            (
+                f"cannot read the data run {run} trained on ({run_data.source}) to check which questions it "
+                f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"
+            ),
+            {},
+        )
     record = provenance.checked(run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
     if not record["questions"]:
         return 0, None, record
     what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {run}'s training split"
     if allowed:
         return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one", record
-    return 2, (f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
-               "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
-               "to score them anyway"), record
+    return (
+        2,
+        (
+            f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
+            "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
+            "to score them anyway"
+        ),
+        record,
+    )
 
 
 def _scored_line(settings, trained_on: dict, n: int) -> str:
@@ -189,8 +235,10 @@ def _scored_line(settings, trained_on: dict, n: int) -> str:
     count, origin, s = trained_on["questions"], settings.origin, settings
     if origin is None:
         split = {key: getattr(s, key) for key in list(DATA_FLAGS)[1:] if getattr(s, key) not in (None, "auto")}
-        return (f"{n} questions: the {s.split} split of {s.data} ({flags(split)}); no run given, so not checked "
-                "against a training split")
+        return (
+            f"{n} questions: the {s.split} split of {s.data} ({flags(split)}); no run given, so not checked "
+            "against a training split"
+        )
     if count is None:
         return f"{origin}; evaluating {n} questions, not checked against what the run trained on"
     if count == 0:
@@ -204,8 +252,13 @@ def run_eval(argv: list[str]) -> int:
     from scirl.run.eval_settings import DATA_FLAGS, resolve
 
     try:
-        settings = resolve(model=args.model, run=args.run, served=args.base_url is not None,
-                           given={key: getattr(args, key) for key in DATA_FLAGS}, split=args.split)
+        settings = resolve(
+            model=args.model,
+            run=args.run,
+            served=args.base_url is not None,
+            given={key: getattr(args, key) for key in DATA_FLAGS},
+            split=args.split,
+        )
     except ConfigError as e:
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
@@ -228,8 +281,11 @@ def run_eval(argv: list[str]) -> int:
 
 def _run_eval_locked(args, settings) -> int:
     if args.n_samples > 1 and args.temperature == 0:
-        print(f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
-              "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample", file=sys.stderr)
+        print(
+            f"scirl eval: warning: with --temperature 0 the {args.n_samples} samples per question are identical "
+            "(greedy), so pass@k equals mean@k; give a --temperature > 0 to sample",
+            file=sys.stderr,
+        )
 
     from scirl.eval.display import print_summary
     from scirl.eval.results import BadRecordsFile, SettingsMismatch, check_resumable
@@ -244,16 +300,30 @@ def _run_eval_locked(args, settings) -> int:
         from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server, server_settings
 
         cfg = ClientConfig(
-            base_url=args.base_url, model=model, api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
-            n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
-            seed=args.seed, timeout=args.timeout, retries=args.retries, concurrency=args.concurrency,
+            base_url=args.base_url,
+            model=model,
+            api_key=args.api_key or os.environ.get("OPENAI_API_KEY"),
+            n_samples=args.n_samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            timeout=args.timeout,
+            retries=args.retries,
+            concurrency=args.concurrency,
             max_reply_chars=args.max_reply_chars,
         )
         recorded = server_settings(cfg, **data_settings)
     else:
-        recorded = {"model": str(Path(model).resolve()), "n_samples": args.n_samples,
-                    "temperature": args.temperature, "top_p": args.top_p, "max_tokens": args.max_tokens,
-                    "seed": args.seed, **data_settings}
+        recorded = {
+            "model": str(Path(model).resolve()),
+            "n_samples": args.n_samples,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "max_tokens": args.max_tokens,
+            "seed": args.seed,
+            **data_settings,
+        }
     try:
         if not args.overwrite:  # before any model loads or request goes, which may take minutes
             check_resumable(args.out, {**recorded, **orders})
@@ -261,8 +331,16 @@ def _run_eval_locked(args, settings) -> int:
             print(f"scirl eval: {line}", file=sys.stderr)
         if args.base_url:
             try:
-                results = evaluate_server(questions, cfg, out=args.out, settings=recorded, overwrite=args.overwrite,
-                                          progress=not args.no_progress, trained_on=trained_on, **orders)
+                results = evaluate_server(
+                    questions,
+                    cfg,
+                    out=args.out,
+                    settings=recorded,
+                    overwrite=args.overwrite,
+                    progress=not args.no_progress,
+                    trained_on=trained_on,
+                    **orders,
+                )
             except FatalServerError as e:  # no server there, or one that refuses every request: its settings
                 print(f"scirl eval: {e}", file=sys.stderr)
                 return 2
@@ -273,10 +351,20 @@ def _run_eval_locked(args, settings) -> int:
             generator = hf_generator(model, device=args.device)
             try:
                 results = evaluate_generator(
-                    generator, questions, n_samples=args.n_samples, temperature=args.temperature, top_p=args.top_p,
-                    max_tokens=args.max_tokens, seed=args.seed, out=args.out, overwrite=args.overwrite,
-                    batch_size=args.batch_size, progress=not args.no_progress,
-                    settings={"model": recorded["model"], **data_settings}, trained_on=trained_on, **orders,
+                    generator,
+                    questions,
+                    n_samples=args.n_samples,
+                    temperature=args.temperature,
+                    top_p=args.top_p,
+                    max_tokens=args.max_tokens,
+                    seed=args.seed,
+                    out=args.out,
+                    overwrite=args.overwrite,
+                    batch_size=args.batch_size,
+                    progress=not args.no_progress,
+                    settings={"model": recorded["model"], **data_settings},
+                    trained_on=trained_on,
+                    **orders,
                 )
             finally:
                 generator.close()
@@ -284,11 +372,16 @@ def _run_eval_locked(args, settings) -> int:
         print(f"scirl eval: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("\nscirl eval: interrupted; the answers so far are saved. Rerun the same command to resume.", file=sys.stderr)
+        print(
+            "\nscirl eval: interrupted; the answers so far are saved. Rerun the same command to resume.",
+            file=sys.stderr,
+        )
         return 130
     except OSError as e:  # e.g. a full disk while appending answers or writing the results
-        print(f"scirl eval: {e}; the answers recorded so far are kept: fix this and rerun the same command to resume",
-              file=sys.stderr)
+        print(
+            f"scirl eval: {e}; the answers recorded so far are kept: fix this and rerun the same command to resume",
+            file=sys.stderr,
+        )
         return 1
 
     print_summary(results)
@@ -304,8 +397,14 @@ def _questions(args, settings):
 
     s = settings
     try:
-        splits = load_splits(s.data, eval_per_domain=s.eval_per_domain, split_method=s.split_method,
-                             seed=s.split_seed, data_format=s.data_format, columns=s.data_columns)
+        splits = load_splits(
+            s.data,
+            eval_per_domain=s.eval_per_domain,
+            split_method=s.split_method,
+            seed=s.split_seed,
+            data_format=s.data_format,
+            columns=s.data_columns,
+        )
     except (DataSourceError, OSError, ValueError) as e:
         print(f"scirl eval: cannot load {s.data}: {e}", file=sys.stderr)
         return 2
@@ -313,8 +412,11 @@ def _questions(args, settings):
     if not questions:
         print(f"scirl eval: the {s.split} split of {s.data} is empty", file=sys.stderr)
         return 2
-    status, line, trained_on = (_trained_problem(s, args.allow_trained_questions, splits, questions)
-                                if s.run_data is not None else (0, None, provenance.unchecked()))
+    status, line, trained_on = (
+        _trained_problem(s, args.allow_trained_questions, splits, questions)
+        if s.run_data is not None
+        else (0, None, provenance.unchecked())
+    )
     if status:
         print(f"scirl eval: {line}", file=sys.stderr)
         return status
@@ -349,9 +451,14 @@ def run_compare(argv: list[str]) -> int:
         if not isinstance(data, dict) or not isinstance(data.get("records"), list):
             print(f"scirl eval compare: {path} is not a scirl eval results file (no records)", file=sys.stderr)
             return 2
-        if not all(isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("correct"), bool)
-                   for r in data["records"]):
-            print(f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)", file=sys.stderr)
+        if not all(
+            isinstance(r, dict) and isinstance(r.get("id"), str) and isinstance(r.get("correct"), bool)
+            for r in data["records"]
+        ):
+            print(
+                f"scirl eval compare: {path}: every record needs an 'id' (text) and 'correct' (true/false)",
+                file=sys.stderr,
+            )
             return 2
         loaded.append(data)
     problem = pairing_problem(args.a, args.b, *loaded)

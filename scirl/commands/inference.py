@@ -17,15 +17,31 @@ system every node mounts at the same path (filesystem weight sync: the servers r
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="scirl inference", description="One vLLM server for a run's model, for a trainer elsewhere.",
-                    epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--host", default=None, help="address to listen on (default: deployment.host); 0.0.0.0 for "
-                        "every address, or this node's address the trainer reaches")
+    parser = Parser(
+        prog="scirl inference",
+        description="One vLLM server for a run's model, for a trainer elsewhere.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        help="address to listen on (default: deployment.host); 0.0.0.0 for "
+        "every address, or this node's address the trainer reaches",
+    )
     parser.add_argument("--port", type=int, default=None, help="port (default: deployment.port; 0 picks a free one)")
-    parser.add_argument("--gpus", type=int, default=None, help="GPUs the server spreads over, data parallel "
-                        "(default: every visible one; none on a CPU)")
-    parser.add_argument("--print-command", action="store_true", help="print the server's command (environment, "
-                        "core pin, argv) as one shell line instead of running it")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs the server spreads over, data parallel (default: every visible one; none on a CPU)",
+    )
+    parser.add_argument(
+        "--print-command",
+        action="store_true",
+        help="print the server's command (environment, core pin, argv) as one shell line instead of running it",
+    )
     args, config_args = parser.parse_known_args(argv)
     if args.port is not None and not 0 <= args.port <= 65535:
         parser.error(f"--port must be 0..65535, got {args.port}")
@@ -40,7 +56,9 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(config_args)
         host = args.host or cfg.deployment.host
-        server = server_for(cfg, host=host, port=cfg.deployment.port if args.port is None else args.port, gpus=args.gpus)
+        server = server_for(
+            cfg, host=host, port=cfg.deployment.port if args.port is None else args.port, gpus=args.gpus
+        )
         if args.print_command:
             print(server.process.shell())
             return 0

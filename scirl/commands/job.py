@@ -17,8 +17,13 @@ when a part fails, e.g. 'scancel 4242'.
 
 
 def main(argv: list[str]) -> int:
-    parser = Parser(prog="scirl job", description="A multi-node run from inside its allocation.", epilog=EPILOG,
-                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser = Parser(
+        prog="scirl job",
+        description="A multi-node run from inside its allocation.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     parser.add_argument("--node-names", required=True, help="the allocation's nodes, in order (whitespace or commas)")
     parser.add_argument("--infer-nodes", type=int, required=True, help="how many of the first nodes serve")
     parser.add_argument("--gpus-per-node", type=int, default=0, help="GPUs of each node (0: CPU nodes)")
@@ -26,7 +31,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--on-node", required=True, help="command prefix that runs what follows on node {node}")
     parser.add_argument("--end-job", help="command that ends the whole allocation when a part fails")
     parser.add_argument("--resume", action="store_true", help="continue the run from its last verified checkpoint")
-    ours, config_args = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, config_args = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     args = parser.parse_args(ours)
     names = args.node_names.replace(",", " ").split()
     if args.infer_nodes < 1 or args.gpus_per_node < 0:

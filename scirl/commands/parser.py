@@ -86,13 +86,21 @@ def add_data_format_args(parser: argparse.ArgumentParser, default: str | None = 
     None: the caller fills it in (``scirl eval`` from a run's config)."""
     from scirl.task.formats import AUTO, COLUMNS_SYNTAX, FORMAT_NAMES
 
-    parser.add_argument("--data-format", default=default, choices=(AUTO, *FORMAT_NAMES),
-                        help="the schema of --data's rows; auto (default): the set a hub id names, else the one the "
-                             "rows' columns fit")
-    parser.add_argument("--data-columns", type=column_mapping, default=None, metavar="KEY=COL,...",
-                        help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX}; options may be one list "
-                             "column; answer is a letter or the option's text; or distractors=COL1+COL2+... with "
-                             "answer=COL the right option's text (placed among them by a hash of the question)")
+    parser.add_argument(
+        "--data-format",
+        default=default,
+        choices=(AUTO, *FORMAT_NAMES),
+        help="the schema of --data's rows; auto (default): the set a hub id names, else the one the rows' columns fit",
+    )
+    parser.add_argument(
+        "--data-columns",
+        type=column_mapping,
+        default=None,
+        metavar="KEY=COL,...",
+        help=f"read any other MCQ set by naming its columns: {COLUMNS_SYNTAX}; options may be one list "
+        "column; answer is a letter or the option's text; or distractors=COL1+COL2+... with "
+        "answer=COL the right option's text (placed among them by a hash of the question)",
+    )
 
 
 def add_split_args(parser: argparse.ArgumentParser, *, run_defaults: bool = False) -> None:
@@ -105,15 +113,27 @@ def add_split_args(parser: argparse.ArgumentParser, *, run_defaults: bool = Fals
         return (None, f"the run's, else {value}") if run_defaults else (value, str(value))
 
     value, text = default(DEFAULT_EVAL_PER_DOMAIN)
-    parser.add_argument("--eval-per-domain", type=non_negative_int, default=value,
-                        help=f"held-out questions per domain (default: {text})")
+    parser.add_argument(
+        "--eval-per-domain",
+        type=non_negative_int,
+        default=value,
+        help=f"held-out questions per domain (default: {text})",
+    )
     value, text = default(DEFAULT_SPLIT_METHOD)
-    parser.add_argument("--split-method", choices=SPLIT_METHODS, default=value,
-                        help="content: deterministic from row content, twins share a split; guide: the run guide's "
-                             f"seeded permutation over rows in hub order (default: {text})")
+    parser.add_argument(
+        "--split-method",
+        choices=SPLIT_METHODS,
+        default=value,
+        help="content: deterministic from row content, twins share a split; guide: the run guide's "
+        f"seeded permutation over rows in hub order (default: {text})",
+    )
     value, text = default(DEFAULT_SPLIT_SEED)
-    parser.add_argument("--split-seed", type=non_negative_int, default=value,
-                        help=f"seed of the train/held-out split, scirl train's data.split_seed (default: {text})")
+    parser.add_argument(
+        "--split-seed",
+        type=non_negative_int,
+        default=value,
+        help=f"seed of the train/held-out split, scirl train's data.split_seed (default: {text})",
+    )
 
 
 def non_negative_int(text: str) -> int:
@@ -167,9 +187,11 @@ def train_config(config_args: list[str], resume: str | None):
     cfg = load_config(config_args + ["--output-dir", resume], base=base)
     model = base.get("model", TrainConfig.model_fields["model"].default)
     if not same_model(model, cfg.model):
-        raise ConfigError(f"--resume {resume} trains on from the checkpoints of its model {model}, so --model "
-                          f"{cfg.model} would not be what it trains: leave out --model, or start a run of that model "
-                          "in another --output-dir")
+        raise ConfigError(
+            f"--resume {resume} trains on from the checkpoints of its model {model}, so --model "
+            f"{cfg.model} would not be what it trains: leave out --model, or start a run of that model "
+            "in another --output-dir"
+        )
     return cfg.model_copy(update={"model": model})  # as the run recorded it, however --model spelt it
 
 
@@ -183,9 +205,14 @@ def same_model(a: str, b: str) -> bool:
 
 # The data settings' flags in the commands that read --data themselves (scirl eval, data, export prime-rl), whose
 # names the data layer's messages use, and in scirl train's config
-TRAIN_DATA_FLAGS = {"--data": "--data.source", "--data-format": "--data.format", "--data-columns": "--data.columns",
-                    "--eval-per-domain": "--data.eval-per-domain", "--split-method": "--data.split-method",
-                    "--split-seed": "--data.split-seed"}
+TRAIN_DATA_FLAGS = {
+    "--data": "--data.source",
+    "--data-format": "--data.format",
+    "--data-columns": "--data.columns",
+    "--eval-per-domain": "--data.eval-per-domain",
+    "--split-method": "--data.split-method",
+    "--split-seed": "--data.split-seed",
+}
 _FLAG = re.compile(r"(?<![\w.-])--[a-z][\w-]*(?![\w.-])")
 
 

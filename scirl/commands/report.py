@@ -43,9 +43,11 @@ def main(argv: list[str]) -> int:
                 print("no paired comparison: see the page's notes")
             else:
                 m = comparison["mcnemar"]
-                print(f"paired on {comparison['common_questions']} questions: "
-                      f"A {100 * comparison['accuracy_a']:.1f}% -> B {100 * comparison['accuracy_b']:.1f}% "
-                      f"({100 * comparison['difference']:+.1f} pts), McNemar {m['method']} p = {m['p_value']:.3g}")
+                print(
+                    f"paired on {comparison['common_questions']} questions: "
+                    f"A {100 * comparison['accuracy_a']:.1f}% -> B {100 * comparison['accuracy_b']:.1f}% "
+                    f"({100 * comparison['difference']:+.1f} pts), McNemar {m['method']} p = {m['p_value']:.3g}"
+                )
                 for line in trained_lines(comparison, *args.compare):
                     warn(line)
         else:

@@ -1,4 +1,5 @@
-"""``scirl serve MODEL_DIR --port P``: an OpenAI-compatible server over a local HF model (CPU; on GPUs use ``vllm serve``)."""
+"""``scirl serve MODEL_DIR --port P``: an OpenAI-compatible server over a local HF model (CPU; on GPUs use
+``vllm serve``)."""
 
 from __future__ import annotations
 
@@ -25,12 +26,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="torch device (default: %(default)s)")
     p.add_argument("--default-max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     p.add_argument("--max-batch", type=int, default=32, help="most prompts generated together")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $SCIRL_API_KEY); "
-                   "needed to bind beyond loopback safely")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="largest request body; larger ones get 413 (default: %(default)s)")
-    p.add_argument("--max-request-tokens", type=int, default=DEFAULT_MAX_REQUEST_TOKENS,
-                   help="largest n x max_tokens of one request; larger ones get 400 (default: %(default)s)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 (default: $SCIRL_API_KEY); "
+        "needed to bind beyond loopback safely",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger ones get 413 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_TOKENS,
+        help="largest n x max_tokens of one request; larger ones get 400 (default: %(default)s)",
+    )
     return p
 
 
@@ -41,8 +54,12 @@ def _check(args) -> str | None:
         return f"--port must be 0..65535, got {args.port}"
     if not args.host.strip():
         return "--host must not be empty (127.0.0.1 serves this machine only)"
-    for flag, value in (("--default-max-tokens", args.default_max_tokens), ("--max-batch", args.max_batch),
-                        ("--max-body-bytes", args.max_body_bytes), ("--max-request-tokens", args.max_request_tokens)):
+    for flag, value in (
+        ("--default-max-tokens", args.default_max_tokens),
+        ("--max-batch", args.max_batch),
+        ("--max-body-bytes", args.max_body_bytes),
+        ("--max-request-tokens", args.max_request_tokens),
+    ):
         if value < 1:
             return f"{flag} must be >= 1, got {value}"
     if not args.served_model_name and args.served_model_name is not None:
@@ -63,9 +80,18 @@ def main(argv: list[str]) -> int:
     from scirl.serve import PortError, serve
 
     try:
-        serve(args.model_dir, host=args.host, port=args.port, served_model_name=args.served_model_name,
-              device=args.device, default_max_tokens=args.default_max_tokens, max_batch=args.max_batch,
-              api_key=args.api_key, max_body_bytes=args.max_body_bytes, max_request_tokens=args.max_request_tokens)
+        serve(
+            args.model_dir,
+            host=args.host,
+            port=args.port,
+            served_model_name=args.served_model_name,
+            device=args.device,
+            default_max_tokens=args.default_max_tokens,
+            max_batch=args.max_batch,
+            api_key=args.api_key,
+            max_body_bytes=args.max_body_bytes,
+            max_request_tokens=args.max_request_tokens,
+        )
     except PortError as e:  # found before the model loads: a refusal like any other
         print(f"scirl serve: {e}", file=sys.stderr)
         return 2

@@ -22,18 +22,28 @@ vLLM servers and torchrun itself (logs/inference_<i>.log, logs/trainer.log, port
 def main(argv: list[str]) -> int:
     from scirl.run.config_io import field_reference
 
-    parser = Parser(prog="scirl train",
-                    description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).",
-                    epilog=f"{EPILOG}\nconfig fields, with their defaults:\n{field_reference()}",
-                    formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its last complete checkpoint "
-                        "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)")
-    parser.add_argument("--clean", action="store_true", help="delete the artifacts of a previous run in the output dir first")
+    parser = Parser(
+        prog="scirl train",
+        description="Cold-start RL training (GRPO; --algorithm NAME for another, docs/algorithms.md).",
+        epilog=f"{EPILOG}\nconfig fields, with their defaults:\n{field_reference()}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR from its last complete checkpoint "
+        "(its config.toml is the base; flags given here override it, e.g. a larger --max-steps)",
+    )
+    parser.add_argument(
+        "--clean", action="store_true", help="delete the artifacts of a previous run in the output dir first"
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     args, rest = parser.parse_known_args(argv)
 
     from scirl.errors import ConfigError
     from scirl.run.config_io import to_toml_dict
+
     config_args = list(rest)  # as given: a launcher passes them on, and its trainer resolves the same config
     try:
         cfg = train_config(rest, args.resume)
@@ -117,8 +127,11 @@ def preflight(cfg, *, resume: bool, dry_run: bool) -> None:
         check_model(cfg.model)
     if dry_run:
         return
-    problem = (device_problem(None if cfg.device == "auto" else cfg.device, "--device")
-               or attention_problem(cfg) or unwritable_dir(Path(cfg.output_dir), cfg.output_dir, "--output-dir"))
+    problem = (
+        device_problem(None if cfg.device == "auto" else cfg.device, "--device")
+        or attention_problem(cfg)
+        or unwritable_dir(Path(cfg.output_dir), cfg.output_dir, "--output-dir")
+    )
     if problem:
         raise PreflightError(problem)
     check_backend(cfg)
@@ -185,8 +198,11 @@ def deploy(cfg, config_args: list[str], *, resume: bool, clean: bool, **launch_o
     from scirl.errors import DeployError, PreflightError, RunDirError
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        print("scirl train: with deployment.num_infer_gpus > 0, run `scirl train` without torchrun: "
-              "it starts the servers and torchrun itself", file=sys.stderr)
+        print(
+            "scirl train: with deployment.num_infer_gpus > 0, run `scirl train` without torchrun: "
+            "it starts the servers and torchrun itself",
+            file=sys.stderr,
+        )
         return 2
     from scirl.deploy.launch import launch
 

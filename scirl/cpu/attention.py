@@ -23,7 +23,9 @@ def register_shared_prefix_attention() -> bool:
     return True
 
 
-def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, shared_prefix_cache=None, **kwargs):
+def shared_prefix_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, shared_prefix_cache=None, **kwargs
+):
     """Decode attention over (shared prompt, own completion), merged exactly by log-sum-exp.
 
     ``query`` [rows, heads, 1, d]; ``key``/``value`` are the rows' completion K/V
@@ -37,7 +39,9 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     if cache is None:  # a forward that is not one of our decode steps: plain attention
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     rows, heads, q_len, dim = query.shape
     if q_len != 1 or kwargs.get("sliding_window") or kwargs.get("softcap") is not None:
         raise ValueError("shared_prefix_attention handles one-token decode steps of plain full attention only")
@@ -52,8 +56,12 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
     groups, slots = cache.groups, cache.slots_per_group
     grid = q.new_zeros((groups * slots, kv_heads, per_kv, dim))
     grid[cache.slot] = q
-    grid = grid.view(groups, slots, kv_heads, per_kv, dim).transpose(1, 2).reshape(groups, kv_heads, slots * per_kv, dim)
-    out_p, lse_p = attention_with_lse(grid, cache.prompt_keys[layer], cache.prompt_values[layer], scale, cache.prompt_bias)
+    grid = (
+        grid.view(groups, slots, kv_heads, per_kv, dim).transpose(1, 2).reshape(groups, kv_heads, slots * per_kv, dim)
+    )
+    out_p, lse_p = attention_with_lse(
+        grid, cache.prompt_keys[layer], cache.prompt_values[layer], scale, cache.prompt_bias
+    )
 
     def to_rows(t):  # [groups, kv_heads, slots * per_kv, x] -> [rows, kv_heads, per_kv, x]
         t = t.view(groups, kv_heads, slots, per_kv, -1).transpose(1, 2).reshape(groups * slots, kv_heads, per_kv, -1)
@@ -85,7 +93,9 @@ def attention_with_lse(query, key, value, scale: float, bias=None, *, kernel: bo
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     if kernel and device_type == "cpu" and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"):
         mask = None if bias is None else bias.to(query.dtype)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, attn_mask=mask, scale=scale
+        )
         return out, lse
     scores = (query @ key.transpose(-1, -2)).float() * scale
     if bias is not None:

@@ -58,10 +58,16 @@ class CPUDecoder(KVCacheDecoder):
 
         self.cache = self.new_cache(input_ids.shape[1])  # the prompt part only: completions get their own buffers
         logits = self.forward(input_ids, attention_mask, position_ids)
-        self.cache = SharedPrefixCache([layer.keys for layer in self.cache.layers], [layer.values for layer in self.cache.layers],
-                                       attention_mask.bool(), counts, max_tokens)
-        expand = torch.repeat_interleave(torch.arange(len(counts), device=input_ids.device),
-                                         torch.tensor(counts, device=input_ids.device))
+        self.cache = SharedPrefixCache(
+            [layer.keys for layer in self.cache.layers],
+            [layer.values for layer in self.cache.layers],
+            attention_mask.bool(),
+            counts,
+            max_tokens,
+        )
+        expand = torch.repeat_interleave(
+            torch.arange(len(counts), device=input_ids.device), torch.tensor(counts, device=input_ids.device)
+        )
         return logits[expand]
 
     def keep(self, rows) -> None:
@@ -120,7 +126,9 @@ def preallocated_layer_class():
             self.device = key_states.device
             rows, heads, _, dim = key_states.shape
             self.key_buffer = key_states.new_empty((rows, heads, self.capacity, dim))
-            self.value_buffer = value_states.new_empty((rows, value_states.shape[1], self.capacity, value_states.shape[-1]))
+            self.value_buffer = value_states.new_empty(
+                (rows, value_states.shape[1], self.capacity, value_states.shape[-1])
+            )
             self.is_initialized = True
 
         def update(self, key_states, value_states, *args, **kwargs):
@@ -177,7 +185,9 @@ class SharedPrefixCache:
         self.prompt_bias = torch.zeros(prompt_mask.shape, dtype=torch.float32, device=prompt_mask.device)
         self.prompt_bias = self.prompt_bias.masked_fill(~prompt_mask, float("-inf"))[:, None, None, :]
         self.groups, self.slots_per_group = len(counts), max(counts)
-        self.slot = torch.cat([torch.arange(k) + j * self.slots_per_group for j, k in enumerate(counts)]).to(prompt_mask.device)
+        self.slot = torch.cat([torch.arange(k) + j * self.slots_per_group for j, k in enumerate(counts)]).to(
+            prompt_mask.device
+        )
         rows = sum(counts)
         self.keys = [k.new_empty((rows, k.shape[1], max_tokens, k.shape[3])) for k in prompt_keys]
         self.values = [v.new_empty((rows, v.shape[1], max_tokens, v.shape[3])) for v in prompt_values]

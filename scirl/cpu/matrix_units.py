@@ -21,6 +21,8 @@ def bf16_advice(device: torch.device, dtype: torch.dtype) -> str | None:
     """One line for a bf16 run on a CPU without bf16 matrix units; None where bf16 is what it should be."""
     if device.type != "cpu" or dtype != torch.bfloat16 or has_bf16_matrix_units():
         return None
-    return (f"dtype bfloat16 on a CPU without bf16 matrix units (torch CPU capability "
-            f"{torch.backends.cpu.get_cpu_capability()}, no AMX or AVX512-BF16): its matmuls are emulated and a "
-            "training step runs many times slower than in float32; use --dtype float32 (or auto) on this machine")
+    return (
+        f"dtype bfloat16 on a CPU without bf16 matrix units (torch CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, no AMX or AVX512-BF16): its matmuls are emulated and a "
+        "training step runs many times slower than in float32; use --dtype float32 (or auto) on this machine"
+    )

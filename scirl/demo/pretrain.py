@@ -60,8 +60,10 @@ def tokenizer_corpus(seed: int, solved: bool = False) -> list[str]:
         texts += [m["content"] for m in build_messages(question_from_row(row))]
     texts += [f"Answer: {x}" for x in LETTERS] * 20
     if solved:
-        texts += [teacher_messages(question_from_row(row), solution="A")[-1]["content"]
-                  for row in generate_reading_rows(10, seed=seed + 11)]
+        texts += [
+            teacher_messages(question_from_row(row), solution="A")[-1]["content"]
+            for row in generate_reading_rows(10, seed=seed + 11)
+        ]
     texts += ["system\n", "user\n", "assistant\n"] * 200  # the chat template's role names, as whole tokens
     return texts
 
@@ -111,7 +113,7 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64, solved: bool = F
     model.eval()
     with torch.no_grad():
         for start in range(0, len(rows), batch_size):
-            chunk = rows[start:start + batch_size]
+            chunk = rows[start : start + batch_size]
             prompts = [encode_prompt(tokenizer, r) for r in chunk]
             width = max(len(p) for p in prompts)
             # left padding so the last position is every row's answer position
@@ -148,16 +150,28 @@ def letter_scores(model, tokenizer, rows, batch_size: int = 64, solved: bool = F
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scirl.demo.pretrain", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for the finished HF model")
-    parser.add_argument("--init", help="continue from this HF model directory (its tokenizer too) instead of a new model")
+    parser.add_argument(
+        "--init", help="continue from this HF model directory (its tokenizer too) instead of a new model"
+    )
     parser.add_argument("--steps", type=int, default=1100)
-    parser.add_argument("--clean-steps", type=int, default=250,
-                        help="the first N steps read textbook pages (answers always right) before the web pages")
+    parser.add_argument(
+        "--clean-steps",
+        type=int,
+        default=250,
+        help="the first N steps read textbook pages (answers always right) before the web pages",
+    )
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=200)
-    parser.add_argument("--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)")
-    parser.add_argument("--solved-share", type=float, default=0.0,
-                        help="share of the pages that show a right solution in the self-teacher's prompt, answered with it")
+    parser.add_argument(
+        "--lm-weight", type=float, default=1.0, help="weight of the next-token loss on the page (0: answer only)"
+    )
+    parser.add_argument(
+        "--solved-share",
+        type=float,
+        default=0.0,
+        help="share of the pages that show a right solution in the self-teacher's prompt, answered with it",
+    )
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--heads", type=int, default=4)
@@ -166,7 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-per-domain", type=int, default=100)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--snapshots", action="store_true", help="also save the model to OUT/latest at every evaluation")
+    parser.add_argument(
+        "--snapshots", action="store_true", help="also save the model to OUT/latest at every evaluation"
+    )
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -178,8 +194,16 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     else:
         tokenizer = build_tokenizer(tokenizer_corpus(args.seed, solved=args.solved_share > 0), args.vocab_size)
-        build_tiny_model(out, hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                         num_kv_heads=args.heads, vocab_size=args.vocab_size, tokenizer=tokenizer, seed=args.seed)
+        build_tiny_model(
+            out,
+            hidden_size=args.hidden_size,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.heads,
+            vocab_size=args.vocab_size,
+            tokenizer=tokenizer,
+            seed=args.seed,
+        )
         model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}")
@@ -205,8 +229,15 @@ def main(argv: list[str] | None = None) -> int:
         # fresh pages every step: a new seed per batch, drawn from the run's own stream
         rows = generate_reading_rows(math.ceil(args.batch_size / 4), seed=data_rng.randrange(2**31))
         rows = data_rng.sample(rows, args.batch_size) if len(rows) > args.batch_size else rows
-        ids, mask, labels = make_batch(tokenizer, rows, answer_rng, end_id, clean=step <= args.clean_steps,
-                                       solved_share=args.solved_share, solved_rng=solved_rng)
+        ids, mask, labels = make_batch(
+            tokenizer,
+            rows,
+            answer_rng,
+            end_id,
+            clean=step <= args.clean_steps,
+            solved_share=args.solved_share,
+            solved_rng=solved_rng,
+        )
         hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[:, :-1]
         targets = labels[:, 1:]
         keep = targets != -100
@@ -227,7 +258,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step} loss {loss.item():.4f} {time.time() - t0:.0f}s", flush=True)
         if step % args.eval_every == 0 or step == args.steps:
             scores = letter_scores(model, tokenizer, val_rows, solved=args.solved_share > 0)
-            record = {"step": step, "pages": "textbook" if step <= args.clean_steps else "web", "time": round(time.time() - t0, 1), "loss": round(loss.item(), 4), "lr": lr, **scores}
+            record = {
+                "step": step,
+                "pages": "textbook" if step <= args.clean_steps else "web",
+                "time": round(time.time() - t0, 1),
+                "loss": round(loss.item(), 4),
+                "lr": lr,
+                **scores,
+            }
             log.write(json.dumps(record) + "\n")
             log.flush()
             print(json.dumps(record), flush=True)

@@ -77,10 +77,17 @@ def evaluate(model_dir: Path, questions, out: Path, max_tokens: int, progress: b
     ``out.parent`` held them out (checked in ``run_demo``), as the file records."""
     generator = hf_generator(model_dir, device="cpu", dtype="float32")
     try:
-        return evaluate_generator(generator, questions, temperature=0.0, max_tokens=max_tokens, out=out,
-                                  settings={"model": str(model_dir), "data": "scirl demo held-out"},
-                                  overwrite=True, progress=progress,
-                                  trained_on=provenance.checked(out.parent, "train", [], allowed=False))
+        return evaluate_generator(
+            generator,
+            questions,
+            temperature=0.0,
+            max_tokens=max_tokens,
+            out=out,
+            settings={"model": str(model_dir), "data": "scirl demo held-out"},
+            overwrite=True,
+            progress=progress,
+            trained_on=provenance.checked(out.parent, "train", [], allowed=False),
+        )
     finally:
         generator.close()
 
@@ -102,15 +109,27 @@ def print_before_after(console, before: dict, after: dict, algorithm: str = "grp
 
     def row(name, n, a, b):
         change = f"{100 * (b - a):+.1f} pts" if a is not None and b is not None else "-"
-        table.add_row(name, str(n), f"{100 * a:.1f}%" if a is not None else "-", f"{100 * b:.1f}%" if b is not None else "-", change)
+        table.add_row(
+            name,
+            str(n),
+            f"{100 * a:.1f}%" if a is not None else "-",
+            f"{100 * b:.1f}%" if b is not None else "-",
+            change,
+        )
 
     row("overall", after["counts"]["answered"], before["overall_accuracy"], after["overall_accuracy"])
     for domain in sorted(set(before["per_domain_accuracy"]) | set(after["per_domain_accuracy"])):
-        row(domain, after["counts"]["per_domain"].get(domain, 0), before["per_domain_accuracy"].get(domain),
-            after["per_domain_accuracy"].get(domain))
+        row(
+            domain,
+            after["counts"]["per_domain"].get(domain, 0),
+            before["per_domain_accuracy"].get(domain),
+            after["per_domain_accuracy"].get(domain),
+        )
     console.print(table)
-    console.print(f"strict-format accuracy: {100 * before['strict_accuracy']:.1f}% -> {100 * after['strict_accuracy']:.1f}%; "
-                  f"answer letters before {answer_letters(before)}, after {answer_letters(after)}")
+    console.print(
+        f"strict-format accuracy: {100 * before['strict_accuracy']:.1f}% -> {100 * after['strict_accuracy']:.1f}%; "
+        f"answer letters before {answer_letters(before)}, after {answer_letters(after)}"
+    )
 
 
 BACKEND_NAMES = {"hf": "transformers", "vllm": "vLLM"}
@@ -149,8 +168,10 @@ def run_demo(opts: DemoOptions) -> dict:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output directory {out} is not empty; pass a new --output-dir")
     if not (opts.base_model / "config.json").is_file():
-        raise FileNotFoundError(f"base model not found in {opts.base_model}; rebuild it with "
-                                f"`python -m scirl.demo.pretrain --out {opts.base_model}`")
+        raise FileNotFoundError(
+            f"base model not found in {opts.base_model}; rebuild it with "
+            f"`python -m scirl.demo.pretrain --out {opts.base_model}`"
+        )
     if not Path(opts.config).is_file():
         raise FileNotFoundError(f"demo config not found: {opts.config}")
     # the config first, so a bad flag leaves no half-made output directory behind
@@ -160,18 +181,37 @@ def run_demo(opts: DemoOptions) -> dict:
     # inference backend is one of them: `--inference.backend vllm` samples with an in-process vLLM
     # engine. Eager by default: compiling buys the tiny model no decode speed on a CPU and costs
     # 20-60 s of start-up (`--inference.no-enforce-eager` to compile anyway).
-    config_args = ["@", str(opts.config), "--model", fixed["model"], "--output-dir", fixed["output_dir"],
-                   "--data.source", fixed["data.source"], "--data.eval-per-domain", str(opts.eval_per_domain),
-                   "--data.split", "train", "--seed", str(opts.seed), "--inference.enforce-eager", *opts.overrides]
+    config_args = [
+        "@",
+        str(opts.config),
+        "--model",
+        fixed["model"],
+        "--output-dir",
+        fixed["output_dir"],
+        "--data.source",
+        fixed["data.source"],
+        "--data.eval-per-domain",
+        str(opts.eval_per_domain),
+        "--data.split",
+        "train",
+        "--seed",
+        str(opts.seed),
+        "--inference.enforce-eager",
+        *opts.overrides,
+    ]
     cfg = load_config(config_args)
     for key, value in fixed.items():  # an override of these would train one thing and evaluate another
         section, _, name = key.rpartition(".")
         if str(getattr(getattr(cfg, section) if section else cfg, name)) != value:
-            raise ConfigError(f"the demo sets --{key.replace('_', '-')} itself; use --base-model, --output-dir "
-                              "(or scirl train for other data)")
+            raise ConfigError(
+                f"the demo sets --{key.replace('_', '-')} itself; use --base-model, --output-dir "
+                "(or scirl train for other data)"
+            )
     if cfg.deployment.num_train_gpus > 1 and not uses_servers(cfg):
-        raise ConfigError("the demo trains colocated in one process: --deployment.num-train-gpus needs "
-                          "--deployment.num-infer-gpus N (N vLLM servers beside the trainer ranks)")
+        raise ConfigError(
+            "the demo trains colocated in one process: --deployment.num-train-gpus needs "
+            "--deployment.num-infer-gpus N (N vLLM servers beside the trainer ranks)"
+        )
     if uses_servers(cfg) and "server_command" not in opts.launch_options:
         check_packages(cuda=False)  # now, not after the base model's evaluation
     check_backend(cfg)  # likewise: --inference.backend vllm where vLLM is not installed
@@ -187,8 +227,10 @@ def run_demo(opts: DemoOptions) -> dict:
     overlap = {q.id for q in held_out} & {q.id for q in splits.train}
     if overlap:  # load_splits guarantees this; the demo's claim rests on it, so check it
         raise RuntimeError(f"{len(overlap)} held-out questions are also in the training split")
-    console.print(f"{len(splits.train)} training questions, {len(held_out)} held-out questions "
-                  f"({opts.eval_per_domain} per domain), written to {data_path}")
+    console.print(
+        f"{len(splits.train)} training questions, {len(held_out)} held-out questions "
+        f"({opts.eval_per_domain} per domain), written to {data_path}"
+    )
 
     # 2. the base model on the held-out questions
     console.rule("[bold]2/4 evaluating the base model")
@@ -206,11 +248,16 @@ def run_demo(opts: DemoOptions) -> dict:
         console.rule(f"[bold]3/4 cold-start {algorithm}: {cfg.max_steps} steps, sampling with {BACKEND_NAMES[backend]}")
         status = train(cfg, show_progress=opts.progress)
     if status > 128:  # stopped by a signal (Ctrl-C: 130) after its checkpoint: the run says how to resume it
-        raise Stopped(f"training stopped by {signal.Signals(status - 128).name} before step {cfg.max_steps}; no final "
-                      f"evaluation. Its logs and checkpoints are in {out}", status)
+        raise Stopped(
+            f"training stopped by {signal.Signals(status - 128).name} before step {cfg.max_steps}; no final "
+            f"evaluation. Its logs and checkpoints are in {out}",
+            status,
+        )
     if status != 0:
-        raise TrainError(f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
-                         f"Its logs and checkpoints are in {out}")
+        raise TrainError(
+            f"training stopped (status {status}) before step {cfg.max_steps}; no final evaluation. "
+            f"Its logs and checkpoints are in {out}"
+        )
     final_weights = out / "weights" / f"step_{cfg.max_steps}"
 
     # 4. the trained model on the same held-out questions
@@ -230,7 +277,7 @@ def run_demo(opts: DemoOptions) -> dict:
         "answer_letters_base": answer_letters(before),
         "answer_letters_final": answer_letters(after),
         "reward_first_steps": rewards[: max(1, len(rewards) // 5)],
-        "reward_last_steps": rewards[-max(1, len(rewards) // 5):],
+        "reward_last_steps": rewards[-max(1, len(rewards) // 5) :],
         # how fast: the first step whose training reward reached 0.9, over all the batch's rollouts (an algorithm that
         # drops flat groups leaves the all-correct ones out of reward/mean)
         "first_step_reward_0.9": next((m["step"] for m in metrics if (m.get("reward/mean_all") or 0) >= 0.9), None),

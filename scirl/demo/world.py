@@ -72,7 +72,8 @@ def reading_row(relation: Relation, rng: random.Random) -> dict[str, Any]:
     entity = entity_name(rng)
     options = list(relation.values[:4])  # the relation's fixed choice list, in its fixed order
     value = rng.choice(options)
-    question = f"{READING_PREFIX}\nText: {relation.statement.format(entity=entity, value=value)}\nQuestion: {relation.question.format(entity=entity)}"
+    text = relation.statement.format(entity=entity, value=value)
+    question = f"{READING_PREFIX}\nText: {text}\nQuestion: {relation.question.format(entity=entity)}"
     return {
         "prompt": {"default": MCQ4_INSTRUCTION},
         "question": question,

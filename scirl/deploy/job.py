@@ -79,8 +79,10 @@ def run_parts(supervisor: Supervisor, cfg, config_args: list[str], spec: JobSpec
     # the trainer starts beside them, on nodes of its own: its imports, rendezvous and data take their time while
     # the servers load, and it waits for them itself before it loads its model
     trainers = [start(supervisor, part, spec) for part in plan.trainers]
-    say(f"started the trainer on {len(trainers)} node(s), c10d rendezvous at {plan.rendezvous}: "
-        f"{shlex.join(plan.trainers[0].argv)}")
+    say(
+        f"started the trainer on {len(trainers)} node(s), c10d rendezvous at {plan.rendezvous}: "
+        f"{shlex.join(plan.trainers[0].argv)}"
+    )
     grace_s = preflight.checkpoint_seconds(checkpoint_bytes)
     if not wait_until_ready(supervisor, servers, plan.urls, plan.weight_sync, cfg, report=say):
         return stop_trainer(supervisor, trainers, grace_s)  # a stop while the servers load
@@ -91,8 +93,10 @@ def prepare(cfg, config_args: list[str], spec: JobSpec) -> tuple[JobPlan, int | 
     """Every check that can refuse the job before a part starts, then the plan and ``ports.json``."""
     run_dir = Path(cfg.output_dir).absolute()
     if len(spec.node_names) < spec.infer_nodes + 1:
-        raise PreflightError(f"the allocation has {len(spec.node_names)} node(s): {spec.infer_nodes} for inference "
-                             "and at least one for the trainer are needed; fix: ask for more nodes")
+        raise PreflightError(
+            f"the allocation has {len(spec.node_names)} node(s): {spec.infer_nodes} for inference "
+            "and at least one for the trainer are needed; fix: ask for more nodes"
+        )
     if len(set(spec.node_names)) != len(spec.node_names):
         raise PreflightError(f"a node is listed twice: {' '.join(spec.node_names)}")
     nodes = [Node(name, node_address(name)) for name in spec.node_names]
@@ -105,15 +109,31 @@ def prepare(cfg, config_args: list[str], spec: JobSpec) -> tuple[JobPlan, int | 
     preflight.check_packages(cuda)
     mode = cfg.deployment.weight_sync_on(cuda)
     checkpoint_bytes = preflight.check_disk(cfg, mode)
-    picked = ports_lib.allocate("0.0.0.0", first_server_port=cfg.deployment.port, n_servers=1,
-                                nccl_port=cfg.deployment.nccl_port, rendezvous=True)
-    plan = plan_job(config_args, nodes, infer_nodes=spec.infer_nodes, gpus_per_node=spec.gpus_per_node,
-                    ports=JobPorts(picked.servers[0], picked.rendezvous, picked.nccl), weight_sync=mode, run_dir=run_dir,
-                    logs=run_dir / "logs" / spec.attempt, attempt=spec.attempt, resume=spec.resume)
+    picked = ports_lib.allocate(
+        "0.0.0.0",
+        first_server_port=cfg.deployment.port,
+        n_servers=1,
+        nccl_port=cfg.deployment.nccl_port,
+        rendezvous=True,
+    )
+    plan = plan_job(
+        config_args,
+        nodes,
+        infer_nodes=spec.infer_nodes,
+        gpus_per_node=spec.gpus_per_node,
+        ports=JobPorts(picked.servers[0], picked.rendezvous, picked.nccl),
+        weight_sync=mode,
+        run_dir=run_dir,
+        logs=run_dir / "logs" / spec.attempt,
+        attempt=spec.attempt,
+        resume=spec.resume,
+    )
     (run_dir / "logs" / spec.attempt).mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / PORTS_FILE, json.dumps(plan.record(), indent=2) + "\n")
-    say(f"{spec.attempt}: {'resuming' if resuming else 'starting'} {run_dir} on {len(nodes)} nodes "
-        f"({', '.join(f'{n.name} = {n.address}' for n in nodes)}); ports in {run_dir / PORTS_FILE}")
+    say(
+        f"{spec.attempt}: {'resuming' if resuming else 'starting'} {run_dir} on {len(nodes)} nodes "
+        f"({', '.join(f'{n.name} = {n.address}' for n in nodes)}); ports in {run_dir / PORTS_FILE}"
+    )
     for line in layout(len(nodes), spec.infer_nodes, spec.gpus_per_node):
         say(line)
     return plan, checkpoint_bytes
@@ -131,12 +151,15 @@ def node_address(name: str) -> str:
     try:
         found = [info[4][0] for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
     except socket.gaierror as exc:
-        raise PreflightError(f"node {name}: the name does not resolve here ({exc.strerror}); fix: the cluster's "
-                             "DNS or /etc/hosts") from None
+        raise PreflightError(
+            f"node {name}: the name does not resolve here ({exc.strerror}); fix: the cluster's DNS or /etc/hosts"
+        ) from None
     address = next((a for a in found if ":" not in a), found[0])  # IPv4 where there is one
     if ipaddress.ip_address(address).is_loopback:
-        raise PreflightError(f"node {name} resolves to {address} here, a loopback address no other node reaches; "
-                             f"fix: map {name} to its network address in /etc/hosts or the cluster's DNS")
+        raise PreflightError(
+            f"node {name} resolves to {address} here, a loopback address no other node reaches; "
+            f"fix: map {name} to its network address in /etc/hosts or the cluster's DNS"
+        )
     return address
 
 
@@ -145,8 +168,9 @@ def start(supervisor: Supervisor, part: Part, spec: JobSpec) -> Child:
     argv = shlex.split(spec.on_node.format(node=part.node.name, part=f"scirl-{part.role}{part.number}")) + part.argv
     part.log.parent.mkdir(parents=True, exist_ok=True)
     with part.log.open("a", encoding="utf-8") as log:
-        log.write(f"--- scirl job {spec.attempt}, {time.strftime('%Y-%m-%d %H:%M:%S')}: {part.name}: "
-                  f"{shlex.join(argv)} ---\n")
+        log.write(
+            f"--- scirl job {spec.attempt}, {time.strftime('%Y-%m-%d %H:%M:%S')}: {part.name}: {shlex.join(argv)} ---\n"
+        )
     return supervisor.start(part.name, argv, dict(os.environ), part.log)
 
 
@@ -155,8 +179,11 @@ def supervise(supervisor: Supervisor, servers: list[Child], trainers: list[Child
     while True:
         failed = [c for c in servers if c.exited() is not None] + [c for c in trainers if c.exited() not in (None, 0)]
         if failed:
-            raise trainer_failure(failed[0], trainers) if failed[0] in trainers else failure(failed[0],
-                                                                                               "while the run was going")
+            raise (
+                trainer_failure(failed[0], trainers)
+                if failed[0] in trainers
+                else failure(failed[0], "while the run was going")
+            )
         if all(child.exited() == 0 for child in trainers):
             say("the trainer finished; stopping the inference servers")
             return 0
@@ -174,8 +201,9 @@ def trainer_failure(first: Child, trainers: list[Child]) -> DeployError:
         time.sleep(POLL_S)
     others = [c for c in trainers if c is not first and c.exited() not in (None, 0)]
     report = [str(failure(first, "", status=first.exited() if first.exited() > 0 else 1))]
-    report += [f"{c.name} exited with {exit_text(c.exited())} too. Its last log lines ({c.log}):\n{c.tail()}"
-               for c in others]
+    report += [
+        f"{c.name} exited with {exit_text(c.exited())} too. Its last log lines ({c.log}):\n{c.tail()}" for c in others
+    ]
     return DeployError("\n".join(report), first.exited() if first.exited() > 0 else 1)
 
 

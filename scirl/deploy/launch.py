@@ -52,8 +52,15 @@ class Plan:
     checkpoint_bytes: int | None  # one checkpoint's size, when the model could be sized
 
 
-def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = False, server_command=None,
-           trainer_program: list[str] = TRAINER) -> int:
+def launch(
+    cfg,
+    config_args: list[str],
+    *,
+    resume: bool = False,
+    clean: bool = False,
+    server_command=None,
+    trainer_program: list[str] = TRAINER,
+) -> int:
     """Run the deployment; return the exit status. ``config_args`` are the ``@ file.toml`` and flag
     arguments as the user gave them: the trainer resolves the same config from them. ``server_command``
     (a ``ServerSlot`` -> (argv, env) function) and ``trainer_program`` replace vLLM and ``-m scirl train``
@@ -68,14 +75,22 @@ def launch(cfg, config_args: list[str], *, resume: bool = False, clean: bool = F
         servers = start_servers(supervisor, cfg, plan, server_command or vllm_server_command, logs)
         if not wait_until_ready(supervisor, servers, ports_lib.urls(plan.ports), plan.weight_sync, cfg):
             return supervisor.stopped_status()
-        argv = trainer_argv(cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean,
-                            program=trainer_program)
+        argv = trainer_argv(
+            cfg, config_args, plan.ports, plan.weight_sync, resume=resume, clean=clean, program=trainer_program
+        )
         env = trainer_environment(cfg, plan.gpus)
         if supervisor.stop_requested.is_set():
             return supervisor.stopped_status()
         say(f"trainer: {shlex.join(argv)}")
-        trainer = supervisor.start("trainer", argv, env, logs / "trainer.log", echo=True,
-                                   signal_ranks=cfg.deployment.num_train_gpus > 1, stop_line=rundir.STOPPED_LINE)
+        trainer = supervisor.start(
+            "trainer",
+            argv,
+            env,
+            logs / "trainer.log",
+            echo=True,
+            signal_ranks=cfg.deployment.num_train_gpus > 1,
+            stop_line=rundir.STOPPED_LINE,
+        )
         return supervise(supervisor, trainer, preflight.checkpoint_seconds(plan.checkpoint_bytes))
     finally:
         supervisor.stop([child for child in supervisor.children if child.exited() is None], STOP_GRACE_S)
@@ -100,8 +115,13 @@ def check(cfg, *, resume: bool, clean: bool, vllm: bool) -> Plan:
     rundir.lock(run_dir).close()  # a live run there: refused now, not after the servers have loaded
     cuda = preflight.on_cuda(cfg.device)
     n_servers = 1 if cuda else deployment.num_infer_gpus  # on GPUs: one server, vLLM's data parallelism inside
-    ports = ports_lib.allocate(deployment.host, first_server_port=deployment.port, n_servers=n_servers,
-                               nccl_port=deployment.nccl_port, rendezvous=deployment.num_train_gpus > 1)
+    ports = ports_lib.allocate(
+        deployment.host,
+        first_server_port=deployment.port,
+        n_servers=n_servers,
+        nccl_port=deployment.nccl_port,
+        rendezvous=deployment.num_train_gpus > 1,
+    )
     if vllm:
         preflight.check_packages(cuda)
     gpus = preflight.plan_gpus(deployment.num_infer_gpus, deployment.num_train_gpus) if cuda else None
@@ -129,17 +149,34 @@ def start_servers(supervisor: Supervisor, cfg, plan: Plan, server_command, logs:
     gpus, ports = plan.gpus, plan.ports
     servers = []
     for i, port in enumerate(ports.servers):
-        slot = ServerSlot(i, ports.host, port, gpus.infer if gpus else [], len(gpus.infer) if gpus else 1,
-                          plan.weight_sync, cfg, cpu=None if gpus else cpu_core(i))
+        slot = ServerSlot(
+            i,
+            ports.host,
+            port,
+            gpus.infer if gpus else [],
+            len(gpus.infer) if gpus else 1,
+            plan.weight_sync,
+            cfg,
+            cpu=None if gpus else cpu_core(i),
+        )
         process = server_process(slot, server_command)
-        servers.append(supervisor.start(f"inference server {i}", process.argv, {**os.environ, **process.env},
-                                        logs / f"inference_{i}.log", cpu=process.cpu))
-    say(f"started {len(servers)} inference server(s) at {', '.join(ports_lib.urls(ports))} (logs: {logs}/inference_*.log)")
+        servers.append(
+            supervisor.start(
+                f"inference server {i}",
+                process.argv,
+                {**os.environ, **process.env},
+                logs / f"inference_{i}.log",
+                cpu=process.cpu,
+            )
+        )
+    urls = ", ".join(ports_lib.urls(ports))
+    say(f"started {len(servers)} inference server(s) at {urls} (logs: {logs}/inference_*.log)")
     return servers
 
 
-def wait_until_ready(supervisor: Supervisor, servers: list[Child], urls: list[str], weight_sync: str, cfg, *,
-                     report=None) -> bool:
+def wait_until_ready(
+    supervisor: Supervisor, servers: list[Child], urls: list[str], weight_sync: str, cfg, *, report=None
+) -> bool:
     """Wait until every server answers, then check each takes weights the planned way. False when a
     stop was requested meanwhile. One deadline for all (they start in parallel), a line every few
     seconds naming those not ready yet; a server that exits ends the wait at once."""
@@ -150,8 +187,7 @@ def wait_until_ready(supervisor: Supervisor, servers: list[Child], urls: list[st
         return not supervisor.stop_requested.is_set() and supervisor.first_exit() is None
 
     # only short questions go to these clients: each bounded by seconds, not by a generation request's timeout
-    clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, cfg.deployment.request_timeout_s))
-               for url in urls]
+    clients = [ServerClient(url, timeout_s=min(HEALTH_TIMEOUT_S, cfg.deployment.request_timeout_s)) for url in urls]
     by_url = {client.url: server for client, server in zip(clients, servers)}
     try:
         try:
@@ -165,15 +201,19 @@ def wait_until_ready(supervisor: Supervisor, servers: list[Child], urls: list[st
             if gone is not None:  # a trainer started beside the servers (a multi-node job) failed meanwhile
                 raise failure(gone, "while the servers were starting", max(gone.exited(), 1)) from None
             server = by_url[exc.url]
-            raise DeployError(f"{server.name} was not ready within deployment.startup_timeout_s = "
-                              f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
-                              f"{server.tail()}") from None
+            raise DeployError(
+                f"{server.name} was not ready within deployment.startup_timeout_s = "
+                f"{cfg.deployment.startup_timeout_s:g}s ({exc}); its last log lines ({server.log}):\n"
+                f"{server.tail()}"
+            ) from None
         for client in clients:
             server = by_url[client.url]
             try:
                 problem = client.check_weight_sync_support(weight_sync)
             except ServerError as exc:
-                raise DeployError(f"{server.name} did not say whether it takes {weight_sync} weight sync: {exc}") from None
+                raise DeployError(
+                    f"{server.name} did not say whether it takes {weight_sync} weight sync: {exc}"
+                ) from None
             if problem:
                 raise PreflightError(f"{server.name}: {problem}")
     finally:
@@ -188,8 +228,10 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
     any component's failure raises, naming it."""
     child = supervisor.wait_for_exit_or_stop()
     if child is None:
-        say(f"stopping: asked the trainer to checkpoint and exit (up to {checkpoint_grace_s:.0f}s; "
-            "a second Ctrl-C stops at once)")
+        say(
+            f"stopping: asked the trainer to checkpoint and exit (up to {checkpoint_grace_s:.0f}s; "
+            "a second Ctrl-C stops at once)"
+        )
         supervisor.request_stop(trainer)
         if not supervisor.wait_for(trainer, checkpoint_grace_s):
             say("the trainer did not stop in time; stopping it now")
@@ -198,8 +240,10 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
         if trainer.exited() == 0:  # the signal came during the last step: the run finished, checkpoint and all
             return 0
         if trainer.stop_confirmed is None:  # killed before its loop began, or failed while stopping
-            say(f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
-                f"its log: {trainer.log}")
+            say(
+                f"the trainer exited with {exit_text(trainer.exited())} without confirming a checkpoint; "
+                f"its log: {trainer.log}"
+            )
         return supervisor.stopped_status()
     if child is trainer and child.exited() == 0:
         return 0
@@ -209,20 +253,33 @@ def supervise(supervisor: Supervisor, trainer: Child, checkpoint_grace_s: float)
 
 
 def failure(child: Child, when: str, status: int = 1) -> DeployError:
-    return DeployError(f"{child.name} exited with {exit_text(child.exited())}{' ' + when if when else ''}; stopping "
-                       f"the run. Its last log lines ({child.log}):\n{child.tail()}", status)
+    return DeployError(
+        f"{child.name} exited with {exit_text(child.exited())}{' ' + when if when else ''}; stopping "
+        f"the run. Its last log lines ({child.log}):\n{child.tail()}",
+        status,
+    )
 
 
 def exit_text(code: int) -> str:
-    return f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
+    return (
+        f"exit code {code}" if code >= 0 else f"signal {-code}" + (" (SIGKILL: out of memory?)" if code == -9 else "")
+    )
 
 
-def trainer_argv(cfg, config_args: list[str], ports, mode: str, *, resume: bool, clean: bool,
-                 program: list[str] = TRAINER) -> list[str]:
+def trainer_argv(
+    cfg, config_args: list[str], ports, mode: str, *, resume: bool, clean: bool, program: list[str] = TRAINER
+) -> list[str]:
     """The trainer's command: the user's config arguments, plus where the servers are and how weights
     reach them. One rank: ``python -m scirl train ...``; more: torchrun on the rendezvous port picked here."""
-    args = trainer_command(config_args, ports_lib.urls(ports), ports.nccl, mode,
-                           resume_dir=str(cfg.output_dir) if resume else None, clean=clean, program=program)
+    args = trainer_command(
+        config_args,
+        ports_lib.urls(ports),
+        ports.nccl,
+        mode,
+        resume_dir=str(cfg.output_dir) if resume else None,
+        clean=clean,
+        program=program,
+    )
     ranks = cfg.deployment.num_train_gpus
     if ranks == 1:
         return [sys.executable, *args]

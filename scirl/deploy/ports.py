@@ -32,11 +32,19 @@ def allocate(host: str, *, first_server_port: int, n_servers: int, nccl_port: in
     try:
         if first_server_port:
             for i in range(n_servers):
-                held.append(claim(host, first_server_port + i, "deployment.port" if i == 0 else f"deployment.port + {i}",
-                                  "set deployment.port = 0 (free ports) or free it"))
+                held.append(
+                    claim(
+                        host,
+                        first_server_port + i,
+                        "deployment.port" if i == 0 else f"deployment.port + {i}",
+                        "set deployment.port = 0 (free ports) or free it",
+                    )
+                )
         else:
             held += [claim(host, 0, "a server port", "") for _ in range(n_servers)]
-        held.append(claim(host, nccl_port, "deployment.nccl_port", "set deployment.nccl_port = 0 (a free port) or free it"))
+        held.append(
+            claim(host, nccl_port, "deployment.nccl_port", "set deployment.nccl_port = 0 (a free port) or free it")
+        )
         if rendezvous:
             held.append(claim("127.0.0.1", 0, "the rendezvous port", ""))
         ports = [sock.getsockname()[1] for sock in held]

@@ -43,7 +43,9 @@ def on_cuda(device: str) -> bool:
 
     available = torch.cuda.is_available()
     if device.startswith("cuda") and not available:
-        raise PreflightError(f"device {device}: no CUDA device is available here; fix: --device cpu, or run on a GPU machine")
+        raise PreflightError(
+            f"device {device}: no CUDA device is available here; fix: --device cpu, or run on a GPU machine"
+        )
     return available
 
 
@@ -54,8 +56,10 @@ def check_model(model: str) -> None:
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise PreflightError(f"model {model}: the directory holds no config.json, so no Hugging Face model; "
-                                 "fix: --model DIR with a model saved by save_pretrained, or a hub id")
+            raise PreflightError(
+                f"model {model}: the directory holds no config.json, so no Hugging Face model; "
+                "fix: --model DIR with a model saved by save_pretrained, or a hub id"
+            )
         return
     if path.exists():
         raise PreflightError(f"model {model} is a file; fix: --model a model directory or a hub id")
@@ -65,11 +69,14 @@ def check_model(model: str) -> None:
     try:
         validate_repo_id(model)
     except HFValidationError:
-        raise PreflightError(f"model {model}: no such directory{where}, and not a hub id (owner/name); "
-                             "fix: --model an existing model directory or a hub id") from None
+        raise PreflightError(
+            f"model {model}: no such directory{where}, and not a hub id (owner/name); "
+            "fix: --model an existing model directory or a hub id"
+        ) from None
     if Path(model.split("/")[0]).is_dir():
-        raise PreflightError(f"model {model}: no such directory{where}; fix: --model an existing model "
-                             "directory, or a hub id")
+        raise PreflightError(
+            f"model {model}: no such directory{where}; fix: --model an existing model directory, or a hub id"
+        )
 
 
 def check_hub_model(model: str) -> None:
@@ -83,8 +90,14 @@ def check_hub_model(model: str) -> None:
     else:
         problem = hub.probe(f"models/{model}")
     if problem is not None:
-        raise PreflightError(hub.unreachable(f"model {model!r}", problem, "--model a local model directory (one saved "
-                                             "by save_pretrained)", cached=cached))
+        raise PreflightError(
+            hub.unreachable(
+                f"model {model!r}",
+                problem,
+                "--model a local model directory (one saved by save_pretrained)",
+                cached=cached,
+            )
+        )
 
 
 def hub_model_config(model: str, download: bool = True) -> Path | None:
@@ -112,34 +125,42 @@ def check_backend(cfg) -> None:
     if cfg.inference.backend != "vllm" or cfg.inference.urls or cfg.deployment.num_infer_gpus > 0:
         return
     if importlib.util.find_spec("vllm") is None:
-        raise PreflightError(f"inference.backend = vllm, but vLLM is not installed here; fix: "
-                             f"{extras.vllm_install_step(cuda=False)} (CPU) or {extras.vllm_install_step(cuda=True)} "
-                             "(GPU), or --inference.backend hf")
+        raise PreflightError(
+            f"inference.backend = vllm, but vLLM is not installed here; fix: "
+            f"{extras.vllm_install_step(cuda=False)} (CPU) or {extras.vllm_install_step(cuda=True)} "
+            "(GPU), or --inference.backend hf"
+        )
 
 
 def check_extras(cfg) -> None:
     """The optional packages the config asks for, refused with the rest of the configuration (a W&B run that lacks
     wandb failed only after the data and the model had loaded)."""
-    wanted = [("wandb", cfg.wandb.enabled, "wandb.enabled is set", "--wandb.enabled false"),
-              ("peft", cfg.lora.enabled, "lora.enabled is set", "--lora.enabled false")]
+    wanted = [
+        ("wandb", cfg.wandb.enabled, "wandb.enabled is set", "--wandb.enabled false"),
+        ("peft", cfg.lora.enabled, "lora.enabled is set", "--lora.enabled false"),
+    ]
     for module, asked, why, instead in wanted:
         if asked and importlib.util.find_spec(module) is None:
             extra = "lora" if module == "peft" else module
-            raise PreflightError(f"{why}, but {module} is not installed here; fix: {extras.install_step(extra)}, "
-                                 f"or {instead}")
+            raise PreflightError(
+                f"{why}, but {module} is not installed here; fix: {extras.install_step(extra)}, or {instead}"
+            )
 
 
 def check_packages(cuda: bool) -> None:
     """vLLM (for the servers) and torch.distributed (for the trainer). vLLM is looked up, not imported:
     its import takes seconds, and a broken install shows in the server's log within the startup wait."""
     if importlib.util.find_spec("vllm") is None:
-        raise PreflightError(f"the inference servers need vLLM, which is not installed; fix: "
-                             f"{extras.vllm_install_step(cuda)}")
+        raise PreflightError(
+            f"the inference servers need vLLM, which is not installed; fix: {extras.vllm_install_step(cuda)}"
+        )
     import torch.distributed
 
     if not torch.distributed.is_available():
-        raise PreflightError("this torch build has no torch.distributed, which the trainer needs; "
-                             "fix: install a standard torch build (pip install torch)")
+        raise PreflightError(
+            "this torch build has no torch.distributed, which the trainer needs; "
+            "fix: install a standard torch build (pip install torch)"
+        )
 
 
 def plan_gpus(num_infer: int, num_train: int) -> GpuPlan:
@@ -148,13 +169,19 @@ def plan_gpus(num_infer: int, num_train: int) -> GpuPlan:
     visible = visible_gpus()
     need = num_infer + num_train
     if len(visible) < need:
-        raise PreflightError(f"the deployment needs {need} GPUs ({num_infer} inference + {num_train} trainer), "
-                             f"{len(visible)} are visible; fix: lower deployment.num_infer_gpus / num_train_gpus "
-                             "or set CUDA_VISIBLE_DEVICES")
-    busy = [f"GPU {gpu} ({used} MiB in use)" for gpu, used in gpu_memory_used(visible[:need]).items() if used > BUSY_GPU_MIB]
+        raise PreflightError(
+            f"the deployment needs {need} GPUs ({num_infer} inference + {num_train} trainer), "
+            f"{len(visible)} are visible; fix: lower deployment.num_infer_gpus / num_train_gpus "
+            "or set CUDA_VISIBLE_DEVICES"
+        )
+    busy = [
+        f"GPU {gpu} ({used} MiB in use)" for gpu, used in gpu_memory_used(visible[:need]).items() if used > BUSY_GPU_MIB
+    ]
     if busy:
-        raise PreflightError(f"busy: {', '.join(busy)}; fix: stop the process on it (nvidia-smi shows it) "
-                             "or leave it out with CUDA_VISIBLE_DEVICES")
+        raise PreflightError(
+            f"busy: {', '.join(busy)}; fix: stop the process on it (nvidia-smi shows it) "
+            "or leave it out with CUDA_VISIBLE_DEVICES"
+        )
     return GpuPlan(visible[:num_infer], visible[num_infer:need])
 
 
@@ -172,14 +199,20 @@ def gpu_memory_used(gpus: list[str]) -> dict[str, int]:
     """MiB in use on each GPU (by index or UUID): nvidia-smi where there is one, else torch in a child
     process (a context made here would stay on every GPU for the whole run)."""
     if shutil.which("nvidia-smi"):
-        done = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode == 0:
             rows = [[field.strip() for field in line.split(",")] for line in done.stdout.splitlines() if line.strip()]
             by_id = {key: int(used) for index, uuid, used in rows for key in (index, uuid)}
             return {gpu: by_id[gpu] for gpu in gpus if gpu in by_id}
-    code = ("import json, torch; print(json.dumps([(t - f) >> 20 for f, t in "
-            "(torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]))")
+    code = (
+        "import json, torch; print(json.dumps([(t - f) >> 20 for f, t in "
+        "(torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count()))]))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         return {}  # nothing to read it with: the servers' own memory check is the last word
@@ -237,7 +270,9 @@ def safetensors_parameters(path: Path) -> int:
 
 def config_parameters(config: dict) -> int | None:
     try:
-        h, layers, inner, vocab = (config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+        h, layers, inner, vocab = (
+            config[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+        )
         heads = config["num_attention_heads"]
     except KeyError:
         return None
@@ -295,7 +330,8 @@ def check_disk(cfg, weight_sync: str) -> int | None:
             f"disk: the run needs about {gb(total)} in {cfg.output_dir} ({n} checkpoint(s) of {gb(one)}: serving "
             f"weights + float32 weights + AdamW state{extra}{broadcast}), {gb(free)} are free; fix: free space, choose "
             "another --output-dir, "
-            "or keep fewer checkpoints (--ckpt.keep 1)")
+            "or keep fewer checkpoints (--ckpt.keep 1)"
+        )
     return one
 
 

@@ -38,17 +38,27 @@ def server_for(cfg, *, host: str, port: int, gpus: int | None = None) -> Server:
     free), data parallel over ``gpus`` GPUs (None: every visible one; none on a CPU)."""
     cuda = preflight.on_cuda(cfg.device)
     if not cuda and gpus:
-        raise PreflightError(f"--gpus {gpus}: this server runs on the CPU (no CUDA device here, or device = cpu); "
-                             "fix: leave out --gpus")
+        raise PreflightError(
+            f"--gpus {gpus}: this server runs on the CPU (no CUDA device here, or device = cpu); fix: leave out --gpus"
+        )
     chosen = preflight.plan_gpus(gpus or len(preflight.visible_gpus()), 0).infer if cuda else []
     if cuda and not chosen:
         raise PreflightError("no GPU is visible for the server; fix: set CUDA_VISIBLE_DEVICES or --device cpu")
     port = pick(host, port, "--port", "choose another --port, or 0 for a free one")
-    slot = ServerSlot(0, host, port, chosen, len(chosen) or 1, cfg.deployment.weight_sync_on(cuda), cfg,
-                      cpu=None if cuda else cpu_core(0))
+    slot = ServerSlot(
+        0,
+        host,
+        port,
+        chosen,
+        len(chosen) or 1,
+        cfg.deployment.weight_sync_on(cuda),
+        cfg,
+        cpu=None if cuda else cpu_core(0),
+    )
     reach = socket.getfqdn() if host in WILDCARDS else host  # the trainer, elsewhere, reaches this machine by name
-    return Server(server_process(slot), f"http://{host_port(reach, port)}",
-                  f"http://{host_port(WILDCARDS.get(host, host), port)}")
+    return Server(
+        server_process(slot), f"http://{host_port(reach, port)}", f"http://{host_port(WILDCARDS.get(host, host), port)}"
+    )
 
 
 def serve(server: Server, cfg) -> int:
@@ -62,16 +72,23 @@ def serve(server: Server, cfg) -> int:
         started = time.monotonic()
         client = ServerClient(server.local_url, timeout_s=HEALTH_TIMEOUT_S)
         try:
-            wait_until_ready([client], cfg.deployment.startup_timeout_s, say=say,
-                             alive=lambda: child.exited() is None and not supervisor.stop_requested.is_set())
+            wait_until_ready(
+                [client],
+                cfg.deployment.startup_timeout_s,
+                say=say,
+                alive=lambda: child.exited() is None and not supervisor.stop_requested.is_set(),
+            )
         except ServerError as exc:
             if supervisor.stop_requested.is_set():
                 return supervisor.stopped_status()
             if child.exited() is not None:
-                raise DeployError(f"the server exited with status {child.exited()} before it was ready "
-                                  "(its output is above)") from None
-            raise DeployError(f"the server was not ready within deployment.startup_timeout_s = "
-                              f"{cfg.deployment.startup_timeout_s:g}s ({exc})") from None
+                raise DeployError(
+                    f"the server exited with status {child.exited()} before it was ready (its output is above)"
+                ) from None
+            raise DeployError(
+                f"the server was not ready within deployment.startup_timeout_s = "
+                f"{cfg.deployment.startup_timeout_s:g}s ({exc})"
+            ) from None
         finally:
             client.close()
         say(f"ready after {time.monotonic() - started:.0f}s: {server.url}")

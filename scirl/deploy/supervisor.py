@@ -25,8 +25,10 @@ TAIL_LINES = 20
 # scirl's own one-line error ("scirl train: ..."), or an exception's message line, bare or behind a logger's
 # prefix: "RuntimeError: ...", "[rank1]: torch.OutOfMemoryError: ...", "(Worker pid=9) ERROR ... [file.py:1063]
 # RuntimeError: ..."; not one quoted inside a warning
-EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]: )?scirl [a-z-]+: |"
-                            r"^(?!.*\b(WARNING|INFO|DEBUG)\b)(.*(\] |: ))?\s*[A-Za-z_.]*(Error|Exception): ")
+EXCEPTION_LINE = re.compile(
+    r"^(\[rank\d+\]: )?scirl [a-z-]+: |"
+    r"^(?!.*\b(WARNING|INFO|DEBUG)\b)(.*(\] |: ))?\s*[A-Za-z_.]*(Error|Exception): "
+)
 
 
 @dataclass
@@ -77,8 +79,18 @@ class Supervisor:
 
     # ---- starting ----
 
-    def start(self, name: str, argv: list[str], env: dict[str, str], log: Path | None, *, echo: bool = False,
-              signal_ranks: bool = False, stop_line: re.Pattern | None = None, cpu: int | None = None) -> Child:
+    def start(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path | None,
+        *,
+        echo: bool = False,
+        signal_ranks: bool = False,
+        stop_line: re.Pattern | None = None,
+        cpu: int | None = None,
+    ) -> Child:
         """Start ``argv`` in a new session (so a terminal's Ctrl-C reaches only the launcher, which decides
         what each child gets). Its output goes to ``log``, and with ``echo`` to the console as well (after a
         requested stop, up to ``stop_line``); without a log, to the console only."""
@@ -86,9 +98,15 @@ class Supervisor:
             log.parent.mkdir(parents=True, exist_ok=True)
         with log.open("ab") if log is not None else contextlib.nullcontext() as sink:
             out = subprocess.PIPE if echo else sink  # None: the console's
-            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True, stdout=out,
-                                    stderr=subprocess.STDOUT if out is not None else None,
-                                    preexec_fn=lambda: prepare_child(cpu))
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                stdout=out,
+                stderr=subprocess.STDOUT if out is not None else None,
+                preexec_fn=lambda: prepare_child(cpu),
+            )
         child = Child(name, proc, log, signal_ranks, stop_line)
         if echo:
             child.tee = threading.Thread(target=copy_lines, args=(child, proc.stdout), daemon=True)

@@ -93,7 +93,7 @@ def public_url(url: str) -> str:
 _AUTH_VALUE = re.compile(r"(?i)\b(Basic|Bearer)(\s+|%20|\+)[A-Za-z0-9._~+/=%-]+")
 
 
-def blank_secrets(text: str, cfg: "ClientConfig") -> str:
+def blank_secrets(text: str, cfg: ClientConfig) -> str:
     """Servers and proxies may quote a credential back in an error (some echo the whole Authorization header);
     that text is printed and saved. Blanked: the API key, the URL's password (as written and decoded), the
     base64 ``user:password`` that HTTP Basic auth sends, and any ``Basic``/``Bearer`` header value."""
@@ -181,7 +181,9 @@ class ChatClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
 
-    async def _request_once(self, messages: list[dict[str, str]], n: int, seed: int | None) -> list[tuple[str, str | None]]:
+    async def _request_once(
+        self, messages: list[dict[str, str]], n: int, seed: int | None
+    ) -> list[tuple[str, str | None]]:
         cfg = self.cfg
         payload: dict[str, Any] = {
             "model": cfg.model,
@@ -208,11 +210,15 @@ class ChatClient:
             raise RetryableError(f"{type(e).__name__}: {blank_secrets(str(e), cfg)}") from None
         except BodyTooLarge:
             # asking again would get the same flood; the question is listed as failed, with the fix
-            raise QuestionError(f"the server's reply passed {limit} bytes (it ignores max_tokens?); not read further. "
-                                "Raise --max-reply-chars to accept longer replies") from None
+            raise QuestionError(
+                f"the server's reply passed {limit} bytes (it ignores max_tokens?); not read further. "
+                "Raise --max-reply-chars to accept longer replies"
+            ) from None
         if status == 200:
             return parse_choices(body)
-        detail = blank_secrets(body.decode("utf-8", "replace"), cfg)[:300]  # cut after the blanking: no piece of a key survives
+        detail = blank_secrets(body.decode("utf-8", "replace"), cfg)[
+            :300
+        ]  # cut after the blanking: no piece of a key survives
         if status in RETRY_STATUS or status >= 500:
             error = RetryableError(f"HTTP {status}: {detail}")
             error.retry_after = headers.get("retry-after")  # type: ignore[attr-defined]
@@ -225,8 +231,9 @@ class ChatClient:
     async def _post(self, http: httpx.AsyncClient, payload: dict[str, Any], limit: int):
         """(status, headers, body) of one chat-completions call, reading at most ``limit`` bytes of body."""
         cfg = self.cfg
-        async with http.stream("POST", _chat_url(cfg.base_url), json=payload, headers=self._headers(),
-                               timeout=cfg.timeout) as response:
+        async with http.stream(
+            "POST", _chat_url(cfg.base_url), json=payload, headers=self._headers(), timeout=cfg.timeout
+        ) as response:
             ok = response.status_code == 200
             body = await _read_capped(response, limit if ok else 64 * 1024, cut=not ok)
             return response.status_code, response.headers, body
@@ -269,12 +276,15 @@ async def check_server(http: httpx.AsyncClient, cfg: ClientConfig, attempts: int
     url, shown = cfg.base_url.rstrip("/") + "/models", public_url(cfg.base_url.rstrip("/") + "/models")
     for attempt in range(attempts):
         try:
-            response = await http.get(url, headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}, timeout=cfg.timeout)
+            response = await http.get(
+                url, headers={"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}, timeout=cfg.timeout
+            )
             break
         except httpx.TransportError as e:  # includes timeouts
             if attempt == attempts - 1:
-                raise FatalServerError(f"cannot reach {shown}: {type(e).__name__}: {blank_secrets(str(e), cfg)}. "
-                                       "Is the server running?") from None
+                raise FatalServerError(
+                    f"cannot reach {shown}: {type(e).__name__}: {blank_secrets(str(e), cfg)}. Is the server running?"
+                ) from None
             await asyncio.sleep(1.0)
     try:
         served = [m.get("id") for m in response.json().get("data", [])]
@@ -306,8 +316,11 @@ async def evaluate_questions(
     async with contextlib.AsyncExitStack() as stack:
         clients = [
             await stack.enter_async_context(
-                httpx.AsyncClient(limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
-                                  timeout=cfg.timeout, verify=ssl_context)
+                httpx.AsyncClient(
+                    limits=httpx.Limits(max_connections=1, max_keepalive_connections=1),
+                    timeout=cfg.timeout,
+                    verify=ssl_context,
+                )
             )
             for _ in range(max(1, min(cfg.concurrency, len(units) * cfg.n_samples)))  # no idle clients
         ]
@@ -328,14 +341,24 @@ async def evaluate_questions(
             for next_done in asyncio.as_completed(tasks):
                 unit, samples, error = await next_done
                 if samples is None:
-                    failed.append({"id": unit.question.id, **({} if unit.permutation is None else {"permutation": unit.permutation}),
-                                   "error": error})
+                    failed.append(
+                        {
+                            "id": unit.question.id,
+                            **({} if unit.permutation is None else {"permutation": unit.permutation}),
+                            "error": error,
+                        }
+                    )
                     if on_failure:
                         on_failure(unit, error)
                     continue
                 replies, truncated = cap_replies([s[0] for s in samples], cfg.reply_cap)
                 finish = [s[1] for s in samples]
-                answered[unit.key] = {"id": unit.question.id, **unit.fields(), "replies": replies, "finish_reasons": finish}
+                answered[unit.key] = {
+                    "id": unit.question.id,
+                    **unit.fields(),
+                    "replies": replies,
+                    "finish_reasons": finish,
+                }
                 if truncated:
                     answered[unit.key]["truncated"] = truncated
                 if on_answer:
@@ -385,9 +408,18 @@ def evaluate_server(
     settings = settings if settings is not None else server_settings(cfg)
     settings = {**settings, "permutations": permutations, "permutation_seed": permutation_seed}
     units = items(questions, permutations, permutation_seed)
-    records = (RecordsFile(records_path(out), settings, overwrite=overwrite, background=True,
-                           expected_ids=[u.key for u in units],
-                           expected_orders={u.key: u.order for u in units} if permutations > 1 else None) if out else None)
+    records = (
+        RecordsFile(
+            records_path(out),
+            settings,
+            overwrite=overwrite,
+            background=True,
+            expected_ids=[u.key for u in units],
+            expected_orders={u.key: u.order for u in units} if permutations > 1 else None,
+        )
+        if out
+        else None
+    )
     try:
         done = records.answered if records else {}
         todo = [u for u in units if u.key not in done]
@@ -402,7 +434,9 @@ def evaluate_server(
                 bar.advance()
 
             answered, failed = asyncio.run(
-                evaluate_questions(todo, cfg, on_answer=on_answer, on_failure=lambda q, e: bar.advance(failed=True), check=bool(todo))
+                evaluate_questions(
+                    todo, cfg, on_answer=on_answer, on_failure=lambda q, e: bar.advance(failed=True), check=bool(todo)
+                )
             )
     finally:
         if records:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -59,7 +60,9 @@ def progress_bar(total: int, description: str, enabled: bool = True) -> Iterator
 def print_summary(results: dict[str, Any], console=None) -> None:
     console = console or Console()
     counts = results["counts"]
-    table = Table(title=f"SciKnowEval MCQ: {_text(results['settings'].get('model'))}  (n_samples={results['n_samples']})")
+    table = Table(
+        title=f"SciKnowEval MCQ: {_text(results['settings'].get('model'))}  (n_samples={results['n_samples']})"
+    )
     for column in ("", "questions", "accuracy", "95% CI", "strict"):
         table.add_column(column, justify="right" if column else "left")
     table.add_row(
@@ -80,19 +83,23 @@ def print_summary(results: dict[str, Any], console=None) -> None:
     console.print(table)
     line = f"unparsed {_pct(results['unparsed_rate'])} of samples (strict: {_pct(results['strict_unparsed_rate'])})"
     if results["n_samples"] > 1:
-        line += f"; mean@{results['n_samples']} {_pct(results['mean_at_k'])}, pass@{results['n_samples']} {_pct(results['pass_at_k'])}"
+        k = results["n_samples"]
+        line += f"; mean@{k} {_pct(results['mean_at_k'])}, pass@{k} {_pct(results['pass_at_k'])}"
     console.print(line)
     if results.get("letters"):
         print_letters(results["letters"], console)
     if results.get("permutations"):
         print_permutations(results["permutations"], console)
     if counts.get("truncated_replies"):
-        console.print(f"[yellow]{counts['truncated_replies']} replies were cut to --max-reply-chars "
-                      f"{results['settings'].get('max_reply_chars')} characters[/] (the server sent longer ones)")
+        console.print(
+            f"[yellow]{counts['truncated_replies']} replies were cut to --max-reply-chars "
+            f"{results['settings'].get('max_reply_chars')} characters[/] (the server sent longer ones)"
+        )
     if counts["failed"]:
         console.print(
             f"[bold red]{counts['failed']} of {counts['questions']} questions failed after all retries[/] "
-            f"(first: {_text(results['failed'][0]['error'])}); accuracies cover the answered ones. Rerun the same command to fill them in."
+            f"(first: {_text(results['failed'][0]['error'])}); accuracies cover the answered ones. "
+            "Rerun the same command to fill them in."
         )
 
 
@@ -112,19 +119,29 @@ def print_letters(letters: dict[str, Any], console) -> None:
     for column in ("letter", "gold", "predicted", "accuracy when gold"):
         table.add_column(column, justify="left" if column == "letter" else "right")
     for x in letters["labels"]:
-        table.add_row(_text(x), _pct(letters["gold"][x]), _pct(letters["predicted"][x]), _pct(letters["accuracy_by_gold"][x]))
+        table.add_row(
+            _text(x), _pct(letters["gold"][x]), _pct(letters["predicted"][x]), _pct(letters["accuracy_by_gold"][x])
+        )
     console.print(table)
-    console.print(f"letter bias: KL(predicted || gold) = {_kl(letters['kl_predicted_gold'])} nats "
-                  f"(add-1/2 counts per letter; 0 = letters picked as often as they are right); "
-                  f"unparsed {_pct(letters['unparsed_rate'])}")
+    console.print(
+        f"letter bias: KL(predicted || gold) = {_kl(letters['kl_predicted_gold'])} nats "
+        f"(add-1/2 counts per letter; 0 = letters picked as often as they are right); "
+        f"unparsed {_pct(letters['unparsed_rate'])}"
+    )
     per_task = letters.get("per_task") or {}
     if len(per_task) > 1:
         table = Table(title="answer letters per task (% gold | % predicted)")
         for column in ("task", "samples", "gold", "predicted", "KL", "unparsed"):
             table.add_column(column, justify="left" if column in ("task", "gold", "predicted") else "right")
         for task, stats in per_task.items():
-            table.add_row(_text(task), str(stats["samples"]), _shares(stats["gold"]), _shares(stats["predicted"]),
-                          _kl(stats["kl_predicted_gold"]), _pct(stats["unparsed_rate"]))
+            table.add_row(
+                _text(task),
+                str(stats["samples"]),
+                _shares(stats["gold"]),
+                _shares(stats["predicted"]),
+                _kl(stats["kl_predicted_gold"]),
+                _pct(stats["unparsed_rate"]),
+            )
         console.print(table)
 
 
@@ -136,26 +153,47 @@ def print_permutations(perm: dict[str, Any], console) -> None:
         f"chosen answer text changes with the order {_pct(perm['answer_changed_rate'])}, "
         f"same letter under every order {_pct(perm['same_letter_rate'])}"
     )
-    console.print("accuracy per order: " + ", ".join(f"{i}: {_pct(a)}" for i, a in enumerate(perm["per_order_accuracy"])))
+    console.print(
+        "accuracy per order: " + ", ".join(f"{i}: {_pct(a)}" for i, a in enumerate(perm["per_order_accuracy"]))
+    )
     pooled = perm["letters"]
     if pooled.get("samples"):
-        console.print(f"letters over all orders: gold {_shares(pooled['gold'])}; predicted {_shares(pooled['predicted'])}; "
-                      f"KL {_kl(pooled['kl_predicted_gold'])} nats")
+        console.print(
+            f"letters over all orders: gold {_shares(pooled['gold'])}; predicted {_shares(pooled['predicted'])}; "
+            f"KL {_kl(pooled['kl_predicted_gold'])} nats"
+        )
 
 
 def print_letter_prior(shift: dict[str, Any], console) -> None:
     """``scirl eval compare``'s letter-prior counterfactual, with the method in words."""
     table = Table(title=f"answer letters on the {shift['questions']} common questions (first sample)")
-    for column in ("letter", "gold", "A predicted", "B predicted", "A precision", "A acc. when gold", "B acc. when gold"):
+    for column in (
+        "letter",
+        "gold",
+        "A predicted",
+        "B predicted",
+        "A precision",
+        "A acc. when gold",
+        "B acc. when gold",
+    ):
         table.add_column(column, justify="left" if column == "letter" else "right")
     for x in shift["labels"]:
         by_gold = shift["by_gold"].get(x, {})
-        table.add_row(_text(x), _pct(shift["gold"].get(x)), _pct(shift["predicted_a"].get(x)), _pct(shift["predicted_b"].get(x)),
-                      _pct(shift["precision_a"].get(x)), _pct(by_gold.get("accuracy_a")), _pct(by_gold.get("accuracy_b")))
+        table.add_row(
+            _text(x),
+            _pct(shift["gold"].get(x)),
+            _pct(shift["predicted_a"].get(x)),
+            _pct(shift["predicted_b"].get(x)),
+            _pct(shift["precision_a"].get(x)),
+            _pct(by_gold.get("accuracy_a")),
+            _pct(by_gold.get("accuracy_b")),
+        )
     console.print(table)
     console.print(f"letter bias KL(predicted || gold): A {_kl(shift['kl_a'])}, B {_kl(shift['kl_b'])} nats")
-    line = ("letter prior alone: A's accuracy per picked letter, reweighted by how often B picks each letter, gives "
-            f"{_pct(shift['prior_only_accuracy'])} (A {_pct(shift['accuracy_a'])}, B {_pct(shift['accuracy_b'])})")
+    line = (
+        "letter prior alone: A's accuracy per picked letter, reweighted by how often B picks each letter, gives "
+        f"{_pct(shift['prior_only_accuracy'])} (A {_pct(shift['accuracy_a'])}, B {_pct(shift['accuracy_b'])})"
+    )
     if shift["prior_only_gain"] is not None:
         line += f": {100 * shift['prior_only_gain']:+.2f} pp of B - A = {100 * shift['gain']:+.2f} pp"
     if shift["explained"] is not None:
@@ -193,6 +231,9 @@ def trained_lines(result: dict[str, Any], name_a: str, name_b: str) -> list[str]
     """One line per side of a paired comparison whose common questions a run trained on (its file's own record,
     ``scirl.eval.provenance``): the difference is then not a held-out one, and says so beside it."""
     counts = result.get("trained_on") or {}
-    return [f"{side} ({name}): {counts[key]} of the {result['common_questions']} common questions were trained on "
-            f"(--allow-trained-questions): its accuracy and B - A are not held-out figures"
-            for side, key, name in (("A", "a", name_a), ("B", "b", name_b)) if counts.get(key)]
+    return [
+        f"{side} ({name}): {counts[key]} of the {result['common_questions']} common questions were trained on "
+        f"(--allow-trained-questions): its accuracy and B - A are not held-out figures"
+        for side, key, name in (("A", "a", name_a), ("B", "b", name_b))
+        if counts.get(key)
+    ]

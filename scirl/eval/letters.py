@@ -28,8 +28,14 @@ PSEUDO_COUNT = 0.5  # added to every label's count before the KL (Jeffreys' prio
 
 def usable(records: list[Any]) -> list[dict[str, Any]]:
     """The records that say which letters were picked and which one is right (hand-made files may not)."""
-    return [r for r in records if isinstance(r, dict) and isinstance(r.get("answerKey"), str)
-            and isinstance(r.get("answers"), list) and r["answers"]]
+    return [
+        r
+        for r in records
+        if isinstance(r, dict)
+        and isinstance(r.get("answerKey"), str)
+        and isinstance(r.get("answers"), list)
+        and r["answers"]
+    ]
 
 
 def _correct(record: dict[str, Any]) -> list[bool]:
@@ -131,8 +137,12 @@ def prior_shift(a_records: list[Any], b_records: list[Any]) -> dict[str, Any] | 
     common = [i for i in a_by_id if i in b_by_id and a_by_id[i]["answerKey"] == b_by_id[i]["answerKey"]]
     if not common:
         return None
-    firsts = {side: [{**by_id[i], "answers": by_id[i]["answers"][:1], "correct_samples": _correct(by_id[i])[:1]} for i in common]
-              for side, by_id in (("a", a_by_id), ("b", b_by_id))}
+    firsts = {
+        side: [
+            {**by_id[i], "answers": by_id[i]["answers"][:1], "correct_samples": _correct(by_id[i])[:1]} for i in common
+        ]
+        for side, by_id in (("a", a_by_id), ("b", b_by_id))
+    }
     a_stats, b_stats = letter_stats(firsts["a"]), letter_stats(firsts["b"])
     labels = sorted(set(a_stats["labels"]) | set(b_stats["labels"]))
     n = len(common)

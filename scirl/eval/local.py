@@ -47,16 +47,36 @@ def evaluate_generator(
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     check_unique_ids(questions)
-    resolved = {"backend": "local", "model": str(getattr(generator, "model_dir", type(generator).__name__)), "data": None}
+    resolved = {
+        "backend": "local",
+        "model": str(getattr(generator, "model_dir", type(generator).__name__)),
+        "data": None,
+    }
     resolved.update(settings or {})
-    resolved.update(n_samples=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed,
-                    permutations=permutations, permutation_seed=permutation_seed)
+    resolved.update(
+        n_samples=n_samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        seed=seed,
+        permutations=permutations,
+        permutation_seed=permutation_seed,
+    )
     params = SamplingParams(n=n_samples, temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=seed)
 
     units = items(questions, permutations, permutation_seed)
     orders = {u.key: u.order for u in units} if permutations > 1 else None
-    records = (RecordsFile(records_path(out), resolved, overwrite=overwrite, expected_ids=[u.key for u in units],
-                           expected_orders=orders) if out else None)
+    records = (
+        RecordsFile(
+            records_path(out),
+            resolved,
+            overwrite=overwrite,
+            expected_ids=[u.key for u in units],
+            expected_orders=orders,
+        )
+        if out
+        else None
+    )
     answered: dict[str, dict[str, Any]] = dict(records.answered) if records else {}
     todo = [u for u in units if u.key not in answered]
     if progress and records and len(todo) < len(units):

@@ -121,7 +121,12 @@ def permutation_summary(records: list[dict[str, Any]], k: int, seed: int) -> dic
             q_changed.append(float(len({e["chosen_options"][j] for e in entries}) > 1))
             letters = {e["answers"][j] for e in entries}
             q_same.append(float(len(letters) == 1 and None not in letters))
-        for total, values in ((mean_acc, q_mean), (consistent, q_consistent), (changed, q_changed), (same_letter, q_same)):
+        for total, values in (
+            (mean_acc, q_mean),
+            (consistent, q_consistent),
+            (changed, q_changed),
+            (same_letter, q_same),
+        ):
             total.append(_mean(values) or 0.0)
     pooled = [e for r in records for e in r["permutations"]]
     return {

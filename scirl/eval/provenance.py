@@ -14,8 +14,9 @@ A file written before this key says nothing either way: it reads as not checked.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 KEY = "trained_on"
 
@@ -29,8 +30,13 @@ def checked(run: str | Path, split: str, trained: Iterable[str], allowed: bool) 
 
 def unchecked(run: str | Path | None = None, allowed: bool = False) -> dict[str, Any]:
     """The record of an evaluation nobody checked: no run known, or its training data could not be read."""
-    return {"run": str(Path(run).resolve()) if run is not None else None, "split": None, "questions": None, "ids": [],
-            "allowed": allowed}
+    return {
+        "run": str(Path(run).resolve()) if run is not None else None,
+        "split": None,
+        "questions": None,
+        "ids": [],
+        "allowed": allowed,
+    }
 
 
 def trained_ids(results: dict[str, Any]) -> set[str] | None:

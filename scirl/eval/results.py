@@ -75,8 +75,9 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from scirl.eval import provenance
 from scirl.eval.letters import letter_summary
@@ -88,8 +89,17 @@ from scirl.task.shuffle import permute
 
 FORMAT_VERSION = 1
 # Settings that change the answers: a records file made with other values cannot be resumed.
-ANSWER_SETTINGS = ("model", "data", "n_samples", "temperature", "top_p", "max_tokens", "seed", "permutations",
-                   "permutation_seed")
+ANSWER_SETTINGS = (
+    "model",
+    "data",
+    "n_samples",
+    "temperature",
+    "top_p",
+    "max_tokens",
+    "seed",
+    "permutations",
+    "permutation_seed",
+)
 # Values of answer settings that records files made before the setting existed hold implicitly.
 ANSWER_DEFAULTS = {"permutations": 1, "permutation_seed": 0}
 
@@ -218,10 +228,15 @@ class RecordsFile:
         reasons = []
         for reason, numbers in self.skipped.items():
             where = ", ".join(str(n) for n in numbers[:3]) + (", ..." if len(numbers) > 3 else "")
-            saved = f", saved to {self.torn_saved_to.name}" if reason == "cut short at the end" and self.torn_saved_to else ""
+            saved = (
+                f", saved to {self.torn_saved_to.name}"
+                if reason == "cut short at the end" and self.torn_saved_to
+                else ""
+            )
             reasons.append(f"{len(numbers)} {reason}: line{'s' if len(numbers) > 1 else ''} {where}{saved}")
         return (
-            f"records file {self.path}: kept {len(self.answered)}, skipped {count} damaged line{'s' if count != 1 else ''} "
+            f"records file {self.path}: kept {len(self.answered)}, "
+            f"skipped {count} damaged line{'s' if count != 1 else ''} "
             f"({'; '.join(reasons)}); questions without an intact record will be asked again"
         )
 
@@ -246,8 +261,15 @@ class RecordsFile:
                 self._writer_error = e
                 return
 
-    def append(self, question_id: str, replies: list[str], finish_reasons: list[str | None] | None = None,
-               truncated: int = 0, permutation: int | None = None, order: list[int] | tuple[int, ...] | None = None) -> None:
+    def append(
+        self,
+        question_id: str,
+        replies: list[str],
+        finish_reasons: list[str | None] | None = None,
+        truncated: int = 0,
+        permutation: int | None = None,
+        order: list[int] | tuple[int, ...] | None = None,
+    ) -> None:
         """Record one answer; ``permutation`` and ``order`` say which option order was shown (permutation evals)."""
         entry: dict[str, Any] = {"id": question_id}
         if permutation is not None:
@@ -273,7 +295,7 @@ class RecordsFile:
         if self._writer_error is not None:
             raise OSError(f"writing {self.path} failed: {self._writer_error}") from self._writer_error
 
-    def __enter__(self) -> "RecordsFile":
+    def __enter__(self) -> RecordsFile:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -289,8 +311,11 @@ def answer_setting(settings: dict[str, Any], key: str) -> Any:
 
 
 def raise_on_mismatch(path: Path, old: dict[str, Any], new: dict[str, Any]) -> None:
-    diffs = [f"{k}: {answer_setting(old, k)!r} there, {answer_setting(new, k)!r} now" for k in ANSWER_SETTINGS
-             if answer_setting(old, k) != answer_setting(new, k)]
+    diffs = [
+        f"{k}: {answer_setting(old, k)!r} there, {answer_setting(new, k)!r} now"
+        for k in ANSWER_SETTINGS
+        if answer_setting(old, k) != answer_setting(new, k)
+    ]
     if diffs:
         raise SettingsMismatch(
             f"{path} holds answers made with other settings ({'; '.join(diffs)}). "
@@ -330,11 +355,15 @@ def parse_header(path: Path, line: bytes) -> dict[str, Any]:
     header = _parse_json(line)
     if isinstance(header, dict) and "scirl_eval_records" in header and isinstance(header.get("settings"), dict):
         if header["scirl_eval_records"] != FORMAT_VERSION:
-            raise BadRecordsFile(f"{path} is records format {header['scirl_eval_records']!r}; this scirl reads "
-                                 f"format {FORMAT_VERSION}. {advice}")
+            raise BadRecordsFile(
+                f"{path} is records format {header['scirl_eval_records']!r}; this scirl reads "
+                f"format {FORMAT_VERSION}. {advice}"
+            )
         return header["settings"]
     if isinstance(header, dict) and "id" in header:
-        problem = "has no header line (its first line is an answer), so the settings its answers were made with are unknown"
+        problem = (
+            "has no header line (its first line is an answer), so the settings its answers were made with are unknown"
+        )
     else:
         problem = "does not start with a scirl eval records header (its first line is garbled)"
     raise BadRecordsFile(f"{path} {problem}. {advice}")
@@ -363,7 +392,9 @@ def record_problem(entry: Any, n_samples: int | None, permutations: int = 1) -> 
         return "wrong number of replies"
     finish = entry.get("finish_reasons")
     if finish is not None and not (
-        isinstance(finish, list) and len(finish) == len(replies) and all(f is None or isinstance(f, str) for f in finish)
+        isinstance(finish, list)
+        and len(finish) == len(replies)
+        and all(f is None or isinstance(f, str) for f in finish)
     ):
         return "bad field 'finish_reasons'"
     if permutations > 1:
@@ -373,7 +404,9 @@ def record_problem(entry: Any, n_samples: int | None, permutations: int = 1) -> 
         if type(index) is not int or not 0 <= index < permutations:
             return "bad field 'permutation'"
         order = entry.get("order")
-        if not (isinstance(order, list) and all(type(i) is int for i in order) and sorted(order) == list(range(len(order)))):
+        if not (
+            isinstance(order, list) and all(type(i) is int for i in order) and sorted(order) == list(range(len(order)))
+        ):
             return "bad field 'order'"
     elif "permutation" in entry:
         return "extra field 'permutation'"
@@ -429,7 +462,9 @@ def build_results(
         record = score_record(q, entries[0]["replies"], entries[0].get("finish_reasons"))
         if k > 1:
             record["permutations"] = [
-                order_entry(shown, e["permutation"], e["order"], score_record(shown, e["replies"], e.get("finish_reasons")))
+                order_entry(
+                    shown, e["permutation"], e["order"], score_record(shown, e["replies"], e.get("finish_reasons"))
+                )
                 for e in entries
                 for shown in [permute(q, e["order"])]
             ]
@@ -449,22 +484,25 @@ def build_results(
     }
     if k > 1:
         results["permutations"] = permutation_summary(records, k, answer_setting(settings, "permutation_seed"))
-    results.update({
-        "counts": {
-            "questions": len(questions),
-            "answered": len(records),
-            "failed": len({f["id"] for f in failed}),
-            "samples": sum(len(r["answers"]) for r in records),
-            "unparsed": sum(a is None for r in records for a in r["answers"]),
-            "truncated_replies": sum(_count(answered[key].get("truncated")) for q in questions for key in keys[q.id]
-                                     if key in answered),
-            "per_domain": dict(sorted(per_domain.items())),
-        },
-        "failed": failed,
-        provenance.KEY: trained_on if trained_on is not None else provenance.unchecked(),
-        "settings": settings,
-        "records": records,
-    })
+    results.update(
+        {
+            "counts": {
+                "questions": len(questions),
+                "answered": len(records),
+                "failed": len({f["id"] for f in failed}),
+                "samples": sum(len(r["answers"]) for r in records),
+                "unparsed": sum(a is None for r in records for a in r["answers"]),
+                "truncated_replies": sum(
+                    _count(answered[key].get("truncated")) for q in questions for key in keys[q.id] if key in answered
+                ),
+                "per_domain": dict(sorted(per_domain.items())),
+            },
+            "failed": failed,
+            provenance.KEY: trained_on if trained_on is not None else provenance.unchecked(),
+            "settings": settings,
+            "records": records,
+        }
+    )
     return results
 
 
@@ -505,8 +543,10 @@ def lock_out(out: str | Path) -> OutLock:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.close()
-            raise OutInUse(f"{out} is being written by another scirl eval (locked: {lock_path}); wait for it to end, "
-                           "or use another --out") from None
+            raise OutInUse(
+                f"{out} is being written by another scirl eval (locked: {lock_path}); wait for it to end, "
+                "or use another --out"
+            ) from None
         try:
             if os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
                 return OutLock(lock_path, handle)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from scirl.eval import provenance
 from scirl.eval.letters import prior_shift
@@ -95,9 +96,7 @@ def summarize(records: list[dict[str, Any]], n_samples: int) -> dict[str, Any]:
     k = min(per_question_n) if per_question_n else n_samples
     pass_at = {}
     for j in pass_at_ks(max(1, k)):
-        pass_at[str(j)] = _mean(
-            pass_at_k(len(r["correct_samples"]), sum(r["correct_samples"]), j) for r in records
-        )
+        pass_at[str(j)] = _mean(pass_at_k(len(r["correct_samples"]), sum(r["correct_samples"]), j) for r in records)
     return {
         "overall_accuracy": overall,
         "per_domain_accuracy": per_domain,
@@ -108,7 +107,8 @@ def summarize(records: list[dict[str, Any]], n_samples: int) -> dict[str, Any]:
         "ci95": {
             "overall": list(wilson_interval((overall or 0.0) * len(records), len(records))),
             "per_domain": {
-                d: list(wilson_interval((per_domain[d] or 0.0) * len(rs), len(rs))) for d, rs in sorted(by_domain.items())
+                d: list(wilson_interval((per_domain[d] or 0.0) * len(rs), len(rs)))
+                for d, rs in sorted(by_domain.items())
             },
         },
         "unparsed_rate": _mean(a is None for a in all_answers),
@@ -162,10 +162,14 @@ def pairing_problem(name_a: str, name_b: str, a: dict[str, Any], b: dict[str, An
         repeated = {qid: n for qid, n in Counter(r["id"] for r in data["records"]).items() if n > 1}
         if repeated:
             qid, n = next(iter(repeated.items()))
-            return (f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
-                    "scirl eval records each question once")
+            return (
+                f"{name}: question {qid} is recorded {n} times ({len(repeated)} question(s) more than once); "
+                "scirl eval records each question once"
+            )
     if not {r["id"] for r in a["records"]} & {r["id"] for r in b["records"]}:
-        return (f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: "
-                "nothing to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's "
-                "defaults)")
+        return (
+            f"{name_a} ({len(a['records'])} questions) and {name_b} ({len(b['records'])}) share no question: "
+            "nothing to pair. Evaluate both on the same data and split (a run's checkpoints: with the run's "
+            "defaults)"
+        )
     return None

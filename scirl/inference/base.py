@@ -12,9 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 from scirl.task.prompt import render_prompt
 
@@ -55,15 +55,16 @@ class Generator(ABC):
     needs_weight_updates: bool = True
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 should_stop: Callable[[], bool] | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, should_stop: Callable[[], bool] | None = None
+    ) -> list[list[Completion]]:
         """Return, for each prompt (token ids), ``params.n`` completions, in order.
 
         ``should_stop``, if given, is polled between decode steps; once it returns True the call
         raises ``GenerationCancelled`` instead of finishing work nobody will read."""
 
     @abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
         """Load new policy weights, given as (HF parameter name, tensor) pairs."""
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:

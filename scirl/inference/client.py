@@ -14,9 +14,9 @@ import json
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Sequence
 
 import httpx
 
@@ -58,9 +58,11 @@ class ServerClient:
         self.timeout_s = timeout_s
         self._model = model
         self._routes = _UNASKED
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s,
-                                  limits=httpx.Limits(max_connections=max_connections,
-                                                      max_keepalive_connections=max_connections))
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout_s,
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
 
     def _request(self, method: str, route: str, *, timeout_s: float | None = None, **kwargs):
         """The response to one request; any failure is a ServerError naming url, route and cause."""
@@ -120,8 +122,9 @@ class ServerClient:
         """Whether ``GET /health`` answers 200 within a few seconds; never raises."""
         return self.health_answer(min(HEALTH_TIMEOUT_S, self.timeout_s)) is None
 
-    def wait_ready(self, timeout_s: float, alive: Callable[[], bool] | None = None, *,
-                   say: Callable[[str], None] | None = None) -> None:
+    def wait_ready(
+        self, timeout_s: float, alive: Callable[[], bool] | None = None, *, say: Callable[[str], None] | None = None
+    ) -> None:
         """``wait_until_ready`` for this one server."""
         wait_until_ready([self], timeout_s, alive=alive, say=say)
 
@@ -139,8 +142,9 @@ class ServerClient:
             self._model = self.served_model()["id"]
         return self._model
 
-    def complete(self, prompt_ids: list[int], params: SamplingParams, seed: int | None, *,
-                 stop_token_ids: Sequence[int] = ()) -> list[Completion]:
+    def complete(
+        self, prompt_ids: list[int], params: SamplingParams, seed: int | None, *, stop_token_ids: Sequence[int] = ()
+    ) -> list[Completion]:
         """``params.n`` completions of one token-id prompt (``POST /v1/completions``), sampled with ``seed``.
 
         Every sampling field is sent, none left to the server's defaults: a server started with
@@ -169,8 +173,12 @@ class ServerClient:
         body = self._json("POST", "/v1/completions", json=payload)
         completions = self._completions(body, payload["n"])
         if copies > 1:
-            completions = [replace(completions[0], token_ids=list(completions[0].token_ids),
-                                   logprobs=list(completions[0].logprobs)) for _ in range(copies)]
+            completions = [
+                replace(
+                    completions[0], token_ids=list(completions[0].token_ids), logprobs=list(completions[0].logprobs)
+                )
+                for _ in range(copies)
+            ]
         return completions
 
     def _completions(self, body, n: int) -> list[Completion]:
@@ -185,18 +193,32 @@ class ServerClient:
             if reason not in FINISH_REASONS:
                 raise ServerError(self.url, route, f"a completion finished with reason {reason!r} (aborted?)")
             if ids is None or logprobs is None or len(ids) != len(logprobs) or any(lp is None for lp in logprobs):
-                raise ServerError(self.url, route, "a choice lacks token ids or one logprob per token "
-                                  "(a vLLM without return_token_ids?)", json.dumps(choice)[:BODY_SNIPPET])
-            completions.append(Completion(text=choice.get("text") or "", token_ids=[int(t) for t in ids],
-                                          logprobs=[float(lp) for lp in logprobs], finish_reason=reason))
+                raise ServerError(
+                    self.url,
+                    route,
+                    "a choice lacks token ids or one logprob per token (a vLLM without return_token_ids?)",
+                    json.dumps(choice)[:BODY_SNIPPET],
+                )
+            completions.append(
+                Completion(
+                    text=choice.get("text") or "",
+                    token_ids=[int(t) for t in ids],
+                    logprobs=[float(lp) for lp in logprobs],
+                    finish_reason=reason,
+                )
+            )
         return completions
 
     def reload_weights(self, path: str | Path, *, timeout_s: float | None = None) -> None:
         """Load the weights of the HF model directory ``path`` in place (every worker of the server),
         then forget the prefix cache computed under the old ones."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        self._request("POST", "/collective_rpc", timeout_s=timeout,
-                      json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout})
+        self._request(
+            "POST",
+            "/collective_rpc",
+            timeout_s=timeout,
+            json={"method": "reload_weights", "kwargs": {"weights_path": str(path)}, "timeout": timeout},
+        )
         self.reset_prefix_cache(timeout_s=timeout)
 
     def reset_prefix_cache(self, *, timeout_s: float | None = None) -> None:
@@ -217,8 +239,11 @@ class ServerClient:
             if not isinstance(body, dict) or body.get("success", True) is not False:  # 0.26 on: {"success": bool}
                 return
             if time.monotonic() >= deadline:
-                raise ServerError(self.url, "/reset_prefix_cache",
-                                  f"still refused after {timeout:g}s: running requests hold cache blocks")
+                raise ServerError(
+                    self.url,
+                    "/reset_prefix_cache",
+                    f"still refused after {timeout:g}s: running requests hold cache blocks",
+                )
             time.sleep(POLL_INTERVAL_S)
 
     def check_weight_sync_support(self, weight_sync: str) -> str | None:
@@ -231,13 +256,15 @@ class ServerClient:
         except ServerError as exc:
             if "status 404" not in exc.problem:
                 raise
-            return (f"{self.url} has no dev routes (404 on /is_sleeping), so it cannot take new weights: "
-                    "start it with VLLM_SERVER_DEV_MODE=1 in its environment")
+            return (
+                f"{self.url} has no dev routes (404 on /is_sleeping), so it cannot take new weights: "
+                "start it with VLLM_SERVER_DEV_MODE=1 in its environment"
+            )
         if weight_sync == "filesystem":
             return None
         info = self._json("GET", "/server_info", params={"config_format": "json"})
         config = (info.get("vllm_config") or {}).get("weight_transfer_config") if isinstance(info, dict) else None
-        fix = "add --weight-transfer-config '{\"backend\":\"nccl\"}' to its command, or use weight_sync = \"filesystem\""
+        fix = 'add --weight-transfer-config \'{"backend":"nccl"}\' to its command, or use weight_sync = "filesystem"'
         if not config:
             return f"{self.url} was started without a weight-transfer config: {fix}"
         if config.get("backend") != "nccl":
@@ -260,8 +287,16 @@ class ServerClient:
         """The server's logprob of each token after the first, given those before it, at temperature 1
         (``prompt_logprobs: 0`` on ``/v1/completions``): what its weights make of a fixed sequence."""
         route = "/v1/completions"
-        payload = {"model": self.model, "prompt": list(token_ids), "n": 1, "max_tokens": 1, "temperature": 1.0,
-                   "top_p": 1.0, "top_k": 0, "prompt_logprobs": 0}
+        payload = {
+            "model": self.model,
+            "prompt": list(token_ids),
+            "n": 1,
+            "max_tokens": 1,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "prompt_logprobs": 0,
+        }
         body = self._json("POST", route, json=payload)
         choices = body.get("choices") if isinstance(body, dict) else None
         positions = choices[0].get("prompt_logprobs") if isinstance(choices, list) and choices else None
@@ -297,17 +332,26 @@ class ServerClient:
             raise
         checksums = body.get("checksums") if isinstance(body, dict) else None
         if not isinstance(checksums, dict):
-            raise ServerError(self.url, "/weight_checker", "no checksums in the answer", json.dumps(body)[:BODY_SNIPPET])
+            raise ServerError(
+                self.url, "/weight_checker", "no checksums in the answer", json.dumps(body)[:BODY_SNIPPET]
+            )
         return checksums
 
     def close(self) -> None:
         self._http.close()
 
 
-def wait_until_ready(clients: list[ServerClient], timeout_s: float, *, alive: Callable[[], bool] | None = None,
-                     say: Callable[[str], None] | None = None, report_every_s: float = READY_REPORT_S,
-                     probe_timeout_s: float = HEALTH_TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
-                     sleep: Callable[[float], None] = time.sleep) -> None:
+def wait_until_ready(
+    clients: list[ServerClient],
+    timeout_s: float,
+    *,
+    alive: Callable[[], bool] | None = None,
+    say: Callable[[str], None] | None = None,
+    report_every_s: float = READY_REPORT_S,
+    probe_timeout_s: float = HEALTH_TIMEOUT_S,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
     """Probe every server's ``/health`` until each has answered 200, all within one deadline (they start
     in parallel). Each probe waits at most ``probe_timeout_s``: a server that accepts connections but
     never answers (a hung one, another program on that port) costs seconds per probe, not a request's
@@ -321,8 +365,9 @@ def wait_until_ready(clients: list[ServerClient], timeout_s: float, *, alive: Ca
     next_report = clock()
     while True:
         if alive is not None and not alive():
-            raise ServerError(next(iter(answers), ""), "/health", "the server's process exited before it was ready; "
-                              "see its log")
+            raise ServerError(
+                next(iter(answers), ""), "/health", "the server's process exited before it was ready; see its log"
+            )
         for client in clients:
             if client.url in answers:
                 answer = client.health_answer(probe_timeout_s)
@@ -335,10 +380,15 @@ def wait_until_ready(clients: list[ServerClient], timeout_s: float, *, alive: Ca
         now = clock()
         if now >= deadline:
             (url, answer), *others = answers.items()
-            raise ServerError(url, "/health", f"not ready after {timeout_s:g}s; its last answer: {answer}"
-                              + (f"; not ready either: {listing(others)}" if others else ""))
+            raise ServerError(
+                url,
+                "/health",
+                f"not ready after {timeout_s:g}s; its last answer: {answer}"
+                + (f"; not ready either: {listing(others)}" if others else ""),
+            )
         if say is not None and now >= next_report:
-            say(f"waiting for inference server(s): {listing(answers.items())}; {deadline - now:.0f}s of {timeout_s:g}s left")
+            left = f"{deadline - now:.0f}s of {timeout_s:g}s left"
+            say(f"waiting for inference server(s): {listing(answers.items())}; {left}")
             next_report = now + report_every_s
         sleep(POLL_INTERVAL_S)
 
@@ -352,8 +402,9 @@ def listing(answers) -> str:
 # every server at once (the weight transports)
 
 
-def on_every_server(clients: list[ServerClient], call: Callable[[ServerClient], object], timeout_s: float,
-                     route: str) -> list:
+def on_every_server(
+    clients: list[ServerClient], call: Callable[[ServerClient], object], timeout_s: float, route: str
+) -> list:
     """``call(client)`` on every server at once; the results in order, or the first failure raised as
     soon as it happens, whichever server it is (the others may be waiting for the one that failed,
     as the workers of a weight broadcast wait for every rank).
@@ -396,6 +447,7 @@ def confirm_version(clients: list[ServerClient], version: int, timeout_s: float)
     answers = on_every_server(versioned, lambda c: c.weight_version(), timeout_s, "/weight_info")
     for client, answer in zip(versioned, answers):
         if answer != expected:
-            raise ServerError(client.url, "/weight_info", f"reports weight version {answer!r} after the push of "
-                              f"version {expected}")
+            raise ServerError(
+                client.url, "/weight_info", f"reports weight version {answer!r} after the push of version {expected}"
+            )
     return [c.url for c in clients if c not in versioned]

@@ -22,8 +22,8 @@ The KV cache and the decode-step forward are one object, ``KVCacheDecoder``; CPU
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -128,7 +128,9 @@ class HFGenerator(Generator):
             self.owns_model = False
             first_param = next(self.model.parameters())
             wanted = torch.device(device) if device is not None else None
-            if wanted is not None and (wanted.type != first_param.device.type or wanted.index not in (None, first_param.device.index)):
+            if wanted is not None and (
+                wanted.type != first_param.device.type or wanted.index not in (None, first_param.device.index)
+            ):
                 raise ValueError(
                     f"a shared module lives on {first_param.device}; it cannot be generated from on {device} "
                     "(move the module itself, or pass a model directory to get a separate copy)"
@@ -170,8 +172,9 @@ class HFGenerator(Generator):
         try:
             with torch.inference_mode():
                 for batch in self.plan_batches(prompts, params):
-                    completions = self._generate_batch([prompts[i] for i, _ in batch], [k for _, k in batch], params, generator,
-                                                       should_stop)
+                    completions = self._generate_batch(
+                        [prompts[i] for i, _ in batch], [k for _, k in batch], params, generator, should_stop
+                    )
                     for (i, k), group in zip(batch, completions):
                         assert len(group) == k
                         results[i].extend(group)
@@ -189,7 +192,9 @@ class HFGenerator(Generator):
         state = dict(named_tensors)
         result = self.model.load_state_dict(state, strict=self.strict_update)
         if result.unexpected_keys:
-            raise ValueError(f"update_weights: names not in the model: {result.unexpected_keys[:5]} (expected HF names)")
+            raise ValueError(
+                f"update_weights: names not in the model: {result.unexpected_keys[:5]} (expected HF names)"
+            )
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         ids = torch.tensor([list(token_ids)], device=self.device)
@@ -327,8 +332,9 @@ class KVCacheDecoder:
         """Logits [rows, vocab] of each completion's first token; row r continues prompt ``expand[r]``."""
         self.cache = self.new_cache(input_ids.shape[1] + max_tokens)
         logits = self.forward(input_ids, attention_mask, position_ids)
-        expand = torch.repeat_interleave(torch.arange(len(counts), device=input_ids.device),
-                                         torch.tensor(counts, device=input_ids.device))
+        expand = torch.repeat_interleave(
+            torch.arange(len(counts), device=input_ids.device), torch.tensor(counts, device=input_ids.device)
+        )
         self.cache.batch_select_indices(expand)
         self.attention_mask = attention_mask[expand]
         return logits[expand]
@@ -361,5 +367,3 @@ def torch_cat_ones(mask):
 
 def cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-

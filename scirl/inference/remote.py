@@ -10,9 +10,9 @@ tokenizer, may import it).
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Iterable
 
 from transformers import AutoTokenizer
 
@@ -42,8 +42,16 @@ class RemoteGenerator(Generator):
 
     needs_weight_updates = False
 
-    def __init__(self, urls: list[str], tokenizer, *, model_name: str, timeout_s: float, max_concurrency: int = 64,
-                 eos_ids: list[int] | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        tokenizer,
+        *,
+        model_name: str,
+        timeout_s: float,
+        max_concurrency: int = 64,
+        eos_ids: list[int] | None = None,
+    ):
         if not urls:
             raise ValueError("RemoteGenerator needs at least one server URL")
         if max_concurrency < 1:
@@ -51,11 +59,14 @@ class RemoteGenerator(Generator):
         if isinstance(tokenizer, (str, Path)):
             tokenizer = AutoTokenizer.from_pretrained(tokenizer)
         self.tokenizer = tokenizer
-        self.eos_ids = list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, getattr(tokenizer, "name_or_path", None))
+        self.eos_ids = (
+            list(eos_ids) if eos_ids is not None else eos_token_ids(tokenizer, getattr(tokenizer, "name_or_path", None))
+        )
         if not self.eos_ids:
             raise ValueError("no EOS token: the tokenizer names none and no eos_ids were given")
-        self.clients = [ServerClient(u, timeout_s=timeout_s, model=model_name, max_connections=max_concurrency)
-                        for u in urls]
+        self.clients = [
+            ServerClient(u, timeout_s=timeout_s, model=model_name, max_connections=max_concurrency) for u in urls
+        ]
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout")
         self._next_server = 0  # where the next call's first prompt goes: calls of one prompt still spread
         self._lock = threading.Lock()
@@ -76,8 +87,9 @@ class RemoteGenerator(Generator):
         try:
             pending = set(futures)
             while pending:
-                done, pending = wait(pending, timeout=POLL_INTERVAL_S if should_stop else None,
-                                     return_when=FIRST_EXCEPTION)
+                done, pending = wait(
+                    pending, timeout=POLL_INTERVAL_S if should_stop else None, return_when=FIRST_EXCEPTION
+                )
                 for future in done:
                     future.result()  # the first failure, as the ServerError it is
                 if pending and should_stop is not None and should_stop():
@@ -88,8 +100,10 @@ class RemoteGenerator(Generator):
         return [future.result() for future in futures]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, object]]) -> None:
-        raise RuntimeError("a RemoteGenerator's servers take new weights through FilesystemWeightSync or "
-                           "NCCLWeightSync (needs_weight_updates is False)")
+        raise RuntimeError(
+            "a RemoteGenerator's servers take new weights through FilesystemWeightSync or "
+            "NCCLWeightSync (needs_weight_updates is False)"
+        )
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -39,10 +39,10 @@ import logging
 import os
 import random
 import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -60,8 +60,10 @@ from scirl.inference.base import (
 )
 from scirl.inference.vllm_command import OFFLINE_ENV, sampler_env
 
-INSTALL_HINT = (f"{vllm_install_step(cuda=False)} on a CPU machine, or {vllm_install_step(cuda=True)} (vllm 0.25.0 to "
-                "0.33.0: the release built for your torch) on a GPU machine")
+INSTALL_HINT = (
+    f"{vllm_install_step(cuda=False)} on a CPU machine, or {vllm_install_step(cuda=True)} (vllm 0.25.0 to "
+    "0.33.0: the release built for your torch) on a GPU machine"
+)
 
 # vLLM reads these when it is imported or an engine is built; the caller's own settings win.
 ENGINE_ENV = {
@@ -117,8 +119,12 @@ def _guard_broken_torch_side_packages() -> None:
             for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
                 del sys.modules[key]
             sys.modules[name] = None  # type: ignore[assignment]  # `import name` now raises ImportError
-            log.warning("%s is installed but cannot load under this torch (%s); ignoring it. Fix: pip uninstall -y %s",
-                        name, (str(exc).splitlines() or [type(exc).__name__])[0][:120], " ".join(SIDE_PACKAGES))
+            log.warning(
+                "%s is installed but cannot load under this torch (%s); ignoring it. Fix: pip uninstall -y %s",
+                name,
+                (str(exc).splitlines() or [type(exc).__name__])[0][:120],
+                " ".join(SIDE_PACKAGES),
+            )
 
 
 def _logs_to_stderr() -> None:
@@ -160,7 +166,9 @@ def preserved_global_rngs(cuda: bool = True):
             torch.cuda.set_rng_state_all(cuda_states)
 
 
-def with_tied_lm_head(named_tensors: Iterable[tuple[str, object]], ties_embeddings: bool) -> Iterator[tuple[str, object]]:
+def with_tied_lm_head(
+    named_tensors: Iterable[tuple[str, object]], ties_embeddings: bool
+) -> Iterator[tuple[str, object]]:
     """Pass the pairs through; for a model with tied embeddings, also send ``lm_head.weight``.
 
     A tied HF model has no ``lm_head.weight`` among its parameters, but vLLM keeps a
@@ -292,12 +300,35 @@ class VLLMGenerator(Generator):
         with preserved_global_rngs():  # LLM(seed=) reseeds them
             self._vllm = import_vllm()
             self._compat = _Compat(self._vllm)
-            self._start(path, tokenizer, dtype=dtype, max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                        enforce_eager=enforce_eager, seed=seed, enable_sleep_mode=enable_sleep_mode, sleep_level=sleep_level,
-                        kv_cache_gib=kv_cache_gib, engine_kwargs=engine_kwargs)
+            self._start(
+                path,
+                tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=gpu_memory_utilization,
+                enforce_eager=enforce_eager,
+                seed=seed,
+                enable_sleep_mode=enable_sleep_mode,
+                sleep_level=sleep_level,
+                kv_cache_gib=kv_cache_gib,
+                engine_kwargs=engine_kwargs,
+            )
 
-    def _start(self, path, tokenizer, *, dtype, max_model_len, gpu_memory_utilization, enforce_eager, seed,
-               enable_sleep_mode, sleep_level, kv_cache_gib, engine_kwargs) -> None:
+    def _start(
+        self,
+        path,
+        tokenizer,
+        *,
+        dtype,
+        max_model_len,
+        gpu_memory_utilization,
+        enforce_eager,
+        seed,
+        enable_sleep_mode,
+        sleep_level,
+        kv_cache_gib,
+        engine_kwargs,
+    ) -> None:
         # vLLM loads its own tokenizer (for detokenising) from a directory; an object given here is the caller's
         tokenizer_dir = Path(tokenizer) if isinstance(tokenizer, (str, Path)) else path
         if tokenizer is None or isinstance(tokenizer, (str, Path)):
@@ -305,7 +336,9 @@ class VLLMGenerator(Generator):
         self.tokenizer = tokenizer
         config = AutoConfig.from_pretrained(path)
         text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        self.ties_embeddings = bool(getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+        self.ties_embeddings = bool(
+            getattr(text_config, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False))
+        )
         self.eos_ids = eos_token_ids(self.tokenizer, path)
         if not self.eos_ids:
             raise ValueError("neither the tokenizer nor the generation config names an EOS token")
@@ -350,8 +383,10 @@ class VLLMGenerator(Generator):
         if not hasattr(self._llm.llm_engine, "model_executor"):
             # the env var was set by the caller to 1, or read before we set it
             self.close()
-            raise RuntimeError("vLLM started its engine in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
-                               "before vllm is first imported so that weights can be passed in-process")
+            raise RuntimeError(
+                "vLLM started its engine in a separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                "before vllm is first imported so that weights can be passed in-process"
+            )
 
     # ---- the contract ----
 
@@ -383,8 +418,10 @@ class VLLMGenerator(Generator):
         for out in outputs:
             group = [self._completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
             if params.temperature == 0 and params.n > 1:  # vLLM refuses n > 1 for greedy: every copy is the same
-                group = [replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
-                         for _ in range(params.n)]
+                group = [
+                    replace(group[0], token_ids=list(group[0].token_ids), logprobs=list(group[0].logprobs))
+                    for _ in range(params.n)
+                ]
             results.append(group)
         return results
 
@@ -462,7 +499,9 @@ class VLLMGenerator(Generator):
 
     def _ready_to_generate(self) -> None:
         if not self.weights_current:
-            raise RuntimeError("the engine slept at level 2 and lost its weights: call update_weights() before generate()")
+            raise RuntimeError(
+                "the engine slept at level 2 and lost its weights: call update_weights() before generate()"
+            )
         if self.asleep:
             self.wake_up()
 

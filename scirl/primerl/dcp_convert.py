@@ -59,13 +59,19 @@ def checkpoint_dir(path: str | Path) -> Path:
             return candidate
     for candidate in candidates:
         if any(candidate.glob("*.distcp")):
-            raise ConvertError(f"{candidate}: shard files but no .metadata: the checkpoint write was cut short "
-                               "(e.g. a timeout during the final save); use an earlier step")
+            raise ConvertError(
+                f"{candidate}: shard files but no .metadata: the checkpoint write was cut short "
+                "(e.g. a timeout during the final save); use an earlier step"
+            )
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
-        raise ConvertError(f"{path}: serving weights without a trainer state (a ckpt.final = \"weights\" checkpoint, "
-                           "or its trainer state was not written): it is an HF model already; serve it as it is")
-    raise ConvertError(f"{path}: not a prime-rl checkpoint (step_N/trainer/ with .metadata and *.distcp) nor a scirl "
-                       "one (weights/step_N/trainer_state/)")
+        raise ConvertError(
+            f'{path}: serving weights without a trainer state (a ckpt.final = "weights" checkpoint, '
+            "or its trainer state was not written): it is an HF model already; serve it as it is"
+        )
+    raise ConvertError(
+        f"{path}: not a prime-rl checkpoint (step_N/trainer/ with .metadata and *.distcp) nor a scirl "
+        "one (weights/step_N/trainer_state/)"
+    )
 
 
 def base_from_run(ckpt: Path) -> str | None:
@@ -93,15 +99,25 @@ def model_prefix(ckpt: Path) -> str:
 def model_tensors(ckpt: Path, prefix: str = MODEL_PREFIX) -> dict[str, object]:
     """HF name -> DCP tensor metadata of every model tensor in the checkpoint (under ``prefix``)."""
     metadata = FileSystemReader(str(ckpt)).read_metadata()
-    tensors = {key[len(prefix):]: meta for key, meta in metadata.state_dict_metadata.items()
-               if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    tensors = {
+        key[len(prefix) :]: meta
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+    }
     if not tensors:
-        prefixes = sorted({key.split(".", 2)[0] + "." + key.split(".", 2)[1] for key in metadata.state_dict_metadata
-                           if key.count(".") >= 2})
+        prefixes = sorted(
+            {
+                key.split(".", 2)[0] + "." + key.split(".", 2)[1]
+                for key in metadata.state_dict_metadata
+                if key.count(".") >= 2
+            }
+        )
         raise ConvertError(f"{ckpt}: no model tensors under {prefix!r} (found {', '.join(prefixes[:5]) or 'none'})")
     if any(".lora_" in name for name in tensors):
-        raise ConvertError(f"{ckpt}: a LoRA run's trainer state holds the adapter alone; its serving weights (the step "
-                           "directory) are the merged model")
+        raise ConvertError(
+            f"{ckpt}: a LoRA run's trainer state holds the adapter alone; its serving weights (the step "
+            "directory) are the merged model"
+        )
     return tensors
 
 
@@ -132,8 +148,16 @@ def shard_plan(names: list[str], sizes: dict[str, int], shard_bytes: int) -> lis
     return shards
 
 
-def write_weights(ckpt: Path, out: Path, tensors: dict, shards: list[list[str]], files: list[str],
-                  dtype: torch.dtype, total_size: int, prefix: str = MODEL_PREFIX) -> None:
+def write_weights(
+    ckpt: Path,
+    out: Path,
+    tensors: dict,
+    shards: list[list[str]],
+    files: list[str],
+    dtype: torch.dtype,
+    total_size: int,
+    prefix: str = MODEL_PREFIX,
+) -> None:
     """Read the model tensors one shard at a time and write them as safetensors (plus an index if sharded)."""
     reader = FileSystemReader(str(ckpt))
     weight_map = {}
@@ -143,8 +167,9 @@ def write_weights(ckpt: Path, out: Path, tensors: dict, shards: list[list[str]],
             # one process reads the whole checkpoint, which is what we want
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp_load(state, storage_reader=reader, no_dist=True)
-        save_file({n: state[prefix + n].to(dtype).contiguous() for n in shard}, str(out / filename),
-                  metadata={"format": "pt"})
+        save_file(
+            {n: state[prefix + n].to(dtype).contiguous() for n in shard}, str(out / filename), metadata={"format": "pt"}
+        )
         weight_map.update(dict.fromkeys(shard, filename))
         del state
     if len(shards) > 1:
@@ -199,9 +224,11 @@ def convert(
     expected = expected_tensors(config)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        raise ConvertError(f"the checkpoint's weights do not fit {base!r} ({config.model_type}): "
-                           f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-                           f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}")
+        raise ConvertError(
+            f"the checkpoint's weights do not fit {base!r} ({config.model_type}): "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {unexpected[:3]}{'...' if len(unexpected) > 3 else ''}"
+        )
     wrong = [n for n in expected if tuple(tensors[n].size) != expected[n]]
     if wrong:
         n = wrong[0]
@@ -212,8 +239,11 @@ def convert(
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
     sizes = {n: itemsize * int(torch.Size(tensors[n].size).numel()) for n in names}
     shards = shard_plan(names, sizes, shard_bytes)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
 
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -65,11 +65,13 @@ class Target:
 TARGETS = {
     # main as of this commit: `post_batch_filters` is gone (upstream 61f2448d1), the
     # trainer no longer writes HF weights (upstream PR #3316).
-    "main": Target("main", "559b44772e471d1538537b8805cc77f3824a5e64", "2026-08-21",
-                   "0.3.1.dev62 (a60a606)", "train_flag"),
+    "main": Target(
+        "main", "559b44772e471d1538537b8805cc77f3824a5e64", "2026-08-21", "0.3.1.dev62 (a60a606)", "train_flag"
+    ),
     # the commit the run guide was written against (61f2448d1^).
-    "guide": Target("guide", "c7a6573de5c7659124a9536ed855939ee4992a2c", "2026-08-18",
-                    "0.3.1.dev42 (02cc940)", "post_batch_filters"),
+    "guide": Target(
+        "guide", "c7a6573de5c7659124a9536ed855939ee4992a2c", "2026-08-18", "0.3.1.dev42 (02cc940)", "post_batch_filters"
+    ),
 }
 DEFAULT_TARGET = "main"
 
@@ -132,8 +134,14 @@ class Ports:
 
     def all(self) -> dict[str, int]:
         """Every port a run opens, by what opens it."""
-        ports = {"api": self.api, "backend": self.backend, "nccl": self.nccl, "dp_rpc": self.dp_rpc,
-                 "rollout": self.rollout, "rollout_ready": self.rollout + 1}
+        ports = {
+            "api": self.api,
+            "backend": self.backend,
+            "nccl": self.nccl,
+            "dp_rpc": self.dp_rpc,
+            "rollout": self.rollout,
+            "rollout_ready": self.rollout + 1,
+        }
         ports.update({f"env_server_{i}": self.env_servers + i for i in range(ENV_SERVER_SLOTS)})
         ports["router_metrics"] = self.router_metrics
         return ports
@@ -167,15 +175,20 @@ def check_ports(ports: Ports) -> None:
     low, high = EPHEMERAL_RANGE
     for use, port in ports.all().items():
         if not 1024 <= port <= 65535:
-            raise ValueError(f"base port {ports.base} puts the {use} port at {port}, outside 1024-65535; "
-                             f"pick a base port in {BASE_PORT_SEARCH.start}-{BASE_PORT_SEARCH.stop}")
+            raise ValueError(
+                f"base port {ports.base} puts the {use} port at {port}, outside 1024-65535; "
+                f"pick a base port in {BASE_PORT_SEARCH.start}-{BASE_PORT_SEARCH.stop}"
+            )
         if low <= port <= high:
-            raise ValueError(f"base port {ports.base} puts the {use} port at {port}, inside the ephemeral range "
-                             f"{low}-{high}, where outgoing connections can take it; the router metrics port is "
-                             f"API + {ROUTER_METRICS_OFFSET}, so pick a base port below {low - ROUTER_METRICS_OFFSET}")
+            raise ValueError(
+                f"base port {ports.base} puts the {use} port at {port}, inside the ephemeral range "
+                f"{low}-{high}, where outgoing connections can take it; the router metrics port is "
+                f"API + {ROUTER_METRICS_OFFSET}, so pick a base port below {low - ROUTER_METRICS_OFFSET}"
+            )
         if not port_is_free(port):
-            raise ValueError(f"base port {ports.base}: the {use} port {port} is not free on this machine; "
-                             "pick another base port")
+            raise ValueError(
+                f"base port {ports.base}: the {use} port {port} is not free on this machine; pick another base port"
+            )
 
 
 def choose_ports(base: int | None = None) -> Ports:
@@ -191,8 +204,9 @@ def choose_ports(base: int | None = None) -> Ports:
             return ports
         except ValueError:
             continue
-    raise ValueError(f"no free block of ports with a base in {BASE_PORT_SEARCH.start}-{BASE_PORT_SEARCH.stop}; "
-                     "pass --base-port")
+    raise ValueError(
+        f"no free block of ports with a base in {BASE_PORT_SEARCH.start}-{BASE_PORT_SEARCH.stop}; pass --base-port"
+    )
 
 
 def plugin_files() -> Traversable:
@@ -283,21 +297,34 @@ TASKSET_REWARD_MODES = ("strict", "lenient", "format")
 def check_taskset_settings(shuffle_options: str, reward_mode: str, algorithm: str = "grpo") -> None:
     """Raise ValueError for a scirl setting the prime-rl taskset cannot reproduce, saying what it can."""
     if algorithm not in algorithms.names() or not algorithms.exportable(algorithm):
-        raise ValueError(f"algorithm {algorithm!r} cannot be exported: prime-rl's trainer has no counterpart for its "
-                         f"loss (the export writes its default loss, scirl's {algorithms.DEFAULT}); train it with scirl train")
+        raise ValueError(
+            f"algorithm {algorithm!r} cannot be exported: prime-rl's trainer has no counterpart for its "
+            f"loss (the export writes its default loss, scirl's {algorithms.DEFAULT}); train it with scirl train"
+        )
     if shuffle_options not in TASKSET_SHUFFLE_OPTIONS:
-        raise ValueError(f"shuffle_options {shuffle_options!r} cannot be exported: in prime-rl a task has one prompt for "
-                         "its whole group, so only 'none' and 'epoch' (one order per question) are possible")
+        raise ValueError(
+            f"shuffle_options {shuffle_options!r} cannot be exported: in prime-rl a task has one prompt for "
+            "its whole group, so only 'none' and 'epoch' (one order per question) are possible"
+        )
     if reward_mode not in TASKSET_REWARD_MODES:
-        raise ValueError(f"reward mode {reward_mode!r} cannot be exported: the env server knows no step or sample index "
-                         f"to draw a reproducible coin from; the taskset offers {', '.join(TASKSET_REWARD_MODES)}")
+        raise ValueError(
+            f"reward mode {reward_mode!r} cannot be exported: the env server knows no step or sample index "
+            f"to draw a reproducible coin from; the taskset offers {', '.join(TASKSET_REWARD_MODES)}"
+        )
 
 
 # The taskset's keys that come from scirl's settings (``SciKnowEvalConfig``), with its defaults: scirl eval's flag names
 # (--data-format, --split-seed, ...), so an export reads and splits --data as scirl train and scirl eval do.
-TASKSET_DEFAULTS = {"data": None, "data_format": formats.AUTO, "data_columns": None,
-                    "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
-                    "split_seed": DEFAULT_SPLIT_SEED, "shuffle_options": "none", "reward_mode": "strict"}
+TASKSET_DEFAULTS = {
+    "data": None,
+    "data_format": formats.AUTO,
+    "data_columns": None,
+    "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN,
+    "split_method": DEFAULT_SPLIT_METHOD,
+    "split_seed": DEFAULT_SPLIT_SEED,
+    "shuffle_options": "none",
+    "reward_mode": "strict",
+}
 TASKSET_COMMENTS = {"shuffle_options": "one option order per question (scirl's epoch 0)"}
 
 
@@ -319,9 +346,15 @@ def taskset_lines(taskset: dict) -> str:
     return lines
 
 
-def check_data(data: str | None, *, data_format: str = formats.AUTO, data_columns: str | None = None,
-               eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN, split_method: str = DEFAULT_SPLIT_METHOD,
-               split_seed: int = DEFAULT_SPLIT_SEED) -> str | None:
+def check_data(
+    data: str | None,
+    *,
+    data_format: str = formats.AUTO,
+    data_columns: str | None = None,
+    eval_per_domain: int = DEFAULT_EVAL_PER_DOMAIN,
+    split_method: str = DEFAULT_SPLIT_METHOD,
+    split_seed: int = DEFAULT_SPLIT_SEED,
+) -> str | None:
     """Read ``data`` as ``scirl train`` reads it, before anything is written: a source that does not exist, or rows
     the format or columns cannot read, raise ``DataSourceError``, a train split without questions ``ValueError``.
     Returns a line on what the taskset will hold. A known set's hub id is not downloaded (the training node reads
@@ -329,24 +362,36 @@ def check_data(data: str | None, *, data_format: str = formats.AUTO, data_column
     if data is None or formats.hub_source(data) is not None:
         return None
     try:
-        splits = load_splits(data, eval_per_domain=eval_per_domain, split_method=split_method, seed=split_seed,
-                             data_format=data_format, columns=data_columns)
+        splits = load_splits(
+            data,
+            eval_per_domain=eval_per_domain,
+            split_method=split_method,
+            seed=split_seed,
+            data_format=data_format,
+            columns=data_columns,
+        )
     except HubUnreachable:
         return f"note: {data} not checked: the hub cannot be reached from here"
     if not splits.train:
-        raise ValueError(f"the train split of {data} is empty ({len(splits.eval)} held out, "
-                         f"{sum(splits.skipped.values())} rows skipped): the taskset would have no task")
-    return (f"taskset: {len(splits.train)} train and {len(splits.eval)} held-out questions from {data} "
-            f"({splits.data_format})")
+        raise ValueError(
+            f"the train split of {data} is empty ({len(splits.eval)} held out, "
+            f"{sum(splits.skipped.values())} rows skipped): the taskset would have no task"
+        )
+    return (
+        f"taskset: {len(splits.train)} train and {len(splits.eval)} held-out questions from {data} "
+        f"({splits.data_format})"
+    )
 
 
-def grpo_toml(ports: Ports, taskset: dict | None = None, model: str = DEFAULT_MODEL,
-              target: Target = TARGETS[DEFAULT_TARGET]) -> str:
+def grpo_toml(
+    ports: Ports, taskset: dict | None = None, model: str = DEFAULT_MODEL, target: Target = TARGETS[DEFAULT_TARGET]
+) -> str:
     """The run guide's step-7 config for ``target``, with every port moved to ``ports`` and the taskset's keys
     ``taskset`` (``taskset_settings``)."""
     taskset = taskset or {}
     check_taskset_settings(taskset.get("shuffle_options", "none"), taskset.get("reward_mode", "strict"))
     data_line = taskset_lines(taskset)
+    router_metrics = f"its metrics port is this + {ROUTER_METRICS_OFFSET} ({ports.router_metrics})"
     return f"""\
 # GRPO on SciKnowEval MCQ with prime-rl: the run guide's config (step 7), written by `scirl export prime-rl`.
 # Target: prime-rl {target.name} at commit {target.commit} ({target.date}), verifiers {target.verifiers}.
@@ -418,7 +463,7 @@ name = "prime-qwen3"
 backend_port = {ports.backend}               # the vLLM engine behind the router
 
 [inference.server]
-port = {ports.api}                       # the router; its metrics port is this + {ROUTER_METRICS_OFFSET} ({ports.router_metrics})
+port = {ports.api}                       # the router; {router_metrics}
 
 [inference.vllm]
 data_parallel_size = 6             # must equal num_infer_gpus
@@ -444,36 +489,53 @@ def check_command(taskset: dict) -> str:
 
 def readme(ports: Ports, taskset: dict, scirl_source: str | None, target: Target) -> str:
     data = taskset.get("data")
-    data_note = f"The taskset reads its questions from `{data}`." if data else (
-        "The taskset reads its questions from the hub; without hub access set `data` under "
-        "`[orchestrator.train.source.env.taskset]` in `grpo.toml` to a local copy "
-        "(a `raw_data/` directory or one `.jsonl`/`.json`/`.parquet` file)."
+    data_note = (
+        f"The taskset reads its questions from `{data}`."
+        if data
+        else (
+            "The taskset reads its questions from the hub; without hub access set `data` under "
+            "`[orchestrator.train.source.env.taskset]` in `grpo.toml` to a local copy "
+            "(a `raw_data/` directory or one `.jsonl`/`.json`/`.parquet` file)."
+        )
     )
     if scirl_source is None:
-        source_note = (f"scirl is not on PyPI: uv takes it from `{SCIRL_IN_CHECKOUT}` in the prime-rl checkout (the "
-                       "install below copies a scirl checkout there), or install it first and take the pip route.")
+        source_note = (
+            f"scirl is not on PyPI: uv takes it from `{SCIRL_IN_CHECKOUT}` in the prime-rl checkout (the "
+            "install below copies a scirl checkout there), or install it first and take the pip route."
+        )
     else:
-        source_note = (f"`sciknoweval/pyproject.toml` tells uv to take scirl from `{scirl_source}`; that path must "
-                       "exist on the training node.")
-    scirl_copy = ("cp -r /path/to/scirl-checkout ~/prime-rl/" + SCIRL_IN_CHECKOUT + "   # where uv looks for scirl\n"
-                  if scirl_source is None else "")
-    port_rows = "\n".join([
-        f"| {ports.api} | router API (`inference.server.port`), the orchestrator's `base_url` | `[inference.server] port` and `[orchestrator.model.client] base_url`, together |",
-        f"| {ports.backend} | vLLM engine behind the router; admin calls | `[inference] backend_port` |",
-        f"| {ports.router_metrics} | router Prometheus metrics | none: always API port + {ROUTER_METRICS_OFFSET} |",
-        f"| {ports.nccl} | NCCL weight broadcast, trainer and inference | top-level `[weight_broadcast] port` only |",
-        f"| {ports.dp_rpc} | vLLM data-parallel RPC | `[inference.vllm] data_parallel_rpc_port` |",
-        f"| {ports.rollout}, {ports.rollout + 1} | ZMQ rollout transport and its ready socket | top-level `[rollout_transport] port` |",
-        f"| {ports.env_servers}+ | env servers, one per source (train, then eval) | `[orchestrator] env_server_base_port` |",
-        "| any free | torchrun rendezvous | picked free by the launcher |",
-    ])
+        source_note = (
+            f"`sciknoweval/pyproject.toml` tells uv to take scirl from `{scirl_source}`; that path must "
+            "exist on the training node."
+        )
+    scirl_copy = (
+        "cp -r /path/to/scirl-checkout ~/prime-rl/" + SCIRL_IN_CHECKOUT + "   # where uv looks for scirl\n"
+        if scirl_source is None
+        else ""
+    )
+    port_rows = "\n".join(
+        [
+            f"| {ports.api} | router API (`inference.server.port`), the orchestrator's `base_url` "
+            "| `[inference.server] port` and `[orchestrator.model.client] base_url`, together |",
+            f"| {ports.backend} | vLLM engine behind the router; admin calls | `[inference] backend_port` |",
+            f"| {ports.router_metrics} | router Prometheus metrics | none: always API port + {ROUTER_METRICS_OFFSET} |",
+            f"| {ports.nccl} | NCCL weight broadcast, trainer and inference "
+            "| top-level `[weight_broadcast] port` only |",
+            f"| {ports.dp_rpc} | vLLM data-parallel RPC | `[inference.vllm] data_parallel_rpc_port` |",
+            f"| {ports.rollout}, {ports.rollout + 1} | ZMQ rollout transport and its ready socket "
+            "| top-level `[rollout_transport] port` |",
+            f"| {ports.env_servers}+ | env servers, one per source (train, then eval) "
+            "| `[orchestrator] env_server_base_port` |",
+            "| any free | torchrun rendezvous | picked free by the launcher |",
+        ]
+    )
     return f"""\
 # scirl's task in prime-rl
 
 Written by `scirl export prime-rl` for **prime-rl {target.name}, commit `{target.commit[:9]}`
 ({target.date})**, whose verifiers is {target.verifiers}. prime-rl rejects unknown config
 keys, so use this `grpo.toml` with that commit (re-export with `--prime-rl-ref guide` for
-the run guide's commit `{TARGETS['guide'].commit[:9]}`, or `main` for `{TARGETS['main'].commit[:9]}`).
+the run guide's commit `{TARGETS["guide"].commit[:9]}`, or `main` for `{TARGETS["main"].commit[:9]}`).
 It follows the run guide's steps 3-9, with scirl's data, split, prompt and reward inside the
 taskset, so results compare question for question with `scirl train` and `scirl eval`.
 
@@ -636,13 +698,18 @@ def export(
     local_low, local_high = local_ephemeral_range()
     inside = [p for p in ports.all().values() if local_low <= p <= local_high]
     if inside:
-        print(f"note: this machine's ephemeral port range {local_low}-{local_high} holds ports {inside}; "
-              f"the export assumes the Linux default {EPHEMERAL_RANGE[0]}-{EPHEMERAL_RANGE[1]} on the training "
-              "node (check `sysctl net.ipv4.ip_local_port_range` there)", file=sys.stderr)
+        print(
+            f"note: this machine's ephemeral port range {local_low}-{local_high} holds ports {inside}; "
+            f"the export assumes the Linux default {EPHEMERAL_RANGE[0]}-{EPHEMERAL_RANGE[1]} on the training "
+            "node (check `sysctl net.ipv4.ip_local_port_range` there)",
+            file=sys.stderr,
+        )
     out.mkdir(parents=True, exist_ok=True)
     files = copy_package(out / PACKAGE_NAME, scirl_source or DEFAULT_SCIRL_SOURCE)
-    for path, text in ((out / "grpo.toml", grpo_toml(ports, taskset, model, target)),
-                       (out / "README.md", readme(ports, taskset, scirl_source, target))):
+    for path, text in (
+        (out / "grpo.toml", grpo_toml(ports, taskset, model, target)),
+        (out / "README.md", readme(ports, taskset, scirl_source, target)),
+    ):
         path.write_text(text, encoding="utf-8")
         files.append(path)
     return Export(out=out, ports=ports, target=target, files=files)

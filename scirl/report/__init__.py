@@ -16,9 +16,9 @@ May import: the base modules, ``scirl.eval`` and ``scirl.run``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 from scirl import algorithms
 from scirl.eval.stats import pairing_problem
@@ -37,8 +37,10 @@ from scirl.report.page import render_compare_page, render_run_page
 
 __all__ = ["write_report", "write_compare"]
 
-LETTERS_CAPTION = ("Share of each answer letter among the gold answers and among the parsed predictions: a model "
-                   "that moved its predictions toward the gold letters can gain accuracy without knowing more")
+LETTERS_CAPTION = (
+    "Share of each answer letter among the gold answers and among the parsed predictions: a model "
+    "that moved its predictions toward the gold letters can gain accuracy without knowing more"
+)
 
 
 def _role_label(role: str, evaluation) -> str:
@@ -47,8 +49,9 @@ def _role_label(role: str, evaluation) -> str:
     return f"{role}: {evaluation.name}" + (f" ({share[0]} of {share[1]} trained on)" if share else "")
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
-                 warn: Callable[[str], None] | None = None) -> Path:
+def write_report(
+    run_dir: str | Path, out_dir: str | Path | None = None, warn: Callable[[str], None] | None = None
+) -> Path:
     """Write the plots and ``report.html`` for ``run_dir`` into ``out_dir`` (default ``run_dir/report``).
 
     Returns the page's path. Raises FileNotFoundError only when ``run_dir`` is
@@ -74,8 +77,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
         ("eval.png", plots.plot_eval, "Greedy accuracy on the held-out subset during training, overall and per domain"),
     ]
     # an algorithm's own metrics (``NAME/...``): a plot of their own where a run logged any
-    figures += [(f"{name}.png", partial(plots.plot_algorithm, name=name), f"{name}: the algorithm metrics per step")
-                for name in algorithms.names()]
+    figures += [
+        (f"{name}.png", partial(plots.plot_algorithm, name=name), f"{name}: the algorithm metrics per step")
+        for name in algorithms.names()
+    ]
     # eval during training is off by default, and most algorithms log nothing of their own: a choice, not a gap
     optional = {"eval.png", *(f"{name}.png" for name in algorithms.names())}
     drawn = []
@@ -113,7 +118,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None,
     return page
 
 
-def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | None = None) -> tuple[Path, dict | None]:
+def write_compare(
+    a_path: str | Path, b_path: str | Path, out_dir: str | Path | None = None
+) -> tuple[Path, dict | None]:
     """Per-domain comparison plot and page of two ``scirl eval`` results files, with the McNemar test.
 
     Writes ``compare_<A>_vs_<B>.png`` and ``.html`` into ``out_dir`` (default: B's
@@ -140,14 +147,19 @@ def write_compare(a_path: str | Path, b_path: str | Path, out_dir: str | Path | 
     comparison = paired_comparison(a, b, notes)
     title = "Accuracy per domain (95% CI)"
     if comparison and comparison.get("common_questions"):
-        title += f"; B - A = {100 * comparison['difference']:+.1f} pts, McNemar p = {comparison['mcnemar']['p_value']:.3g}"
+        title += (
+            f"; B - A = {100 * comparison['difference']:+.1f} pts, McNemar p = {comparison['mcnemar']['p_value']:.3g}"
+        )
     if not plots.plot_accuracy(tables, plot_path, title):
         notes.append("neither file holds overall_accuracy or per_domain_accuracy: no plot")
         plot_path = None
     letters_path = out_dir / f"{stem}_letters.png"
     letters_path.unlink(missing_ok=True)
-    if not plots.plot_letters([(f"A: {a.name}", letter_table(a)), (f"B: {b.name}", letter_table(b))], letters_path,
-                              "Answer letters: gold vs predicted"):
+    if not plots.plot_letters(
+        [(f"A: {a.name}", letter_table(a)), (f"B: {b.name}", letter_table(b))],
+        letters_path,
+        "Answer letters: gold vs predicted",
+    ):
         notes.append("neither file says which letters were picked: no letters plot")
         letters_path = None
     page = out_dir / f"{stem}.html"

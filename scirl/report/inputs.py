@@ -161,7 +161,9 @@ def choose_before_after(paths: list[Path]) -> tuple[Path | None, Path | None]:
     """
     by_stem = {p.stem: p for p in paths}
     before, after = by_stem.get(BEFORE_NAME), by_stem.get(AFTER_NAME)
-    others = sorted((p for p in paths if p.stem not in (BEFORE_NAME, AFTER_NAME)), key=lambda p: (p.stat().st_mtime, p.name))
+    others = sorted(
+        (p for p in paths if p.stem not in (BEFORE_NAME, AFTER_NAME)), key=lambda p: (p.stat().st_mtime, p.name)
+    )
     if before is None and others and (after is not None or len(others) >= 2):
         before = others.pop(0)
     if after is None and others:
@@ -196,8 +198,10 @@ def run_dir_problem(run_dir: Path) -> str | None:
         return f"run directory not found: {run_dir}"
     if any((run_dir / mark).exists() for mark in RUN_MARKS) or any(run_dir.glob("eval_*.json")):
         return None
-    return (f"{run_dir} is not a scirl run directory and holds no results (no {', '.join(RUN_MARKS)} or eval_*.json "
-            "in it): give a run's directory, or --compare A.json B.json")
+    return (
+        f"{run_dir} is not a scirl run directory and holds no results (no {', '.join(RUN_MARKS)} or eval_*.json "
+        "in it): give a run's directory, or --compare A.json B.json"
+    )
 
 
 def trained_share(evaluation: Evaluation, among: set[str] | None = None) -> tuple[int, int] | None:
@@ -219,6 +223,7 @@ def trained_note(evaluation: Evaluation, among: set[str] | None = None) -> str |
 
 def paired_ids(a: Evaluation, b: Evaluation) -> set[str]:
     """The question ids two evaluations share (what a paired comparison counts)."""
+
     def ids(ev: Evaluation) -> set[str]:
         return {r["id"] for r in record_list(ev.data) if isinstance(r.get("id"), str)}
 
@@ -322,10 +327,18 @@ def letter_table(evaluation: Evaluation) -> dict[str, Any] | None:
     """Predicted and gold letter shares of one evaluation: the file's own ``letters``, else computed from its
     records (files written before the letters were reported); None when neither says which letters were picked."""
     letters = evaluation.data.get("letters")
-    if isinstance(letters, dict) and isinstance(letters.get("predicted"), dict) and isinstance(letters.get("gold"), dict):
+    if (
+        isinstance(letters, dict)
+        and isinstance(letters.get("predicted"), dict)
+        and isinstance(letters.get("gold"), dict)
+    ):
         shares = {side: {x: number(v) for x, v in letters[side].items()} for side in ("predicted", "gold")}
         if any(v is not None for v in shares["gold"].values()):
-            return {**shares, "labels": sorted(shares["gold"]), "kl_predicted_gold": number(letters.get("kl_predicted_gold"))}
+            return {
+                **shares,
+                "labels": sorted(shares["gold"]),
+                "kl_predicted_gold": number(letters.get("kl_predicted_gold")),
+            }
     stats = letter_stats(record_list(evaluation.data))
     return stats if stats["samples"] else None
 

@@ -67,13 +67,18 @@ def duration(seconds: float | None) -> str:
 
 def image(path: Path, caption: str) -> str:
     data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}"><figcaption>{esc(caption)}</figcaption></figure>'
+    return (
+        f'<figure><img alt="{esc(caption)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{esc(caption)}</figcaption></figure>"
+    )
 
 
 def clip(text: Any) -> str:
     """Escaped text, cut to MAX_CHARS with a count of what was cut."""
     if isinstance(text, list):  # chat messages
-        text = "\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in text)
+        text = "\n".join(
+            f"[{m.get('role', '?')}] {m.get('content', '')}" if isinstance(m, dict) else str(m) for m in text
+        )
     text = "" if text is None else str(text)
     if len(text) <= MAX_CHARS:
         return esc(text)
@@ -102,29 +107,49 @@ def key_numbers(run: RunInputs, comparison: dict[str, Any] | None) -> list[tuple
     cards.append(("steps logged", str(len(metrics)), step_text))
     if rewards:
         tail = rewards[-5:]
-        cards.append(("final reward", f"{rewards[-1]:.3f}", f"first {rewards[0]:.3f}; mean of last {len(tail)}: {sum(tail) / len(tail):.3f}"))
+        cards.append(
+            (
+                "final reward",
+                f"{rewards[-1]:.3f}",
+                f"first {rewards[0]:.3f}; mean of last {len(tail)}: {sum(tail) / len(tail):.3f}",
+            )
+        )
     for role, evaluation in (("before", run.before), ("after", run.after)):
         if evaluation is not None:
             overall = accuracy_table(evaluation).get("Overall")
             if overall:
                 ci = f"95% CI {pct(overall[1])}–{pct(overall[2])}" if overall[1] is not None else "no CI"
                 note = trained_note(evaluation)  # a figure that is not held out says so where it stands
-                cards.append((f"accuracy {role}" + (" (not held out)" if note else ""), pct(overall[0]),
-                              (f"{note}; " if note else "") + f"{evaluation.name}; {ci}"))
+                cards.append(
+                    (
+                        f"accuracy {role}" + (" (not held out)" if note else ""),
+                        pct(overall[0]),
+                        (f"{note}; " if note else "") + f"{evaluation.name}; {ci}",
+                    )
+                )
     if comparison and comparison.get("common_questions"):
         low, high = comparison["difference_ci95"]
         p = comparison["mcnemar"]["p_value"]
         trained = trained_counts(comparison, "before", "after")
-        cards.append(("accuracy change" + (" (not held out)" if trained else ""),
-                      f"{100 * comparison['difference']:+.1f} pts",
-                      f"paired on {comparison['common_questions']} questions; "
-                      f"95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"
-                      + (f"; trained on: {trained}" if trained else "")))
+        cards.append(
+            (
+                "accuracy change" + (" (not held out)" if trained else ""),
+                f"{100 * comparison['difference']:+.1f} pts",
+                f"paired on {comparison['common_questions']} questions; "
+                f"95% CI {100 * low:+.1f}..{100 * high:+.1f}; McNemar p = {p:.3g}"
+                + (f"; trained on: {trained}" if trained else ""),
+            )
+        )
     eval_steps, eval_accuracy = series(metrics, "eval/accuracy")
     if eval_accuracy:
-        cards.append(("held-out accuracy", pct(eval_accuracy[-1]),
-                      f"greedy at step {int(eval_steps[-1])}, during training; first {pct(eval_accuracy[0])} "
-                      f"at step {int(eval_steps[0])}"))
+        cards.append(
+            (
+                "held-out accuracy",
+                pct(eval_accuracy[-1]),
+                f"greedy at step {int(eval_steps[-1])}, during training; first {pct(eval_accuracy[0])} "
+                f"at step {int(eval_steps[0])}",
+            )
+        )
     seconds, how = wall_time(metrics)
     cards.append(("wall time", duration(seconds), how))
     _, tps = series(metrics, "tokens_per_s")
@@ -194,22 +219,29 @@ def distinct_questions(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def parse_cell(row: dict[str, Any]) -> str:
     if "parsed" in row:
         return '<span class="muted">none</span>' if row["parsed"] in (None, "") else esc(row["parsed"])
-    marks = [f"{mode} {'✓' if row[f'parsed_{mode}'] else '✗'}" for mode in ("strict", "lenient") if f"parsed_{mode}" in row]
+    marks = [
+        f"{mode} {'✓' if row[f'parsed_{mode}'] else '✗'}" for mode in ("strict", "lenient") if f"parsed_{mode}" in row
+    ]
     return "<br>".join(esc(m) for m in marks)
 
 
 def rollout_table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return '<p class="muted">none</p>'
-    head = "<tr><th>question</th><th>reward</th><th>advantage</th><th>answer</th><th>parsed</th><th>completion</th></tr>"
+    head = (
+        "<tr><th>question</th><th>reward</th><th>advantage</th><th>answer</th><th>parsed</th><th>completion</th></tr>"
+    )
     body = []
     for r in rows:
         reward, advantage = number(r.get("reward")), number(r.get("advantage"))
         about = " ".join(str(r[k]) for k in ("domain", "filter") if r.get(k))
-        prompt = f"<details><summary>prompt</summary><pre>{clip(r.get('prompt'))}</pre></details>" if r.get("prompt") else ""
+        prompt = (
+            f"<details><summary>prompt</summary><pre>{clip(r.get('prompt'))}</pre></details>" if r.get("prompt") else ""
+        )
         body.append(
-            f"<tr><td>{esc(r.get('question_id', ''))}<div class=\"muted\">{esc(about)}</div></td>"
-            f"<td>{'' if reward is None else f'{reward:.3g}'}</td><td>{'' if advantage is None else f'{advantage:+.3f}'}</td>"
+            f'<tr><td>{esc(r.get("question_id", ""))}<div class="muted">{esc(about)}</div></td>'
+            f"<td>{'' if reward is None else f'{reward:.3g}'}</td>"
+            f"<td>{'' if advantage is None else f'{advantage:+.3f}'}</td>"
             f"<td>{esc(r.get('answer') if r.get('answer') is not None else '')}</td><td>{parse_cell(r)}</td>"
             f"<td>{prompt}<pre>{clip(r.get('completion'))}</pre></td></tr>"
         )
@@ -224,22 +256,32 @@ def trained_counts(comparison: dict[str, Any], a: str, b: str) -> str:
 
 
 def eval_table(evaluations: list[tuple[str, Evaluation]]) -> str:
-    head = ("<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th>"
-            "<th>questions</th><th>trained on</th><th>letter bias KL</th><th>option orders: consistent / mean</th>"
-            "<th>per domain</th></tr>")
+    head = (
+        "<tr><th>file</th><th>role</th><th>accuracy (95% CI)</th><th>strict accuracy</th><th>unparsed</th>"
+        "<th>questions</th><th>trained on</th><th>letter bias KL</th><th>option orders: consistent / mean</th>"
+        "<th>per domain</th></tr>"
+    )
     body = []
     for role, ev in evaluations:
         table = accuracy_table(ev)
         overall = table.pop("Overall", None)
-        acc = "n/a" if overall is None else pct(overall[0]) + (f" ({pct(overall[1])}–{pct(overall[2])})" if overall[1] is not None else "")
+        acc = (
+            "n/a"
+            if overall is None
+            else pct(overall[0]) + (f" ({pct(overall[1])}–{pct(overall[2])})" if overall[1] is not None else "")
+        )
         counts = ev.data.get("counts") if isinstance(ev.data.get("counts"), dict) else {}
         questions = counts.get("questions", len(record_list(ev.data)) or "n/a")
         domains = ", ".join(f"{esc(d)} {pct(v[0])}" for d, v in table.items())
         letters = letter_table(ev)
         kl = number(letters.get("kl_predicted_gold")) if letters else None
         perm = ev.data.get("permutations") if isinstance(ev.data.get("permutations"), dict) else {}
-        orders = (f"{pct(number(perm.get('consistent_accuracy')))} / {pct(number(perm.get('mean_accuracy')))} "
-                  f"({esc(perm.get('k'))} orders)" if perm else "n/a")
+        orders = (
+            f"{pct(number(perm.get('consistent_accuracy')))} / {pct(number(perm.get('mean_accuracy')))} "
+            f"({esc(perm.get('k'))} orders)"
+            if perm
+            else "n/a"
+        )
         body.append(
             f"<tr><td>{esc(ev.name)}</td><td>{esc(role)}</td><td>{acc}</td><td>{pct(number(ev.data.get('strict_accuracy')))}</td>"
             f"<td>{pct(number(ev.data.get('unparsed_rate')))}</td><td>{esc(questions)}</td>"
@@ -253,8 +295,12 @@ def comparison_block(comparison: dict[str, Any] | None, a: str, b: str) -> str:
     if not comparison or not comparison.get("common_questions"):
         return ""
     trained = trained_counts(comparison, a, b)
-    warning = (f'<p class="trained"><b>Not a held-out difference:</b> a run trained on some of the common questions '
-               f"({esc(trained)}; --allow-trained-questions).</p>" if trained else "")
+    warning = (
+        f'<p class="trained"><b>Not a held-out difference:</b> a run trained on some of the common questions '
+        f"({esc(trained)}; --allow-trained-questions).</p>"
+        if trained
+        else ""
+    )
     t = comparison.get("table", {})
     m = comparison.get("mcnemar", {})
     low, high = comparison.get("difference_ci95", [None, None])
@@ -268,8 +314,8 @@ def comparison_block(comparison: dict[str, Any] | None, a: str, b: str) -> str:
         f"<b>p = {m.get('p_value', float('nan')):.3g}</b>.</p>"
         f"<table><tr><th></th><th>{esc(b)} right</th><th>{esc(b)} wrong</th></tr>"
         f"<tr><th>{esc(a)} right</th><td>{t.get('both_right', '')}</td><td>{t.get('a_right_only', '')}</td></tr>"
-        f"<tr><th>{esc(a)} wrong</th><td>{t.get('b_right_only', '')}</td><td>{t.get('both_wrong', '')}</td></tr></table>"
-        + letter_prior_block(comparison.get("letter_prior"), a, b)
+        f"<tr><th>{esc(a)} wrong</th><td>{t.get('b_right_only', '')}</td><td>{t.get('both_wrong', '')}</td></tr>"
+        "</table>" + letter_prior_block(comparison.get("letter_prior"), a, b)
     )
 
 
@@ -279,9 +325,11 @@ def letter_prior_block(shift: dict[str, Any] | None, a: str, b: str) -> str:
         return ""
     prior_only = number(shift.get("prior_only_accuracy"))
     explained = number(shift.get("explained"))
-    text = (f"<p><b>Letter prior alone.</b> {esc(a)}'s accuracy per picked letter, reweighted by how often {esc(b)} "
-            f"picks each letter (first sample, {esc(shift.get('questions'))} common questions): <b>{pct(prior_only)}</b> "
-            f"against {esc(a)} {pct(number(shift.get('accuracy_a')))} and {esc(b)} {pct(number(shift.get('accuracy_b')))}")
+    text = (
+        f"<p><b>Letter prior alone.</b> {esc(a)}'s accuracy per picked letter, reweighted by how often {esc(b)} "
+        f"picks each letter (first sample, {esc(shift.get('questions'))} common questions): <b>{pct(prior_only)}</b> "
+        f"against {esc(a)} {pct(number(shift.get('accuracy_a')))} and {esc(b)} {pct(number(shift.get('accuracy_b')))}"
+    )
     if explained is not None:
         text += f"; a letter-prior shift alone explains <b>{100 * explained:.0f}%</b> of the difference"
     return text + ".</p>"
@@ -313,10 +361,16 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
     parts.append(f'<h2>Key numbers</h2><div class="cards">{cards}</div>')
     if run.evals:
         roles = [("before" if ev is run.before else "after" if ev is run.after else "", ev) for ev in run.evals]
-        not_held_out = [f"accuracy {role} ({ev.name}): {note}; not a held-out figure" for role, ev in roles
-                        if role and (note := trained_note(ev))]
-        parts.append("<h2>Evaluations</h2>" + "".join(f'<p class="trained">{esc(line)}</p>' for line in not_held_out)
-                     + eval_table(roles))
+        not_held_out = [
+            f"accuracy {role} ({ev.name}): {note}; not a held-out figure"
+            for role, ev in roles
+            if role and (note := trained_note(ev))
+        ]
+        parts.append(
+            "<h2>Evaluations</h2>"
+            + "".join(f'<p class="trained">{esc(line)}</p>' for line in not_held_out)
+            + eval_table(roles)
+        )
         if run.before and run.after:
             parts.append(comparison_block(comparison, run.before.name, run.after.name))
     parts.append("<h2>Plots</h2>")
@@ -334,20 +388,35 @@ def render_run_page(run: RunInputs, plots: list[tuple[Path, str]], comparison: d
     settings = flatten(run.config)
     if settings:
         # JSON spelling (true, [0.9, 0.999]) is closer to the TOML file than Python's
-        rows = "".join(f"<tr><td>{esc(k)}</td><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>" for k, v in settings)
+        rows = "".join(
+            f"<tr><td>{esc(k)}</td><td>{esc(v if isinstance(v, str) else json.dumps(v, default=str))}</td></tr>"
+            for k, v in settings
+        )
         parts.append(f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>")
     else:
         parts.append('<p class="muted">no settings (config.toml missing or empty)</p>')
     return document(f"scirl run report: {run.run_dir.resolve().name}", "".join(parts))
 
 
-def render_compare_page(a: Evaluation, b: Evaluation, plot: Path | None, comparison: dict[str, Any] | None, notes: list[str],
-                        letters_plot: Path | None = None) -> str:
+def render_compare_page(
+    a: Evaluation,
+    b: Evaluation,
+    plot: Path | None,
+    comparison: dict[str, Any] | None,
+    notes: list[str],
+    letters_plot: Path | None = None,
+) -> str:
     parts = [missing_block(notes), "<h2>Accuracy</h2>"]
-    parts += [f'<p class="trained">{esc(side)} ({esc(ev.name)}): {esc(note)}; not a held-out figure</p>'
-              for side, ev in (("A", a), ("B", b)) if (note := trained_note(ev))]
+    parts += [
+        f'<p class="trained">{esc(side)} ({esc(ev.name)}): {esc(note)}; not a held-out figure</p>'
+        for side, ev in (("A", a), ("B", b))
+        if (note := trained_note(ev))
+    ]
     parts.append(eval_table([("A", a), ("B", b)]))
-    parts.append("<h2>Paired comparison (McNemar)</h2>" + (comparison_block(comparison, a.name, b.name) or '<p class="muted">not available</p>'))
+    parts.append(
+        "<h2>Paired comparison (McNemar)</h2>"
+        + (comparison_block(comparison, a.name, b.name) or '<p class="muted">not available</p>')
+    )
     if plot is not None:
         parts.append(image(plot, f"per-domain accuracy, {a.name} vs {b.name}, 95% CIs"))
     if letters_plot is not None:

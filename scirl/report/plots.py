@@ -21,8 +21,13 @@ from scirl.report.inputs import domain_reward_keys, eval_domain_keys, series
 Series = dict[str, tuple[list[float], list[float]]]
 FILTER_KEYS = ("filters/gibberish", "filters/repetition", "filters/zero_advantage")
 TIME_KEYS = ("time/generate", "time/train", "time/weight_sync", "time/eval", "time/checkpoint")
-TIME_LABELS = {"time/generate": "generation", "time/train": "training", "time/weight_sync": "weight sync", "time/eval": "eval",
-               "time/checkpoint": "checkpoint"}
+TIME_LABELS = {
+    "time/generate": "generation",
+    "time/train": "training",
+    "time/weight_sync": "weight sync",
+    "time/eval": "eval",
+    "time/checkpoint": "checkpoint",
+}
 TRAINING_KEYS = ("loss", "mismatch_kl", "entropy", "grad_norm")
 DPI = 100
 
@@ -67,7 +72,9 @@ def plot_reward(metrics: list[dict[str, Any]], path: Path) -> Series:
         band = [(s, m, std_by_step[s]) for s, m in zip(steps, mean) if s in std_by_step]
         if band:
             xs = [s for s, _, _ in band]
-            ax.fill_between(xs, [m - d for _, m, d in band], [m + d for _, m, d in band], color="gray", alpha=0.25, label="± std")
+            ax.fill_between(
+                xs, [m - d for _, m, d in band], [m + d for _, m, d in band], color="gray", alpha=0.25, label="± std"
+            )
     if "reward/mean_all" in drawn:
         # the trainer's mean over every rollout, those the filters dropped included
         steps, values = drawn["reward/mean_all"]
@@ -118,8 +125,12 @@ def plot_eval(metrics: list[dict[str, Any]], path: Path) -> Series:
     parse = _present(metrics, ["eval/parse_rate"])
     fig, ax, ax_parse = _with_parse_rate_panel(parse)
     # the overall curves on top of the domains' (zorder), which often run close to them
-    styles = {"eval/accuracy": dict(color="black", linewidth=2, zorder=3, label="overall"),
-              "eval/accuracy_strict": dict(color="black", linestyle="--", linewidth=1, zorder=3, label="overall, strict parser")}
+    styles = {
+        "eval/accuracy": dict(color="black", linewidth=2, zorder=3, label="overall"),
+        "eval/accuracy_strict": dict(
+            color="black", linestyle="--", linewidth=1, zorder=3, label="overall, strict parser"
+        ),
+    }
     for key, (steps, values) in drawn.items():
         style = styles.get(key, dict(linewidth=1, markersize=3, label=key.rsplit("/", 1)[1]))
         ax.plot(steps, values, marker=_marker(steps), **style)
@@ -144,8 +155,14 @@ def plot_filters(metrics: list[dict[str, Any]], path: Path) -> Series:
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     ax_top, ax_bottom = fig.subplots(2, 1, sharex=True)
     for key, (steps, values) in trainable.items():
-        ax_top.plot(steps, values, marker=_marker(steps), color="black", linestyle="-" if key.startswith("trainable") else "--",
-                    label={"trainable/fraction": "trained on", "advantage/nonzero_fraction": "nonzero advantage"}[key])
+        ax_top.plot(
+            steps,
+            values,
+            marker=_marker(steps),
+            color="black",
+            linestyle="-" if key.startswith("trainable") else "--",
+            label={"trainable/fraction": "trained on", "advantage/nonzero_fraction": "nonzero advantage"}[key],
+        )
     if trainable:
         ax_top.legend(fontsize=8)
     else:
@@ -195,8 +212,8 @@ def algorithm_keys(metrics: list[dict[str, Any]], name: str) -> list[str]:
 
 
 def plot_algorithm(metrics: list[dict[str, Any]], path: Path, name: str) -> Series:
-    """An algorithm's own metrics (``name/...``, e.g. self-distillation's divergence and share of rollouts with a teacher),
-    one panel each, per step."""
+    """An algorithm's own metrics (``name/...``, e.g. self-distillation's divergence and share of rollouts with a
+    teacher), one panel each, per step."""
     drawn = _present(metrics, algorithm_keys(metrics, name))
     if not drawn:
         return {}
@@ -269,7 +286,9 @@ def plot_timing(metrics: list[dict[str, Any]], path: Path) -> Series:
     return drawn
 
 
-def plot_accuracy(tables: list[tuple[str, dict[str, tuple[float, float | None, float | None]]]], path: Path, title: str) -> dict:
+def plot_accuracy(
+    tables: list[tuple[str, dict[str, tuple[float, float | None, float | None]]]], path: Path, title: str
+) -> dict:
     """Grouped bars, one group per domain (and Overall), one bar per evaluation, 95% CIs as error bars.
 
     ``tables`` is [(label, {domain: (accuracy, ci_low, ci_high)})]; a missing CI
@@ -319,7 +338,9 @@ def plot_letters(tables: list[tuple[str, dict[str, Any]]], path: Path, title: st
     same_gold = all(g == golds[0] for g in golds)
     for label, table in tables:
         if not same_gold or not series:
-            series["gold" if same_gold else f"gold, {label}"] = {x: v for x, v in table["gold"].items() if v is not None}
+            series["gold" if same_gold else f"gold, {label}"] = {
+                x: v for x, v in table["gold"].items() if v is not None
+            }
     for label, table in tables:
         series[f"predicted, {label}"] = {x: v for x, v in table["predicted"].items() if v is not None}
     letters = sorted({x for shares in series.values() for x in shares})
@@ -330,8 +351,15 @@ def plot_letters(tables: list[tuple[str, dict[str, Any]]], path: Path, title: st
         xs = [j + (i - (len(series) - 1) / 2) * width for j, x in enumerate(letters) if x in shares]
         heights = [100 * shares[x] for x in letters if x in shares]
         gold = label.startswith("gold")
-        bars = ax.bar(xs, heights, width=width, label=label, color="lightgray" if gold else None,
-                      edgecolor="black" if gold else None, hatch="//" if gold else None)
+        bars = ax.bar(
+            xs,
+            heights,
+            width=width,
+            label=label,
+            color="lightgray" if gold else None,
+            edgecolor="black" if gold else None,
+            hatch="//" if gold else None,
+        )
         ax.bar_label(bars, labels=[f"{h:.0f}" for h in heights], fontsize=7, padding=1)
     ax.set_xticks(range(len(letters)), letters)
     ax.set_xlabel("answer letter")

@@ -54,25 +54,48 @@ def fits(item: PromptedQuestion, settings: RolloutSettings) -> bool:
     return len(item.prompt_ids) + spare + settings.max_tokens <= settings.seq_len
 
 
-def shown_prompts(step: int, batch: list[PromptedQuestion], settings: RolloutSettings,
-                  tokenizer) -> list[list[PromptedQuestion]]:
+def shown_prompts(
+    step: int, batch: list[PromptedQuestion], settings: RolloutSettings, tokenizer
+) -> list[list[PromptedQuestion]]:
     """What each group's completions are shown: ``[prompt]`` shared by the whole group (``none``,
     ``epoch``), or ``group_size`` prompts, completion ``k`` seeing the ``k``-th (``rollout``)."""
     mode = settings.shuffle_options
     if mode == "none":
         return [[item] for item in batch]
     if mode == "epoch":
-        return [[prompt_for(shuffle.permute(item.question, shuffle.epoch_order(item.question, settings.seed, item.epoch)),
-                            tokenizer)] for item in batch]
+        return [
+            [
+                prompt_for(
+                    shuffle.permute(item.question, shuffle.epoch_order(item.question, settings.seed, item.epoch)),
+                    tokenizer,
+                )
+            ]
+            for item in batch
+        ]
     if mode == "rollout":
-        return [[prompt_for(shuffle.permute(item.question, shuffle.rollout_order(item.question, settings.seed, step, k)),
-                            tokenizer) for k in range(settings.group_size)] for item in batch]
+        return [
+            [
+                prompt_for(
+                    shuffle.permute(item.question, shuffle.rollout_order(item.question, settings.seed, step, k)),
+                    tokenizer,
+                )
+                for k in range(settings.group_size)
+            ]
+            for item in batch
+        ]
     raise ValueError(f"shuffle_options must be one of {shuffle.SHUFFLE_MODES}, got {mode!r}")
 
 
-def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[list[Completion]],
-                 settings: RolloutSettings, vocab_size: int,
-                 rank: int = 0, tokenizer=None, first_group: int = 0) -> tuple[list[dict], list[Sample]]:
+def score_groups(
+    step: int,
+    shown: list[list[PromptedQuestion]],
+    groups: list[list[Completion]],
+    settings: RolloutSettings,
+    vocab_size: int,
+    rank: int = 0,
+    tokenizer=None,
+    first_group: int = 0,
+) -> tuple[list[dict], list[Sample]]:
     """Reward, advantage and filter verdict of every completion, each scored against the question as it
     was shown (``shown``: per group, one shared prompt or one per completion, as ``shown_prompts`` gives).
     The advantage baseline is the group's mean: per question, whatever order each completion saw.
@@ -86,8 +109,10 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
         items = prompts * len(group) if len(prompts) == 1 else prompts
         if len(items) != len(group):
             raise ValueError(f"group {group_index}: {len(group)} completions for {len(prompts)} prompts")
-        scored = [reward.score(c.text, item.question, mode, draw=(settings.seed, step, item.question.id, k))
-                  for k, (item, c) in enumerate(zip(items, group))]
+        scored = [
+            reward.score(c.text, item.question, mode, draw=(settings.seed, step, item.question.id, k))
+            for k, (item, c) in enumerate(zip(items, group))
+        ]
         rewards = torch.tensor([[s.reward for s in scored]], dtype=torch.float64)
         advantages = settings.algorithm.advantages(rewards)[0].tolist()
         flat = settings.algorithm.drops_flat_groups() and not any(advantages)  # the whole group teaches nothing
@@ -101,17 +126,33 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
                 verdict = replace(verdict, dropped=False)  # e.g. a teacher's signal does not need an advantage
             strict = s if mode in ("strict", *reward.CONTROL_MODES) else reward.score(c.text, q, "strict")
             lenient = s if mode == "lenient" else reward.score(c.text, q, "lenient")
-            rollouts.append({
-                "step": step, "question_id": q.id, "domain": q.domain, "group": group_index, "sample": k, "rank": rank,
-                "prompt": item.prompt_text, "completion": c.text, "answer": s.answer, "reward": float(s.reward),
-                "advantage": adv, "parsed_strict": bool(strict.parsed), "parsed_lenient": bool(lenient.parsed),
-                # true correctness, whatever the reward: a control run's real accuracy
-                "correct_strict": bool(strict.correct), "correct_lenient": bool(lenient.correct),
-                # the order shown (shown position -> the row's position) and the gold label in it
-                "option_order": list(q.option_order or range(len(q.options))), "answer_key": q.answer_key,
-                "filter": verdict.flag, "dropped": verdict.dropped, "finish_reason": c.finish_reason,
-                "num_tokens": len(c.token_ids),
-            })
+            rollouts.append(
+                {
+                    "step": step,
+                    "question_id": q.id,
+                    "domain": q.domain,
+                    "group": group_index,
+                    "sample": k,
+                    "rank": rank,
+                    "prompt": item.prompt_text,
+                    "completion": c.text,
+                    "answer": s.answer,
+                    "reward": float(s.reward),
+                    "advantage": adv,
+                    "parsed_strict": bool(strict.parsed),
+                    "parsed_lenient": bool(lenient.parsed),
+                    # true correctness, whatever the reward: a control run's real accuracy
+                    "correct_strict": bool(strict.correct),
+                    "correct_lenient": bool(lenient.correct),
+                    # the order shown (shown position -> the row's position) and the gold label in it
+                    "option_order": list(q.option_order or range(len(q.options))),
+                    "answer_key": q.answer_key,
+                    "filter": verdict.flag,
+                    "dropped": verdict.dropped,
+                    "finish_reason": c.finish_reason,
+                    "num_tokens": len(c.token_ids),
+                }
+            )
             if extra:  # e.g. whether it had a teacher, which success it was shown
                 rollouts[-1].update(extra["record"])
             if not verdict.dropped:
@@ -120,8 +161,18 @@ def score_groups(step: int, shown: list[list[PromptedQuestion]], groups: list[li
     return rollouts, samples
 
 
-def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, *, vocab_size: int, rank: int = 0,
-                   policy_version: int | None = None, data_position: dict | None = None, draw=None) -> RolloutBatch:
+def generate_batch(
+    step: int,
+    batch: list[PromptedQuestion],
+    generator,
+    settings: RolloutSettings,
+    *,
+    vocab_size: int,
+    rank: int = 0,
+    policy_version: int | None = None,
+    data_position: dict | None = None,
+    draw=None,
+) -> RolloutBatch:
     """Sample ``group_size`` completions per question with ``generator``, seeded from ``(seed, step, rank)``,
     and score them. ``batch``: this step's questions as ``QuestionSampler.take`` drew them; their options
     are shuffled as ``settings.shuffle_options`` says (with ``generator.tokenizer``). ``policy_version``
@@ -137,8 +188,9 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
         if missing <= 0:
             break
         more = draw(missing)
-        more_rollouts, more_samples, seconds = sample_groups(step, more, generator, settings, vocab_size, rank,
-                                                             refill=refill, first_group=groups)
+        more_rollouts, more_samples, seconds = sample_groups(
+            step, more, generator, settings, vocab_size, rank, refill=refill, first_group=groups
+        )
         rollouts, samples, time_generate = rollouts + more_rollouts, samples + more_samples, time_generate + seconds
         groups += len(more)
     for record in rollouts:
@@ -146,22 +198,42 @@ def generate_batch(step: int, batch: list[PromptedQuestion], generator, settings
     return RolloutBatch(step, version, rollouts, samples, dict(data_position or {}), time_generate)
 
 
-def sample_groups(step: int, batch: list[PromptedQuestion], generator, settings: RolloutSettings, vocab_size: int,
-                  rank: int, refill: int = 0, first_group: int = 0) -> tuple[list[dict], list[Sample], float]:
+def sample_groups(
+    step: int,
+    batch: list[PromptedQuestion],
+    generator,
+    settings: RolloutSettings,
+    vocab_size: int,
+    rank: int,
+    refill: int = 0,
+    first_group: int = 0,
+) -> tuple[list[dict], list[Sample], float]:
     """One round of ``generate_batch``: the completions of ``batch``, scored (rollouts, samples, seconds)."""
     # the generator's own tokenizer (the Generator contract): the shown prompts are its token ids
     shown = shown_prompts(step, batch, settings, generator.tokenizer if settings.shuffle_options != "none" else None)
     shared = all(len(prompts) == 1 for prompts in shown)
     # one prompt per group: n completions of it; one prompt per completion: each sampled alone
-    params = SamplingParams(n=settings.group_size if shared else 1, temperature=settings.temperature, top_p=settings.top_p,
-                            max_tokens=settings.max_tokens, seed=generation_seed(settings.seed, step, rank, refill))
+    params = SamplingParams(
+        n=settings.group_size if shared else 1,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        max_tokens=settings.max_tokens,
+        seed=generation_seed(settings.seed, step, rank, refill),
+    )
     started = time.perf_counter()
     out = generator.generate([item.prompt_ids for prompts in shown for item in prompts], params)
     if not shared:
         flat = [completion for completions in out for completion in completions]
-        out = [flat[g * settings.group_size:(g + 1) * settings.group_size] for g in range(len(shown))]
+        out = [flat[g * settings.group_size : (g + 1) * settings.group_size] for g in range(len(shown))]
     time_generate = time.perf_counter() - started
-    rollouts, samples = score_groups(step, shown, out, settings, vocab_size, rank,
-                                     tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None,
-                                     first_group=first_group)
+    rollouts, samples = score_groups(
+        step,
+        shown,
+        out,
+        settings,
+        vocab_size,
+        rank,
+        tokenizer=generator.tokenizer if settings.algorithm.needs_tokenizer() else None,
+        first_group=first_group,
+    )
     return rollouts, samples, time_generate

@@ -30,7 +30,9 @@ def group_advantages(rewards: torch.Tensor, std_normalize: bool = False, eps: fl
     return advantages
 
 
-def is_gibberish(token_ids: list[int], logprobs: list[float], vocab_size: int, token_id_threshold: int, logprob_offset: float) -> bool:
+def is_gibberish(
+    token_ids: list[int], logprobs: list[float], vocab_size: int, token_id_threshold: int, logprob_offset: float
+) -> bool:
     """A rare token (id above the threshold) sampled at very low probability (below uniform by ``offset`` nats)."""
     logprob_threshold = -math.log(vocab_size) - logprob_offset
     return any(t > token_id_threshold and lp < logprob_threshold for t, lp in zip(token_ids, logprobs, strict=True))
@@ -53,10 +55,16 @@ class FilterResult:
     dropped: bool  # True when that filter enforces
 
 
-def apply_filters(token_ids: list[int], logprobs: list[float], advantage: float, filters_cfg, vocab_size: int) -> FilterResult:
+def apply_filters(
+    token_ids: list[int], logprobs: list[float], advantage: float, filters_cfg, vocab_size: int
+) -> FilterResult:
     """prime-rl's order and first-match-wins rule for one rollout."""
     checks = (
-        ("gibberish", filters_cfg.gibberish, lambda c: is_gibberish(token_ids, logprobs, vocab_size, c.token_id_threshold, c.logprob_offset)),
+        (
+            "gibberish",
+            filters_cfg.gibberish,
+            lambda c: is_gibberish(token_ids, logprobs, vocab_size, c.token_id_threshold, c.logprob_offset),
+        ),
         ("repetition", filters_cfg.repetition, lambda c: is_repetition(logprobs, c.window, c.prob_threshold)),
         ("zero_advantage", filters_cfg.zero_advantage, lambda c: advantage == 0.0),
     )

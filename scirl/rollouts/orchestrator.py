@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Callable
 
 from scirl.errors import TrainError
 from scirl.rollouts.contract import PromptedQuestion, RolloutBatch, RolloutSettings
@@ -42,12 +42,23 @@ POLL_S = 1.0  # how often a waiting side rechecks whether the other one died
 class Orchestrator:
     """Produces ``RolloutBatch``es for steps ``start_step + 1 .. max_steps`` in a background thread."""
 
-    def __init__(self, questions: list[PromptedQuestion], generator, settings: RolloutSettings, *, vocab_size: int,
-                 start_step: int, last_step: int, position: dict, max_async_level: int):
+    def __init__(
+        self,
+        questions: list[PromptedQuestion],
+        generator,
+        settings: RolloutSettings,
+        *,
+        vocab_size: int,
+        start_step: int,
+        last_step: int,
+        position: dict,
+        max_async_level: int,
+    ):
         self.questions, self.generator, self.settings = questions, generator, settings
         self.vocab_size, self.max_async_level = vocab_size, max_async_level
-        self.sampler = QuestionSampler(len(questions), settings.seed, epoch=position.get("epoch", 0),
-                                       cursor=position.get("cursor", 0))
+        self.sampler = QuestionSampler(
+            len(questions), settings.seed, epoch=position.get("epoch", 0), cursor=position.get("cursor", 0)
+        )
         self.next_step, self.last_step = start_step + 1, last_step
         self.version = start_step  # the weights the servers hold
         self._batches: dict[int, RolloutBatch] = {}
@@ -59,7 +70,7 @@ class Orchestrator:
 
     # ---- the trainer's side ----
 
-    def start(self) -> "Orchestrator":
+    def start(self) -> Orchestrator:
         self._thread.start()
         return self
 
@@ -102,9 +113,15 @@ class Orchestrator:
                 with self._servers_busy:
                     version = self.version
                     picked = self.sampler.take(self.settings.questions_per_step, self.questions)
-                    batch = generate_batch(step, picked, self.generator, self.settings,
-                                           vocab_size=self.vocab_size, policy_version=version,
-                                           draw=lambda k: self.sampler.take(k, self.questions))
+                    batch = generate_batch(
+                        step,
+                        picked,
+                        self.generator,
+                        self.settings,
+                        vocab_size=self.vocab_size,
+                        policy_version=version,
+                        draw=lambda k: self.sampler.take(k, self.questions),
+                    )
                     batch = replace(batch, data_position=self.sampler.state())  # after any refill's questions
                 with self._changed:
                     self._batches[step] = batch

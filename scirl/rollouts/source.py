@@ -24,8 +24,16 @@ from scirl.rollouts.sampler import QuestionSampler
 class ColocatedSource:
     """This rank's share of each step, generated here and now by ``generator``."""
 
-    def __init__(self, questions: list[PromptedQuestion], sampler: QuestionSampler, generator,
-                 settings: RolloutSettings, *, vocab_size: int, dist: distributed.Dist):
+    def __init__(
+        self,
+        questions: list[PromptedQuestion],
+        sampler: QuestionSampler,
+        generator,
+        settings: RolloutSettings,
+        *,
+        vocab_size: int,
+        dist: distributed.Dist,
+    ):
         self.questions, self.sampler, self.generator = questions, sampler, generator
         self.settings, self.vocab_size, self.dist = settings, vocab_size, dist
 
@@ -33,8 +41,15 @@ class ColocatedSource:
         picked = self.sampler.take(self.settings.questions_per_step, self.questions)
         # refilling dropped groups draws more questions: one rank only (``run.setup`` refuses it on several)
         draw = (lambda k: self.sampler.take(k, self.questions)) if self.dist.world_size == 1 else None
-        batch = generate_batch(step, picked[self.dist.rank :: self.dist.world_size], self.generator, self.settings,
-                               vocab_size=self.vocab_size, rank=self.dist.rank, draw=draw)
+        batch = generate_batch(
+            step,
+            picked[self.dist.rank :: self.dist.world_size],
+            self.generator,
+            self.settings,
+            vocab_size=self.vocab_size,
+            rank=self.dist.rank,
+            draw=draw,
+        )
         return replace(batch, data_position=self.sampler.state())  # after any refill's questions
 
     def close(self) -> None:
@@ -52,8 +67,12 @@ class ServerSource:
         batch = self.orchestrator.next_batch(step) if self.dist.is_main else None
         batch = distributed.broadcast_object(batch, self.dist)
         samples = [s for s in batch.samples if s.group % self.dist.world_size == self.dist.rank]
-        return replace(batch, samples=samples, rollouts=batch.rollouts if self.dist.is_main else [],
-                       time_waited=time.perf_counter() - started)
+        return replace(
+            batch,
+            samples=samples,
+            rollouts=batch.rollouts if self.dist.is_main else [],
+            time_waited=time.perf_counter() - started,
+        )
 
     def between_batches(self, version: int, push) -> None:
         """Run ``push()`` (version ``version`` to the servers) while no batch is being generated (rank 0;

@@ -14,8 +14,8 @@ from scirl.cpu.generator import CPUGenerator
 from scirl.cpu.matrix_units import bf16_advice  # noqa: F401  (the CPU advice setup gives; scirl.cpu is reached through here)
 from scirl.errors import TrainError
 from scirl.inference.base import Generator
-from scirl.inference.hf import HFGenerator
 from scirl.inference.client import HEALTH_TIMEOUT_S, ServerClient, ServerError, wait_until_ready
+from scirl.inference.hf import HFGenerator
 from scirl.inference.remote import RemoteGenerator
 from scirl.inference.vllm import VLLMGenerator, vllm_installed
 from scirl.run import memory
@@ -27,12 +27,25 @@ from scirl.trainer.batching import Batching
 def make_trainer(model, cfg, algorithm, *, device: torch.device, dist, dtype: torch.dtype) -> Trainer:
     """The trainer of ``algorithm`` (the one the orchestrator's half holds too), its kernels resolved for
     ``device``."""
-    batching = Batching(micro_batch_tokens=cfg.micro_batch_tokens, micro_batch_size=cfg.micro_batch_size,
-                        share_prompts=cfg.share_prompts, attention=cfg.attention)
-    return Trainer(model, cfg.optim, algorithm, temperature=cfg.temperature, top_p=cfg.top_p, device=device, dist=dist,
-                   dtype=dtype, head_block_tokens=memory.head_block_tokens(cfg, dist.world_size, device),
-                   batching=batching,
-                   kernels=kernels.resolve(cfg.kernels, device))
+    batching = Batching(
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        micro_batch_size=cfg.micro_batch_size,
+        share_prompts=cfg.share_prompts,
+        attention=cfg.attention,
+    )
+    return Trainer(
+        model,
+        cfg.optim,
+        algorithm,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        device=device,
+        dist=dist,
+        dtype=dtype,
+        head_block_tokens=memory.head_block_tokens(cfg, dist.world_size, device),
+        batching=batching,
+        kernels=kernels.resolve(cfg.kernels, device),
+    )
 
 
 def hf_generator(model_dir_or_module, **kwargs) -> HFGenerator:
@@ -54,7 +67,9 @@ def inference_backend(cfg, device: torch.device) -> str:
     return "vllm" if device.type == "cuda" and vllm_installed() else "hf"
 
 
-def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.device, dist, dtype: torch.dtype) -> Generator:
+def make_vllm_generator(
+    cfg, model_source: str, tokenizer, *, device: torch.device, dist, dtype: torch.dtype
+) -> Generator:
     """An in-process vLLM engine per rank over the run's starting weights, in the compute dtype; built before the
     trainer, as vLLM sizes its memory from what is free. On one GPU it sleeps through each update
     (``inference.sleep_level``)."""
@@ -62,11 +77,18 @@ def make_vllm_generator(cfg, model_source: str, tokenizer, *, device: torch.devi
     if dist.world_size > 1:  # each rank its own engine, in the process group torchrun made (TRL's colocate design)
         extra["distributed_executor_backend"] = "external_launcher"
     return VLLMGenerator(
-        local_model_dir(model_source), tokenizer=tokenizer, dtype=str(dtype).removeprefix("torch."),
+        local_model_dir(model_source),
+        tokenizer=tokenizer,
+        dtype=str(dtype).removeprefix("torch."),
         max_model_len=cfg.inference.max_model_len or cfg.seq_len,
-        gpu_memory_utilization=cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE, enforce_eager=cfg.inference.enforce_eager,
-        seed=cfg.seed, enable_sleep_mode=device.type == "cuda" and cfg.inference.sleep_level > 0,
-        sleep_level=cfg.inference.sleep_level, kv_cache_gib=cfg.inference.kv_cache_gib, **extra)
+        gpu_memory_utilization=cfg.inference.gpu_memory_utilization or COLOCATED_GPU_SHARE,
+        enforce_eager=cfg.inference.enforce_eager,
+        seed=cfg.seed,
+        enable_sleep_mode=device.type == "cuda" and cfg.inference.sleep_level > 0,
+        sleep_level=cfg.inference.sleep_level,
+        kv_cache_gib=cfg.inference.kv_cache_gib,
+        **extra,
+    )
 
 
 def make_generator(trainer: Trainer, model_source: str, tokenizer) -> Generator:
@@ -105,6 +127,8 @@ def make_remote_generator(urls: list[str], tokenizer, deployment, say=lambda tex
         for client in clients:
             client.close()
     if len({model["id"] for model in served}) > 1:
-        raise TrainError("the servers of inference.urls serve different models: "
-                         + ", ".join(f"{url} {model['id']!r}" for url, model in zip(urls, served)))
+        raise TrainError(
+            "the servers of inference.urls serve different models: "
+            + ", ".join(f"{url} {model['id']!r}" for url, model in zip(urls, served))
+        )
     return RemoteGenerator(urls, tokenizer, model_name=served[0]["id"], timeout_s=deployment.request_timeout_s)

@@ -43,7 +43,7 @@ import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -85,12 +85,17 @@ def weights_dir(run_dir: str | Path) -> Path:
 
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy and torch (CPU and every CUDA device) RNG states, as tensors and plain values."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = cast(tuple, np.random.get_state())  # the legacy tuple: the default
     state = {
         "python": random.getstate(),
         # a tensor, which torch.load(weights_only=True) reads back
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -101,7 +106,9 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python"]))
     n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -149,8 +156,10 @@ def write_failure_message(run_dir, step: int, failure: tuple[int | None, str]) -
         free = f"{shutil.disk_usage(root if root.exists() else Path(run_dir)).free / 1e9:.2f} GB free there"
     except OSError:
         free = "free space unknown"
-    return (f"checkpoint step {step} not saved: writing to {root} failed ({failure[1]}); {free}; "
-            "the previous checkpoint is intact. Free disk space or lower ckpt.keep, then resume.")
+    return (
+        f"checkpoint step {step} not saved: writing to {root} failed ({failure[1]}); {free}; "
+        "the previous checkpoint is intact. Free disk space or lower ckpt.keep, then resume."
+    )
 
 
 # ---- read ----
@@ -287,8 +296,9 @@ def dcp_problems(state: Path, name: str) -> list[str]:
         if sizes[rel] < 0:
             return [f"{name}/{rel}: named by {DCP_METADATA}, missing"]
         if info.offset + info.length > sizes[rel]:
-            return [f"{name}/{rel}: {DCP_METADATA} names bytes up to {info.offset + info.length}, "
-                    f"the file has {sizes[rel]}"]
+            return [
+                f"{name}/{rel}: {DCP_METADATA} names bytes up to {info.offset + info.length}, the file has {sizes[rel]}"
+            ]
     return []
 
 
@@ -342,8 +352,11 @@ def latest_checkpoint(run_dir: str | Path, verify: bool = False, clean: bool = T
 
 def resume_problems(path: Path, checksums: bool = True) -> list[str]:
     """Why ``path`` cannot be resumed from (empty: it can): both parts verified and their files loadable."""
-    return (verify_checkpoint(path, checksums=checksums) or verify_trainer_state(path, checksums=checksums)
-            or load_problems(path))
+    return (
+        verify_checkpoint(path, checksums=checksums)
+        or verify_trainer_state(path, checksums=checksums)
+        or load_problems(path)
+    )
 
 
 def find_resume_checkpoint(
@@ -361,7 +374,8 @@ def find_resume_checkpoint(
             raise RunDirError(
                 f"{path} was written by an earlier scirl (its trainer state is one optimizer.pt gathered on rank 0), "
                 "which this scirl does not resume: finish the run with the scirl that wrote it, or start a new run "
-                f"from its weights (--model {path} --output-dir NEW_DIR)")
+                f"from its weights (--model {path} --output-dir NEW_DIR)"
+            )
         problems = resume_problems(path)
         if not problems:
             return (step, path), skipped
@@ -393,8 +407,12 @@ def load_trainer_state(path: str | Path, state: dict, process_group=None) -> Non
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: as meant
-        dcp_load(state, storage_reader=FileSystemReader(str(Path(path) / TRAINER_STATE)), process_group=process_group,
-                 no_dist=not distributed)
+        dcp_load(
+            state,
+            storage_reader=FileSystemReader(str(Path(path) / TRAINER_STATE)),
+            process_group=process_group,
+            no_dist=not distributed,
+        )
 
 
 def read_adapter_config(path: str | Path) -> dict | None:
@@ -403,7 +421,7 @@ def read_adapter_config(path: str | Path) -> dict | None:
     return json.loads(f.read_text()) if f.is_file() else None
 
 
-def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int | None:
+def resumable_step(run_dir: str | Path, trusted: set[int] | frozenset[int] = frozenset()) -> int | None:
     """The newest step a resume would take, or None. ``trusted``: steps this process committed moments ago,
     checked by size only, so the usual case hashes nothing."""
     for step, path in reversed(list_checkpoints(run_dir)):
@@ -413,8 +431,9 @@ def resumable_step(run_dir: str | Path, trusted: set[int] = frozenset()) -> int 
     return None
 
 
-def prune_checkpoints(run_dir: str | Path, keep: int, protect: int | None = None,
-                      trusted: set[int] = frozenset()) -> list[Path]:
+def prune_checkpoints(
+    run_dir: str | Path, keep: int, protect: int | None = None, trusted: set[int] | frozenset[int] = frozenset()
+) -> list[Path]:
     """Delete all but the newest ``keep`` checkpoints -> what was removed. Never step ``protect``, nor the newest
     resumable one: if newer ones are damaged or serving weights only, a resume needs it."""
     checkpoints = list_checkpoints(run_dir)

@@ -35,17 +35,27 @@ import shutil
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from scirl.errors import TrainError
 from scirl.files import fsync_dir, seal_file, write_text_atomic
 from scirl.run import checkpoint, serving_weights
-from scirl.run.checkpoint import (ADAPTER_CONFIG, DCP_METADATA, MANIFEST, PAUSED, PROGRESS, TRAINER_STATE,
-                                  TRAINER_TMP, CheckpointWriteError, weights_dir)
+from scirl.run.checkpoint import (
+    ADAPTER_CONFIG,
+    DCP_METADATA,
+    MANIFEST,
+    PAUSED,
+    PROGRESS,
+    TRAINER_STATE,
+    TRAINER_TMP,
+    CheckpointWriteError,
+    weights_dir,
+)
 from scirl.run.rundir import LATEST
 
 log = logging.getLogger("scirl.run")
@@ -81,7 +91,7 @@ class Job:
     live: dict  # Trainer.checkpoint_state(): references to the live tensors
     progress: dict | None  # rank 0: what state.pt keeps
     full: bool  # with the trainer state (else the serving weights alone)
-    ready: object  # a CUDA event after the step's kernels (None on a CPU)
+    ready: torch.cuda.Event | None  # after the step's kernels (None on a CPU)
     submitted: float = field(default_factory=time.perf_counter)
     phase: str = "staging"  # what the writer is doing, for the lines that say what a wait waits for
     done: threading.Event = field(default_factory=threading.Event)
@@ -97,10 +107,23 @@ class Checkpointer:
     from the live adapter while staging; ``tied``: names the serving files leave out (a tied head); ``fixed``: the
     files every checkpoint carries; ``dtype``: the serving weights'; ``say``: a line on rank 0's console and log."""
 
-    def __init__(self, run_dir: Path, *, state: Callable[[bool], dict], fixed: dict[str, bytes], dtype: torch.dtype,
-                 dist, group, device: torch.device, staging: str = "full", keep: int | None = None,
-                 tied: frozenset[str] = frozenset(), serving: Callable[[], dict] | None = None,
-                 adapter_config: dict | None = None, say: Callable[[str], None] = lambda text: None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        state: Callable[[bool], dict],
+        fixed: dict[str, bytes],
+        dtype: torch.dtype,
+        dist,
+        group,
+        device: torch.device,
+        staging: str = "full",
+        keep: int | None = None,
+        tied: frozenset[str] = frozenset(),
+        serving: Callable[[], dict] | None = None,
+        adapter_config: dict | None = None,
+        say: Callable[[str], None] = lambda text: None,
+    ):
         self.run_dir, self.root = Path(run_dir), weights_dir(run_dir)
         self.state, self.fixed, self.dtype, self.dist, self.group = state, fixed, dtype, dist, group
         self.staging, self.keep, self.tied, self.serving = staging, keep, tied, serving
@@ -112,8 +135,14 @@ class Checkpointer:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
             # on the training thread: on CUDA its side stream must come after the default one is set up
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=self.cuda, use_shared_memory=False,
-                                                       use_async_staging=self.cuda, use_non_blocking_copy=self.cuda))
+            self.stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=self.cuda,
+                    use_shared_memory=False,
+                    use_async_staging=self.cuda,
+                    use_non_blocking_copy=self.cuda,
+                )
+            )
         self.stream = torch.cuda.Stream() if self.cuda else None  # the writer's reads of the live state
         self.plan: list[serving_weights.ServingFile] | None = None  # made at the first checkpoint, then kept
         self.serving_bytes = 0
@@ -134,8 +163,10 @@ class Checkpointer:
         started = time.perf_counter()
         previous = self.job
         if previous is not None and not previous.done.is_set():
-            self.say(f"Checkpoint step_{step} waits for step_{previous.step}'s write ({previous.phase}): at most one "
-                     "checkpoint is written at a time")
+            self.say(
+                f"Checkpoint step_{step} waits for step_{previous.step}'s write ({previous.phase}): at most one "
+                "checkpoint is written at a time"
+            )
         self._finish_job(previous)
         live = self.state(full)
         ready = None
@@ -155,8 +186,9 @@ class Checkpointer:
             return
         started = time.perf_counter()
         if not self.staged.wait(SAY_AFTER_S) and self.job is not None:
-            self.say(f"The update waits for checkpoint step_{self.job.step} to finish reading the state "
-                     f"({self.job.phase})")
+            self.say(
+                f"The update waits for checkpoint step_{self.job.step} to finish reading the state ({self.job.phase})"
+            )
             self.staged.wait()
         self.blocked += time.perf_counter() - started
 
@@ -229,16 +261,18 @@ class Checkpointer:
         if self.dist.is_main:
             if self.keep is not None:
                 checkpoint.prune_checkpoints(self.run_dir, self.keep, protect=job.step, trusted=self.trusted)
-            self.say(f"Saved checkpoint weights/step_{job.step} ({served}; "
-                     f"{time.perf_counter() - job.submitted:.1f}s in the background)")
+            self.say(
+                f"Saved checkpoint weights/step_{job.step} ({served}; "
+                f"{time.perf_counter() - job.submitted:.1f}s in the background)"
+            )
 
     def _stage(self, job: Job) -> tuple[dict, dict]:
         """(what the writes read: the staged copy, or the live state under "chunks"; the serving tensors)."""
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             staged = job.live
             if self.stager is not None:
-                staged = self.stager.stage(job.live)
-                staged = staged.result() if hasattr(staged, "result") else staged
+                staging = self.stager.stage(job.live)  # a future when staged in the background (on CUDA)
+                staged = staging.result() if isinstance(staging, Future) else staging
             serving = self.serving() if self.serving is not None else staged["model"]
         return staged, serving
 
@@ -247,11 +281,12 @@ class Checkpointer:
         for the line."""
         step, tmp, rank = job.step, self.root / f".step_{job.step}.tmp", self.dist.rank
         if self.plan is None:
-            specs = [(name, serving_weights.nbytes(t, self.dtype)) for name, t in tensors.items()
-                     if name not in self.tied]
+            specs = [
+                (name, serving_weights.nbytes(t, self.dtype)) for name, t in tensors.items() if name not in self.tied
+            ]
             self.plan = serving_weights.plan_files(specs, self.dist.world_size)
             self.serving_bytes = sum(size for _, size in specs)
-        failed = None
+        failed: str | Exception | None = None
         if self.dist.is_main:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -262,11 +297,19 @@ class Checkpointer:
                 failed = e
         self._agree(_failure(failed), step, tmp)  # the tmp dir exists before any rank writes into it
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            entries, failed = serving_weights.write_files(tmp, self.plan, tensors, self.dtype, rank=rank,
-                                                          ranks=self.dist.world_size, group=self.group, seal=self._seal)
+            entries, failed = serving_weights.write_files(
+                tmp,
+                self.plan,
+                tensors,
+                self.dtype,
+                rank=rank,
+                ranks=self.dist.world_size,
+                group=self.group,
+                seal=self._seal,
+            )
         if self.dist.is_main and failed is None:
             try:
-                entries.update(self._write_fixed(tmp))
+                entries.update(self._write_fixed(tmp, self.plan))
             except Exception as e:  # a failed write: classified by ``_failure``
                 failed = e
         everything = self._agree((entries, _failure(failed)), step, tmp)
@@ -277,9 +320,9 @@ class Checkpointer:
         self._agree(None, step, None)  # step_N is in place before any rank writes its trainer state into it
         return f"serving weights {_gb(sum(e['size'] for e in files.values()))} ({self.dtype})".replace("torch.", "")
 
-    def _write_fixed(self, tmp: Path) -> dict[str, dict]:
+    def _write_fixed(self, tmp: Path, plan: list[serving_weights.ServingFile]) -> dict[str, dict]:
         files = dict(self.fixed)
-        index = serving_weights.index_file(self.plan, self.serving_bytes)
+        index = serving_weights.index_file(plan, self.serving_bytes)
         if index is not None:
             files[serving_weights.INDEX] = index
         entries = {}
@@ -291,8 +334,11 @@ class Checkpointer:
 
     def _commit_serving(self, step: int, tmp: Path, files: dict) -> None:
         final = self.root / f"step_{step}"
-        _write_manifest(tmp, {"step": step, "created": time.time(), "dtype": str(self.dtype).removeprefix("torch."),
-                              "files": files}, self.mode)
+        _write_manifest(
+            tmp,
+            {"step": step, "created": time.time(), "dtype": str(self.dtype).removeprefix("torch."), "files": files},
+            self.mode,
+        )
         if final.exists():
             # a step saved again after a resume: the old one is deleted only once the new one is in place
             old = self.root / f".step_{step}.old"
@@ -319,13 +365,18 @@ class Checkpointer:
         failed = None
         try:
             tmp.mkdir(exist_ok=True)
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(), \
-                    warnings.catch_warnings():
+            with (
+                torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext(),
+                warnings.catch_warnings(),
+            ):
                 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")  # one process: meant
                 # no DCP fsync: ``_seal`` reads each file back for its sha256 and fsyncs it once
-                dcp_save({key: staged[key] for key in ("model", "optimizer", "algorithm")},
-                         storage_writer=FileSystemWriter(str(tmp), sync_files=False), process_group=self.group,
-                         no_dist=self.dist.world_size == 1)
+                dcp_save(
+                    {key: staged[key] for key in ("model", "optimizer", "algorithm")},
+                    storage_writer=FileSystemWriter(str(tmp), sync_files=False),
+                    process_group=self.group,
+                    no_dist=self.dist.world_size == 1,
+                )
         except (Exception, CheckpointException) as e:  # DCP raises on every rank when one rank's write failed
             failed = e
         if self.staging == "chunks":
@@ -348,8 +399,9 @@ class Checkpointer:
         files = {name: entry for part, _ in everything for name, entry in part.items()}
         self._pause(step, "committing")
         if self.dist.is_main:
-            _write_manifest(tmp, {"step": step, "created": time.time(), "ranks": self.dist.world_size,
-                                  "files": files}, self.mode)
+            _write_manifest(
+                tmp, {"step": step, "created": time.time(), "ranks": self.dist.world_size, "files": files}, self.mode
+            )
             os.rename(tmp, tmp.parent / TRAINER_STATE)
             fsync_dir(tmp.parent)
             self.trusted.add(step)

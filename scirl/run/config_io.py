@@ -112,8 +112,8 @@ def field_reference(model: type[BaseModel] = TrainConfig, width: int = 110) -> s
             entry = f"--{(prefix + name).replace('_', '-')} {shown}" + (f": {f.description}" if f.description else "")
             lines.extend(textwrap.wrap(entry, width, initial_indent="  ", subsequent_indent="      "))
         for name, f in fields:
-            if _nested_model(f.annotation) is not None:
-                walk(f.annotation, f"{prefix}{name}.")
+            if (nested := _nested_model(f.annotation)) is not None:
+                walk(nested, f"{prefix}{name}.")
 
     walk(model, "")
     return "\n".join(lines)
@@ -158,9 +158,16 @@ def parse_overrides(argv: list[str]) -> tuple[list[Path], dict]:
         flag_name = "--" + ".".join(parts).replace("_", "-")
         if _nested_model(annotation) is not None:
             raise ConfigError(f"{flag_name} is a section; set one of its fields, e.g. {flag_name}.<field> VALUE")
-        if _accepts(annotation, bool) and (negate or not has_value) and (
-            negate or i + 1 >= len(argv) or argv[i + 1].startswith("-") or argv[i + 1] == "@"
-            or argv[i + 1].lower() not in ("true", "false", "1", "0", "yes", "no")
+        if (
+            _accepts(annotation, bool)
+            and (negate or not has_value)
+            and (
+                negate
+                or i + 1 >= len(argv)
+                or argv[i + 1].startswith("-")
+                or argv[i + 1] == "@"
+                or argv[i + 1].lower() not in ("true", "false", "1", "0", "yes", "no")
+            )
         ):
             if negate and has_value:
                 raise ConfigError(f"{arg}: a --no-... flag takes no value")
@@ -194,8 +201,10 @@ def read_toml(path: Path, note_renamed: bool = True) -> dict:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
     except UnicodeDecodeError as exc:  # TOML is UTF-8; a Latin-1 comment is the usual culprit
-        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
-                          "TOML files must be UTF-8: save it as UTF-8") from None
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); "
+            "TOML files must be UTF-8: save it as UTF-8"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror or exc})") from None
 
@@ -208,8 +217,9 @@ def renamed_fields(data: dict, path: Path, note: bool = True) -> dict:
         if not isinstance(table, dict) or old not in table:
             continue
         if new in table:
-            raise ConfigError(f"{path}: [{section}] has both {old} and {new}, the old and the new name of one field: "
-                              f"keep {new}")
+            raise ConfigError(
+                f"{path}: [{section}] has both {old} and {new}, the old and the new name of one field: keep {new}"
+            )
         data = {**data, section: {(new if key == old else key): value for key, value in table.items()}}
         if note:
             print(f"note: {path}: [{section}] {old} is read as {new}, its new name", file=sys.stderr)
@@ -233,7 +243,14 @@ def validate(data: dict, origin: str = "config") -> TrainConfig:
             msg = err["msg"]
             if err["type"] == "extra_forbidden":
                 msg = "unknown field"
-            problems.append(f"{field}: {msg}" + (f" (got {err['input']!r})" if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict) else ""))
+            problems.append(
+                f"{field}: {msg}"
+                + (
+                    f" (got {err['input']!r})"
+                    if err["type"] != "extra_forbidden" and not isinstance(err.get("input"), dict)
+                    else ""
+                )
+            )
         # one line, however many fields are wrong: a CLI error is a single line
         raise ConfigError(f"invalid {origin}: " + "; ".join(problems)) from None
 
@@ -246,10 +263,12 @@ FILE_RELATIVE_FIELDS = (("model",), ("data", "source"))
 def anchor_to_file(data: dict, path: Path) -> dict:
     """``model = "../scirl/assets/demo-base"`` in ``configs/demo.toml`` -> that directory's absolute path."""
     for *sections, name in FILE_RELATIVE_FIELDS:
-        table = data
+        table: dict | None = data
         for section in sections:
             table = table.get(section) if isinstance(table, dict) else None
-        value = table.get(name) if isinstance(table, dict) else None
+        if not isinstance(table, dict):
+            continue
+        value = table.get(name)
         if isinstance(value, str) and value.startswith(("./", "../")):
             table[name] = str((path.parent / value).resolve())
     return data
@@ -284,8 +303,11 @@ def changed_settings(before: TrainConfig, after: TrainConfig) -> dict[str, list]
         return out
 
     old, new = flat(to_toml_dict(before)), flat(to_toml_dict(after))
-    return {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys())
-            if old.get(key) != new.get(key) and key not in WHERE_NOT_WHAT}
+    return {
+        key: [old.get(key), new.get(key)]
+        for key in sorted(old.keys() | new.keys())
+        if old.get(key) != new.get(key) and key not in WHERE_NOT_WHAT
+    }
 
 
 def load_config(argv: list[str], base: dict | None = None) -> TrainConfig:

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import zip_longest
-from typing import Callable
 
 from scirl import distributed
 from scirl.errors import TrainError
@@ -38,15 +38,18 @@ from scirl.task.prompt import build_messages
 from scirl.task.schema import Question
 
 
-def eval_subset(questions: list[Question], n: int, seed: int,
-                fits: Callable[[Question], bool] = lambda q: True) -> list[Question]:
+def eval_subset(
+    questions: list[Question], n: int, seed: int, fits: Callable[[Question], bool] = lambda q: True
+) -> list[Question]:
     """The first ``n`` questions ``fits`` accepts in the seeded, domain-interleaved order, which depends on the ids,
     domains and ``seed``, never on the order of ``questions``."""
     by_domain: dict[str, list[Question]] = defaultdict(list)
     for q in questions:
         by_domain[q.domain].append(q)
-    columns = [sorted(by_domain[d], key=lambda q: stable_hash(seed, f"eval-subset\x00{q.id}")) for d in sorted(by_domain)]
-    chosen = []
+    columns = [
+        sorted(by_domain[d], key=lambda q: stable_hash(seed, f"eval-subset\x00{q.id}")) for d in sorted(by_domain)
+    ]
+    chosen: list[Question] = []
     for q in (q for row in zip_longest(*columns) for q in row if q is not None):
         if len(chosen) == n:
             break
@@ -71,14 +74,26 @@ class TrainingEval:
     """``evaluate(step)``: the ``eval/*`` metrics on rank 0 when an eval is due after ``step``, else ``{}``; every
     rank calls it after every step. ``colocated``: every rank holds a generator (else rank 0 alone, a client)."""
 
-    def __init__(self, questions: list[Question], generator, dist, *, interval: int | None, last_step: int,
-                 max_tokens: int, seed: int, colocated: bool):
+    def __init__(
+        self,
+        questions: list[Question],
+        generator,
+        dist,
+        *,
+        interval: int | None,
+        last_step: int,
+        max_tokens: int,
+        seed: int,
+        colocated: bool,
+    ):
         self.questions, self.generator, self.dist = questions, generator, dist
         self.interval, self.last_step, self.max_tokens, self.seed = interval, last_step, max_tokens, seed
         self.colocated = colocated
 
     def due(self, step: int) -> bool:
-        return bool(self.interval) and (step % self.interval == 0 or step == self.last_step)
+        if not self.interval:
+            return False
+        return step % self.interval == 0 or step == self.last_step
 
     def __call__(self, step: int) -> dict:
         if not self.due(step) or not (self.colocated or self.dist.is_main):
@@ -89,8 +104,18 @@ class TrainingEval:
         rng = capture_rng_state()
         try:
             # one call: the generator batches by its own memory bounds
-            records = evaluate_generator(self.generator, mine, temperature=0.0, max_tokens=self.max_tokens,
-                                         seed=self.seed, batch_size=len(mine))["records"] if mine else []
+            records = (
+                evaluate_generator(
+                    self.generator,
+                    mine,
+                    temperature=0.0,
+                    max_tokens=self.max_tokens,
+                    seed=self.seed,
+                    batch_size=len(mine),
+                )["records"]
+                if mine
+                else []
+            )
         finally:
             restore_rng_state(rng)
         if self.colocated and mine and hasattr(self.generator, "reset_prefix_cache"):
@@ -113,11 +138,26 @@ def training_eval(cfg, splits, tokenizer, generator, dist, *, colocated: bool, s
 
         chosen = eval_subset(held_out, cfg.eval.questions, cfg.data.split_seed, fits)
         if not chosen:
-            raise TrainError(f"eval.interval is set but none of the {len(held_out)} held-out questions can be evaluated "
-                             f"(none held out, or every prompt + max_completion_tokens exceeds seq_len {cfg.seq_len})")
-        short = (f" (of {cfg.eval.questions} asked: every held-out question that fits seq_len)"
-                 if len(chosen) < cfg.eval.questions else "")
-        say(f"Eval: {len(chosen)} held-out questions{short}, greedy, every {cfg.eval.interval} steps and at the last; "
-            f"the subset is seeded by data.split_seed ({cfg.data.split_seed})")
-    return TrainingEval(chosen, generator, dist, interval=cfg.eval.interval, last_step=cfg.max_steps,
-                        max_tokens=cfg.max_completion_tokens, seed=cfg.seed, colocated=colocated)
+            raise TrainError(
+                f"eval.interval is set but none of the {len(held_out)} held-out questions can be evaluated "
+                f"(none held out, or every prompt + max_completion_tokens exceeds seq_len {cfg.seq_len})"
+            )
+        short = (
+            f" (of {cfg.eval.questions} asked: every held-out question that fits seq_len)"
+            if len(chosen) < cfg.eval.questions
+            else ""
+        )
+        say(
+            f"Eval: {len(chosen)} held-out questions{short}, greedy, every {cfg.eval.interval} steps and at the last; "
+            f"the subset is seeded by data.split_seed ({cfg.data.split_seed})"
+        )
+    return TrainingEval(
+        chosen,
+        generator,
+        dist,
+        interval=cfg.eval.interval,
+        last_step=cfg.max_steps,
+        max_tokens=cfg.max_completion_tokens,
+        seed=cfg.seed,
+        colocated=colocated,
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from scirl.errors import ConfigError
 from scirl.run.config import DataConfig
@@ -21,8 +22,14 @@ from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAU
 from scirl.task.formats import AUTO, ColumnMapping, parse_columns
 
 # The settings that say which questions are evaluated, by their flags; a run's config.toml gives their defaults
-DATA_FLAGS = {"data": "--data", "data_format": "--data-format", "data_columns": "--data-columns",
-              "eval_per_domain": "--eval-per-domain", "split_method": "--split-method", "split_seed": "--split-seed"}
+DATA_FLAGS = {
+    "data": "--data",
+    "data_format": "--data-format",
+    "data_columns": "--data-columns",
+    "eval_per_domain": "--eval-per-domain",
+    "split_method": "--split-method",
+    "split_seed": "--split-seed",
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +50,14 @@ class EvalSettings:
 
     def recorded(self, limit: int | None) -> dict:
         """The data settings a results file records (and a rerun must match to resume)."""
-        out = {"data": data_id(self.data), "split": self.split, "eval_per_domain": self.eval_per_domain,
-               "split_method": self.split_method, "split_seed": self.split_seed, "limit": limit}
+        out = {
+            "data": data_id(self.data),
+            "split": self.split,
+            "eval_per_domain": self.eval_per_domain,
+            "split_method": self.split_method,
+            "split_seed": self.split_seed,
+            "limit": limit,
+        }
         # format and columns only when given, so a results file made before these flags still resumes
         if self.data_format != AUTO:
             out["data_format"] = self.data_format
@@ -60,8 +73,10 @@ def data_id(source: str) -> str:
 
 def flags(settings: dict) -> str:
     """``settings`` (by ``DATA_FLAGS``' keys) as the flags that give them, as one would type them."""
-    return " ".join(f"{DATA_FLAGS[key]} {shlex.quote(value.as_text() if hasattr(value, 'as_text') else str(value))}"
-                    for key, value in settings.items())
+    return " ".join(
+        f"{DATA_FLAGS[key]} {shlex.quote(value.as_text() if hasattr(value, 'as_text') else str(value))}"
+        for key, value in settings.items()
+    )
 
 
 def resolve(*, model: str | None, run: str | None, served: bool, given: dict, split: str | None) -> EvalSettings:
@@ -75,28 +90,42 @@ def resolve(*, model: str | None, run: str | None, served: bool, given: dict, sp
         raise ConfigError(f"--run {run}: {e}") from None
     chosen = {key: given[key] for key in DATA_FLAGS if given.get(key) is not None}
     if run_data is None:
-        defaults = {"data": HUB_ID, "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN, "split_method": DEFAULT_SPLIT_METHOD,
-                    "split_seed": DEFAULT_SPLIT_SEED}
+        defaults = {
+            "data": HUB_ID,
+            "eval_per_domain": DEFAULT_EVAL_PER_DOMAIN,
+            "split_method": DEFAULT_SPLIT_METHOD,
+            "split_seed": DEFAULT_SPLIT_SEED,
+        }
     else:
-        defaults = {"data": run_data.source, "eval_per_domain": run_data.eval_per_domain,
-                    "split_method": run_data.split_method, "split_seed": run_data.split_seed}
+        defaults = {
+            "data": run_data.source,
+            "eval_per_domain": run_data.eval_per_domain,
+            "split_method": run_data.split_method,
+            "split_seed": run_data.split_seed,
+        }
         # format and columns come from the run only with its own source, and when neither is given
         same_source = "data" not in chosen or data_id(chosen["data"]) == data_id(run_data.source)
         if same_source and "data_format" not in chosen and "data_columns" not in chosen:
             defaults["data_format"] = run_data.format
             defaults["data_columns"] = parse_columns(run_data.columns) if run_data.columns is not None else None
-    settings = {key: None for key in DATA_FLAGS} | defaults | chosen
+    settings: dict[str, Any] = {key: None for key in DATA_FLAGS} | defaults | chosen
     settings["data_format"] = settings["data_format"] or AUTO
     if split is None:  # a run that trained on the eval split held out the train split
         split = "train" if run_data is not None and run_data.split == "eval" else "eval"
     origin = None
     if run_data is not None:
-        taken = {key: settings[key] for key in DATA_FLAGS if key not in chosen and key in defaults
-                 and settings[key] is not None and settings[key] != AUTO}
-        recorded = ("config.toml" if (Path(run) / "config.toml").is_file()
-                    else "run config, which its checkpoint carries")
-        origin = (f"data settings of run {run} (its {recorded}): {flags(taken) or 'none'}"
-                  + (f"; given here: {flags(chosen)}" if chosen else ""))
+        assert run is not None  # run_data is the run's
+        taken = {
+            key: settings[key]
+            for key in DATA_FLAGS
+            if key not in chosen and key in defaults and settings[key] is not None and settings[key] != AUTO
+        }
+        recorded = (
+            "config.toml" if (Path(run) / "config.toml").is_file() else "run config, which its checkpoint carries"
+        )
+        origin = f"data settings of run {run} (its {recorded}): {flags(taken) or 'none'}" + (
+            f"; given here: {flags(chosen)}" if chosen else ""
+        )
     return EvalSettings(model, run, run_data, split=split, origin=origin, **settings)
 
 
@@ -108,8 +137,10 @@ def resolve_run(model: str | None, run: str | None, served: bool) -> tuple[str, 
         raise ConfigError(f"--run {run}: not a scirl train run directory (no config.toml)")
     if model is None:
         if run is None or served:
-            raise ConfigError("--model is required: the served model's name with --base-url, else a local HF model "
-                              "directory or a run's checkpoint (or --run RUN_DIR for the run's latest)")
+            raise ConfigError(
+                "--model is required: the served model's name with --base-url, else a local HF model "
+                "directory or a run's checkpoint (or --run RUN_DIR for the run's latest)"
+            )
         model = str(Path(run) / "weights" / LATEST)
     model_run = checkpoint_run(Path(model))
     if model_run is None:
@@ -129,8 +160,21 @@ def trained_ids(settings: EvalSettings, splits) -> set[str]:
     """The ids of the questions the run trained on: its ``data.split`` under its own settings (``splits``, the
     evaluation's, when those are the run's). Raises what ``load_splits`` raises for data it cannot read."""
     run_data = settings.run_data
+    assert run_data is not None, "trained_ids needs an evaluation of a run"
     columns = settings.data_columns.as_dict() if settings.data_columns is not None else None
-    same = (data_id(settings.data), settings.data_format, columns, settings.eval_per_domain, settings.split_method,
-            settings.split_seed) == (data_id(run_data.source), run_data.format, run_data.columns,
-                                     run_data.eval_per_domain, run_data.split_method, run_data.split_seed)
+    same = (
+        data_id(settings.data),
+        settings.data_format,
+        columns,
+        settings.eval_per_domain,
+        settings.split_method,
+        settings.split_seed,
+    ) == (
+        data_id(run_data.source),
+        run_data.format,
+        run_data.columns,
+        run_data.eval_per_domain,
+        run_data.split_method,
+        run_data.split_seed,
+    )
     return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}

@@ -121,14 +121,22 @@ class ModelShape:
     serving_bytes: int = 2  # a parameter's bytes in the model's own dtype (its config's): what a checkpoint serves
 
     @classmethod
-    def from_config(cls, config: dict) -> "ModelShape | None":
+    def from_config(cls, config: dict) -> ModelShape | None:
         """From a ``config.json``'s fields; None when one the plan needs is missing."""
         try:
             h, heads = config["hidden_size"], config["num_attention_heads"]
             dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
-            return cls(h, config["num_hidden_layers"], heads, config.get("num_key_value_heads") or heads,
-                       config.get("head_dim") or h // heads, config["intermediate_size"], config["vocab_size"],
-                       bool(config.get("tie_word_embeddings", False)), 2 if dtype in ("bfloat16", "float16") else F32)
+            return cls(
+                h,
+                config["num_hidden_layers"],
+                heads,
+                config.get("num_key_value_heads") or heads,
+                config.get("head_dim") or h // heads,
+                config["intermediate_size"],
+                config["vocab_size"],
+                bool(config.get("tie_word_embeddings", False)),
+                2 if dtype in ("bfloat16", "float16") else F32,
+            )
         except (KeyError, TypeError):
             return None
 
@@ -146,10 +154,18 @@ class ModelShape:
 
 # Published config.json values of the Qwen3 dense models (vocabulary 151936, head dim 128, 8 KV heads), for
 # hub ids whose config is neither a local directory nor in the hub cache: the plan downloads nothing.
-QWEN3 = {"0.6B": (1024, 28, 16, 3072, True), "1.7B": (2048, 28, 16, 6144, True), "4B": (2560, 36, 32, 9728, True),
-         "8B": (4096, 36, 32, 12288, False), "14B": (5120, 40, 40, 17408, False), "32B": (5120, 64, 64, 25600, False)}
-KNOWN_SHAPES = {f"qwen3-{size.lower()}": ModelShape(h, layers, heads, 8, 128, inner, 151936, tied)
-                for size, (h, layers, heads, inner, tied) in QWEN3.items()}
+QWEN3 = {
+    "0.6B": (1024, 28, 16, 3072, True),
+    "1.7B": (2048, 28, 16, 6144, True),
+    "4B": (2560, 36, 32, 9728, True),
+    "8B": (4096, 36, 32, 12288, False),
+    "14B": (5120, 40, 40, 17408, False),
+    "32B": (5120, 64, 64, 25600, False),
+}
+KNOWN_SHAPES = {
+    f"qwen3-{size.lower()}": ModelShape(h, layers, heads, 8, 128, inner, 151936, tied)
+    for size, (h, layers, heads, inner, tied) in QWEN3.items()
+}
 
 
 def model_shape(model: str) -> tuple[ModelShape, str] | None:
@@ -212,8 +228,13 @@ class Workload:
         """The largest micro-batch the trainer cuts from groups of full-length completions in rows ``row_tokens``
         long (``cutting.largest_micro_batch``)."""
         completion = max(min(self.completion_tokens, self.row_tokens - 1), 1)
-        return largest_micro_batch(self.batching, self.attention, group_size=self.group_size,
-                                   prompt=max(self.row_tokens - completion, 1), completion=completion)
+        return largest_micro_batch(
+            self.batching,
+            self.attention,
+            group_size=self.group_size,
+            prompt=max(self.row_tokens - completion, 1),
+            completion=completion,
+        )
 
 
 @dataclass
@@ -222,7 +243,7 @@ class MemoryPlan:
     source: str  # where the shapes came from
     work: Workload
     # the micro-batch the peak is planned at (the worst row length up to work.row_tokens)
-    rows: MicroBatchShape | None = None
+    rows: MicroBatchShape
     moments: dict[str, dict[str, int]] = field(default_factory=dict)  # each moment's bytes per trainer GPU, by term
 
     @property
@@ -237,7 +258,7 @@ class MemoryPlan:
     @property
     def peak_moment(self) -> str:
         phases = self.phases
-        return max(phases, key=phases.get)
+        return max(phases, key=lambda name: phases[name])
 
     @property
     def terms(self) -> dict[str, int]:
@@ -251,13 +272,29 @@ class MemoryPlan:
     @property
     def allocated(self) -> dict[str, int]:
         """Each moment's bytes in tensors: what torch's allocator counts (``torch.cuda.max_memory_allocated``)."""
-        return {name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH)
-                for name, parts in self.moments.items()}
+        return {
+            name: sum(v for k, v in parts.items() if k not in OUTSIDE_TORCH) for name, parts in self.moments.items()
+        }
 
 
-TERMS = ("weights", "gradients", "optimizer", "algorithm state", "compute copy", "engine", "gathered",
-         "gradients in flight", "activations", "backward", "head", "head gradient", "push bucket", "CUDA context",
-         "NCCL", "allocator reserve")  # the plan's terms, in the table's order
+TERMS = (
+    "weights",
+    "gradients",
+    "optimizer",
+    "algorithm state",
+    "compute copy",
+    "engine",
+    "gathered",
+    "gradients in flight",
+    "activations",
+    "backward",
+    "head",
+    "head gradient",
+    "push bucket",
+    "CUDA context",
+    "NCCL",
+    "allocator reserve",
+)  # the plan's terms, in the table's order
 OUTSIDE_TORCH = ("CUDA context", "NCCL", "allocator reserve")  # memory a GPU holds beyond torch's live tensors
 VARYING_TERMS = ("activations", "backward", "head")  # sized by each micro-batch's length: what fragments the allocator
 
@@ -275,11 +312,13 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
     n, q, kv = rows.tokens, s.heads * s.head_dim, s.kv_heads * s.head_dim
     # the two RMSNorms over the stream and their outputs (q/k/v's, gate/up's input); the q and k norms (their
     # outputs feed the rotary embedding, which keeps nothing)
-    per_token = (2 * (rmsnorm_bytes(c) + c) * s.hidden
-                 + rmsnorm_bytes(c) * (q + kv)
-                 + F32 * (2 + s.heads + s.kv_heads)  # the norms' reciprocal RMS
-                 + c * q  # o_proj's input
-                 + 4 * c * s.intermediate)  # gate, SiLU(gate), up, their product
+    per_token = (
+        2 * (rmsnorm_bytes(c) + c) * s.hidden
+        + rmsnorm_bytes(c) * (q + kv)
+        + F32 * (2 + s.heads + s.kv_heads)  # the norms' reciprocal RMS
+        + c * q  # o_proj's input
+        + 4 * c * s.intermediate
+    )  # gate, SiLU(gate), up, their product
     kept = per_token * n
     if w.attention == "flex":  # flex attention keeps q, k, v (grouped heads, not repeated), its output and logsumexp
         kept += n * (c * (2 * q + 2 * kv) + F32 * s.heads)
@@ -287,9 +326,11 @@ def layer_bytes(s: ModelShape, rows: MicroBatchShape, w: Workload, c: int) -> tu
         # (full-length rows: one grid; completions of mixed lengths are split into smaller grids, which keep less)
         g, m, p, cl = rows.prompts, rows.completions, rows.prompt, rows.completion
         keys = m * (p + cl)
-        kept += (g * p * (c * (2 * q + 2 * kv) + F32 * s.heads)  # q, k, v, output, logsumexp of the prompts
-                 + m * cl * (2 * c * q + F32 * s.heads)  # the completions' q, output, logsumexp
-                 + keys * 2 * c * kv)  # their keys' k and v
+        kept += (
+            g * p * (c * (2 * q + 2 * kv) + F32 * s.heads)  # q, k, v, output, logsumexp of the prompts
+            + m * cl * (2 * c * q + F32 * s.heads)  # the completions' q, output, logsumexp
+            + keys * 2 * c * kv
+        )  # their keys' k and v
     copies = F32 * s.hidden * n if c == F32 else 0  # in float32 the first RMSNorm keeps the layer's input itself
     return kept, copies
 
@@ -320,8 +361,14 @@ def activation_bytes(shape: ModelShape, work: Workload, rows: MicroBatchShape | 
     return Activations(s.layers * c * s.hidden * n + outside, layer - input_copy + backward, c * s.hidden * n)
 
 
-def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int = DEFAULT_BLOCK_TOKENS,
-               top_p: float = 1.0, fused: bool = False) -> int:
+def head_bytes(
+    positions: int,
+    vocab: int,
+    compute_bytes: int,
+    block: int = DEFAULT_BLOCK_TOKENS,
+    top_p: float = 1.0,
+    fused: bool = False,
+) -> int:
     """The LM head's forward (``trainer/head.HeadLogprobs``) over ``positions`` loss tokens, a block of rows at a
     time: one block's float32 logits and their exponentials (the compute-dtype logits are freed as they are cast),
     under top-p the nucleus's boolean mask and masked copy (or, before, its sort's values and int64 indices, in parts
@@ -339,8 +386,15 @@ def head_bytes(positions: int, vocab: int, compute_bytes: int, block: int = DEFA
     return working + positions * (3 + (top_p < 1)) * F32
 
 
-def head_backward_bytes(positions: int, shape: ModelShape, compute_bytes: int, block: int,
-                        top_p: float = 1.0, fused: bool = False, fp32_output_gemm: bool = True) -> int:
+def head_backward_bytes(
+    positions: int,
+    shape: ModelShape,
+    compute_bytes: int,
+    block: int,
+    top_p: float = 1.0,
+    fused: bool = False,
+    fp32_output_gemm: bool = True,
+) -> int:
     """The head's backward beyond what the forward kept, but for its weight's gradient (``head_weight_gradient``):
     the gradient of the hidden states; a block's logits recomputed in float32 and turned into their gradient in
     place, its cast to the compute dtype beside it, the nucleus's mask and masked copy under top-p (``fused``: the
@@ -394,8 +448,10 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
         "algorithm state": w.extra_state * trained // R,
         "compute copy": c * P if copy else 0,
     }
-    fixed = {"CUDA context": CUDA_CONTEXT if w.cuda else 0,
-             "NCCL": sum(nccl_bytes(ranks) for _, ranks, _ in w.communicators) if w.cuda else 0}
+    fixed = {
+        "CUDA context": CUDA_CONTEXT if w.cuda else 0,
+        "NCCL": sum(nccl_bytes(ranks) for _, ranks, _ in w.communicators) if w.cuda else 0,
+    }
     step = {**state, "gradients": F32 * trained // R, "engine": w.engine_train}
     working = gradient_working_set(shape, w, copy)
     head_trains = w.lora_parameters is None
@@ -403,14 +459,26 @@ def estimate_rows(shape: ModelShape, work: Workload, rows: MicroBatchShape, sour
     head_backward = head_backward_bytes(rows.loss_tokens, shape, c, w.head_block, w.top_p, w.fused_head, w.cuda)
     transient = {
         "forward's end": {"gathered": working.forward, "activations": saved, "head": head},
-        "head's backward": {"gathered": working.forward, "activations": saved, "head": head_backward,
-                            "head gradient": head_weight_gradient(shape, c) if head_trains else 0},
+        "head's backward": {
+            "gathered": working.forward,
+            "activations": saved,
+            "head": head_backward,
+            "head gradient": head_weight_gradient(shape, c) if head_trains else 0,
+        },
         # the last layer's backward, or the next, which has freed one layer's activations but holds the last's
         # reduce-scatter input (FSDP2)
-        "a layer's backward": max(({"gathered": working.layer + in_flight, "activations": saved - freed,
-                                    "backward": act.backward, "gradients in flight": working.head_gradient}
-                                   for in_flight, freed in ((0, 0), (working.reduce_in_flight, act.per_layer))),
-                                  key=lambda parts: sum(parts.values())),
+        "a layer's backward": max(
+            (
+                {
+                    "gathered": working.layer + in_flight,
+                    "activations": saved - freed,
+                    "backward": act.backward,
+                    "gradients in flight": working.head_gradient,
+                }
+                for in_flight, freed in ((0, 0), (working.reduce_in_flight, act.per_layer))
+            ),
+            key=lambda parts: sum(parts.values()),
+        ),
         "backward's end": {"gathered": working.end},
         "optimizer step": {},
     }
@@ -447,8 +515,13 @@ def gradient_working_set(shape: ModelShape, w: Workload, copy: bool) -> WorkingS
         # layer on, the float32 reduce-scatter input of the layer before, kept until this one's is made. The root's
         # gradients (the head's first) wait for its reduce-scatter at the backward's end, after the root reshards:
         # their float32 copy-in beside them, then the reduced shard
-        return WorkingSet(c * root, c * root + 3 * c * layer, F32 * layer, c * head if w.lora_parameters is None else 0,
-                          F32 * root + max(c * root, F32 * root // w.ranks))
+        return WorkingSet(
+            c * root,
+            c * root + 3 * c * layer,
+            F32 * layer,
+            c * head if w.lora_parameters is None else 0,
+            F32 * root + max(c * root, F32 * root // w.ranks),
+        )
     if w.lora_parameters is not None:
         return WorkingSet(0, 0, 0, 0, 0)  # the frozen base has no gradient; the adapter's are small
     if copy:  # the bf16 copy's gradients pile up through the backward, then go into the float32 .grad
@@ -464,13 +537,21 @@ def gradient_working_set(shape: ModelShape, w: Workload, copy: bool) -> WorkingS
 def lora_parameters(shape: ModelShape, rank: int, targets: list[str]) -> int:
     """The adapter's parameters: ``rank x (in + out)`` for each targeted linear of each layer."""
     h, q, kv, inner = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
-    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
-             "gate_proj": h + inner, "up_proj": h + inner, "down_proj": inner + h}
+    sizes = {
+        "q_proj": h + q,
+        "k_proj": h + kv,
+        "v_proj": h + kv,
+        "o_proj": q + h,
+        "gate_proj": h + inner,
+        "up_proj": h + inner,
+        "down_proj": inner + h,
+    }
     return shape.layers * rank * sum(sizes.get(name, 0) for name in targets)
 
 
-def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_tokens: int | None = None,
-             vllm: bool = False) -> Workload:
+def workload(
+    cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_tokens: int | None = None, vllm: bool = False
+) -> Workload:
     """One trainer rank's ``Workload`` under ``cfg`` (a ``TrainConfig``), rank 0's where ranks differ. ``row_tokens``:
     the longest sequence (None: ``seq_len``); ``vllm``: whether a colocated ``auto`` backend gets vLLM (installed)."""
     c = F32 if cfg.dtype == "float32" else 2  # "auto" trains in bf16 on a GPU
@@ -490,22 +571,38 @@ def workload(cfg, shape: ModelShape, *, ranks: int, gpu_bytes: int | None, row_t
     nccl_push = servers and cuda and dep.weight_sync_on(True) == "nccl"
     # FSDP2's among the trainer ranks (one node's: the launcher's, or torchrun's); rank 0's push group with the
     # launcher's servers on the same node, or with servers elsewhere (inference.urls: their GPUs unknown here)
-    push_group = ("weight push", 0, "network") if cfg.inference.urls else (
-        "weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe")
+    push_group = (
+        ("weight push", 0, "network") if cfg.inference.urls else ("weight push", 1 + dep.num_infer_gpus, "NVLink/PCIe")
+    )
     communicators = ((("FSDP2", ranks, "NVLink/PCIe"),) if cuda and ranks > 1 else ()) + (
-        (push_group,) if nccl_push else ())
+        (push_group,) if nccl_push else ()
+    )
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if cuda else "sdpa")
     fused_head = kernels.resolve(cfg.kernels, torch.device("cuda" if cuda else "cpu")) == "compile"
-    return Workload(ranks=ranks, compute_bytes=c, micro_batch_tokens=cfg.micro_batch_tokens,
-                    micro_batch_size=cfg.micro_batch_size, row_tokens=row_tokens or cfg.seq_len,
-                    completion_tokens=cfg.max_completion_tokens, checkpointing=cfg.activation_checkpointing,
-                    group_size=cfg.group_size, share_prompts=cfg.share_prompts, attention=attention,
-                    head_block=cfg.head_block_tokens or DEFAULT_BLOCK_TOKENS, fused_head=fused_head, top_p=cfg.top_p,
-                    lora_parameters=lora,
-                    extra_state=algorithms.state_bytes_per_param(cfg), engine_train=engine_train,
-                    engine_push=engine_push, push_bucket=push_bucket, push_copy=nccl_push, cuda=cuda,
-                    communicators=communicators)
+    return Workload(
+        ranks=ranks,
+        compute_bytes=c,
+        micro_batch_tokens=cfg.micro_batch_tokens,
+        micro_batch_size=cfg.micro_batch_size,
+        row_tokens=row_tokens or cfg.seq_len,
+        completion_tokens=cfg.max_completion_tokens,
+        checkpointing=cfg.activation_checkpointing,
+        group_size=cfg.group_size,
+        share_prompts=cfg.share_prompts,
+        attention=attention,
+        head_block=cfg.head_block_tokens or DEFAULT_BLOCK_TOKENS,
+        fused_head=fused_head,
+        top_p=cfg.top_p,
+        lora_parameters=lora,
+        extra_state=algorithms.state_bytes_per_param(cfg),
+        engine_train=engine_train,
+        engine_push=engine_push,
+        push_bucket=push_bucket,
+        push_copy=nccl_push,
+        cuda=cuda,
+        communicators=communicators,
+    )
 
 
 def trainer_ranks(cfg, world_size: str | None) -> int:
@@ -595,34 +692,55 @@ def fixes(shape: ModelShape, work: Workload, gpu_bytes: int, cfg) -> str:
         found.append(f"cut the activations ({gib(activations)} at the peak) with --micro-batch-tokens {budget}")
     if work.engine_push:  # the colocated engine's share, as long as it still holds its own weights
         least = work.compute_bytes * shape.parameters() + GIB
-        share = next((u / 20 for u in range(19, 0, -1) if u / 20 * gpu_bytes > least and fits(shape, replace(
-            work, engine_push=int(u / 20 * gpu_bytes),
-            engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0), gpu_bytes)), None)
+        share = next(
+            (
+                u / 20
+                for u in range(19, 0, -1)
+                if u / 20 * gpu_bytes > least
+                and fits(
+                    shape,
+                    replace(
+                        work,
+                        engine_push=int(u / 20 * gpu_bytes),
+                        engine_train=int(u / 20 * gpu_bytes) if work.engine_train else 0,
+                    ),
+                    gpu_bytes,
+                )
+            ),
+            None,
+        )
         if share:
-            found.append(f"cut the colocated engine's share ({gib(work.engine_push)}) with "
-                         f"--inference.gpu-memory-utilization {share:g}")
+            found.append(
+                f"cut the colocated engine's share ({gib(work.engine_push)}) with "
+                f"--inference.gpu-memory-utilization {share:g}"
+            )
     gpus = next((r for r in range(work.ranks + 1, 257) if fits(shape, replace(work, ranks=r), gpu_bytes)), None)
     if gpus:
         state = sum(at_peak.get(k, 0) for k in ("weights", "gradients", "optimizer", "algorithm state", "compute copy"))
         what = "weights, gradients, AdamW moments" + (
-            " and the algorithm's state" if at_peak.get("algorithm state") else "")
+            " and the algorithm's state" if at_peak.get("algorithm state") else ""
+        )
         found.append(f"shard the {what} ({gib(state)} at the peak) over more trainer GPUs ({gpus_flag.format(gpus)})")
     if found:
         return ", or ".join(found)
-    gpus = next((r for r in range(work.ranks, 257)
-                 if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None)
+    gpus = next(
+        (r for r in range(work.ranks, 257) if fits(shape, replace(work, checkpointing=True, ranks=r), gpu_bytes)), None
+    )
     if gpus is None:
         return "no combination of checkpointing and GPUs fits: a smaller model, or a LoRA adapter (--lora.enabled)"
-    together = (([] if work.checkpointing else [checkpointing])
-                + ([gpus_flag.format(gpus)] if gpus != work.ranks else []))
+    together = ([] if work.checkpointing else [checkpointing]) + (
+        [gpus_flag.format(gpus)] if gpus != work.ranks else []
+    )
     return "no one change fits; together: " + " ".join(together)
 
 
 def over(plan: MemoryPlan, gpu_bytes: int, where: str) -> str:
     """``needs about X GiB at its peak (moment, ...), over the Y GiB a run may plan on of a GPU of Z GiB (where)``."""
-    return (f"needs about {gib(plan.peak)} at its peak ({plan.peak_moment}, micro-batches of up to {plan.rows.tokens} "
-            f"tokens), over the {gib(usable(gpu_bytes))} a run may plan on of the GPU's {gib(gpu_bytes)} ({where}; "
-            f"{HEADROOM:.0%} is left for what the plan cannot count)")
+    return (
+        f"needs about {gib(plan.peak)} at its peak ({plan.peak_moment}, micro-batches of up to {plan.rows.tokens} "
+        f"tokens), over the {gib(usable(gpu_bytes))} a run may plan on of the GPU's {gib(gpu_bytes)} ({where}; "
+        f"{HEADROOM:.0%} is left for what the plan cannot count)"
+    )
 
 
 def check_fit(plan: MemoryPlan, gpu_bytes: int, where: str, cfg) -> int | None:
@@ -634,8 +752,9 @@ def check_fit(plan: MemoryPlan, gpu_bytes: int, where: str, cfg) -> int | None:
     row = longest_row_that_fits(plan.shape, plan.work, gpu_bytes)
     if row is not None:
         return row
-    raise PreflightError(f"memory: a trainer GPU {over(plan, gpu_bytes, where)}; "
-                         f"fix: {fixes(plan.shape, plan.work, gpu_bytes, cfg)}")
+    raise PreflightError(
+        f"memory: a trainer GPU {over(plan, gpu_bytes, where)}; fix: {fixes(plan.shape, plan.work, gpu_bytes, cfg)}"
+    )
 
 
 def gib(n: float) -> str:
@@ -647,15 +766,18 @@ def largest_head_block(shape: ModelShape, work: Workload, gpu_bytes: int) -> int
     return next((b for b in HEAD_BLOCKS[:0:-1] if fits(shape, replace(work, head_block=b), gpu_bytes)), HEAD_BLOCKS[0])
 
 
-def planned_workload(cfg, *, ranks: int, gpu: tuple[int, str] | None,
-                     row_tokens: int | None = None) -> tuple[ModelShape, str, Workload] | str:
+def planned_workload(
+    cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None
+) -> tuple[ModelShape, str, Workload] | str:
     """(the model's shapes, where they came from, ``cfg``'s trainer ``Workload`` with the head's block size chosen
     where ``head_block_tokens`` is 0 and a GPU's size is known: ``gpu``'s, else this machine's, as the trainer
     chooses it), or a one-line note saying why there is no plan."""
     found = model_shape(cfg.model)
     if found is None:
-        return (f"no memory plan: the shapes of model {cfg.model!r} are unknown here (not a local directory, "
-                "not in the hub cache, not a known Qwen3 size)")
+        return (
+            f"no memory plan: the shapes of model {cfg.model!r} are unknown here (not a local directory, "
+            "not in the hub cache, not a known Qwen3 size)"
+        )
     shape, source = found
     vllm = importlib.util.find_spec("vllm") is not None
     work = workload(cfg, shape, ranks=ranks, gpu_bytes=gpu[0] if gpu else None, row_tokens=row_tokens, vllm=vllm)
@@ -674,8 +796,9 @@ def head_block_tokens(cfg, ranks: int, device: torch.device) -> int:
     return DEFAULT_BLOCK_TOKENS if isinstance(planned, str) else planned[2].head_block
 
 
-def plan_run(cfg, *, ranks: int, gpu: tuple[int, str] | None,
-             row_tokens: int | None = None) -> tuple[MemoryPlan, int | None] | str:
+def plan_run(
+    cfg, *, ranks: int, gpu: tuple[int, str] | None, row_tokens: int | None = None
+) -> tuple[MemoryPlan, int | None] | str:
     """(the plan of ``cfg``'s trainer GPUs, the longest row that fits when seq_len's does not), or a one-line
     note saying why there is no plan. Raises ``PreflightError`` for a run that cannot fit."""
     planned = planned_workload(cfg, ranks=ranks, gpu=gpu, row_tokens=row_tokens)
@@ -693,10 +816,11 @@ def check_rows(cfg, longest_prompt: int, ranks: int) -> None:
     row = min(cfg.seq_len, longest_prompt + cfg.max_completion_tokens)
     gpu = gpu_size(cfg.deployment)
     planned = plan_run(cfg, ranks=ranks, gpu=gpu, row_tokens=row)  # refuses what even the shortest rows cannot fit
-    if isinstance(planned, str) or planned[1] is None:
+    if gpu is None or isinstance(planned, str) or planned[1] is None:  # no GPU size known: nothing to check
         return
     plan, fits_row = planned
     raise PreflightError(
         f"memory: with sequences of up to {row} tokens (the data's longest prompt, {longest_prompt} tokens, + "
         f"max_completion_tokens) a trainer GPU {over(plan, gpu[0], gpu[1])}; rows up to {fits_row} tokens fit; "
-        f"fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, or --seq-len {fits_row} (longer prompts are then left out)")
+        f"fix: {fixes(plan.shape, plan.work, gpu[0], cfg)}, or --seq-len {fits_row} (longer prompts are then left out)"
+    )

@@ -16,8 +16,10 @@ from scirl.run.serving_weights import FILE_BYTES
 # Of a node's host memory, what checkpoints may stage into: the rest is for the processes themselves (rank 0's copy
 # of the model while it loads, Python, CUDA's and vLLM's host allocations) and the page cache the writes go through
 HOST_SHARE = 0.75
-STAGING_FIX = ("--ckpt.staging chunks (nothing copied: the writer reads the live state a chunk at a time, and the next "
-               "update waits for the write)")
+STAGING_FIX = (
+    "--ckpt.staging chunks (nothing copied: the writer reads the live state a chunk at a time, and the next "
+    "update waits for the write)"
+)
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,9 @@ class Staging:
         return self.serving + (self.trainer_state if mode == "full" else 0)
 
 
-def staging_bytes(*, trained: int, serving_total: int, largest: int, ranks: int, extra_state: int,
-                  lora: bool) -> Staging:
+def staging_bytes(
+    *, trained: int, serving_total: int, largest: int, ranks: int, extra_state: int, lora: bool
+) -> Staging:
     """``trained``: the parameters this rank trains (its shards; LoRA: the adapter's); ``serving_total``: the serving
     weights' bytes (every rank's); ``largest``: the largest tensor's, in the serving dtype."""
     state = trained * (3 * F32 + extra_state)  # float32 weights, AdamW's two moments, the algorithm's own
@@ -48,10 +51,14 @@ def plan_staging(shape: ModelShape, cfg, ranks: int) -> Staging:
     """``staging_bytes`` from the model's shapes and the config."""
     lora = lora_parameters(shape, cfg.lora.rank, cfg.lora.target_modules) if cfg.lora.enabled else None
     params = shape.parameters()
-    return staging_bytes(trained=lora if lora is not None else -(-params // ranks),
-                         serving_total=params * shape.serving_bytes,
-                         largest=shape.vocab * shape.hidden * shape.serving_bytes, ranks=ranks,
-                         extra_state=algorithms.state_bytes_per_param(cfg), lora=lora is not None)
+    return staging_bytes(
+        trained=lora if lora is not None else -(-params // ranks),
+        serving_total=params * shape.serving_bytes,
+        largest=shape.vocab * shape.hidden * shape.serving_bytes,
+        ranks=ranks,
+        extra_state=algorithms.state_bytes_per_param(cfg),
+        lora=lora is not None,
+    )
 
 
 def host_memory(deployment) -> tuple[int, str] | None:
@@ -76,27 +83,35 @@ def choose_staging(wanted: str, need: Staging, ranks_per_node: int, host: tuple[
     room = int(HOST_SHARE * host[0])
     if wanted != "chunks" and need.per_rank("full") * ranks_per_node <= room:
         return "full"
-    where = (f"{ranks_per_node} rank(s) on a node take {gib(need.per_rank('full') * ranks_per_node)}, over the "
-             f"{gib(room)} they may take of the host's {gib(host[0])} ({host[1]}; {1 - HOST_SHARE:.0%} is left for the "
-             "processes and the page cache)")
+    where = (
+        f"{ranks_per_node} rank(s) on a node take {gib(need.per_rank('full') * ranks_per_node)}, over the "
+        f"{gib(room)} they may take of the host's {gib(host[0])} ({host[1]}; {1 - HOST_SHARE:.0%} is left for the "
+        "processes and the page cache)"
+    )
     if wanted == "full":
-        raise PreflightError(f"memory: a checkpoint stages {gib(need.per_rank('full'))} a trainer rank (trainer state "
-                             f"{gib(need.trainer_state)}, serving writes {gib(need.serving)}); {where}; fix: "
-                             f"{STAGING_FIX}, more nodes, or --deployment.host-memory-gb for the nodes that train")
+        raise PreflightError(
+            f"memory: a checkpoint stages {gib(need.per_rank('full'))} a trainer rank (trainer state "
+            f"{gib(need.trainer_state)}, serving writes {gib(need.serving)}); {where}; fix: "
+            f"{STAGING_FIX}, more nodes, or --deployment.host-memory-gb for the nodes that train"
+        )
     if need.per_rank("chunks") * ranks_per_node <= room:
         return "chunks"
-    raise PreflightError(f"memory: even unstaged, a checkpoint's serving writes take {gib(need.per_rank('chunks'))} a "
-                         f"trainer rank, {gib(need.per_rank('chunks') * ranks_per_node)} on a node, over the "
-                         f"{gib(room)} it may take of the host's {gib(host[0])} ({host[1]}); fix: more trainer ranks "
-                         "or nodes, or --deployment.host-memory-gb for the nodes that train")
+    raise PreflightError(
+        f"memory: even unstaged, a checkpoint's serving writes take {gib(need.per_rank('chunks'))} a "
+        f"trainer rank, {gib(need.per_rank('chunks') * ranks_per_node)} on a node, over the "
+        f"{gib(room)} it may take of the host's {gib(host[0])} ({host[1]}); fix: more trainer ranks "
+        "or nodes, or --deployment.host-memory-gb for the nodes that train"
+    )
 
 
 def staging_line(need: Staging, mode: str, ranks_per_node: int, host: tuple[int, str] | None) -> str:
     """The staging a checkpoint takes, in one line (``--dry-run`` prints it)."""
     room = f" of {gib(HOST_SHARE * host[0])} usable ({host[1]})" if host else " (host memory unknown here)"
-    return (f"checkpoint staging per trainer rank: trainer state {gib(need.trainer_state)}"
-            f"{'' if mode == 'full' else ' (not staged: --ckpt.staging chunks)'}, serving writes {gib(need.serving)}; "
-            f"{ranks_per_node} rank(s) a node: {gib(need.per_rank(mode) * ranks_per_node)}{room}")
+    return (
+        f"checkpoint staging per trainer rank: trainer state {gib(need.trainer_state)}"
+        f"{'' if mode == 'full' else ' (not staged: --ckpt.staging chunks)'}, serving writes {gib(need.serving)}; "
+        f"{ranks_per_node} rank(s) a node: {gib(need.per_rank(mode) * ranks_per_node)}{room}"
+    )
 
 
 def check_staging(cfg, ranks: int) -> str | None:

@@ -82,7 +82,12 @@ def step_line(m: dict, algorithm=None, total: int | None = None, left_s: float |
     if algorithm is not None:
         parts += algorithm.step_line(m)
     if "loss" in m:
-        parts += [f"Loss {m['loss']:.4f}", f"Entropy {m['entropy']:.3f}", f"Grad norm {m['grad_norm']:.3f}", f"Mismatch KL {m['mismatch_kl']:.2e}"]
+        parts += [
+            f"Loss {m['loss']:.4f}",
+            f"Entropy {m['entropy']:.3f}",
+            f"Grad norm {m['grad_norm']:.3f}",
+            f"Mismatch KL {m['mismatch_kl']:.2e}",
+        ]
     elif m.get("skipped/nonfinite"):
         parts.append("loss or gradient not finite: update skipped")
     else:

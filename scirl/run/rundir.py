@@ -70,8 +70,9 @@ def check(run_dir: Path, *, resume: bool, clean: bool) -> None:
     results = [name for name in RESULTS if has_content(run_dir / name)]
     is_run = (run_dir / "config.toml").is_file()
     if results and not is_run:
-        raise RunDirError(f"{run_dir} holds {', '.join(results)} but no scirl run (no config.toml); "
-                          "choose another --output-dir")
+        raise RunDirError(
+            f"{run_dir} holds {', '.join(results)} but no scirl run (no config.toml); choose another --output-dir"
+        )
     if results and not resume and not clean:
         raise RunDirError(
             f"{run_dir} already holds a run ({', '.join(results)}); "
@@ -134,7 +135,9 @@ def lock(run_dir: Path):
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.close()
-        raise RunDirError(f"{run_dir} is in use by another scirl train process; wait for it to end or stop it first") from None
+        raise RunDirError(
+            f"{run_dir} is in use by another scirl train process; wait for it to end or stop it first"
+        ) from None
     return handle
 
 
@@ -184,16 +187,19 @@ def write_rollouts(path: Path, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+class TrainLogHandler(logging.FileHandler):
+    """``logs/train.log``'s handler: a run started again in the same process replaces the last one's."""
+
+
 def setup_logging(run_dir: Path, is_main: bool) -> None:
     """``logs/train.log`` gets every ``scirl.*`` logger's records (data notes, warnings, step lines)."""
     package_log = logging.getLogger("scirl")
     package_log.setLevel(logging.INFO)
     for handler in list(package_log.handlers):
-        if getattr(handler, "_scirl_train", False):
+        if isinstance(handler, TrainLogHandler):
             package_log.removeHandler(handler)
             handler.close()
     if is_main:
-        handler = logging.FileHandler(run_dir / "logs" / "train.log", encoding="utf-8")
+        handler = TrainLogHandler(run_dir / "logs" / "train.log", encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler._scirl_train = True
         package_log.addHandler(handler)

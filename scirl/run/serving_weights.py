@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor, Shard
 
 from scirl.run.rundir import RUN_CONFIG
 
@@ -77,8 +78,12 @@ def plan_files(specs: list[tuple[str, int]], ranks: int, file_bytes: int = FILE_
             files[-1][1].append(name)
             used += size
     count = len(files)
-    return [ServingFile("model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner,
-                        tuple(names)) for i, (owner, names) in enumerate(files)]
+    return [
+        ServingFile(
+            "model.safetensors" if count == 1 else f"model-{i + 1:05d}-of-{count:05d}.safetensors", owner, tuple(names)
+        )
+        for i, (owner, names) in enumerate(files)
+    ]
 
 
 def index_file(files: list[ServingFile], total_bytes: int) -> bytes | None:
@@ -102,18 +107,20 @@ def nbytes(tensor: torch.Tensor, dtype: torch.dtype) -> int:
 
 def local_part(tensor: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """(this rank's part of ``tensor`` on the host, its sharded dim or None when whole)."""
-    if not hasattr(tensor, "to_local"):
+    if not isinstance(tensor, DTensor):
         return tensor.detach().cpu(), None
     placements = tensor.placements
-    if all(not hasattr(p, "dim") for p in placements):  # replicated: every rank holds all of it
+    shards = [p for p in placements if isinstance(p, Shard)]
+    if not shards:  # replicated: every rank holds all of it
         return tensor.to_local().detach().cpu(), None
     if len(placements) != 1:
         raise ValueError(f"serving weights: a tensor placed {placements} (only one sharded dim is written)")
-    return tensor.to_local().detach().cpu(), placements[0].dim
+    return tensor.to_local().detach().cpu(), shards[0].dim
 
 
-def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int,
-             group) -> tuple[torch.Tensor | None, bool]:
+def assemble(
+    tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ranks: int, group
+) -> tuple[torch.Tensor | None, bool]:
     """(the whole ``tensor`` in ``dtype`` on rank ``owner``, else None; whether this rank's part is finite), each
     part cast before it moves. For a sharded tensor a collective on ``group``."""
     local, dim = local_part(tensor)
@@ -126,20 +133,30 @@ def assemble(tensor: torch.Tensor, dtype: torch.dtype, owner: int, rank: int, ra
     pad = list(local.shape)
     pad[dim] = chunk - local.shape[dim]
     padded = torch.cat([local, local.new_zeros(pad)], dim=dim) if pad[dim] else local.contiguous()
-    parts = [torch.empty_like(padded) for _ in range(ranks)] if rank == owner else None
-    torch.distributed.gather(padded, parts, dst=owner, group=group)
     if rank != owner:
+        torch.distributed.gather(padded, None, dst=owner, group=group)
         return None, finite
+    parts = [torch.empty_like(padded) for _ in range(ranks)]
+    torch.distributed.gather(padded, parts, dst=owner, group=group)
     return torch.cat(parts, dim=dim).narrow(dim, 0, full).contiguous(), finite
 
 
-def write_files(out: Path, files: list[ServingFile], tensors: dict[str, torch.Tensor], dtype: torch.dtype, *,
-                rank: int, ranks: int, group, seal) -> tuple[dict[str, dict], str | None]:
+def write_files(
+    out: Path,
+    files: list[ServingFile],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    *,
+    rank: int,
+    ranks: int,
+    group,
+    seal,
+) -> tuple[dict[str, dict], str | Exception | None]:
     """This rank's serving files written into ``out`` -> (their manifest entries from ``seal``, why this rank failed
-    or None). A rank that fails (weights not finite, a write refused) writes no more but joins every gather, so the
-    others never wait for it."""
+    (a message, or the write's error) or None). A rank that fails (weights not finite, a write refused) writes no
+    more but joins every gather, so the others never wait for it."""
     entries: dict[str, dict] = {}
-    failed = None
+    failed: str | Exception | None = None
     for file in files:
         held = {}
         for name in file.tensors:

@@ -14,9 +14,10 @@ import hashlib
 import logging
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import tomli_w
 import torch
@@ -26,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from scirl import algorithms, distributed, extras
 from scirl.errors import ConfigError, RunDirError, TrainError
+from scirl.inference.base import Generator
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.rollouts.generate import fits, prompt_for
 from scirl.rollouts.orchestrator import Orchestrator
@@ -40,12 +42,13 @@ from scirl.run.backends import (
     make_trainer,
     make_vllm_generator,
 )
-from scirl.run.config import TrainConfig
 from scirl.run.checkpointer import Checkpointer, checkpoint_group
+from scirl.run.config import TrainConfig
 from scirl.run.config_io import changed_settings, saved_config, to_toml_dict, write_config
 from scirl.run.eval_hook import training_eval
 from scirl.trainer import Trainer, lora
 from scirl.trainer.model import check_identical_ranks, compute_dtype, load_model
+from scirl.weights.base import WeightSink
 from scirl.weights.check import Replica, WeightCheck, probe_sequence
 from scirl.weights.inprocess import InProcessSink
 from scirl.weights.servers import start_server_sink
@@ -70,11 +73,11 @@ class Run:
     digest: str  # of the questions' ids, recorded by checkpoints: a resume on other questions is refused
     start_step: int
     empty_steps: int  # consecutive steps without an update when the run (re)starts
-    generator: object | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
+    generator: Generator | None  # this rank's sampler (with servers: rank 0's client, None elsewhere)
     source: ColocatedSource | ServerSource
-    sink: object  # scirl.weights.base.WeightSink
+    sink: WeightSink
     evaluate: Callable[[int], dict]  # eval during training: {} unless due at this step
-    wandb_run: object | None
+    wandb_run: Any  # wandb's run (the optional extra), or None
     checkpointer: Checkpointer  # writes the checkpoints beside training
 
     def close(self) -> None:
@@ -99,7 +102,7 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
     distributed.barrier(dist)
     rundir.setup_logging(run_dir, dist.is_main)
     console = Console(highlight=False, soft_wrap=True)  # soft_wrap: one step, one line, whatever the width
-    say = (lambda text: (log.info(text), console.print(text))) if dist.is_main else (lambda text: None)
+    say = rank0_say(console, dist.is_main)
     random.seed(cfg.seed)
     torch.manual_seed(cfg.seed)
 
@@ -124,13 +127,15 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         report_resume(run_dir, latest, skipped_checkpoints, say)
     distributed.barrier(dist)
     if start_step >= cfg.max_steps:
-        say(f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
-            "pass a larger --max-steps to continue it")
+        say(
+            f"{run_dir} is already at step {start_step} (max_steps {cfg.max_steps}): nothing to do; "
+            "pass a larger --max-steps to continue it"
+        )
         return None
 
     # ---- the policy, its trainer and its sampler ----
-    generator, model, trainer = build_policy(cfg, model_source, tokenizer, (latest[1], saved) if saved else None,
-                                             device, dist, group, say)
+    resumed = (latest[1], saved) if latest is not None and saved else None
+    generator, model, trainer = build_policy(cfg, model_source, tokenizer, resumed, device, dist, group, say)
     checkpointer = make_checkpointer(cfg, trainer, tokenizer, model_source, dist, group, device, say)
     trainer.before_update = checkpointer.wait_for_staging
     evaluate = training_eval(cfg, splits, tokenizer, generator, dist, colocated=not cfg.inference.urls, say=say)
@@ -143,36 +148,101 @@ def start(cfg: TrainConfig, *, resume: bool, clean: bool) -> Run | None:
         write_config(cfg, run_dir / "config.toml")
 
     # ---- the seam: where batches come from, where weights go ----
+    source, sink = seam(cfg, questions, saved, generator, trainer, tokenizer, checkpointer, start_step)
+    empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
+    return Run(
+        cfg,
+        dist,
+        device,
+        run_dir,
+        say,
+        console,
+        tokenizer,
+        model,
+        trainer,
+        questions,
+        digest,
+        start_step,
+        empty_steps,
+        generator,
+        source,
+        sink,
+        evaluate,
+        wandb_run,
+        checkpointer,
+    )
+
+
+def rank0_say(console: Console, is_main: bool) -> Callable[[str], None]:
+    """``Run.say``: a line on rank 0's console and in logs/train.log; nothing on the others."""
+
+    def say(text: str) -> None:
+        if is_main:
+            log.info(text)
+            console.print(text)
+
+    return say
+
+
+def seam(
+    cfg: TrainConfig,
+    questions: list[PromptedQuestion],
+    saved: dict | None,
+    generator,
+    trainer,
+    tokenizer,
+    checkpointer: Checkpointer,
+    start_step: int,
+) -> tuple[ColocatedSource | ServerSource, WeightSink]:
+    """Where batches come from and where weights go: the servers (``connect_servers``), else this process's
+    sampler; every push checked (``WeightCheck``), the questions drawn on from ``saved``'s position."""
+    dist, model = trainer.dist, trainer.model
     room = min(cfg.seq_len, cfg.inference.max_model_len or cfg.seq_len)
-    check = WeightCheck(trainer, probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size),
-                                                room), interval=cfg.deployment.verify_interval)
+    check = WeightCheck(
+        trainer,
+        probe_sequence(questions[0].prompt_ids, min(len(tokenizer), model.config.vocab_size), room),
+        interval=cfg.deployment.verify_interval,
+    )
     position = saved["data_position"] if saved else {"epoch": 0, "cursor": 0}
     if cfg.inference.urls:
-        source, sink = connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
-    else:
-        if trainer.algorithm.refill_rounds() and dist.world_size > 1:
-            raise ConfigError(f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
-                              "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
-                              "or drop them")
-        sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
-        source = ColocatedSource(questions, sampler, generator, cfg.rollout_settings(trainer.algorithm),
-                                 vocab_size=model.config.vocab_size, dist=dist)
-        sink = InProcessSink(generator, trainer, check)
-        if saved is not None and checkpointer.dtype != trainer.dtype:
-            sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
-    empty_steps = int(saved["extra"].get("consecutive_empty_steps", 0)) if saved else 0
-    return Run(cfg, dist, device, run_dir, say, console, tokenizer, model, trainer, questions, digest, start_step,
-               empty_steps, generator, source, sink, evaluate, wandb_run, checkpointer)
+        return connect_servers(cfg, questions, position, generator, trainer, tokenizer, check, start_step)
+    if trainer.algorithm.refill_rounds() and dist.world_size > 1:
+        raise ConfigError(
+            f"algorithm {cfg.algorithm!r} refills dropped groups with further questions, which "
+            "colocated ranks cannot (each would draw its own): train on one rank, on vLLM servers, "
+            "or drop them"
+        )
+    sampler = QuestionSampler(len(questions), cfg.seed, epoch=position["epoch"], cursor=position["cursor"])
+    source = ColocatedSource(
+        questions,
+        sampler,
+        generator,
+        cfg.rollout_settings(trainer.algorithm),
+        vocab_size=model.config.vocab_size,
+        dist=dist,
+    )
+    sink = InProcessSink(generator, trainer, check)
+    if saved is not None and checkpointer.dtype != trainer.dtype:
+        sink.refresh()  # the sampler loaded the checkpoint's serving weights: it takes the trainer's own
+    return source, sink
 
 
-def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Path, dict] | None,
-                 device: torch.device, dist: distributed.Dist, group, say) -> tuple:
+def build_policy(
+    cfg: TrainConfig,
+    model_source: str,
+    tokenizer,
+    saved: tuple[Path, dict] | None,
+    device: torch.device,
+    dist: distributed.Dist,
+    group,
+    say,
+) -> tuple:
     """(this rank's sampler, the model, its trainer); ``saved`` (a checkpoint's path and small state): its trainer
     state read in and RNG restored."""
     dtype = compute_dtype(cfg.dtype, device)
     if dist.is_main and (advice := bf16_advice(device, dtype)):
         say(advice)
-    generator = None
+    generator: Generator | None = None
     if cfg.inference.urls and dist.is_main:  # first: a server that is down fails the run before a model is loaded
         generator = make_remote_generator(cfg.inference.urls, tokenizer, cfg.deployment, say)
     if not cfg.inference.urls and inference_backend(cfg, device) == "vllm":
@@ -184,8 +254,10 @@ def build_policy(cfg: TrainConfig, model_source: str, tokenizer, saved: tuple[Pa
         model = load_model(model_source, device, dist, dtype, cfg.activation_checkpointing)
     trainer = make_trainer(model, cfg, algorithms.build(cfg), device=device, dist=dist, dtype=dtype)
     check_identical_ranks(trainer.compute_model, dist)  # again, with the trainer's kernels in place
-    say(f"Trainer: micro-batches of {trainer.describe_batching()}; attention {trainer.attention}; "
-        f"decoder layers: {trainer.kernels.describe()}")
+    say(
+        f"Trainer: micro-batches of {trainer.describe_batching()}; attention {trainer.attention}; "
+        f"decoder layers: {trainer.kernels.describe()}"
+    )
     if saved is not None:
         restore(trainer, *saved, group, say)
         apply_optim_config(trainer.optimizer, cfg.optim)  # the saved param groups carry the old lr
@@ -208,15 +280,17 @@ def restore(trainer, path: Path, saved: dict, group, say) -> None:
     checkpoint.restore_rng_state(saved["rng"])
 
 
-def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, dist: distributed.Dist, group,
-                      device: torch.device, say) -> Checkpointer:
+def make_checkpointer(
+    cfg: TrainConfig, trainer, tokenizer, model_source: str, dist: distributed.Dist, group, device: torch.device, say
+) -> Checkpointer:
     """The run's checkpoint writer: serving weights in the model's own dtype, the files every checkpoint carries
     rendered once, the staging the host's memory allows."""
     lora_run = cfg.lora.enabled
     hf = lora.hf_model(trainer.model) if lora_run else trainer.model
     dtype = serving_weights.serving_dtype(AutoConfig.from_pretrained(cfg.model if lora_run else model_source))
-    fixed = serving_weights.fixed_files(hf.config, getattr(hf, "generation_config", None), tokenizer,
-                                        tomli_w.dumps(to_toml_dict(cfg)), dtype)
+    fixed = serving_weights.fixed_files(
+        hf.config, getattr(hf, "generation_config", None), tokenizer, tomli_w.dumps(to_toml_dict(cfg)), dtype
+    )
     tied = serving_weights.tied_names(hf, lora.hf_name if lora_run else (lambda name: name))
     staging = staging_mode(cfg, trainer, hf, dtype, dist, device)
     if dist.is_main and cfg.ckpt.staging == "auto" and staging == "chunks":
@@ -225,22 +299,43 @@ def make_checkpointer(cfg: TrainConfig, trainer, tokenizer, model_source: str, d
     if lora_run:  # the merged weights, read from the live adapter while staging
         serving = lambda: dict(trainer.full_weights(device="cpu", dtype=dtype))  # noqa: E731
     adapter = lora.adapter_config(trainer.model) if lora_run else None
-    return Checkpointer(Path(cfg.output_dir), state=trainer.checkpoint_state, fixed=fixed, dtype=dtype, dist=dist,
-                        group=group, device=device, staging=staging, keep=cfg.ckpt.keep, tied=tied, serving=serving,
-                        adapter_config=adapter, say=say)
+    return Checkpointer(
+        Path(cfg.output_dir),
+        state=trainer.checkpoint_state,
+        fixed=fixed,
+        dtype=dtype,
+        dist=dist,
+        group=group,
+        device=device,
+        staging=staging,
+        keep=cfg.ckpt.keep,
+        tied=tied,
+        serving=serving,
+        adapter_config=adapter,
+        say=say,
+    )
 
 
-def staging_mode(cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist,
-                 device: torch.device) -> str:
+def staging_mode(
+    cfg: TrainConfig, trainer, hf, dtype: torch.dtype, dist: distributed.Dist, device: torch.device
+) -> str:
     """``ckpt.staging`` resolved from this rank's state and this node's host memory
     (``memory_staging.choose_staging``)."""
-    trained = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-                  for p in trainer.model.parameters() if p.requires_grad)
+    trained = sum(
+        p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+        for p in trainer.model.parameters()
+        if p.requires_grad
+    )
     item = torch.empty((), dtype=dtype).element_size()
     sizes = [p.numel() * item for p in hf.parameters()]
-    need = memory_staging.staging_bytes(trained=trained, serving_total=sum(sizes), largest=max(sizes),
-                                        ranks=dist.world_size, extra_state=algorithms.state_bytes_per_param(cfg),
-                                        lora=cfg.lora.enabled)
+    need = memory_staging.staging_bytes(
+        trained=trained,
+        serving_total=sum(sizes),
+        largest=max(sizes),
+        ranks=dist.world_size,
+        extra_state=algorithms.state_bytes_per_param(cfg),
+        lora=cfg.lora.enabled,
+    )
     ranks, host = local_ranks(dist), memory_staging.host_memory(cfg.deployment)
     if host is not None and device.type == "cpu" and not trainer.optimizer.state:
         host = (host[0] - ranks * 8 * trained, host[1])  # a CPU's AdamW moments arrive in host memory at step 1
@@ -252,22 +347,48 @@ def local_ranks(dist: distributed.Dist) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))
 
 
-def connect_servers(cfg: TrainConfig, questions: list[PromptedQuestion], position: dict, generator, trainer,
-                    tokenizer, check: WeightCheck, start_step: int) -> tuple[ServerSource, object]:
+def connect_servers(
+    cfg: TrainConfig,
+    questions: list[PromptedQuestion],
+    position: dict,
+    generator,
+    trainer,
+    tokenizer,
+    check: WeightCheck,
+    start_step: int,
+) -> tuple[ServerSource, WeightSink]:
     """Rank 0's orchestrator, started last (its first batch must come from the weights the sink pushes first), and
     the sink that pushes to the servers."""
     dist = trainer.dist
     orchestrator = None
     if dist.is_main:
-        orchestrator = Orchestrator(questions, generator, cfg.rollout_settings(trainer.algorithm), vocab_size=trainer.model.config.vocab_size,
-                                    start_step=start_step, last_step=cfg.max_steps, position=position,
-                                    max_async_level=cfg.max_async_level)
+        orchestrator = Orchestrator(
+            questions,
+            generator,
+            cfg.rollout_settings(trainer.algorithm),
+            vocab_size=trainer.model.config.vocab_size,
+            start_step=start_step,
+            last_step=cfg.max_steps,
+            position=position,
+            max_async_level=cfg.max_async_level,
+        )
     source = ServerSource(orchestrator, dist)
-    replicas = [Replica(client.url, client.prompt_logprobs, client.weight_checksums)
-                for client in generator.clients] if dist.is_main else []
-    sink = start_server_sink(trainer, tokenizer, cfg.deployment, cfg.inference.urls, run_dir=Path(cfg.output_dir),
-                             start_step=start_step, check=check, replicas=replicas,
-                             between_batches=source.between_batches)
+    replicas = (
+        [Replica(client.url, client.prompt_logprobs, client.weight_checksums) for client in generator.clients]
+        if dist.is_main
+        else []
+    )
+    sink = start_server_sink(
+        trainer,
+        tokenizer,
+        cfg.deployment,
+        cfg.inference.urls,
+        run_dir=Path(cfg.output_dir),
+        start_step=start_step,
+        check=check,
+        replicas=replicas,
+        between_batches=source.between_batches,
+    )
     if orchestrator is not None:
         orchestrator.start()
     return source, sink
@@ -281,24 +402,41 @@ def prompted_questions(splits, cfg: TrainConfig, tokenizer, dist: distributed.Di
     """The split's questions that fit ``seq_len``, with their prompts, and their digest."""
     questions = splits.split(cfg.data.split)
     skipped = sum(splits.skipped.values())  # invalid, duplicate or conflicting rows: said, never silent
-    skipped_note = (f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
-                    if skipped else "")
+    skipped_note = (
+        f"; {skipped} rows skipped (" + ", ".join(f"{k} {v}" for k, v in sorted(splits.skipped.items())) + ")"
+        if skipped
+        else ""
+    )
     settings = cfg.rollout_settings()
     kept = [item for item in (prompt_for(q, tokenizer) for q in questions) if fits(item, settings)]
     too_long = len(questions) - len(kept)
-    too_long_note = (f"; {too_long} left out because prompt + max_completion_tokens ({cfg.max_completion_tokens}) "
-                     f"exceeds seq_len ({cfg.seq_len})" if too_long else "")
+    too_long_note = (
+        f"; {too_long} left out because prompt + max_completion_tokens ({cfg.max_completion_tokens}) "
+        f"exceeds seq_len ({cfg.seq_len})"
+        if too_long
+        else ""
+    )
     if too_long:
-        log.warning("%d of %d %s questions left out: prompt + max_completion_tokens exceeds seq_len %d",
-                    too_long, len(questions), cfg.data.split, cfg.seq_len)
+        log.warning(
+            "%d of %d %s questions left out: prompt + max_completion_tokens exceeds seq_len %d",
+            too_long,
+            len(questions),
+            cfg.data.split,
+            cfg.seq_len,
+        )
     if len(kept) < cfg.questions_per_step:  # the data and the config do not fit: refused like bad input
-        raise ConfigError(f"the {cfg.data.split} split has {len(kept)} usable questions, fewer than the "
-                         f"{cfg.questions_per_step} a step needs (batch_size / group_size){too_long_note}{skipped_note}")
+        raise ConfigError(
+            f"the {cfg.data.split} split has {len(kept)} usable questions, fewer than the "
+            f"{cfg.questions_per_step} a step needs (batch_size / group_size){too_long_note}{skipped_note}"
+        )
     if cfg.questions_per_step < dist.world_size:
         raise ConfigError(f"{cfg.questions_per_step} questions per step cannot be split across {dist.world_size} ranks")
     digest = hashlib.sha256("\n".join(item.question.id for item in kept).encode()).hexdigest()[:16]
-    say(f"Data: {len(kept)} {cfg.data.split} questions from {cfg.data.source}"
-        + (f" ({too_long} too long for seq_len, left out)" if too_long else "") + skipped_note)
+    say(
+        f"Data: {len(kept)} {cfg.data.split} questions from {cfg.data.source}"
+        + (f" ({too_long} too long for seq_len, left out)" if too_long else "")
+        + skipped_note
+    )
     return kept, digest
 
 
@@ -308,23 +446,31 @@ def resume_state(path: Path, cfg: TrainConfig, n_questions: int, digest: str, di
     saved = checkpoint.load_progress(path)
     adapter = checkpoint.read_adapter_config(path)
     if adapter is not None and not cfg.lora.enabled:
-        raise RunDirError(f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled")
+        raise RunDirError(
+            f"{path} holds a LoRA adapter (its optimizer state is the adapter's): resume with --lora.enabled"
+        )
     if adapter is None and cfg.lora.enabled:
         raise RunDirError(f"{path} has no LoRA adapter (the run trained the full model): resume without --lora.enabled")
     if adapter is not None:
         lora.check_saved_config(adapter, cfg.lora)
     position = saved["data_position"]
     if position["n_questions"] != n_questions:
-        raise RunDirError(f"{path}: the checkpoint was made on {position['n_questions']} questions, "
-                         f"the data now has {n_questions}; resume needs the same data and config")
+        raise RunDirError(
+            f"{path}: the checkpoint was made on {position['n_questions']} questions, "
+            f"the data now has {n_questions}; resume needs the same data and config"
+        )
     # (epoch, cursor) index a seeded order of these very questions: others of the same count, or another seed,
     # would repeat some and skip others (checkpoints older than these keys: unchecked)
     if position.get("questions", digest) != digest:
-        raise RunDirError(f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
-                         f"({cfg.data.split} split) gives now; resume needs the same data and config")
+        raise RunDirError(
+            f"{path}: the checkpoint was made on other questions than {cfg.data.source} "
+            f"({cfg.data.split} split) gives now; resume needs the same data and config"
+        )
     if position.get("seed", cfg.seed) != cfg.seed:
-        raise RunDirError(f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
-                         f"not {cfg.seed}; resume with --seed {position['seed']}")
+        raise RunDirError(
+            f"{path}: the checkpoint's data order and sampling come from seed {position['seed']}, "
+            f"not {cfg.seed}; resume with --seed {position['seed']}"
+        )
     return saved
 
 
@@ -332,7 +478,11 @@ def report_resume(run_dir: Path, latest, skipped: list, say) -> None:
     """Drop what a killed run wrote after its checkpoint, and say where the run goes on from and why."""
     start_step = latest[0] if latest else 0
     dropped = rundir.truncate(run_dir, start_step)
-    say(f"Resuming {run_dir} from step {start_step}" if latest else f"No usable checkpoint in {run_dir}: starting from step 0")
+    say(
+        f"Resuming {run_dir} from step {start_step}"
+        if latest
+        else f"No usable checkpoint in {run_dir}: starting from step 0"
+    )
     for path, reason in skipped:  # newer but unusable, left for a look: their steps are redone
         say(f"Skipped checkpoint {path.name}: {reason}")
     if dropped:
@@ -349,8 +499,11 @@ def record_changes(run_dir: Path, cfg: TrainConfig, start_step: int, say) -> Non
         say(f"Resuming with settings the run's config.toml cannot be compared with ({exc}); it is replaced")
     path = rundir.record_resume(run_dir, start_step, changed)
     if changed:
-        say("Changed on resume: " + ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
-            + f" (recorded in {path})")
+        say(
+            "Changed on resume: "
+            + ", ".join(f"{key} {old} -> {new}" for key, (old, new) in changed.items())
+            + f" (recorded in {path})"
+        )
 
 
 def load_tokenizer(model: str):
@@ -365,7 +518,11 @@ def apply_optim_config(optimizer, optim_cfg) -> None:
     """The config's hyperparameters on every param group: a loaded optimizer state restores the saved ones, which
     would silently override `--resume RUN --optim.lr X`."""
     for group in optimizer.param_groups:
-        for key, value in (("lr", optim_cfg.lr), ("betas", tuple(optim_cfg.betas)), ("weight_decay", optim_cfg.weight_decay)):
+        for key, value in (
+            ("lr", optim_cfg.lr),
+            ("betas", tuple(optim_cfg.betas)),
+            ("weight_decay", optim_cfg.weight_decay),
+        ):
             if group[key] != value:
                 log.info("optim.%s: %s in the checkpoint, %s from the config (used)", key, group[key], value)
                 group[key] = value

@@ -75,8 +75,13 @@ def one_step(step: int, source, trainer, sink) -> StepResult:
     time_sync += time.perf_counter() - t - checked.get("time/weight_check", 0.0)
 
     rollouts = distributed.gather_objects(batch.rollouts, trainer.dist)
-    timings = {"time/step": time.perf_counter() - started, "time/generate": batch.time_generate,
-               "time/train": time_train, "time/weight_sync": time_sync, **memory_metrics(trainer.device)}
+    timings = {
+        "time/step": time.perf_counter() - started,
+        "time/generate": batch.time_generate,
+        "time/train": time_train,
+        "time/weight_sync": time_sync,
+        **memory_metrics(trainer.device),
+    }
     if batch.time_waited is not None:  # servers: the trainer's wait for its batch (0 when generation overlapped)
         timings["time/wait_for_batch"] = batch.time_waited
     metrics = {**step_metrics(step, rollouts, stats, timings, trainer.algorithm), **checked}
@@ -118,11 +123,20 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
         return 0
     stop = distributed.StopRequest()
     stop.install()
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=r.console, disable=not (show_progress and r.dist.is_main), transient=True)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=r.console,
+        disable=not (show_progress and r.dist.is_main),
+        transient=True,
+    )
     task = progress.add_task("training", total=cfg.max_steps, completed=r.start_step)
-    r.say(f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
-          f"completions, {r.dist.world_size} rank(s) on {r.device}")
+    r.say(
+        f"Training steps {r.start_step + 1}..{cfg.max_steps}: {cfg.questions_per_step} questions x {cfg.group_size} "
+        f"completions, {r.dist.world_size} rank(s) on {r.device}"
+    )
     empty_steps, nonfinite_steps, saved_seconds, status = r.empty_steps, 0, 0.0, 0
     started = time.perf_counter()  # the time left is this session's pace so far
     try:
@@ -148,14 +162,19 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
                     stop_now = stop.agreed(r.dist)  # a signal while the save waited for the checkpoint before it
                 if stop_now and step < cfg.max_steps:
                     finish_checkpoints(r)
-                    r.say(rundir.stopped_line(signal.Signals(stop.signum).name if stop.signum else "a signal", step,
-                                              r.run_dir))
+                    r.say(
+                        rundir.stopped_line(
+                            signal.Signals(stop.signum).name if stop.signum else "a signal", step, r.run_dir
+                        )
+                    )
                     status = 128 + (stop.signum or signal.SIGTERM)
                     break
         if status == 0:
             finish_checkpoints(r)
-            r.say(f"Training finished: {cfg.max_steps} steps, weights in "
-                  f"{r.run_dir / 'weights' / f'step_{cfg.max_steps}'}")
+            r.say(
+                f"Training finished: {cfg.max_steps} steps, weights in "
+                f"{r.run_dir / 'weights' / f'step_{cfg.max_steps}'}"
+            )
     except TrainError:
         # a run that stopped learning, on every rank alike: the checkpoint in flight holds good state, so it lands
         finish_checkpoints(r)
@@ -166,8 +185,9 @@ def run(cfg, *, resume: bool, clean: bool, show_progress: bool) -> int:
     return status
 
 
-def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float,
-           progress: Progress, started: float) -> None:
+def record(
+    r: Run, result: StepResult, evaluated: dict, timings: dict, saved_seconds: float, progress: Progress, started: float
+) -> None:
     """Rank 0: the step's rollouts file, metrics row, step line (with the time left at the pace since ``started``)
     and W&B row. ``time/checkpoint`` is what checkpoints blocked since the last row: ``saved_seconds`` in the save
     after the previous step, the rest inside this step's update."""
@@ -191,18 +211,24 @@ def record(r: Run, result: StepResult, evaluated: dict, timings: dict, saved_sec
 def check_progress(empty_steps: int, nonfinite_steps: int) -> None:
     """A run that stopped learning ends, naming the likely cause, before it burns its budget."""
     if empty_steps >= MAX_EMPTY_STEPS:
-        raise TrainError(f"{MAX_EMPTY_STEPS} consecutive steps without a trainable rollout: "
-                         "check the filters and the rewards")
+        raise TrainError(
+            f"{MAX_EMPTY_STEPS} consecutive steps without a trainable rollout: check the filters and the rewards"
+        )
     if nonfinite_steps >= MAX_NONFINITE_STEPS:
-        raise TrainError(f"{MAX_NONFINITE_STEPS} consecutive steps with a non-finite loss or gradient "
-                         "(updates skipped): lower optim.lr or optim.max_norm; the last checkpoint is intact")
+        raise TrainError(
+            f"{MAX_NONFINITE_STEPS} consecutive steps with a non-finite loss or gradient "
+            "(updates skipped): lower optim.lr or optim.max_norm; the last checkpoint is intact"
+        )
 
 
 def save(r: Run, step: int, position: dict, empty_steps: int, *, full: bool) -> float:
     """Checkpoint ``step`` in the background (every rank; ``full``: with the trainer state) -> seconds blocked."""
-    progress = {"step": step, "data_position": {**position, "n_questions": len(r.questions), "questions": r.digest,
-                                                "seed": r.cfg.seed},
-                "rng": checkpoint.capture_rng_state(), "extra": {"consecutive_empty_steps": empty_steps}}
+    progress = {
+        "step": step,
+        "data_position": {**position, "n_questions": len(r.questions), "questions": r.digest, "seed": r.cfg.seed},
+        "rng": checkpoint.capture_rng_state(),
+        "extra": {"consecutive_empty_steps": empty_steps},
+    }
     seconds = r.checkpointer.save(step, progress if r.dist.is_main else None, full=full)
     r.say(f"Checkpoint weights/step_{step}: handed to the writer ({seconds:.2f}s blocked)")
     return seconds

@@ -11,9 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from scirl.task.schema import DOMAINS
 
@@ -39,38 +40,105 @@ class Relation:
 
 
 RELATIONS: tuple[Relation, ...] = (
-    Relation("Biology", "L1", "organelle_QA", "protein_localization",
-             "Which organelle does the protein {entity} localize to?",
-             "The protein {entity} localizes to the {value}.",
-             ("nucleus", "mitochondrion", "ribosome", "lysosome", "chloroplast", "Golgi apparatus", "vacuole", "peroxisome")),
-    Relation("Biology", "L2", "gene_function", "pathway",
-             "In which pathway is the gene {entity} active?",
-             "The gene {entity} is active in {value}.",
-             ("glycolysis", "photosynthesis", "DNA repair", "apoptosis", "fermentation", "cell division", "protein folding", "lipid synthesis")),
-    Relation("Chemistry", "L1", "functional_group", "organic",
-             "What is the main functional group of the compound {entity}?",
-             "The compound {entity} has a {value} group.",
-             ("hydroxyl", "carbonyl", "carboxyl", "amine", "ester", "ether", "nitrile", "thiol")),
-    Relation("Chemistry", "L3", "reaction_type", "mechanism",
-             "What kind of reaction does {entity} undergo with water?",
-             "With water, {entity} undergoes {value}.",
-             ("hydrolysis", "oxidation", "reduction", "substitution", "elimination", "addition", "precipitation", "neutralization")),
-    Relation("Material", "L1", "crystal_structure", "alloys",
-             "What is the crystal structure of the alloy {entity}?",
-             "The alloy {entity} has a {value} crystal structure.",
-             ("cubic", "hexagonal", "tetragonal", "orthorhombic", "monoclinic", "triclinic", "rhombohedral", "amorphous")),
-    Relation("Material", "L4", "property_prediction", "conductivity",
-             "How does the material {entity} conduct electricity?",
-             "The material {entity} is a {value}.",
-             ("metal", "semiconductor", "insulator", "superconductor", "semimetal", "ionic conductor", "dielectric", "electrolyte")),
-    Relation("Physics", "L1", "particle_QA", "forces",
-             "Which force dominates the behaviour of the particle {entity}?",
-             "The particle {entity} is dominated by the {value} force.",
-             ("strong", "weak", "electromagnetic", "gravitational", "magnetic", "nuclear", "elastic", "frictional")),
-    Relation("Physics", "L2", "wave_QA", "optics",
-             "In which band does the source {entity} emit most strongly?",
-             "The source {entity} emits mostly in the {value} band.",
-             ("radio", "microwave", "infrared", "visible", "ultraviolet", "X-ray", "gamma", "terahertz")),
+    Relation(
+        "Biology",
+        "L1",
+        "organelle_QA",
+        "protein_localization",
+        "Which organelle does the protein {entity} localize to?",
+        "The protein {entity} localizes to the {value}.",
+        ("nucleus", "mitochondrion", "ribosome", "lysosome", "chloroplast", "Golgi apparatus", "vacuole", "peroxisome"),
+    ),
+    Relation(
+        "Biology",
+        "L2",
+        "gene_function",
+        "pathway",
+        "In which pathway is the gene {entity} active?",
+        "The gene {entity} is active in {value}.",
+        (
+            "glycolysis",
+            "photosynthesis",
+            "DNA repair",
+            "apoptosis",
+            "fermentation",
+            "cell division",
+            "protein folding",
+            "lipid synthesis",
+        ),
+    ),
+    Relation(
+        "Chemistry",
+        "L1",
+        "functional_group",
+        "organic",
+        "What is the main functional group of the compound {entity}?",
+        "The compound {entity} has a {value} group.",
+        ("hydroxyl", "carbonyl", "carboxyl", "amine", "ester", "ether", "nitrile", "thiol"),
+    ),
+    Relation(
+        "Chemistry",
+        "L3",
+        "reaction_type",
+        "mechanism",
+        "What kind of reaction does {entity} undergo with water?",
+        "With water, {entity} undergoes {value}.",
+        (
+            "hydrolysis",
+            "oxidation",
+            "reduction",
+            "substitution",
+            "elimination",
+            "addition",
+            "precipitation",
+            "neutralization",
+        ),
+    ),
+    Relation(
+        "Material",
+        "L1",
+        "crystal_structure",
+        "alloys",
+        "What is the crystal structure of the alloy {entity}?",
+        "The alloy {entity} has a {value} crystal structure.",
+        ("cubic", "hexagonal", "tetragonal", "orthorhombic", "monoclinic", "triclinic", "rhombohedral", "amorphous"),
+    ),
+    Relation(
+        "Material",
+        "L4",
+        "property_prediction",
+        "conductivity",
+        "How does the material {entity} conduct electricity?",
+        "The material {entity} is a {value}.",
+        (
+            "metal",
+            "semiconductor",
+            "insulator",
+            "superconductor",
+            "semimetal",
+            "ionic conductor",
+            "dielectric",
+            "electrolyte",
+        ),
+    ),
+    Relation(
+        "Physics",
+        "L1",
+        "particle_QA",
+        "forces",
+        "Which force dominates the behaviour of the particle {entity}?",
+        "The particle {entity} is dominated by the {value} force.",
+        ("strong", "weak", "electromagnetic", "gravitational", "magnetic", "nuclear", "elastic", "frictional"),
+    ),
+    Relation(
+        "Physics",
+        "L2",
+        "wave_QA",
+        "optics",
+        "In which band does the source {entity} emit most strongly?",
+        "The source {entity} emits mostly in the {value} band.",
+        ("radio", "microwave", "infrared", "visible", "ultraviolet", "X-ray", "gamma", "terahertz"),
+    ),
 )
 
 _ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "th", "st", "kr", "pl")
@@ -79,7 +147,9 @@ _VOWELS = ("a", "e", "i", "o", "u", "ai", "eo")
 
 def entity_name(rng: random.Random) -> str:
     syllables = rng.randint(2, 3)
-    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)).capitalize() + str(rng.randint(1, 99))
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) for _ in range(syllables)).capitalize() + str(
+        rng.randint(1, 99)
+    )
 
 
 def make_row(relation: Relation, entity: str, value: str, rng: random.Random, n_options: int = 4) -> dict[str, Any]:
@@ -95,7 +165,12 @@ def make_row(relation: Relation, entity: str, value: str, rng: random.Random, n_
         "answerKey": labels[options.index(value)],
         "type": f"mcq-{n_options}-choices",
         "domain": relation.domain,
-        "details": {"level": relation.level, "task": relation.task, "subtask": relation.subtask, "source": "scirl-synthetic"},
+        "details": {
+            "level": relation.level,
+            "task": relation.task,
+            "subtask": relation.subtask,
+            "source": "scirl-synthetic",
+        },
         "answer": "",
     }
 
@@ -130,20 +205,30 @@ def generate_rows(n_per_domain: int = 60, seed: int = 0, non_mcq: bool = True) -
             rows.append(make_row(relation, entity, value, rng, n_options))
         if non_mcq:
             relation, entity, value = domain_facts[-1]
-            rows.append({
-                "prompt": {"default": "Answer with Yes or No."},
-                "question": f"Is it true that {relation.statement.format(entity=entity, value=value)}",
-                "choices": {"text": [], "label": []}, "answerKey": "", "type": "true_or_false",
-                "domain": domain, "details": {"level": "L3", "task": "tf", "subtask": "tf", "source": "scirl-synthetic"},
-                "answer": "Yes",
-            })
-            rows.append({
-                "prompt": {"default": "Answer the question."},
-                "question": relation.question.format(entity=entity), "choices": {"text": [], "label": []},
-                "answerKey": "", "type": "open-ended-qa", "domain": domain,
-                "details": {"level": "L3", "task": "open", "subtask": "open", "source": "scirl-synthetic"},
-                "answer": value,
-            })
+            rows.append(
+                {
+                    "prompt": {"default": "Answer with Yes or No."},
+                    "question": f"Is it true that {relation.statement.format(entity=entity, value=value)}",
+                    "choices": {"text": [], "label": []},
+                    "answerKey": "",
+                    "type": "true_or_false",
+                    "domain": domain,
+                    "details": {"level": "L3", "task": "tf", "subtask": "tf", "source": "scirl-synthetic"},
+                    "answer": "Yes",
+                }
+            )
+            rows.append(
+                {
+                    "prompt": {"default": "Answer the question."},
+                    "question": relation.question.format(entity=entity),
+                    "choices": {"text": [], "label": []},
+                    "answerKey": "",
+                    "type": "open-ended-qa",
+                    "domain": domain,
+                    "details": {"level": "L3", "task": "open", "subtask": "open", "source": "scirl-synthetic"},
+                    "answer": value,
+                }
+            )
     return rows
 
 
@@ -162,7 +247,12 @@ def write_raw_data_dir(rows: Iterable[dict[str, Any]], root: str | Path) -> Path
     groups: dict[Path, list[dict[str, Any]]] = {}
     for row in rows:
         details = row.get("details") or {}
-        rel = Path("raw_data") / str(row.get("domain", "Unknown")) / str(details.get("level", "L0")) / f"{details.get('task', 'task')}.jsonl"
+        rel = (
+            Path("raw_data")
+            / str(row.get("domain", "Unknown"))
+            / str(details.get("level", "L0"))
+            / f"{details.get('task', 'task')}.jsonl"
+        )
         groups.setdefault(rel, []).append(row)
     for rel, group in groups.items():
         write_jsonl(group, root / rel)
@@ -210,7 +300,10 @@ def make_dirty_rows(clean_rows: list[dict[str, Any]]) -> dict[str, Any]:
         ("label_text_mismatch", variant(4, choices={"text": ["one", "two"], "label": ["A", "B", "C", "D"]})),
         ("too_few_options", variant(5, choices={"text": ["only"], "label": ["A"]}, answerKey="A")),
         ("empty_option", variant(6, choices={"text": ["one", " ", "three", "four"], "label": ["A", "B", "C", "D"]})),
-        ("duplicate_labels", variant(7, choices={"text": ["one", "two", "three", "four"], "label": ["A", "A", "C", "D"]})),
+        (
+            "duplicate_labels",
+            variant(7, choices={"text": ["one", "two", "three", "four"], "label": ["A", "A", "C", "D"]}),
+        ),
         ("empty_question", variant(8, question="   ")),
         ("answer_not_in_labels", variant(9, answerKey="E")),
     ]

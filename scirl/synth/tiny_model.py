@@ -8,8 +8,8 @@ safetensors, tokenizer, generation config) that ``from_pretrained`` and
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

@@ -41,9 +41,10 @@ import json
 import logging
 import os
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Final
 
 import numpy as np
 
@@ -60,7 +61,7 @@ HUB_PROBE_TIMEOUT_S = hub.PROBE_TIMEOUT_S
 SPLIT_METHODS = ("content", "guide")
 # The split every command and the prime-rl plug-in use unless told otherwise: the one source of these defaults.
 DEFAULT_EVAL_PER_DOMAIN = 200  # held-out questions per domain (800 over the four)
-DEFAULT_SPLIT_METHOD = "content"
+DEFAULT_SPLIT_METHOD: Final = "content"
 DEFAULT_SPLIT_SEED = 42  # the holdout's own seed, apart from any training seed
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -81,7 +82,11 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
     if row["type"] not in types:
         raise RowError("not_mcq", str(row["type"]))
     choices = row["choices"]
-    if not isinstance(choices, dict) or not isinstance(choices.get("text"), list) or not isinstance(choices.get("label"), list):
+    if (
+        not isinstance(choices, dict)
+        or not isinstance(choices.get("text"), list)
+        or not isinstance(choices.get("label"), list)
+    ):
         raise RowError("missing_field", "choices.text/choices.label")
     labels = [str(x).strip() for x in choices["label"]]
     texts = [x.strip() if isinstance(x, str) else x for x in choices["text"]]
@@ -137,8 +142,10 @@ def question_from_row(row: Any, source: str = "", types: tuple[str, ...] = MCQ_T
 
 
 _BOMS = (  # UTF-32 first: its little-endian mark starts with UTF-16's
-    (b"\xff\xfe\x00\x00", "UTF-32-LE"), (b"\x00\x00\xfe\xff", "UTF-32-BE"),
-    (b"\xff\xfe", "UTF-16-LE"), (b"\xfe\xff", "UTF-16-BE"),
+    (b"\xff\xfe\x00\x00", "UTF-32-LE"),
+    (b"\x00\x00\xfe\xff", "UTF-32-BE"),
+    (b"\xff\xfe", "UTF-16-LE"),
+    (b"\xfe\xff", "UTF-16-BE"),
 )
 
 
@@ -148,8 +155,10 @@ def check_utf8_bom(path: Path) -> None:
         head = f.read(4)
     for bom, encoding in _BOMS:
         if head.startswith(bom):
-            raise DataSourceError(f"{path} is {encoding} text (its byte-order mark says so), not UTF-8; convert it "
-                                  f"first, e.g. iconv -f {encoding} -t UTF-8 {path.name} > converted{path.suffix}")
+            raise DataSourceError(
+                f"{path} is {encoding} text (its byte-order mark says so), not UTF-8; convert it "
+                f"first, e.g. iconv -f {encoding} -t UTF-8 {path.name} > converted{path.suffix}"
+            )
 
 
 def _not_utf8_message(path: Path, count: int, nul: bool) -> str:
@@ -189,8 +198,10 @@ def read_jsonl(path: Path, where_prefix: str | None = None) -> tuple[list[tuple[
     if not_utf8 and not rows:
         raise DataSourceError(_not_utf8_message(path, not_utf8, nul))
     if first_bad and not rows:
-        raise DataSourceError(f"{path}:{first_bad[0]}: not JSON ({first_bad[1]}), and no other line is either: a "
-                              "JSON lines file holds one JSON object a line")
+        raise DataSourceError(
+            f"{path}:{first_bad[0]}: not JSON ({first_bad[1]}), and no other line is either: a "
+            "JSON lines file holds one JSON object a line"
+        )
     if not_utf8:
         log.warning("%s", _not_utf8_message(path, not_utf8, nul))
     return rows, bad_json
@@ -208,8 +219,10 @@ def read_json(path: Path) -> tuple[list[tuple[str, Any]], int]:
         except DataSourceError:
             if not isinstance(e, json.JSONDecodeError):
                 raise
-            raise DataSourceError(f"{path}:{e.lineno}: not JSON ({e.msg}, column {e.colno}), nor JSON lines: a .json "
-                                  "file holds one array of rows, or one row a line") from None
+            raise DataSourceError(
+                f"{path}:{e.lineno}: not JSON ({e.msg}, column {e.colno}), nor JSON lines: a .json "
+                "file holds one array of rows, or one row a line"
+            ) from None
     if isinstance(doc, dict) and isinstance(doc.get("data"), list):
         doc = doc["data"]
     if not isinstance(doc, list):
@@ -254,8 +267,12 @@ def read_directory(root: Path) -> tuple[list[tuple[str, Any]], int]:
 
 
 def hub_unreachable_message(repo_id: str, reason: str) -> str:
-    return hub.unreachable(repr(repo_id), reason, "point --data at a local copy: a clone of the set's repository "
-                           "(with raw_data/) or one .jsonl, .json or .parquet file in its hub schema")
+    return hub.unreachable(
+        repr(repo_id),
+        reason,
+        "point --data at a local copy: a clone of the set's repository "
+        "(with raw_data/) or one .jsonl, .json or .parquet file in its hub schema",
+    )
 
 
 def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
@@ -263,8 +280,12 @@ def probe_hub(repo_id: str, timeout: float = HUB_PROBE_TIMEOUT_S) -> str | None:
     return hub.probe(f"datasets/{repo_id}", timeout)
 
 
-def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str = HUB_SPLIT,
-             probe_timeout: float = HUB_PROBE_TIMEOUT_S) -> tuple[list[tuple[str, Any]], int]:
+def read_hub(
+    repo_id: str = HUB_ID,
+    config: str | None = HUB_CONFIG,
+    split: str = HUB_SPLIT,
+    probe_timeout: float = HUB_PROBE_TIMEOUT_S,
+) -> tuple[list[tuple[str, Any]], int]:
     """Rows of a ``datasets`` dataset, in its own order: a hub id, or a local dataset directory
     (``datasets.load_dataset`` reads both the same way, which is how the tests exercise this code).
 
@@ -291,10 +312,12 @@ def read_hub(repo_id: str = HUB_ID, config: str | None = HUB_CONFIG, split: str 
 
 def gated_message(repo_id: str, reason: str) -> str:
     """A gated set answered, but not to us: say how to get access (one line, as every refusal)."""
-    return (f"{repo_id} is a gated dataset: the hub serves it only to a logged-in account that accepted its terms "
-            f"({reason.splitlines()[0] if reason else 'access refused'}). Accept them at "
-            f"https://huggingface.co/datasets/{repo_id}, then log in with `huggingface-cli login` (or set HF_TOKEN) "
-            "and rerun; or point --data at a local copy")
+    return (
+        f"{repo_id} is a gated dataset: the hub serves it only to a logged-in account that accepted its terms "
+        f"({reason.splitlines()[0] if reason else 'access refused'}). Accept them at "
+        f"https://huggingface.co/datasets/{repo_id}, then log in with `huggingface-cli login` (or set HF_TOKEN) "
+        "and rerun; or point --data at a local copy"
+    )
 
 
 def is_hub_source(source: str) -> bool:
@@ -355,7 +378,7 @@ def twin_key(q: Question) -> tuple[str, ...]:
 
 def stable_hash(seed: int, text: str) -> str:
     """Hash-based ordering that is the same on every machine and Python version (unlike hash())."""
-    return hashlib.sha256(f"{seed}\x00{text}".encode("utf-8")).hexdigest()
+    return hashlib.sha256(f"{seed}\x00{text}".encode()).hexdigest()
 
 
 def dedupe(questions: list[Question], skipped: Counter, prefer: set[int] | None = None) -> list[Question]:
@@ -395,11 +418,15 @@ def eval_quota(domain_sizes: dict[str, int], eval_per_domain: int, notes: list[s
     for domain, size in sorted(domain_sizes.items()):
         quota[domain] = min(eval_per_domain, size // 2)
         if quota[domain] < eval_per_domain:
-            notes.append(f"{domain}: only {size} rows, so eval takes {quota[domain]} (half) instead of {eval_per_domain}")
+            notes.append(
+                f"{domain}: only {size} rows, so eval takes {quota[domain]} (half) instead of {eval_per_domain}"
+            )
     return quota
 
 
-def split_by_content(questions: list[Question], eval_per_domain: int, seed: int, notes: list[str]) -> tuple[list[Question], list[Question]]:
+def split_by_content(
+    questions: list[Question], eval_per_domain: int, seed: int, notes: list[str]
+) -> tuple[list[Question], list[Question]]:
     """Groups of twins in an order fixed by a hash of their content; a group goes to eval while
     every domain it touches has room for it. Both splits come out in that hash order."""
     groups: dict[tuple[str, ...], list[Question]] = defaultdict(list)
@@ -419,11 +446,15 @@ def split_by_content(questions: list[Question], eval_per_domain: int, seed: int,
             train += group
     for domain, n in sorted(quota.items()):
         if taken[domain] < n:
-            notes.append(f"{domain}: eval has {taken[domain]} rows, not {n}: the remaining twin groups were too big to fit")
+            notes.append(
+                f"{domain}: eval has {taken[domain]} rows, not {n}: the remaining twin groups were too big to fit"
+            )
     return train, eval_
 
 
-def guide_eval_positions(raw_domains: list[Any], eval_per_domain: int, seed: int, notes: list[str]) -> tuple[list[int], set[int]]:
+def guide_eval_positions(
+    raw_domains: list[Any], eval_per_domain: int, seed: int, notes: list[str]
+) -> tuple[list[int], set[int]]:
     """The guide's holdout over the filtered MCQ rows in source order:
     ``numpy.random.default_rng(seed).permutation(n)`` (what ``Dataset.shuffle(seed)`` does),
     then the first N rows of each domain in that order are eval. Returns (order, eval set)."""
@@ -460,7 +491,8 @@ class DataSplits:
     seed: int = DEFAULT_SPLIT_SEED
     types: tuple[str, ...] = MCQ_TYPES
     notes: list[str] = field(default_factory=list)  # anything the caller should know (small domains, ...)
-    data_format: str = "sciknoweval"  # the schema the rows were read in (a name of scirl.task.formats.FORMATS, or "columns")
+    # the schema the rows were read in (a name of scirl.task.formats.FORMATS, or "columns")
+    data_format: str = "sciknoweval"
 
     def split(self, name: str) -> list[Question]:
         if name == "train":
@@ -523,6 +555,25 @@ def is_mcq_candidate(row: Any, types: tuple[str, ...]) -> bool:
     """A row is left out as non-MCQ only when it clearly declares another type; anything else
     (no type, not an object) is an MCQ row that validation will count under a reason."""
     return not (isinstance(row, dict) and row.get("type") is not None and row["type"] not in types)
+
+
+def split_by_guide(
+    kept: list[Question], eval_ids: set[str], picked_rows: list, notes: list[str]
+) -> tuple[list[Question], list[Question]]:
+    """(train, eval) of the guide's holdout: ``eval_ids``, the questions of the rows it picked (``picked_rows``);
+    a note per domain whose pick lost rows to validation or dedup."""
+    # dedupe() keeps input order, so the identity of each kept question tells its split
+    eval_ = [q for q in kept if q.id in eval_ids]
+    train = [q for q in kept if q.id not in eval_ids]
+    picked = Counter(str(row.get("domain")) for row in picked_rows if isinstance(row, dict))
+    valid = Counter(q.domain for q in eval_)
+    for domain, n in sorted(picked.items()):
+        if valid[domain] < n:
+            notes.append(
+                f"{domain}: the guide's holdout picked {n} rows, {n - valid[domain]} of them invalid, duplicate or "
+                f"conflicting, so eval keeps {valid[domain]}"
+            )
+    return train, eval_
 
 
 def load_splits(
@@ -589,26 +640,26 @@ def load_splits(
     if split_method == "content":
         train, eval_ = split_by_content(kept, eval_per_domain, seed, notes)
     else:
-        # dedupe() keeps input order, so the identity of each kept question tells its split
         eval_ids = {questions[k].id for k in prefer}
-        eval_ = [q for q in kept if q.id in eval_ids]
-        train = [q for q in kept if q.id not in eval_ids]
-        picked = Counter(str(candidates[pos][1].get("domain")) for pos in eval_positions if isinstance(candidates[pos][1], dict))
-        valid = Counter(q.domain for q in eval_)
-        for domain, n in sorted(picked.items()):
-            if valid[domain] < n:
-                notes.append(f"{domain}: the guide's holdout picked {n} rows, {n - valid[domain]} of them invalid, duplicate or "
-                             f"conflicting, so eval keeps {valid[domain]}")
+        train, eval_ = split_by_guide(kept, eval_ids, [candidates[pos][1] for pos in sorted(eval_positions)], notes)
 
     splits = DataSplits(
-        source=source, train=train, eval=eval_, skipped=dict(sorted(skipped.items())),
-        rows_read=len(rows) + bad_json, mcq_read=len(candidates) + bad_json, non_mcq=dict(sorted(non_mcq.items())),
+        source=source,
+        train=train,
+        eval=eval_,
+        skipped=dict(sorted(skipped.items())),
+        rows_read=len(rows) + bad_json,
+        mcq_read=len(candidates) + bad_json,
+        non_mcq=dict(sorted(non_mcq.items())),
         mcq_types=dict(mcq_types.most_common()),
-        eval_per_domain=eval_per_domain, split_method=split_method, seed=seed, types=types, notes=notes,
+        eval_per_domain=eval_per_domain,
+        split_method=split_method,
+        seed=seed,
+        types=types,
+        notes=notes,
         data_format=format_name,
     )
     assert splits.accounted == splits.mcq_read, "internal error: rows lost between read and split"
     for note in notes:
         log.warning(note)
     return splits
-

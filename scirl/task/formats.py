@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from scirl.errors import DataSourceError
 from scirl.task.schema import MAX_OPTIONS, MIN_OPTIONS, OPTION_LABELS, RowError, mcq_type
@@ -86,7 +87,11 @@ def option_list(value: Any, key: str) -> list[str]:
 def labelled_choices(row: dict, key: str = "choices") -> tuple[list[str], list[str]]:
     """``{"text": [...], "label": [...]}`` as (texts, labels), labels as stored (ARC: A-E or 1-5)."""
     choices = row.get(key)
-    if not isinstance(choices, dict) or not isinstance(choices.get("text"), list) or not isinstance(choices.get("label"), list):
+    if (
+        not isinstance(choices, dict)
+        or not isinstance(choices.get("text"), list)
+        or not isinstance(choices.get("label"), list)
+    ):
         raise RowError("missing_field", f"{key}.text/{key}.label")
     labels = [str(label).strip() for label in choices["label"]]
     texts = option_list(choices["text"], f"{key}.text")
@@ -125,8 +130,18 @@ def place_answer(question: str, answer: str, distractors: list[str]) -> tuple[li
     return distractors[:index] + [answer] + distractors[index:], index
 
 
-def mcq_row(fmt: str, question: str, options: list[str], answer_index: int, domain: str, source_id: Any = None,
-            *, level: str = "", task: str = "", subtask: str = "") -> dict[str, Any]:
+def mcq_row(
+    fmt: str,
+    question: str,
+    options: list[str],
+    answer_index: int,
+    domain: str,
+    source_id: Any = None,
+    *,
+    level: str = "",
+    task: str = "",
+    subtask: str = "",
+) -> dict[str, Any]:
     """One SciKnowEval-schema row (what ``scirl data export`` writes), labels A, B, ... by position."""
     if len(options) < MIN_OPTIONS:
         raise RowError("too_few_options", str(len(options)))
@@ -183,8 +198,15 @@ def from_gpqa(row: dict) -> dict:
     answer = field_text(row, "Correct Answer")  # the revised columns, never "Pre-Revision ..."
     distractors = [field_text(row, f"Incorrect Answer {i}") for i in (1, 2, 3)]
     options, index = place_answer(question, answer, distractors)
-    return mcq_row("gpqa", question, options, index, optional_text(row, "High-level domain", "GPQA"), row.get("Record ID"),
-                   task=optional_text(row, "Subdomain"))
+    return mcq_row(
+        "gpqa",
+        question,
+        options,
+        index,
+        optional_text(row, "High-level domain", "GPQA"),
+        row.get("Record ID"),
+        task=optional_text(row, "Subdomain"),
+    )
 
 
 def from_mmlu_pro(row: dict) -> dict:
@@ -194,8 +216,15 @@ def from_mmlu_pro(row: dict) -> dict:
     letter = str(row.get("answer") or "").strip()
     if not 0 <= index < len(OPTION_LABELS) or OPTION_LABELS[index] != letter:
         raise RowError("answer_mismatch", f"answer {letter!r} but answer_index {index}")
-    return mcq_row("mmlu_pro", question, options, index, optional_text(row, "category", "MMLU-Pro"), row.get("question_id"),
-                   task=optional_text(row, "src"))
+    return mcq_row(
+        "mmlu_pro",
+        question,
+        options,
+        index,
+        optional_text(row, "category", "MMLU-Pro"),
+        row.get("question_id"),
+        task=optional_text(row, "src"),
+    )
 
 
 def from_medmcqa(row: dict) -> dict:
@@ -206,8 +235,15 @@ def from_medmcqa(row: dict) -> dict:
         raise RowError("unlabelled", "cop = -1")
     if not 0 <= cop < len(options):  # 0-3 as on the hub; the original JSON files count 1-4
         raise RowError("answer_out_of_range", f"cop = {cop} (expected 0-3)")
-    return mcq_row("medmcqa", question, options, cop, optional_text(row, "subject_name", "MedMCQA"), row.get("id"),
-                   task=optional_text(row, "topic_name"))
+    return mcq_row(
+        "medmcqa",
+        question,
+        options,
+        cop,
+        optional_text(row, "subject_name", "MedMCQA"),
+        row.get("id"),
+        task=optional_text(row, "topic_name"),
+    )
 
 
 def from_supergpqa(row: dict) -> dict:
@@ -216,33 +252,86 @@ def from_supergpqa(row: dict) -> dict:
     index = letter_index(row.get("answer_letter"), OPTION_LABELS[: len(options)])
     answer = row.get("answer")
     if not isinstance(answer, str) or answer.strip() != options[index]:
-        raise RowError("answer_mismatch", f"answer_letter {OPTION_LABELS[index]} is {options[index]!r}, answer is {answer!r}")
-    return mcq_row("supergpqa", question, options, index, optional_text(row, "discipline", "SuperGPQA"), row.get("uuid"),
-                   level=optional_text(row, "difficulty"), task=optional_text(row, "field"), subtask=optional_text(row, "subfield"))
+        raise RowError(
+            "answer_mismatch", f"answer_letter {OPTION_LABELS[index]} is {options[index]!r}, answer is {answer!r}"
+        )
+    return mcq_row(
+        "supergpqa",
+        question,
+        options,
+        index,
+        optional_text(row, "discipline", "SuperGPQA"),
+        row.get("uuid"),
+        level=optional_text(row, "difficulty"),
+        task=optional_text(row, "field"),
+        subtask=optional_text(row, "subfield"),
+    )
 
 
-def _format(name: str, signature: Iterable[str], convert: Callable[[dict], dict], hub: HubSet, configs: tuple[str, ...] = ()) -> Format:
+def _format(
+    name: str, signature: Iterable[str], convert: Callable[[dict], dict], hub: HubSet, configs: tuple[str, ...] = ()
+) -> Format:
     return Format(name, frozenset(signature), convert, hub, configs)
 
 
 # The default split is the set's largest labelled one: scirl holds out its own eval questions
 # from it (``repo:config@split`` reads another, e.g. allenai/ai2_arc:ARC-Easy@test).
-FORMATS: dict[str, Format] = {f.name: f for f in (
-    _format("sciknoweval", ("question", "choices", "answerKey", "type"), from_sciknoweval,
-            HubSet("hicai-zju/SciKnowEval", "v2", "test")),
-    _format("arc", ("question", "choices", "answerKey"), from_arc, HubSet("allenai/ai2_arc", "ARC-Challenge", "train"),
-            configs=("ARC-Challenge", "ARC-Easy")),
-    _format("sciq", ("question", "distractor1", "distractor2", "distractor3", "correct_answer"), from_sciq,
-            HubSet("allenai/sciq", None, "train")),
-    _format("gpqa", ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"), from_gpqa,
-            HubSet("Idavidrein/gpqa", "gpqa_main", "train"), configs=("gpqa_main", "gpqa_diamond", "gpqa_extended")),
-    _format("mmlu_pro", ("question", "options", "answer", "answer_index"), from_mmlu_pro, HubSet("TIGER-Lab/MMLU-Pro", None, "test")),
-    _format("medmcqa", ("question", "opa", "opb", "opc", "opd", "cop"), from_medmcqa,
-            HubSet("openlifescienceai/medmcqa", None, "train")),
-    _format("openbookqa", ("question_stem", "choices", "answerKey"), from_openbookqa,
-            HubSet("allenai/openbookqa", "main", "train"), configs=("main", "additional")),
-    _format("supergpqa", ("question", "options", "answer", "answer_letter"), from_supergpqa, HubSet("m-a-p/SuperGPQA", None, "train")),
-)}
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        _format(
+            "sciknoweval",
+            ("question", "choices", "answerKey", "type"),
+            from_sciknoweval,
+            HubSet("hicai-zju/SciKnowEval", "v2", "test"),
+        ),
+        _format(
+            "arc",
+            ("question", "choices", "answerKey"),
+            from_arc,
+            HubSet("allenai/ai2_arc", "ARC-Challenge", "train"),
+            configs=("ARC-Challenge", "ARC-Easy"),
+        ),
+        _format(
+            "sciq",
+            ("question", "distractor1", "distractor2", "distractor3", "correct_answer"),
+            from_sciq,
+            HubSet("allenai/sciq", None, "train"),
+        ),
+        _format(
+            "gpqa",
+            ("Question", "Correct Answer", "Incorrect Answer 1", "Incorrect Answer 2", "Incorrect Answer 3"),
+            from_gpqa,
+            HubSet("Idavidrein/gpqa", "gpqa_main", "train"),
+            configs=("gpqa_main", "gpqa_diamond", "gpqa_extended"),
+        ),
+        _format(
+            "mmlu_pro",
+            ("question", "options", "answer", "answer_index"),
+            from_mmlu_pro,
+            HubSet("TIGER-Lab/MMLU-Pro", None, "test"),
+        ),
+        _format(
+            "medmcqa",
+            ("question", "opa", "opb", "opc", "opd", "cop"),
+            from_medmcqa,
+            HubSet("openlifescienceai/medmcqa", None, "train"),
+        ),
+        _format(
+            "openbookqa",
+            ("question_stem", "choices", "answerKey"),
+            from_openbookqa,
+            HubSet("allenai/openbookqa", "main", "train"),
+            configs=("main", "additional"),
+        ),
+        _format(
+            "supergpqa",
+            ("question", "options", "answer", "answer_letter"),
+            from_supergpqa,
+            HubSet("m-a-p/SuperGPQA", None, "train"),
+        ),
+    )
+}
 FORMAT_NAMES = tuple(FORMATS)
 
 
@@ -287,8 +376,11 @@ class ColumnMapping:
 
     def as_dict(self) -> dict[str, str]:
         """The mapping as a config table: the keys given, several columns joined by ``+``."""
-        return {key: "+".join(value) if isinstance(value, tuple) else value
-                for key in COLUMN_KEYS if (value := getattr(self, key))}
+        return {
+            key: "+".join(value) if isinstance(value, tuple) else value
+            for key in COLUMN_KEYS
+            if (value := getattr(self, key))
+        }
 
     def as_text(self) -> str:
         """The mapping in the flag's syntax (what a results file records)."""
@@ -296,8 +388,13 @@ class ColumnMapping:
 
     def columns(self) -> list[str]:
         """Every column the mapping names, in its order."""
-        return [column for key in COLUMN_KEYS for value in [getattr(self, key)] if value
-                for column in (value if isinstance(value, tuple) else (value,))]
+        return [
+            column
+            for key in COLUMN_KEYS
+            for value in [getattr(self, key)]
+            if value
+            for column in (value if isinstance(value, tuple) else (value,))
+        ]
 
     def convert(self, row: dict) -> dict:
         question = field_text(row, self.question)
@@ -307,8 +404,14 @@ class ColumnMapping:
         else:
             options = self.option_texts(row, self.options)
             index = self.answer_position(row, options)
-        return mcq_row("columns", question, options, index, optional_text(row, self.domain, CUSTOM_DOMAIN),
-                       row.get(self.id) if self.id else None)
+        return mcq_row(
+            "columns",
+            question,
+            options,
+            index,
+            optional_text(row, self.domain, CUSTOM_DOMAIN),
+            row.get(self.id) if self.id else None,
+        )
 
     def option_texts(self, row: dict, columns: tuple[str, ...]) -> list[str]:
         if len(columns) > 1:
@@ -323,7 +426,10 @@ class ColumnMapping:
             return integer(row.get(self.answer_index), self.answer_index)
         value = row.get(self.answer)
         if not isinstance(value, str):
-            raise RowError("missing_field" if value is None else "bad_answer", f"{self.answer} = {value!r} (expected a letter or an option's text)")
+            raise RowError(
+                "missing_field" if value is None else "bad_answer",
+                f"{self.answer} = {value!r} (expected a letter or an option's text)",
+            )
         value = value.strip()
         column = self.options[0] if len(self.options) == 1 else None
         if column and isinstance(row.get(column), dict):  # letters as the row labels its choices
@@ -383,9 +489,14 @@ def parse_columns(spec: str | dict[str, Any]) -> ColumnMapping:
     if ("options" in values) == ("distractors" in values):
         raise ValueError("a column mapping needs options=... or distractors=... (one of them)")
     if "distractors" in values and ("answer" not in values or "answer_index" in values):
-        raise ValueError("with distractors=..., answer=COL names the right option's text (and answer_index does not apply)")
+        raise ValueError(
+            "with distractors=..., answer=COL names the right option's text (and answer_index does not apply)"
+        )
     if "options" in values and ("answer" in values) == ("answer_index" in values):
-        raise ValueError("with options=..., give answer=COL (a letter or the option's text) or answer_index=COL (0-based), one of them")
+        raise ValueError(
+            "with options=..., give answer=COL (a letter or the option's text) "
+            "or answer_index=COL (0-based), one of them"
+        )
     return ColumnMapping(**values)
 
 
@@ -409,16 +520,20 @@ def detect_format(rows: Iterable[Any]) -> Format:
         fits |= {f.name for f in FORMATS.values() if f.signature <= columns}
     if not any_row:
         return FORMATS["sciknoweval"]  # nothing to tell from: every row will be counted under its reason
-    most_specific = {name for name in fits
-                     if not any(FORMATS[name].signature < FORMATS[other].signature for other in fits)}
+    most_specific = {
+        name for name in fits if not any(FORMATS[name].signature < FORMATS[other].signature for other in fits)
+    }
     if len(most_specific) == 1:
         return FORMATS[most_specific.pop()]
     if most_specific:
-        raise DataSourceError(f"the rows' columns fit several formats ({', '.join(sorted(most_specific))}); "
-                              "name one with --data-format")
+        raise DataSourceError(
+            f"the rows' columns fit several formats ({', '.join(sorted(most_specific))}); name one with --data-format"
+        )
     shown = ", ".join(sorted(columns_seen)[:12]) + (", ..." if len(columns_seen) > 12 else "")
-    raise DataSourceError(f"cannot tell the data format from the columns ({shown}); name one with --data-format "
-                          f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}")
+    raise DataSourceError(
+        f"cannot tell the data format from the columns ({shown}); name one with --data-format "
+        f"({', '.join(FORMAT_NAMES)}) or map the columns with --data-columns {COLUMNS_SYNTAX}"
+    )
 
 
 def check_columns(wanted: list[str], rows: list[Any], said: str) -> None:
@@ -442,8 +557,9 @@ def known_format(name: str) -> str:
     return name
 
 
-def choose_converter(source: str, data_format: str, columns: str | dict | ColumnMapping | None,
-                     rows: list[Any]) -> tuple[str, Callable[[dict], dict]]:
+def choose_converter(
+    source: str, data_format: str, columns: str | dict | ColumnMapping | None, rows: list[Any]
+) -> tuple[str, Callable[[dict], dict]]:
     """(the format's name, its converter) for ``data_format``, a column mapping, or, with "auto", the
     set a hub source names, else the rows' columns."""
     if columns:

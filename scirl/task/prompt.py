@@ -37,9 +37,9 @@ def build_messages(q: Question) -> list[dict[str, str]]:
     ]
 
 
-# The self-teacher's prompt of self-distillation (Hübotter et al. 2026, arXiv 2601.20802; scirl.algorithms): the wording of the reference code's
-# `self_distillation` templates (`verl/trainer/config/actor/actor.yaml`: reprompt_template, solution_template,
-# feedback_template), applied to the question's user message as there.
+# The self-teacher's prompt of self-distillation (Hübotter et al. 2026, arXiv 2601.20802; scirl.algorithms): the
+# wording of the reference code's `self_distillation` templates (`verl/trainer/config/actor/actor.yaml`:
+# reprompt_template, solution_template, feedback_template), applied to the question's user message as there.
 SOLUTION_SECTION = "\nCorrect solution:\n\n{solution}"
 FEEDBACK_SECTION = "\nThe following is feedback from your unsuccessful earlier attempt:\n\n{feedback}"
 REPROMPT = "{question}{solution}{feedback}\n\nCorrectly solve the original question."
@@ -54,7 +54,8 @@ def teacher_messages(q: Question, solution: str | None = None, feedback: str | N
     messages[-1]["content"] = REPROMPT.format(
         question=messages[-1]["content"],
         solution=SOLUTION_SECTION.format(solution=solution) if solution is not None else "",
-        feedback=FEEDBACK_SECTION.format(feedback=feedback) if feedback is not None else "")
+        feedback=FEEDBACK_SECTION.format(feedback=feedback) if feedback is not None else "",
+    )
     return messages
 
 

@@ -1,6 +1,7 @@
 """Answer-letter extraction for multiple-choice replies, and the 0/1 reward.
 
-Two extraction modes (and two control rewards built on strict, at the end of this docstring). (SciKnowEval's own scorer effectively demands a bare letter: it scores "Answer: B" as A.)
+Two extraction modes (and two control rewards built on strict, at the end of this docstring). (SciKnowEval's own
+scorer effectively demands a bare letter: it scores "Answer: B" as A.)
 
 - ``strict`` (the training reward): the reply is the letter alone ("B", "(B)", "B.") or its last line
   is "Answer: B" (a final ``\\boxed{B}`` counts as that line). Anything looser is unparsed, so the reward
@@ -39,8 +40,9 @@ import functools
 import random
 import re
 import unicodedata
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scirl.task.schema import Question
@@ -74,7 +76,7 @@ def strip_think(reply: str) -> str:
     """
     closes = list(_THINK_CLOSE.finditer(reply))
     if closes:
-        reply = reply[closes[-1].end():]
+        reply = reply[closes[-1].end() :]
     if _THINK_OPEN.search(reply):
         return ""
     return reply
@@ -96,7 +98,7 @@ def _answer_tags(text: str) -> str:
         closed = _ANSWER_CLOSE.search(text, opened.end())
         if closed is None:
             break
-        parts += [text[pos:opened.start()], "\nanswer: ", text[opened.end():closed.start()].strip(), "\n"]
+        parts += [text[pos : opened.start()], "\nanswer: ", text[opened.end() : closed.start()].strip(), "\n"]
         pos = closed.end()
     if not parts:
         return text
@@ -109,7 +111,9 @@ def normalise(reply: str) -> str:
     text = unicodedata.normalize("NFKC", strip_think(reply))
     # Boxed and tagged answers are explicit answers: rewrite them as one so that rule 3 (and strict's
     # last-line rule) reads them, and "\boxed{A, C}" becomes a hedge like "answer: A, C".
-    text = _BOXED.sub(lambda m: "\nanswer: " + (m.group(1) if m.group(1) is not None else m.group(2)).strip() + "\n", text)
+    text = _BOXED.sub(
+        lambda m: "\nanswer: " + (m.group(1) if m.group(1) is not None else m.group(2)).strip() + "\n", text
+    )
     text = _answer_tags(text)
     text = _LATEX_TEXT.sub(r"\1", text)
     text = _LATEX_DELIMS.sub(" ", text)
@@ -151,14 +155,25 @@ _TOKEN_IN_SPAN = re.compile("(?<![A-Za-z])(" + _OPEN + r")?([A-Za-z])(" + _CLOSE
 _NEGATED = re.compile(r"(?i:\b(?:not|never)\s+|n't\s+)$")
 # After a list of letters, a singular verb starts a new clause ("B, and A is wrong": B is the answer);
 # a plural one makes the whole list a subject ("A and C are wrong": no answer here).
-_NEW_CLAUSE = re.compile(r"\s+(?i:(?P<singular>is|was|isn't|wasn't|can't|cannot|would|does|doesn't|has)|are|were|aren't|weren't|do|don't|have)\b")
+_NEW_CLAUSE = re.compile(
+    r"\s+(?i:(?P<singular>is|was|isn't|wasn't|can't|cannot|would|does|doesn't|has)|are|were|aren't|weren't|do|don't|have)\b"
+)
 _DELIMITED = re.compile(r"[.):]|[ \t]*(?:\n|$)")
 _WHOLE_LETTER = re.compile(r"^(?i:(?:option|choice|letter)\s*)?" + _OPEN + r"?([A-Za-z])" + _CLOSE + r"?[.:!]?$")
 _WHOLE_HEDGE = re.compile(
-    r"^(?i:(?:either|both|maybe|possibly|probably|perhaps|answer\s*:?)\s+)?" + _TOKEN + "(?:" + _SEP + _TOKEN + r")+\s*[.!?]?$"
+    r"^(?i:(?:either|both|maybe|possibly|probably|perhaps|answer\s*:?)\s+)?"
+    + _TOKEN
+    + "(?:"
+    + _SEP
+    + _TOKEN
+    + r")+\s*[.!?]?$"
 )
 _OPENING = re.compile(
-    r"^" + _OPEN + r"?([A-Za-z])(?:(?P<closed>" + _CLOSE + r")|(?P<delim>[.:)](?!\d))|(?P<dash>\s+[-\u2013\u2014]\s)|[ \t]*(?:\n|$))"
+    r"^"
+    + _OPEN
+    + r"?([A-Za-z])(?:(?P<closed>"
+    + _CLOSE
+    + r")|(?P<delim>[.:)](?!\d))|(?P<dash>\s+[-\u2013\u2014]\s)|[ \t]*(?:\n|$))"
 )
 # "C, because A and B are wrong", "C because ...": an upper-case letter, then the reasons for it
 _OPENING_REASON = re.compile(r"^" + _OPEN + r"?([A-Z])" + _CLOSE + r"?(?:\s*,)?\s+(?i:because|since|as(?!\s+well))\b")
@@ -206,11 +221,14 @@ def _patterns(labels: tuple[str, ...]) -> _Patterns:
         upper={label.upper(): label for label in labels},
         strict_whole=re.compile(r"^[(\[]?(" + letters + r")[)\]]?[.:]?$"),
         strict_last_line=re.compile(r"^(?i:answer)\s*:\s*[(\[]?(" + letters + r")[)\]]?\.?$"),
-        reference=re.compile(
-            _BEFORE + r"(?:[(\[](" + letters + r")[)\]]|(" + letters + r")(?:[.:)!?](?![\w.])|\s*$))"
-        ),
+        reference=re.compile(_BEFORE + r"(?:[(\[](" + letters + r")[)\]]|(" + letters + r")(?:[.:)!?](?![\w.])|\s*$))"),
         hedge_anywhere=re.compile(
-            _BEFORE + r"[(\[]?(" + letters + r")[)\]]?\s*(?:\s(?i:or|and/or)\s|/)\s*[(\[]?(" + letters + r")[)\]]?(?![\w'-])"
+            _BEFORE
+            + r"[(\[]?("
+            + letters
+            + r")[)\]]?\s*(?:\s(?i:or|and/or)\s|/)\s*[(\[]?("
+            + letters
+            + r")[)\]]?(?![\w'-])"
         ),
     )
 
@@ -326,7 +344,7 @@ def _explicit(text: str, pats: _Patterns) -> str | None:
     last_pos, last = -1, None
     for pattern in (*_EXPLICIT, _LETTER_FIRST):
         for m in pattern.finditer(text):
-            if pattern is not _LETTER_FIRST and _NEGATED.search(text[max(0, m.start() - 16):m.start()]):
+            if pattern is not _LETTER_FIRST and _NEGATED.search(text[max(0, m.start() - 16) : m.start()]):
                 continue  # "I would not choose A"
             result = _span_result(text, m.start("span"), m.group("span"), pats)
             if result is not None and m.start("span") > last_pos:
@@ -354,8 +372,8 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
         m = re.match(r"^" + _OPEN + r"?([A-Za-z])" + _CLOSE + r"?\s+", text)
         if m and m.group(1).upper() in pats.upper:
             option = _fold(options[pats.labels.index(pats.upper[m.group(1).upper()])])
-            rest = _fold(text[m.end():])
-            if option and rest.startswith(option) and not rest[len(option):len(option) + 1].isalnum():
+            rest = _fold(text[m.end() :])
+            if option and rest.startswith(option) and not rest[len(option) : len(option) + 1].isalnum():
                 return pats.upper[m.group(1).upper()]
     return None
 
@@ -363,7 +381,7 @@ def _opening(text: str, pats: _Patterns, options: Sequence[str] | None) -> str |
 def _references(text: str, pats: _Patterns) -> str | None:
     letters = set()
     for m in pats.reference.finditer(text):
-        before = text[max(0, m.start() - 40):m.start()]
+        before = text[max(0, m.start() - 40) : m.start()]
         previous = _PREVIOUS_WORD.search(before)
         if previous and previous.group(1).lower() in _NAMING_WORDS:
             continue  # "vitamin D.", "chain B)"
@@ -391,7 +409,11 @@ def _option_text(text: str, pats: _Patterns, options: Sequence[str]) -> str | No
         option = _fold(options[index])
         if len(option) < 3:
             continue
-        pattern = re.compile(("(?<!\\w)" if option[0].isalnum() else "") + re.escape(option) + ("(?!\\w)" if option[-1].isalnum() else ""))
+        pattern = re.compile(
+            ("(?<!\\w)" if option[0].isalnum() else "")
+            + re.escape(option)
+            + ("(?!\\w)" if option[-1].isalnum() else "")
+        )
         if pattern.search(haystack):
             named.add(pats.labels[index])
             haystack = pattern.sub("\0", haystack)
@@ -410,7 +432,7 @@ class Scored:
     reward: float
 
 
-def score(reply: str | None, question: "Question", mode: str, *, draw: tuple = ()) -> Scored:
+def score(reply: str | None, question: Question, mode: str, *, draw: tuple = ()) -> Scored:
     """Extract, compare with the question's answer key, and say whether anything was parsed at all.
 
     ``mode`` is one of ``REWARD_MODES``; the controls read the reply with the strict parser and reward

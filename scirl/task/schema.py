@@ -18,7 +18,9 @@ def mcq_type(n_options: int) -> str:
 
 
 # SciKnowEval's own two first, then every other option count another set can bring
-MCQ_TYPES = tuple(mcq_type(n) for n in (4, 2) + tuple(n for n in range(MIN_OPTIONS, MAX_OPTIONS + 1) if n not in (4, 2)))
+MCQ_TYPES = tuple(
+    mcq_type(n) for n in (4, 2) + tuple(n for n in range(MIN_OPTIONS, MAX_OPTIONS + 1) if n not in (4, 2))
+)
 
 
 class RowError(ValueError):

@@ -52,5 +52,9 @@ def permute(q: Question, order: tuple[int, ...] | list[int]) -> Question:
         raise ValueError(f"{order} is not a permutation of {len(q.options)} options")
     gold = q.labels.index(q.answer_key)
     base = q.option_order or tuple(range(len(q.options)))
-    return replace(q, options=tuple(q.options[i] for i in order), answer_key=q.labels[order.index(gold)],
-                   option_order=tuple(base[i] for i in order))
+    return replace(
+        q,
+        options=tuple(q.options[i] for i in order),
+        answer_key=q.labels[order.index(gold)],
+        option_order=tuple(base[i] for i in order),
+    )

@@ -47,8 +47,10 @@ def kind_for(setting: str, device: torch.device) -> str:
 def cannot_train(setting: str, device: torch.device) -> str | None:
     """Why ``attention`` cannot train on ``device``, or None (flex off CUDA: no backward there)."""
     if kind_for(setting, device) == "flex" and device.type != "cuda":
-        return (f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on {device.type}); "
-                "fix: --attention sdpa, or auto")
+        return (
+            f"attention = 'flex' trains on CUDA only (torch's flex attention has no backward on {device.type}); "
+            "fix: --attention sdpa, or auto"
+        )
     return None
 
 
@@ -120,15 +122,17 @@ def flex_block_mask(layout: Layout, length: int) -> BlockMask:
     completion = branch > 0
     prompt_end = group_start + layout.prompt_lengths[group.clamp(min=0).long()] - 1
     # a prompt's (or padding's) token sees its own range up to itself; a completion's, its prompt and its own
-    spans = [(group_start, torch.where(completion, prompt_end, position)),
-             (torch.where(completion, own_start, 1), torch.where(completion, position, 0))]
+    spans = [
+        (group_start, torch.where(completion, prompt_end, position)),
+        (torch.where(completion, own_start, 1), torch.where(completion, position, 0)),
+    ]
     block_first = torch.arange(0, length, FLEX_BLOCK, device=group.device)
     block_last = block_first + FLEX_BLOCK - 1
 
     def seen(first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:  # [N, key blocks]: keys in [first, last]
         return (torch.minimum(last[:, None], block_last) - torch.maximum(first[:, None], block_first) + 1).clamp_(min=0)
 
-    counts = sum(seen(first, last) for first, last in spans)
+    counts = torch.stack([seen(first, last) for first, last in spans]).sum(0)
     counts = counts.view(length // FLEX_BLOCK, FLEX_BLOCK, -1).sum(1)[None, None]  # [1, 1, query blocks, key blocks]
     full = counts == FLEX_BLOCK * FLEX_BLOCK
     partial = (counts > 0) & ~full
@@ -140,8 +144,13 @@ def flex_block_mask(layout: Layout, length: int) -> BlockMask:
     def same_prompt_and_branch(b, h, q, kv):
         return (group[q] == group[kv]) & (kv <= q) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=same_prompt_and_branch, seq_lengths=(length, length))
+    return BlockMask.from_kv_blocks(
+        *ordered(partial),
+        *ordered(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_prompt_and_branch,
+        seq_lengths=(length, length),
+    )
 
 
 @functools.cache
@@ -152,8 +161,7 @@ def compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, scirl_layout=None,
-                     **kwargs):
+def packed_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, scirl_layout=None, **kwargs):
     """transformers' attention signature: ``query`` [1, heads, N, d], ``key``/``value`` [1, kv_heads, N, d] ->
     ([1, N, heads, d], None)."""
     layout = scirl_layout
@@ -178,18 +186,30 @@ def grouped_sdpa(query, key, value, layout: Layout, scale, dropout: float) -> to
     def take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [N, h, d] -> [rows, h, len, d]
         return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).transpose(1, 2)
 
-    prompts = F.scaled_dot_product_attention(take(q, layout.prompt_index), take(k, layout.prompt_index),
-                                             take(v, layout.prompt_index), dropout_p=dropout, is_causal=True,
-                                             scale=scale, enable_gqa=True)
+    prompts = F.scaled_dot_product_attention(
+        take(q, layout.prompt_index),
+        take(k, layout.prompt_index),
+        take(v, layout.prompt_index),
+        dropout_p=dropout,
+        is_causal=True,
+        scale=scale,
+        enable_gqa=True,
+    )
     outputs = [prompts.transpose(1, 2).flatten(0, 1)]
     for grid in layout.grids:
-        keys = grid.key_index
-        completions = F.scaled_dot_product_attention(take(q, grid.query_index), take(k, keys), take(v, keys),
-                                                     attn_mask=grid.bias.to(query.dtype), dropout_p=dropout,
-                                                     scale=scale, enable_gqa=True)
+        keys, bias = grid.key_index, grid.bias
+        assert keys is not None and bias is not None  # made together by ``prepare`` (``packed_attention`` checks)
+        completions = F.scaled_dot_product_attention(
+            take(q, grid.query_index),
+            take(k, keys),
+            take(v, keys),
+            attn_mask=bias.to(query.dtype),
+            dropout_p=dropout,
+            scale=scale,
+            enable_gqa=True,
+        )
         outputs.append(completions.transpose(1, 2).flatten(0, 1))
-    outputs = torch.cat(outputs)
-    return outputs.index_select(0, layout.unpack)[None]
+    return torch.cat(outputs).index_select(0, layout.unpack)[None]
 
 
 @functools.cache
@@ -203,8 +223,10 @@ def check_supported(model) -> None:
     """ValueError naming a model whose attention layers take no attention function by name."""
     if not getattr(model, "_supports_attention_backend", False):
         name = type(model).__name__
-        raise ValueError(f"{name} does not take transformers' attention functions by name, which the trainer's "
-                         "packed rows need (Llama, Qwen2, Qwen3 and most decoder-only models do)")
+        raise ValueError(
+            f"{name} does not take transformers' attention functions by name, which the trainer's "
+            "packed rows need (Llama, Qwen2, Qwen3 and most decoder-only models do)"
+        )
 
 
 @contextlib.contextmanager

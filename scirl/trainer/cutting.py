@@ -34,10 +34,14 @@ def stand_in_length(tokens: int, batching: Batching, kind: str) -> int:
 def cut(samples: list[Sample], batching: Batching, kind: str, compiled: bool = False) -> list[MicroBatch]:
     """``samples`` (a rank's share of a step, whole groups) as micro-batches under ``kind`` attention (flex or
     sdpa); ``compiled``: compiled decoder layers, which take one completion grid."""
-    return make_micro_batches(samples, max_tokens=batching.micro_batch_tokens, max_rows=batching.micro_batch_size,
-                              share_prompts=batching.share_prompts,
-                              pad_to=functools.partial(row_length, batching=batching, kind=kind),
-                              max_grids=attention.max_grids(kind, compiled))
+    return make_micro_batches(
+        samples,
+        max_tokens=batching.micro_batch_tokens,
+        max_rows=batching.micro_batch_size,
+        share_prompts=batching.share_prompts,
+        pad_to=functools.partial(row_length, batching=batching, kind=kind),
+        max_grids=attention.max_grids(kind, compiled),
+    )
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,9 @@ def completions_in_budget(budget: int, prompt: int, completion: int, batching: B
     return groups * g + min(max((left - prompt) // completion, 0), g - 1)
 
 
-def largest_micro_batch(batching: Batching, kind: str, *, group_size: int, prompt: int,
-                        completion: int) -> MicroBatchShape:
+def largest_micro_batch(
+    batching: Batching, kind: str, *, group_size: int, prompt: int, completion: int
+) -> MicroBatchShape:
     """The largest micro-batch ``cut`` makes of whole groups of ``group_size`` completions of ``completion``
     tokens after prompts of ``prompt`` tokens, under ``kind`` attention: each bound met at once (the token budget,
     the completions' cap, a sequence longer than the budget alone), so every tensor sized by it is an upper bound.
@@ -110,5 +115,6 @@ def stand_in_shape(batching: Batching, kind: str) -> MicroBatchShape:
     prompts = {key: len(prompt) for key, prompt, _ in DUMMY_ROWS}
     completions = [len(completion) for _, _, completion in DUMMY_ROWS]
     tokens = stand_in_length(sum(prompts.values()) + sum(completions), batching, kind)
-    return MicroBatchShape(tokens, sum(completions), len(completions), len(prompts), max(prompts.values()),
-                           max(completions))
+    return MicroBatchShape(
+        tokens, sum(completions), len(completions), len(prompts), max(prompts.values()), max(completions)
+    )

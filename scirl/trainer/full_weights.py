@@ -10,7 +10,7 @@ and every rank cuts the same buckets from them. LoRA gives its merged weights (`
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -23,8 +23,15 @@ class FullWeights:
     each gathered when reached, in the module's order but ``first``'s names ahead; ``keep=False`` (a rank that only
     joins the gathers) gives None instead. Under FSDP every rank iterates to the end."""
 
-    def __init__(self, model, *, device: str | torch.device, dtype: torch.dtype | None = None, keep: bool = True,
-                 first: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype | None = None,
+        keep: bool = True,
+        first: tuple[str, ...] = (),
+    ):
         self.device, self.keep = device, keep
         if is_lora(model):
             self.parts = merged_parts(model)  # (name, base tensor, its adapter layer or None)
@@ -39,7 +46,7 @@ class FullWeights:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | None]]:
         for (name, _, dtype), (_, value, layer) in zip(self.specs, self.parts):
-            tensor = self._gather(value, layer, dtype)
+            tensor: torch.Tensor | None = self._gather(value, layer, dtype)
             if not self.keep:
                 tensor = None  # this rank only joins the gather
             yield name, tensor

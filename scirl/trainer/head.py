@@ -39,7 +39,8 @@ def hidden_states_out(model: torch.nn.Module):
     """Inside, ``model(...).logits`` are the final hidden states (after the final norm): the output embedding
     returns its input. Yields a dict whose ``"weight"`` is the head weight the latest forward would have used (under
     FSDP2 the gathered one). Nested, the outer one's is back on the way out."""
-    head = model.get_output_embeddings()
+    # transformers' method; torch types an attribute it does not know as a Tensor or a Module
+    head: torch.nn.Module = model.get_output_embeddings()  # type: ignore[operator]
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("the block-wise LM head does not apply final_logit_softcapping")
     seen: dict = {}
@@ -61,8 +62,9 @@ def hidden_states_out(model: torch.nn.Module):
             head.forward = before
 
 
-def block_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def block_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, temperature: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """float32 logits / temperature of a block of rows: the matmul in the compute dtype, as the model's head does,
     then cast (the full-logits path's ``logits.float()``). ``out``: a buffer the blocks share, one [block, V]
     allocation a pass instead of one a block, which a CPU's heap would scatter."""
@@ -107,7 +109,9 @@ def blocks(total: int, block_tokens: int):
         yield slice(start, start + block_tokens), min(block_tokens, total - start)
 
 
-def outputs(hidden: torch.Tensor, ids: torch.Tensor, top_p: float) -> tuple[torch.Tensor, ...]:
+def outputs(
+    hidden: torch.Tensor, ids: torch.Tensor, top_p: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The head's float32 outputs, filled a block at a time: logprobs [N, k], entropy, log-sum-exp and the
     nucleus's cut [N]."""
     n = ids.shape[0]
@@ -129,8 +133,16 @@ def gradients(ctx) -> tuple:
     over all tokens would accumulate)."""
     hidden, weight, ids, logsumexp, cut = ctx.saved_tensors
     want_hidden, want_weight = ctx.needs_input_grad[:2]
-    return (hidden, weight, ids, logsumexp, cut, *ctx.settings, torch.empty_like(hidden) if want_hidden else None,
-            torch.zeros_like(weight, dtype=torch.float32) if want_weight else None)
+    return (
+        hidden,
+        weight,
+        ids,
+        logsumexp,
+        cut,
+        *ctx.settings,
+        torch.empty_like(hidden) if want_hidden else None,
+        torch.zeros_like(weight, dtype=torch.float32) if want_weight else None,
+    )
 
 
 class HeadLogprobs(torch.autograd.Function):
@@ -140,8 +152,10 @@ class HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, temperature: float, top_p: float, block_tokens: int):
         logprobs, entropy, logsumexp, cut = outputs(hidden, ids, top_p)
-        logits_buffer, probs_buffer = (hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]),
-                                                        dtype=torch.float32) for _ in range(2))
+        logits_buffer, probs_buffer = (
+            hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
+            for _ in range(2)
+        )
         for start in range(0, hidden.shape[0], block_tokens):
             rows = slice(start, start + block_tokens)
             n = min(block_tokens, hidden.shape[0] - start)
@@ -171,8 +185,11 @@ class HeadLogprobs(torch.autograd.Function):
         buffer = hidden.new_empty((min(block_tokens, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for rows, n in blocks(hidden.shape[0], block_tokens):
             g = grad_logprobs[rows].float()
-            logits = in_nucleus(block_logits(hidden[rows], weight, temperature, out=buffer[:n]),
-                                None if cut is None else cut[rows], ids[rows])
+            logits = in_nucleus(
+                block_logits(hidden[rows], weight, temperature, out=buffer[:n]),
+                None if cut is None else cut[rows],
+                ids[rows],
+            )
             # d logprob(id) / d logit = onehot(id) - p, then through the division by the temperature
             grad = logits.sub_(logsumexp[rows, None]).exp_().mul_(-g.sum(dim=1, keepdim=True))
             grad.scatter_add_(1, ids[rows], g)
@@ -189,8 +206,9 @@ class HeadLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None
 
 
-def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | None,
-                temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_stats(
+    logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | None, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-sum-exp [R], logprobs at ``ids`` [R, k], entropy [R]) of a block's logits [R, V] (compute dtype, before
     the temperature) over the nucleus (the tokens at or above ``cut``, and the ids): ``HeadLogprobs``'s arithmetic
     written for ``torch.compile`` to fuse into a pass or two. The entropy is log Z - sum p (logit - max), because
@@ -210,15 +228,19 @@ def block_stats(logits: torch.Tensor, ids: torch.Tensor, cut: torch.Tensor | Non
         below = torch.zeros_like(at_ids)
     # Z = 1 + rest, the most likely token's exp(0) = 1 apart: log1p(rest) keeps the digits of a near-certain row's
     # entropy and logprobs, which 1 + rest would round away
-    rest = (torch.where(shifted < 0, exp, 0.0).sum(dim=-1, keepdim=True) + below.sum(dim=-1, keepdim=True)
-            + ((shifted == 0).sum(dim=-1, keepdim=True) - 1))  # ties with the most likely token, in integers
+    rest = (
+        torch.where(shifted < 0, exp, 0.0).sum(dim=-1, keepdim=True)
+        + below.sum(dim=-1, keepdim=True)
+        + ((shifted == 0).sum(dim=-1, keepdim=True) - 1)
+    )  # ties with the most likely token, in integers
     weighted = (exp * shifted).sum(dim=-1, keepdim=True) + (below * at_ids).sum(dim=-1, keepdim=True)
     log_total = rest.log1p()
     return (top + log_total).squeeze(1), at_ids - log_total, (log_total - weighted / (1 + rest)).squeeze(1)
 
 
-def block_grad_(logits: torch.Tensor, logsumexp: torch.Tensor, grad_sum: torch.Tensor, cut: torch.Tensor | None,
-                temperature: float) -> None:
+def block_grad_(
+    logits: torch.Tensor, logsumexp: torch.Tensor, grad_sum: torch.Tensor, cut: torch.Tensor | None, temperature: float
+) -> None:
     """A block's logits [R, V] (compute dtype, before the temperature) become, in place, -p * grad_sum / T: the
     gradient of sum_k grad_k * logprob(id_k) except at the ids, which ``FusedHeadLogprobs`` writes after. For
     ``torch.compile``: one pass, into the block's own memory."""
@@ -268,7 +290,8 @@ class FusedHeadLogprobs(torch.autograd.Function):
             if cut is not None:
                 cut[rows] = nucleus_cut(logits, top_p, temperature)
             logsumexp[rows], logprobs[rows], entropy[rows] = run_compiled(
-                block_stats, buffer, n, ids[rows], None if cut is None else cut[rows], temperature)
+                block_stats, buffer, n, ids[rows], None if cut is None else cut[rows], temperature
+            )
         return saved(ctx, (hidden, weight, ids, logsumexp, cut), (temperature, block_tokens), logprobs, entropy)
 
     @staticmethod
@@ -339,12 +362,14 @@ class Head:
             raise ValueError(f"block_tokens must be at least 1, got {self.block_tokens}")
         self.function = FusedHeadLogprobs if self.fused else HeadLogprobs
 
-    def token_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor,
-                       targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def token_logprobs(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` [T, H] of the positions that predict ``targets`` [T] -> their logprobs and entropies [T], as
         ``loss.token_logprobs`` (no compute on padding or prompts)."""
-        logprobs, entropy = self.function.apply(hidden, weight, targets[:, None], self.temperature, self.top_p,
-                                                self.block_tokens)
+        logprobs, entropy = self.function.apply(
+            hidden, weight, targets[:, None], self.temperature, self.top_p, self.block_tokens
+        )
         return logprobs.squeeze(1), entropy
 
     @torch.no_grad()
@@ -364,8 +389,9 @@ class Head:
         top_ids = torch.cat(ids) if ids else torch.zeros(top.shape, dtype=torch.long, device=hidden.device)
         return TeacherTargets(top_ids, with_tail(top) if tail else renormalised(top))
 
-    def student_logprobs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: TeacherTargets, *,
-                         tail: bool) -> torch.Tensor:
+    def student_logprobs(
+        self, hidden: torch.Tensor, weight: torch.Tensor, targets: TeacherTargets, *, tail: bool
+    ) -> torch.Tensor:
         """``targets.student_logprobs`` of ``hidden`` [N, H]'s logits (no nucleus, as there), a block at a time
         with top-k targets."""
         if targets.ids is None:

@@ -20,6 +20,8 @@ Every rank applies the same setting to the same module tree, so FSDP2's ranks ru
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx.experimental._config
@@ -42,8 +44,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(getattr(base, "model", None), "layers", None)
     if layers is None:
-        raise TrainError(f"{type(base).__name__} has no model.layers: kernels = 'compile' and 'liger' need a "
-                         "decoder-only transformers model (kernels = 'eager' runs any)")
+        raise TrainError(
+            f"{type(base).__name__} has no model.layers: kernels = 'compile' and 'liger' need a "
+            "decoder-only transformers model (kernels = 'eager' runs any)"
+        )
     return list(layers)
 
 
@@ -54,12 +58,15 @@ def apply_liger(model) -> None:
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError as exc:
-        raise TrainError(f"kernels = 'liger' needs Liger-Kernel ({exc}): pip install 'scirl[gpu]', or --kernels compile")
+        raise TrainError(
+            f"kernels = 'liger' needs Liger-Kernel ({exc}): pip install 'scirl[gpu]', or --kernels compile"
+        ) from exc
     model_type = model.config.model_type
     if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise TrainError(f"Liger-Kernel has no kernels for model type {model_type!r}: --kernels compile or eager")
-    _apply_liger_kernel_to_instance(model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=False)
+    _apply_liger_kernel_to_instance(
+        model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False
+    )
 
 
 def bound_recompiles() -> None:
@@ -79,8 +86,10 @@ def bound_recompiles() -> None:
 def compile_counts() -> dict[str, int]:
     """The graphs dynamo compiled and the graph breaks it took in this process so far (``train/compiles``,
     ``train/graph_breaks``)."""
-    return {"compiles": int(counters["stats"]["unique_graphs"]),
-            "graph_breaks": int(sum(counters["graph_break"].values()))}
+    return {
+        "compiles": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(counters["graph_break"].values())),
+    }
 
 
 class Kernels:
@@ -93,18 +102,23 @@ class Kernels:
         if name not in CHOICES[1:]:
             raise ValueError(f"kernels must be one of {', '.join(CHOICES[1:])} once resolved, got {name!r}")
         self.name = name
-        self.compiled: list[tuple[torch.nn.Module, object]] = []
+        self.compiled: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
         if name == "compile":
             bound_recompiles()
             # one compiled function a layer, sharing one graph: dynamo takes a layer's parameters as inputs
-            self.compiled = [(layer, torch.compile(layer.forward, backend=backend, dynamic=dynamic))
-                             for layer in decoder_layers(model)]
+            self.compiled = [
+                (layer, torch.compile(layer.forward, backend=backend, dynamic=dynamic))
+                for layer in decoder_layers(model)
+            ]
         elif name == "liger":
             apply_liger(model)
 
     def describe(self) -> str:
-        return {"eager": "transformers' eager modules", "compile": "each decoder layer compiled (torch.compile)",
-                "liger": "Liger-Kernel's RMSNorm, RoPE and SwiGLU"}[self.name]
+        return {
+            "eager": "transformers' eager modules",
+            "compile": "each decoder layer compiled (torch.compile)",
+            "liger": "Liger-Kernel's RMSNorm, RoPE and SwiGLU",
+        }[self.name]
 
     @contextlib.contextmanager
     def active(self):
@@ -116,8 +130,8 @@ class Kernels:
         try:
             yield
         finally:
-            for (layer, _), forward in zip(self.compiled, before):
-                if forward is None:
+            for (layer, _), outer in zip(self.compiled, before):
+                if outer is None:
                     del layer.forward  # the class's forward again
                 else:
-                    layer.forward = forward
+                    layer.forward = outer

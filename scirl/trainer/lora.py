@@ -38,8 +38,10 @@ def is_lora(model) -> bool:
 def check_supported(dist) -> None:
     """Before anything loads: peft installed, one process."""
     if dist.world_size > 1:
-        raise TrainError(f"lora.enabled runs in a single process only, not under torchrun ({dist.world_size} ranks): "
-                         "FSDP2 with a peft model is not supported yet; run one process (LoRA fits an 8B model on one GPU)")
+        raise TrainError(
+            f"lora.enabled runs in a single process only, not under torchrun ({dist.world_size} ranks): "
+            "FSDP2 with a peft model is not supported yet; run one process (LoRA fits an 8B model on one GPU)"
+        )
     try:
         import peft  # noqa: F401
     except ImportError as exc:
@@ -49,8 +51,13 @@ def check_supported(dist) -> None:
 def peft_config(settings):
     from peft import LoraConfig  # deferred here and below: peft is the optional `lora` extra
 
-    return LoraConfig(r=settings.rank, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
-                      target_modules=list(settings.target_modules), bias="none")
+    return LoraConfig(
+        r=settings.rank,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=list(settings.target_modules),
+        bias="none",
+    )
 
 
 def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, activation_checkpointing: bool = False):
@@ -60,8 +67,10 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
     try:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype, **without_hub_kernels())
     except (OSError, ValueError) as exc:
-        raise TrainError(f"cannot load base model {base!r} as a causal LM (a LoRA resume loads the base model of "
-                         f"config.toml's `model`, then the checkpoint's adapter): {exc}") from exc
+        raise TrainError(
+            f"cannot load base model {base!r} as a causal LM (a LoRA resume loads the base model of "
+            f"config.toml's `model`, then the checkpoint's adapter): {exc}"
+        ) from exc
     if activation_checkpointing:
         # non-reentrant: with a frozen base the reentrant variant would see no input that needs grad
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -77,11 +86,16 @@ def load_model(base: str, settings, device: torch.device, dtype: torch.dtype, ac
 def check_saved_config(saved: dict, settings) -> None:
     """A resume needs the saved adapter's rank, alpha, dropout and targets (its shapes and scale)."""
     wanted = peft_config(settings).to_dict()
-    differ = [f"{key} {normal(saved.get(key))} -> {normal(wanted[key])}" for key in COMPARED
-              if normal(saved.get(key)) != normal(wanted[key])]
+    differ = [
+        f"{key} {normal(saved.get(key))} -> {normal(wanted[key])}"
+        for key in COMPARED
+        if normal(saved.get(key)) != normal(wanted[key])
+    ]
     if differ:
-        raise TrainError(f"the checkpoint's adapter was saved with other settings ({', '.join(differ)}); "
-                         "resume with the run's own [lora] settings")
+        raise TrainError(
+            f"the checkpoint's adapter was saved with other settings ({', '.join(differ)}); "
+            "resume with the run's own [lora] settings"
+        )
 
 
 def normal(value):
@@ -92,7 +106,9 @@ def adapter_config(model) -> dict:
     """The adapter's peft config as a dict, which a checkpoint keeps for the resume's check."""
     config = model.peft_config[ADAPTER].to_dict()
     config = {k: (sorted(v) if isinstance(v, set) else v) for k, v in config.items()}  # JSON has no sets
-    config["peft_type"] = str(config["peft_type"].value if hasattr(config["peft_type"], "value") else config["peft_type"])
+    config["peft_type"] = str(
+        config["peft_type"].value if hasattr(config["peft_type"], "value") else config["peft_type"]
+    )
     return config
 
 
@@ -106,13 +122,20 @@ def merged_parts(model) -> list[tuple[str, torch.Tensor, object]]:
     ``merge`` adds, or None) in the module's order, the adapter's own tensors left out."""
     from peft.tuners.lora import LoraLayer
 
-    layers = {f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if isinstance(layer, LoraLayer)}
-    return [(hf_name(name), value, layers.get(name)) for name, value in model.state_dict().items()
-            if not any(part.startswith("lora_") for part in name.split("."))]
+    layers = {
+        f"{name}.base_layer.weight": layer for name, layer in model.named_modules() if isinstance(layer, LoraLayer)
+    }
+    return [
+        (hf_name(name), value, layers.get(name))
+        for name, value in model.state_dict().items()
+        if not any(part.startswith("lora_") for part in name.split("."))
+    ]
 
 
 @torch.no_grad()
-def merge(value: torch.Tensor, layer, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+def merge(
+    value: torch.Tensor, layer, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """One tensor of the merged model: ``W + B@A * scale`` (summed in float32) for an adapted layer, else ``W``;
     ``dtype`` None: float32. The module stays as it is (a merge and unmerge would round the base)."""
     if layer is not None:
@@ -122,5 +145,6 @@ def merge(value: torch.Tensor, layer, *, device: str | torch.device = "cpu", dty
 
 
 def hf_name(name: str) -> str:
-    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` -> ``model.layers.0.self_attn.q_proj.weight``."""
+    """``base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight`` ->
+    ``model.layers.0.self_attn.q_proj.weight``."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

@@ -29,7 +29,7 @@ class LossSums:
     mismatch_kl: float | torch.Tensor = 0.0  # k3 estimator: ratio - 1 - log_ratio, per token
     entropy: float | torch.Tensor = 0.0
 
-    def add(self, other: "LossSums") -> "LossSums":
+    def add(self, other: LossSums) -> LossSums:
         return type(self)(*(a + b for a, b in zip(self.as_list(), other.as_list(), strict=True)))
 
     def as_list(self) -> list[float]:
@@ -69,7 +69,9 @@ def rl_loss(
 
     with torch.no_grad():
         k3 = ratio - 1 - log_ratio
-        sums = LossSums(tokens=mask.sum(), masked=(is_masked & mask).sum(), mismatch_kl=torch.where(mask, k3, 0.0).sum())
+        sums = LossSums(
+            tokens=mask.sum(), masked=(is_masked & mask).sum(), mismatch_kl=torch.where(mask, k3, 0.0).sum()
+        )
     return loss, sums
 
 
@@ -95,7 +97,9 @@ def token_logprobs(
 
 
 @torch.no_grad()
-def nucleus_mask(logits: torch.Tensor, top_p: float, targets: torch.Tensor | None = None, chunk_elements: int = 1 << 24) -> torch.Tensor:
+def nucleus_mask(
+    logits: torch.Tensor, top_p: float, targets: torch.Tensor | None = None, chunk_elements: int = 1 << 24
+) -> torch.Tensor:
     """True for the tokens in each row's top-p nucleus of ``logits`` [..., V] (already divided by T), by vLLM's
     rule (and ``scirl.inference.hf.top_p_filter``'s): sort ascending, drop the tokens whose cumulative probability
     stays <= 1 - top_p, keep the most likely one. ``targets`` are kept too: a sampled token is in the sampler's
@@ -107,10 +111,10 @@ def nucleus_mask(logits: torch.Tensor, top_p: float, targets: torch.Tensor | Non
     keep = torch.empty(flat.shape, dtype=torch.bool, device=logits.device)
     rows = max(1, chunk_elements // vocab)
     for start in range(0, flat.shape[0], rows):
-        sorted_logits, order = flat[start:start + rows].sort(dim=-1)
+        sorted_logits, order = flat[start : start + rows].sort(dim=-1)
         kept_sorted = sorted_logits.softmax(dim=-1).cumsum_(dim=-1) > 1 - top_p
         kept_sorted[:, -1] = True
-        keep[start:start + rows].scatter_(-1, order, kept_sorted)
+        keep[start : start + rows].scatter_(-1, order, kept_sorted)
     keep = keep.view(logits.shape)
     if targets is not None:
         keep.scatter_(-1, targets.unsqueeze(-1), True)

@@ -33,7 +33,9 @@ def compute_dtype(dtype_name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
 
 
-def load_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool = False):
+def load_model(
+    path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool = False
+):
     """An HF causal LM in float32 (the master weights), sharded with FSDP2 under torchrun, where rank 0 alone
     reads the checkpoint: at 8B one float32 copy in host memory instead of one per rank. Every rank then checks
     that all run the same code and rank 0 logs it."""
@@ -78,8 +80,9 @@ def build_on_meta(path_or_name: str):
     return model
 
 
-def load_sharded_model(path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype,
-                       activation_checkpointing: bool):
+def load_sharded_model(
+    path_or_name: str, device: torch.device, dist: Dist, dtype: torch.dtype, activation_checkpointing: bool
+):
     """Every rank builds the model on meta and shards it; rank 0 reads the weights on CPU and broadcasts them."""
     error = None
     full_state, buffers = {}, {}  # set_model_state_dict reads rank 0's dict only
@@ -139,16 +142,20 @@ def module_code(module: torch.nn.Module) -> str:
     repo = module.__dict__.get("_kernel_repo")
     hub_kernel = f" hub kernel {getattr(repo, 'repo_id', type(repo).__name__)}" if repo is not None else ""
     cls = type(module)
-    return (f"{cls.__module__}.{cls.__qualname__} runs {getattr(function, '__module__', '?')}."
-            f"{getattr(function, '__qualname__', type(function).__name__)}{where}{hub_kernel}")
+    return (
+        f"{cls.__module__}.{cls.__qualname__} runs {getattr(function, '__module__', '?')}."
+        f"{getattr(function, '__qualname__', type(function).__name__)}{where}{hub_kernel}"
+    )
 
 
 def model_code(model: torch.nn.Module) -> list[str]:
     """What decides the model's arithmetic, a line each: the attention implementation(s), whether hub kernels are
     on, and every module's code (``module_code``) by module name."""
     configs = [model.config] + [c for c in [getattr(model.config, "get_text_config", lambda: None)()] if c is not None]
-    lines = [f"attention: {sorted({str(getattr(c, '_attn_implementation', None)) for c in configs})}",
-             f"hub kernels: {bool(getattr(model, '_use_kernels', False))}"]
+    lines = [
+        f"attention: {sorted({str(getattr(c, '_attn_implementation', None)) for c in configs})}",
+        f"hub kernels: {bool(getattr(model, '_use_kernels', False))}",
+    ]
     lines += [f"{name or '(root)'}: {module_code(module)}" for name, module in model.named_modules()]
     return lines
 
@@ -165,12 +172,15 @@ def check_identical_ranks(model: torch.nn.Module, dist: Dist) -> None:
     for rank, theirs in enumerate(every[1:], start=1):
         if theirs == reference:
             continue
-        differs = next((i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b),
-                       min(len(reference), len(theirs)))
+        differs = next(
+            (i for i, (a, b) in enumerate(zip(reference, theirs)) if a != b), min(len(reference), len(theirs))
+        )
         ours = reference[differs] if differs < len(reference) else "(nothing)"
         other = theirs[differs] if differs < len(theirs) else "(nothing)"
-        raise TrainError(f"rank {rank} runs other code than rank 0: {other} on rank {rank}, but {ours} on rank 0; "
-                         "every rank must build the same modules and kernels")
+        raise TrainError(
+            f"rank {rank} runs other code than rank 0: {other} on rank {rank}, but {ours} on rank 0; "
+            "every rank must build the same modules and kernels"
+        )
 
 
 def code_line(model: torch.nn.Module, dist: Dist) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,25 +138,35 @@ class MicroBatch:
         return self.packed.sequences
 
 
-def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max_grids: int = 1) -> Packed:
-    """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
-    one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
-    multiple of it with padding positions (1: none), or a function gives the padded length (flex attention's few
-    row lengths, ``attention.row_length``). ``max_grids``: how many
-    grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
+def prompt_groups(
+    rows: Sequence[tuple[object, list[int], list[int]]],
+) -> tuple[list[list[int]], list[list[int]], np.ndarray]:
+    """``pack``'s rows by prompt: (each distinct prompt's ids, the rows of each, each row's prompt)."""
     prompt_of: dict[object, int] = {}
     prompts: list[list[int]] = []
     members: list[list[int]] = []
     row_prompt = np.zeros(len(rows), dtype=np.int64)  # each row's prompt (a key is hashed once: it holds the ids)
     for r, (key, prompt, completion) in enumerate(rows):
         if not prompt or not completion:
-            raise ValueError(f"a packed row needs a prompt and a completion, got {len(prompt)} and {len(completion)} tokens")
+            raise ValueError(
+                f"a packed row needs a prompt and a completion, got {len(prompt)} and {len(completion)} tokens"
+            )
         g = prompt_of.setdefault(key, len(prompts))
         if g == len(prompts):
             prompts.append(list(prompt))
             members.append([])
         members[g].append(r)
         row_prompt[r] = g
+    return prompts, members, row_prompt
+
+
+def pack(rows: Sequence[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max_grids: int = 1) -> Packed:
+    """``rows``: (prompt key, prompt ids, completion ids), one per completion; rows with the same key share
+    one copy of the prompt (their prompt ids must be equal). ``pad_to``: the row's length is rounded up to a
+    multiple of it with padding positions (1: none), or a function gives the padded length (flex attention's few
+    row lengths, ``attention.row_length``). ``max_grids``: how many
+    grids of similar lengths the SDPA path may split the completions into (``completion_grids``; flex: 1)."""
+    prompts, members, row_prompt = prompt_groups(rows)
     lengths = [len(c) for _, _, c in rows]
     n_rows, longest_prompt, longest_completion = len(rows), max(len(p) for p in prompts), max(lengths)
 
@@ -185,10 +195,15 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max
     begin = np.zeros(n_rows, dtype=np.int64)
     begin[seg_branch[seg_branch > 0] - 1] = start[seg_branch > 0]
     completion_lengths = np.array(lengths, dtype=np.int64)
-    grids = [CompletionGrid(torch.tensor(members_k, dtype=torch.long), torch.from_numpy(row_prompt[members_k]),
-                            spans(begin[members_k], completion_lengths[members_k], width),
-                            prompt_len=max(len(rows[r][1]) for r in members_k))
-             for members_k, width in zip(grid_rows, widths)]
+    grids = [
+        CompletionGrid(
+            torch.tensor(members_k, dtype=torch.long),
+            torch.from_numpy(row_prompt[members_k]),
+            spans(begin[members_k], completion_lengths[members_k], width),
+            prompt_len=max(len(rows[r][1]) for r in members_k),
+        )
+        for members_k, width in zip(grid_rows, widths)
+    ]
     # the loss tokens, row by row: row r's token k, predicted by its prompt's last position (k = 0) or its token k - 1
     row = np.repeat(np.arange(n_rows), completion_lengths)
     k = np.arange(len(row)) - np.repeat(np.cumsum(completion_lengths) - completion_lengths, completion_lengths)
@@ -205,14 +220,23 @@ def pack(rows: list[tuple[object, list[int], list[int]]], pad_to: PadTo = 1, max
         group=padded(np.repeat(seg_group, length), -1, np.int32),
         branch=padded(np.repeat(seg_branch, length), -1, np.int32),
         prompt_index=spans(prompt_start, prompt_lengths, longest_prompt),
-        prompt_lengths=torch.from_numpy(prompt_lengths), grids=grids,
+        prompt_lengths=torch.from_numpy(prompt_lengths),
+        grids=grids,
         # padding reads a real token's output; nothing reads padding's keys on this path
-        unpack=padded(within + np.repeat(first_output, length), 0))
+        unpack=padded(within + np.repeat(first_output, length), 0),
+    )
     loss_mask = torch.from_numpy(np.arange(longest_completion) < completion_lengths[:, None])
     positions = padded(within + np.repeat(first_position, length), 0)
-    return Packed(torch.from_numpy(input_ids)[None], positions[None], layout, torch.from_numpy(predictor),
-                  torch.from_numpy(input_ids[own]), torch.from_numpy(row * longest_completion + k), loss_mask,
-                  padding_tokens=padding)
+    return Packed(
+        torch.from_numpy(input_ids)[None],
+        positions[None],
+        layout,
+        torch.from_numpy(predictor),
+        torch.from_numpy(input_ids[own]),
+        torch.from_numpy(row * longest_completion + k),
+        loss_mask,
+        padding_tokens=padding,
+    )
 
 
 def spans(starts: np.ndarray, lengths: np.ndarray, width: int) -> torch.Tensor:
@@ -259,23 +283,24 @@ def completion_grids(lengths: list[int], prompt_len: int, max_grids: int = MAX_G
     grids, j = [], n
     for cut in reversed(cuts):
         if cut[j] >= 0:
-            grids.append([r for run in runs[cut[j]:j] for r in run])
+            grids.append([r for run in runs[cut[j] : j] for r in run])
             j = int(cut[j])
     return grids[::-1]
 
 
-def prompt_key(s: Sample, share_prompts: bool, index: int, teacher: bool = False) -> object:
+def prompt_key(group: int, prompt: list[int], share_prompts: bool, index: int) -> object:
     """Rows with equal keys share a prompt: the group and the prompt's tokens (completions of one question may
     have seen other option orders); without sharing, every row its own."""
-    prompt = s.teacher_prompt_ids if teacher else s.prompt_ids
-    return (s.group, tuple(prompt)) if share_prompts else index
+    return (group, tuple(prompt)) if share_prompts else index
 
 
 def check_sample(s: Sample) -> None:
     c = len(s.completion_ids)
     if len(s.logprobs) != c or c == 0:
-        raise ValueError(f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
-                         "expected one sampling logprob per completion token (and at least one token)")
+        raise ValueError(
+            f"a sample has {c} completion tokens and {len(s.logprobs)} logprobs; "
+            "expected one sampling logprob per completion token (and at least one token)"
+        )
 
 
 def count_unique_tokens(samples: list[Sample], seen: set | None = None) -> int:
@@ -290,39 +315,64 @@ def count_unique_tokens(samples: list[Sample], seen: set | None = None) -> int:
     return total
 
 
-def micro_batch(chunk: list[Sample], *, share_prompts: bool = True, pad_to: PadTo = 1,
-                max_grids: int = 1) -> MicroBatch:
+def micro_batch(
+    chunk: list[Sample], *, share_prompts: bool = True, pad_to: PadTo = 1, max_grids: int = 1
+) -> MicroBatch:
     """One micro-batch of ``chunk``'s samples (and, where they have one, their teacher's sequences)."""
     for s in chunk:
         check_sample(s)
-    packed = pack([(prompt_key(s, share_prompts, i), s.prompt_ids, s.completion_ids) for i, s in enumerate(chunk)],
-                  pad_to, max_grids)
+    packed = pack(
+        [
+            (prompt_key(s.group, s.prompt_ids, share_prompts, i), s.prompt_ids, s.completion_ids)
+            for i, s in enumerate(chunk)
+        ],
+        pad_to,
+        max_grids,
+    )
     inference_logprobs = torch.zeros(packed.loss_mask.shape, dtype=torch.float32)
     sampled = torch.tensor(list(itertools.chain.from_iterable(s.logprobs for s in chunk)), dtype=torch.float32)
     inference_logprobs.view(-1)[packed.slot] = sampled  # the loss tokens' order: row by row
     advantages = torch.tensor([float(s.advantage) for s in chunk], dtype=torch.float32)
-    return MicroBatch(packed, inference_logprobs, advantages, teacher_batch(chunk, share_prompts, pad_to, max_grids),
-                      count_unique_tokens(chunk))
+    return MicroBatch(
+        packed,
+        inference_logprobs,
+        advantages,
+        teacher_batch(chunk, share_prompts, pad_to, max_grids),
+        count_unique_tokens(chunk),
+    )
 
 
 def teacher_batch(chunk: list[Sample], share_prompts: bool, pad_to: PadTo, max_grids: int) -> PackedTeacher | None:
     """The teacher's sequences of ``chunk``'s samples that have a teacher prompt (None: none has)."""
-    taught_rows = [i for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None]
-    if not taught_rows:
+    prompts = {i: s.teacher_prompt_ids for i, s in enumerate(chunk) if s.teacher_prompt_ids is not None}
+    if not prompts:
         return None
-    packed = pack([(prompt_key(chunk[i], share_prompts, i, teacher=True), chunk[i].teacher_prompt_ids,
-                    chunk[i].completion_ids) for i in taught_rows], pad_to, max_grids)
+    packed = pack(
+        [
+            (prompt_key(chunk[i].group, prompt, share_prompts, i), prompt, chunk[i].completion_ids)
+            for i, prompt in prompts.items()
+        ],
+        pad_to,
+        max_grids,
+    )
     starts = [0]
     for s in chunk:
         starts.append(starts[-1] + len(s.completion_ids))
-    taught = [t for i in taught_rows for t in range(starts[i], starts[i + 1])]
+    taught = [t for i in prompts for t in range(starts[i], starts[i + 1])]
     has_teacher = torch.zeros(len(chunk), dtype=torch.bool)
-    has_teacher[taught_rows] = True
+    has_teacher[list(prompts)] = True
     return PackedTeacher(packed, torch.tensor(taught, dtype=torch.long), has_teacher)
 
 
-def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: int | None = None,
-                       share_prompts: bool = True, pad_to: PadTo = 1, max_grids: int = 1) -> list[MicroBatch]:
+def make_micro_batches(
+    samples: list[Sample],
+    *,
+    max_tokens: int = 0,
+    max_rows: int | None = None,
+    share_prompts: bool = True,
+    pad_to: PadTo = 1,
+    max_grids: int = 1,
+) -> list[MicroBatch]:
     """A step's samples (this rank's) as micro-batches of whole groups where they fit.
 
     Completions are taken in order (a group's are adjacent) into a micro-batch until the next would take it
@@ -333,9 +383,10 @@ def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: 
     if not samples:
         return []
     chunks: list[list[Sample]] = [[]]
-    tokens, seen = 0, set()
+    tokens = 0
+    seen: set[object] = set()
     for i, s in enumerate(samples):
-        key = prompt_key(s, share_prompts, i)
+        key = prompt_key(s.group, s.prompt_ids, share_prompts, i)
         cost = len(s.completion_ids) + (0 if key in seen else len(s.prompt_ids))
         full = (max_rows is not None and len(chunks[-1]) >= max_rows) or (max_tokens and tokens + cost > max_tokens)
         if chunks[-1] and full:
@@ -345,11 +396,15 @@ def make_micro_batches(samples: list[Sample], *, max_tokens: int = 0, max_rows: 
         chunks[-1].append(s)
         seen.add(key)
         tokens += cost
-    batches, counted = [], set()
+    batches: list[MicroBatch] = []
+    counted: set = set()
     for chunk in chunks:  # a prompt split over micro-batches is useful work once, where it first appears
-        batches.append(dataclasses.replace(micro_batch(chunk, share_prompts=share_prompts, pad_to=pad_to,
-                                                       max_grids=max_grids),
-                                           unique_tokens=count_unique_tokens(chunk, counted)))
+        batches.append(
+            dataclasses.replace(
+                micro_batch(chunk, share_prompts=share_prompts, pad_to=pad_to, max_grids=max_grids),
+                unique_tokens=count_unique_tokens(chunk, counted),
+            )
+        )
     return batches
 
 
@@ -363,16 +418,19 @@ DUMMY_ROWS = [(key, [0, 0], [0, 0]) for key in (0, 1)]
 def dummy_micro_batch(pad_to: PadTo = 1) -> MicroBatch:
     """A micro-batch of ``DUMMY_ROWS``, no weight in the loss: lets a rank with fewer micro-batches join FSDP's
     collectives (every rank must run the same forwards)."""
-    batch = micro_batch([Sample(prompt, completion, [0.0] * len(completion), 0.0, key)
-                         for key, prompt, completion in DUMMY_ROWS], pad_to=pad_to)
+    batch = micro_batch(
+        [Sample(prompt, completion, [0.0] * len(completion), 0.0, key) for key, prompt, completion in DUMMY_ROWS],
+        pad_to=pad_to,
+    )
     return dataclasses.replace(batch, dummy=True, unique_tokens=0)
 
 
 def dummy_teacher(pad_to: PadTo = 1) -> PackedTeacher:
     """A teacher forward of ``DUMMY_ROWS`` with nothing taught: a rank whose micro-batch has no teacher still joins
     the teacher forward's all-gathers."""
-    return PackedTeacher(pack(DUMMY_ROWS, pad_to), torch.zeros(0, dtype=torch.long),
-                         torch.zeros(len(DUMMY_ROWS), dtype=torch.bool))
+    return PackedTeacher(
+        pack(DUMMY_ROWS, pad_to), torch.zeros(0, dtype=torch.long), torch.zeros(len(DUMMY_ROWS), dtype=torch.bool)
+    )
 
 
 def to_device(value, device: torch.device, host: frozenset[str] = frozenset()):
@@ -385,8 +443,13 @@ def to_device(value, device: torch.device, host: frozenset[str] = frozenset()):
         return value.to(device)
     if isinstance(value, list):
         return [to_device(v, device, host) for v in value]
-    if dataclasses.is_dataclass(value):
-        return dataclasses.replace(value, **{f.name: to_device(getattr(value, f.name), device, host)
-                                             for f in dataclasses.fields(value) if f.init and f.name not in host})
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # an instance (a class is no batch)
+        return dataclasses.replace(
+            value,
+            **{
+                f.name: to_device(getattr(value, f.name), device, host)
+                for f in dataclasses.fields(value)
+                if f.init and f.name not in host
+            },
+        )
     return value
-

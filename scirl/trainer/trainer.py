@@ -26,15 +26,21 @@ import dataclasses
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.trainer import attention, cutting
 from scirl.trainer.batching import Batching
-from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head
 from scirl.trainer.full_weights import FullWeights
+from scirl.trainer.head import DEFAULT_BLOCK_TOKENS, Head
 from scirl.trainer.kernels import Kernels, compile_counts
 from scirl.trainer.lora import is_lora
 from scirl.trainer.loss import LossSums, token_logprobs
@@ -47,9 +53,21 @@ class Trainer:
     """One optimizer step per RL step (gradients accumulated over micro-batches, clipped, AdamW), the same on
     every device and any number of ranks."""
 
-    def __init__(self, model, optim_cfg, algorithm, *, temperature: float, device: torch.device, dist: Dist,
-                 dtype: torch.dtype, top_p: float = 1.0, head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 batching: Batching = Batching(), kernels: str = "eager"):
+    def __init__(
+        self,
+        model,
+        optim_cfg,
+        algorithm,
+        *,
+        temperature: float,
+        device: torch.device,
+        dist: Dist,
+        dtype: torch.dtype,
+        top_p: float = 1.0,
+        head_block_tokens: int = DEFAULT_BLOCK_TOKENS,
+        batching: Batching = Batching(),
+        kernels: str = "eager",
+    ):
         attention.check_supported(model)
         self.model = model  # the float32 master weights the optimizer steps
         self.algorithm = algorithm
@@ -105,19 +123,25 @@ class Trainer:
     def describe_batching(self) -> str:
         b = self.batching
         bounds = ([f"{b.micro_batch_tokens} tokens"] if b.micro_batch_tokens else []) + (
-            [f"{b.micro_batch_size} completions"] if b.micro_batch_size else [])
-        return " or ".join(bounds) + (", each group's prompt once" if b.share_prompts else ", prompts repeated per completion")
+            [f"{b.micro_batch_size} completions"] if b.micro_batch_size else []
+        )
+        return " or ".join(bounds) + (
+            ", each group's prompt once" if b.share_prompts else ", prompts repeated per completion"
+        )
 
     def on_device(self, mb: MicroBatch) -> MicroBatch:
         """``mb`` on the device, its attention masks made there."""
         mb = to_device(mb, self.device, attention.host_only(self.attention))
         packed = self.prepared(mb.packed)
-        teacher = None if mb.teacher is None else dataclasses.replace(mb.teacher, packed=self.prepared(mb.teacher.packed))
+        teacher = (
+            None if mb.teacher is None else dataclasses.replace(mb.teacher, packed=self.prepared(mb.teacher.packed))
+        )
         return dataclasses.replace(mb, packed=packed, teacher=teacher)
 
     def prepared(self, packed: Packed) -> Packed:
-        return dataclasses.replace(packed, layout=attention.prepare(packed.layout, self.attention, packed.forward_tokens,
-                                                                    self.dtype))
+        return dataclasses.replace(
+            packed, layout=attention.prepare(packed.layout, self.attention, packed.forward_tokens, self.dtype)
+        )
 
     def dummy_teacher(self) -> PackedTeacher:
         """A two-token teacher that teaches nothing, on the device: a rank without a teacher joins the teacher
@@ -146,8 +170,12 @@ class Trainer:
         ``self.head`` applies the weight a block of tokens at a time."""
         model = self.compute_model
         with self.patched() as seen:
-            hidden = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                           scirl_layout=packed.layout).logits
+            hidden = model(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                use_cache=False,
+                scirl_layout=packed.layout,
+            ).logits
         return hidden[0].index_select(0, packed.predictor), seen["weight"]
 
     def forward_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, ...]:
@@ -190,7 +218,7 @@ class Trainer:
     def reshard_root(self) -> None:
         """Free FSDP2's gathered root parameters so the next forward gathers them anew (around an EMA teacher's
         forward, whose weights are swapped in)."""
-        if hasattr(self.compute_model, "reshard"):
+        if isinstance(self.compute_model, FSDPModule):
             self.compute_model.reshard()
 
     # ---- the step ----
@@ -201,8 +229,9 @@ class Trainer:
         with self.patched():
             return self.algorithm.forward_backward(self, mb, scales, mb.dummy)
 
-    def backward(self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor,
-                 dummy: bool) -> tuple[torch.Tensor, LossSums]:
+    def backward(
+        self, loss: torch.Tensor, sums: LossSums, entropy: torch.Tensor, loss_mask: torch.Tensor, dummy: bool
+    ) -> tuple[torch.Tensor, LossSums]:
         if dummy:
             # a rank with fewer micro-batches still joins FSDP's collectives, contributing nothing
             loss = loss * 0.0
@@ -229,29 +258,42 @@ class Trainer:
         if self.dist.world_size > 1:
             busiest = int(self.all_reduce([float(len(micro_batches))], torch.distributed.ReduceOp.MAX)[0])
         if global_tokens == 0:  # no rank has a token to learn from: no forward at all
-            return {"stepped": False, "loss_tokens": 0, "forward_tokens": 0, "padding_tokens": 0, "unique_tokens": 0,
-                    **compile_counts()}
+            return {
+                "stepped": False,
+                "loss_tokens": 0,
+                "forward_tokens": 0,
+                "padding_tokens": 0,
+                "unique_tokens": 0,
+                **compile_counts(),
+            }
         padded = micro_batches + [dummy_micro_batch(self.stand_in_length)] * (busiest - len(micro_batches))
         # a stand-in's tokens are neither the batch's work nor its padding
-        forward = [float(sum(mb.packed.forward_tokens for mb in micro_batches)),
-                   float(sum(mb.packed.padding_tokens for mb in micro_batches))]
+        forward = [
+            float(sum(mb.packed.forward_tokens for mb in micro_batches)),
+            float(sum(mb.packed.padding_tokens for mb in micro_batches)),
+        ]
 
         self.optimizer.zero_grad(set_to_none=True)
-        loss_total, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
+        loss_sum, sums = torch.zeros((), device=self.device), self.algorithm.new_sums()
         for mb in padded:
             # copy and masks are queued on the device, which then waits for nothing on the host
             loss, mb_sums = self.forward_backward(self.on_device(mb), counts)
-            loss_total = loss_total + loss
+            loss_sum = loss_sum + loss
             sums = sums.add(mb_sums)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
+        norm = torch.nn.utils.clip_grad_norm_(self.trainable, self.max_norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
         # the step's one wait for the device: every statistic at once (the grad norm is already global)
-        summed = self.all_reduce([loss_total, *sums.as_list(), *forward])
+        summed = self.all_reduce([loss_sum, *sums.as_list(), *forward])
         loss_total, totals, (forward_tokens, padding_tokens) = summed[0], summed[1:-2], summed[-2:]
-        grad_norm = float(grad_norm)
-        tokens_stats = {"loss_tokens": int(global_tokens), "forward_tokens": int(forward_tokens),
-                        "padding_tokens": int(padding_tokens), "unique_tokens": int(unique), **compile_counts()}
+        grad_norm = float(norm)
+        tokens_stats = {
+            "loss_tokens": int(global_tokens),
+            "forward_tokens": int(forward_tokens),
+            "padding_tokens": int(padding_tokens),
+            "unique_tokens": int(unique),
+            **compile_counts(),
+        }
         if not (math.isfinite(grad_norm) and math.isfinite(loss_total)):
             # one NaN applied makes every weight NaN: keep the last good weights and optimizer state
             self.optimizer.zero_grad(set_to_none=True)
@@ -286,15 +328,22 @@ class Trainer:
 
     # ---- state for the generation copy and checkpoints ----
 
-    def full_weights(self, *, device: str | torch.device, dtype: torch.dtype | None = None, all_ranks: bool = True,
-                     first: tuple[str, ...] = ()) -> FullWeights:
+    def full_weights(
+        self,
+        *,
+        device: str | torch.device,
+        dtype: torch.dtype | None = None,
+        all_ranks: bool = True,
+        first: tuple[str, ...] = (),
+    ) -> FullWeights:
         """Full HF-named tensors, each gathered as read, each rank's shard cast to ``dtype`` first
         (``full_weights.py``). Under FSDP every rank reads them all; ``all_ranks=False``: rank 0 alone keeps them,
         the others read None. LoRA: the merged weights. ``first``: names read before the others."""
         return FullWeights(self.model, device=device, dtype=dtype, keep=all_ranks or self.dist.is_main, first=first)
 
-    def full_state_dict(self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                        all_ranks: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, all_ranks: bool = True
+    ) -> dict[str, torch.Tensor]:
         """``full_weights`` as one dict (``all_ranks=False``: {} on the ranks but 0)."""
         weights = self.full_weights(device=device, dtype=dtype, all_ranks=all_ranks)
         return {name: tensor for name, tensor in weights if tensor is not None}
@@ -321,7 +370,12 @@ class Trainer:
         algorithm's tensors were read in place). Every rank calls it."""
         frozen = any(not p.requires_grad for p in self.model.parameters())  # LoRA's base, not in ``state``
         options = StateDictOptions(ignore_frozen_params=True, strict=not frozen)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                       options=options)
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
+        )
         if self.compute_copy is not None:
             self.compute_copy.refresh()

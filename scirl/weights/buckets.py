@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -73,8 +73,9 @@ class Declared:
         return iter(self._pairs)
 
 
-def declared(named_tensors: Iterable[Pair], *, dtype: torch.dtype | None = None,
-             ties_embeddings: bool = False) -> Declared:
+def declared(
+    named_tensors: Iterable[Pair], *, dtype: torch.dtype | None = None, ties_embeddings: bool = False
+) -> Declared:
     """``named_tensors`` as a declared stream: a stream that declares itself (the trainer's ``FullWeights``)
     is read lazily; any other iterable of pairs (tensors already in memory) is listed first. ``dtype``: the wire
     dtype, which the sender casts to where a tensor is not in it yet. For a model with tied embeddings,
@@ -121,6 +122,7 @@ def buckets(stream: Declared, bucket_bytes: int) -> Iterator[Bucket]:
 def paced(stream: Declared, bucket_bytes: int, before_bucket: Callable[[int, int], None]) -> Declared:
     """``stream`` with ``before_bucket(index, count)`` called before the first tensor of each of its buckets is
     gathered: the same calls at the same points on every rank (a push's bounded wait for the other ranks)."""
+
     def pairs() -> Iterator[Pair]:
         for bucket in buckets(stream, bucket_bytes):
             before_bucket(bucket.index, bucket.count)
@@ -146,7 +148,7 @@ def pack(bucket: Bucket, device: torch.device | str | None) -> torch.Tensor:
         if packed is None:
             packed = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
         size = spec_bytes(spec)
-        packed[offset:offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
+        packed[offset : offset + size].copy_(tensor.reshape(-1).view(torch.uint8))
         offset += size
         del tensor
     return packed

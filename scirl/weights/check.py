@@ -40,8 +40,8 @@ import random
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -97,18 +97,20 @@ class WeightCheck:
         """Check every replica against the trainer's weights of ``version``; the metrics on success, a
         ``TrainError`` (the same on every rank) on failure."""
         started = time.perf_counter()
-        expected = self.trainer.sequence_logprobs(self.ids)[self.start - 1:]
+        expected = self.trainer.sequence_logprobs(self.ids)[self.start - 1 :]
         problems, diffs = [], []
         for replica in replicas:
-            got = replica.prompt_logprobs(self.ids)[self.start - 1:]
+            got = replica.prompt_logprobs(self.ids)[self.start - 1 :]
             gaps = [abs(a - b) for a, b in zip(expected, got)]
             mean, largest = statistics.fmean(gaps), max(gaps)
             diffs.append((mean, largest))
             if not mean <= self.tolerance:  # NaN fails too
                 dtype = str(self.trainer.dtype).removeprefix("torch.")
-                problems.append(f"{replica.name} does not hold the trainer's weights after the push of version "
-                                f"{version}: logprobs of a fixed sequence differ by {mean:.3g} on average, {largest:.3g} "
-                                f"at most (tolerance {self.tolerance:g} for {dtype})")
+                problems.append(
+                    f"{replica.name} does not hold the trainer's weights after the push of version "
+                    f"{version}: logprobs of a fixed sequence differ by {mean:.3g} on average, {largest:.3g} "
+                    f"at most (tolerance {self.tolerance:g} for {dtype})"
+                )
                 continue
             problem = self._check_checksums(replica, version)
             if problem:
@@ -134,11 +136,15 @@ class WeightCheck:
             by_tensor.setdefault(REPLICA_PREFIX.sub("", key), set()).add(digest)
         split = sorted(name for name, digests in by_tensor.items() if len(digests) > 1)
         if split:
-            return (f"{replica.name}: its data-parallel replicas hold different weights after the push of version "
-                    f"{version} ({len(split)} tensors differ, e.g. {split[0]})")
+            return (
+                f"{replica.name}: its data-parallel replicas hold different weights after the push of version "
+                f"{version} ({len(split)} tensors differ, e.g. {split[0]})"
+            )
         previous = self.last_checksums.get(replica.name)
         self.last_checksums[replica.name] = (version, self.trainer.updates, checksums)
         if previous is not None and previous[1] != self.trainer.updates and previous[2] == checksums:
-            return (f"{replica.name} holds exactly the weights of version {previous[0]} after the push of version "
-                    f"{version}, although the trainer's changed in between: the push did not reach it")
+            return (
+                f"{replica.name} holds exactly the weights of version {previous[0]} after the push of version "
+                f"{version}, although the trainer's changed in between: the push did not reach it"
+            )
         return None

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 from safetensors.torch import save_file
@@ -30,8 +30,14 @@ def ties_embeddings(model_config) -> bool:
     return bool(getattr(config, "tie_word_embeddings", False))
 
 
-def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *, model_config, tokenizer=None,
-                  shard_bytes: int | None = None) -> Path:
+def write_weights(
+    named_tensors: Iterable[tuple[str, object]],
+    out_dir: Path,
+    *,
+    model_config,
+    tokenizer=None,
+    shard_bytes: int | None = None,
+) -> Path:
     """Write an HF model directory vLLM can load (safetensors, ``config.json``, the tokenizer if
     given) at ``out_dir``, whole or not at all: it is written to a hidden tmp dir next to it and
     renamed into place (an existing ``out_dir`` is replaced). Returns ``out_dir``.
@@ -52,8 +58,11 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
         stream = declared(named_tensors, ties_embeddings=ties_embeddings(model_config))
         weight_map, total = {}, 0
         for bucket in buckets(stream, SHARD_BYTES if shard_bytes is None else shard_bytes):
-            file = ("model.safetensors" if bucket.count == 1
-                    else f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors")
+            file = (
+                "model.safetensors"
+                if bucket.count == 1
+                else f"model-{bucket.index + 1:05d}-of-{bucket.count:05d}.safetensors"
+            )
             shard = host_tensors(bucket.pairs)
             save_file(shard, str(tmp / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
@@ -61,7 +70,8 @@ def write_weights(named_tensors: Iterable[tuple[str, object]], out_dir: Path, *,
             del shard
         if len(set(weight_map.values())) > 1:
             (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+            )
         if isinstance(model_config, dict):
             (tmp / "config.json").write_text(json.dumps(model_config, indent=1))
         else:
@@ -118,8 +128,15 @@ class FilesystemWeightSync:
     ``bucket_bytes``: one safetensors file per bucket of that size (None: ``SHARD_BYTES``), each written as its
     tensors are gathered, so a push holds one bucket in host memory at a time."""
 
-    def __init__(self, clients: list[ServerClient], root: Path, *, keep: int = 2, timeout_s: float,
-                 bucket_bytes: int | None = None):
+    def __init__(
+        self,
+        clients: list[ServerClient],
+        root: Path,
+        *,
+        keep: int = 2,
+        timeout_s: float,
+        bucket_bytes: int | None = None,
+    ):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         # absolute: a server resolves the path in its own working directory, which need not be ours
@@ -131,8 +148,13 @@ class FilesystemWeightSync:
     def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config, tokenizer=None) -> Path:
         """Write version ``version`` and load it on every server, which then reports it as its weight
         version (checked); returns its directory."""
-        path = write_weights(named_tensors, self.root / f"step_{version}", model_config=model_config,
-                             tokenizer=tokenizer, shard_bytes=self.bucket_bytes)
+        path = write_weights(
+            named_tensors,
+            self.root / f"step_{version}",
+            model_config=model_config,
+            tokenizer=tokenizer,
+            shard_bytes=self.bucket_bytes,
+        )
 
         def reload(client: ServerClient) -> None:
             client.reload_weights(path, timeout_s=self.timeout_s)
@@ -147,7 +169,8 @@ class FilesystemWeightSync:
                 f"inference server {exc.url} cannot load the weights this trainer has just written to {path} "
                 f"({str(exc).removeprefix(exc.url + exc.route + ': ')}): with deployment.weight_sync = filesystem "
                 "every server reads the trainer's run directory at that same path; fix: an --output-dir on a file "
-                "system every node mounts at the same path, or --deployment.weight-sync nccl (GPUs)") from exc
+                "system every node mounts at the same path, or --deployment.weight-sync nccl (GPUs)"
+            ) from exc
         self.servers_see_root = True
         self.unversioned = confirm_version(self.clients, version, self.timeout_s)
         self.prune(protect=path)
@@ -155,6 +178,7 @@ class FilesystemWeightSync:
 
     def prune(self, protect: Path) -> list[Path]:
         """Remove all but the newest ``keep`` version dirs (never ``protect``) and stale tmp dirs."""
+
         def version(p: Path) -> int:
             return int(p.name.split("_", 1)[1])
 

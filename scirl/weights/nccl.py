@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from typing import Callable, Iterable
 
 import torch
 
@@ -37,8 +37,10 @@ def _open_nccl_endpoint(master_address: str, master_port: int, rank: int, world_
     PyNccl communicator on the current CUDA device)."""
     from vllm.distributed.weight_transfer.nccl_common import trainer_init  # deferred: vLLM is optional, GPUs only
 
-    return trainer_init({"master_address": master_address, "master_port": master_port, "world_size": world_size},
-                        **rank_argument(trainer_init, rank))
+    return trainer_init(
+        {"master_address": master_address, "master_port": master_port, "world_size": world_size},
+        **rank_argument(trainer_init, rank),
+    )
 
 
 def rank_argument(trainer_init: Callable, rank: int) -> dict:
@@ -64,8 +66,10 @@ def worker_payload_fields() -> tuple[frozenset[str], frozenset[str]] | None:
         from vllm.distributed.weight_transfer import nccl_engine  # deferred: vLLM is optional, GPUs only
     except ImportError:
         return None
-    return (frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferInitInfo)),
-            frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferUpdateInfo)))
+    return (
+        frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferInitInfo)),
+        frozenset(f.name for f in dataclasses.fields(nccl_engine.NCCLWeightTransferUpdateInfo)),
+    )
 
 
 def _synchronize_current_stream() -> None:
@@ -88,8 +92,10 @@ def _abort(communicator) -> None:
             return
 
 
-NCCL_SHARED_GPU_HINT = ("if a server runs on one of this trainer's GPUs, NCCL cannot put both in one group (one rank "
-                        "per GPU): use deployment.weight_sync = \"filesystem\", or give the servers GPUs of their own")
+NCCL_SHARED_GPU_HINT = (
+    "if a server runs on one of this trainer's GPUs, NCCL cannot put both in one group (one rank "
+    'per GPU): use deployment.weight_sync = "filesystem", or give the servers GPUs of their own'
+)
 
 
 class NCCLWeightSync:
@@ -125,11 +131,20 @@ class NCCLWeightSync:
     endpoint. ``stream_sync()`` waits for the queued broadcasts before the push returns (default: the
     current CUDA stream's). Tests pass stand-ins for both."""
 
-    def __init__(self, clients: list[ServerClient], *, master_address: str, master_port: int, timeout_s: float,
-                 communicator_factory: Callable | None = None, dtype: str = "bfloat16", packed: bool = True,
-                 stream_sync: Callable[[], None] = _synchronize_current_stream,
-                 payload_fields: tuple[frozenset[str], frozenset[str]] | None = None,
-                 bucket_bytes: int = mib_to_bytes(DEFAULT_BUCKET_MIB)):
+    def __init__(
+        self,
+        clients: list[ServerClient],
+        *,
+        master_address: str,
+        master_port: int,
+        timeout_s: float,
+        communicator_factory: Callable | None = None,
+        dtype: str = "bfloat16",
+        packed: bool = True,
+        stream_sync: Callable[[], None] = _synchronize_current_stream,
+        payload_fields: tuple[frozenset[str], frozenset[str]] | None = None,
+        bucket_bytes: int = mib_to_bytes(DEFAULT_BUCKET_MIB),
+    ):
         if not clients:
             raise ValueError("NCCLWeightSync needs at least one server")
         self.clients, self.timeout_s, self.bucket_bytes = list(clients), timeout_s, bucket_bytes
@@ -152,8 +167,16 @@ class NCCLWeightSync:
         world_size = 1 + sum(worker_counts)
         offsets = [1 + sum(worker_counts[:i]) for i in range(len(worker_counts))]
         packing = self.packing() if self.packing_at_init else {}
-        return [{"master_address": self.master_address, "master_port": self.master_port, "rank_offset": offset,
-                 "world_size": world_size, **packing} for offset in offsets]
+        return [
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": offset,
+                "world_size": world_size,
+                **packing,
+            }
+            for offset in offsets
+        ]
 
     def packing(self) -> dict:
         """How the broadcasts are cut, which both sides must agree on (sent at init or with each update): a
@@ -170,29 +193,40 @@ class NCCLWeightSync:
         self.rank_offsets = [p["rank_offset"] for p in payloads]
         by_client = dict(zip(map(id, self.clients), payloads))
         route = "/init_weight_transfer_engine"
-        joining = _in_thread(lambda: on_every_server(self.clients, lambda c: c.post(
-            route, {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s), self.timeout_s, route))
-        opening = _in_thread(lambda: self.communicator_factory(self.master_address, self.master_port, 0,
-                                                               self.world_size))
+        joining = _in_thread(
+            lambda: on_every_server(
+                self.clients,
+                lambda c: c.post(route, {"init_info": by_client[id(c)]}, timeout_s=self.timeout_s),
+                self.timeout_s,
+                route,
+            )
+        )
+        opening = _in_thread(
+            lambda: self.communicator_factory(self.master_address, self.master_port, 0, self.world_size)
+        )
         try:
             _first_failure([joining, opening], 2 * self.timeout_s + 1, "the NCCL weight group's rendezvous")
         except ServerError as exc:
             raise ServerError(exc.url, exc.route, f"{exc.problem}; {NCCL_SHARED_GPU_HINT}", exc.body) from exc
         except Exception as exc:  # noqa: BLE001 - NCCL's own error ("invalid usage") does not say why
-            raise RuntimeError(f"the NCCL weight group did not form ({type(exc).__name__}: {exc}); "
-                               f"{NCCL_SHARED_GPU_HINT}") from exc
+            raise RuntimeError(
+                f"the NCCL weight group did not form ({type(exc).__name__}: {exc}); {NCCL_SHARED_GPU_HINT}"
+            ) from exc
         self.communicator = opening.result()
 
     def update_info(self, entries: list[tuple]) -> dict:
         """The names, dtypes and shapes the workers receive, in the order broadcast: ``entries`` are specs
         (name, shape, dtype) or (name, tensor) pairs."""
-        return {"names": [entry[0] for entry in entries],
-                "dtype_names": [self.dtype] * len(entries),
-                "shapes": [list(getattr(entry[1], "shape", entry[1])) for entry in entries],
-                **(self.packing() if self.packing_per_update else {})}
+        return {
+            "names": [entry[0] for entry in entries],
+            "dtype_names": [self.dtype] * len(entries),
+            "shapes": [list(getattr(entry[1], "shape", entry[1])) for entry in entries],
+            **(self.packing() if self.packing_per_update else {}),
+        }
 
-    def push(self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config=None,
-             tokenizer=None) -> None:
+    def push(
+        self, named_tensors: Iterable[tuple[str, object]], version: int, *, model_config=None, tokenizer=None
+    ) -> None:
         """Broadcast one policy version to every server worker, a bucket at a time: every tensor is declared
         first (one ``/update_weights``), then each bucket is gathered into one buffer, broadcast and dropped
         before the next is gathered. ``named_tensors``: the trainer's full weights (a declared stream, read as
@@ -201,8 +235,11 @@ class NCCLWeightSync:
         writes it)."""
         if self.communicator is None:
             raise RuntimeError("NCCLWeightSync.push before init() (or after a failed push aborted the group)")
-        stream = declared(named_tensors, dtype=getattr(torch, self.dtype),
-                          ties_embeddings=model_config is not None and ties_embeddings(model_config))
+        stream = declared(
+            named_tensors,
+            dtype=getattr(torch, self.dtype),
+            ties_embeddings=model_config is not None and ties_embeddings(model_config),
+        )
         info = self.update_info(stream.specs)
 
         self._post_all("/start_weight_update")
@@ -220,8 +257,12 @@ class NCCLWeightSync:
                 raise receiving.exception() from None  # the server's refusal: the cause of what NCCL did next
             raise
         self._post_all("/finish_weight_update", {"weight_version": str(version)})
-        on_every_server(self.clients, lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s), self.timeout_s,
-                         "/reset_prefix_cache")
+        on_every_server(
+            self.clients,
+            lambda c: c.reset_prefix_cache(timeout_s=self.timeout_s),
+            self.timeout_s,
+            "/reset_prefix_cache",
+        )
         self.unversioned = confirm_version(self.clients, version, self.timeout_s)
 
     def _post_all(self, route: str, payload: dict | None = None) -> None:

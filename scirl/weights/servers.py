@@ -7,8 +7,8 @@ mid-push)."""
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 from urllib.parse import urlparse
 
 from scirl import distributed
@@ -33,9 +33,19 @@ class ServerSink:
     between buckets, and ``start_wait_s`` before the first: rank 0 first waits for the batch being generated
     (its requests bounded by ``deployment.request_timeout_s``), then starts the push."""
 
-    def __init__(self, trainer, transport, tokenizer, check: WeightCheck, replicas: list[Replica],
-                 between_batches: Callable[[int, Callable[[], None]], None], *, bucket_bytes: int,
-                 rendezvous: distributed.Rendezvous, start_wait_s: float | None = None):
+    def __init__(
+        self,
+        trainer,
+        transport,
+        tokenizer,
+        check: WeightCheck,
+        replicas: list[Replica],
+        between_batches: Callable[[int, Callable[[], None]], None],
+        *,
+        bucket_bytes: int,
+        rendezvous: distributed.Rendezvous,
+        start_wait_s: float | None = None,
+    ):
         self.trainer, self.transport, self.tokenizer = trainer, transport, tokenizer
         self.check, self.replicas, self.between_batches = check, replicas, between_batches
         self.bucket_bytes, self.rendezvous, self.start_wait_s = bucket_bytes, rendezvous, start_wait_s
@@ -78,21 +88,39 @@ def missed_push_message(missed: distributed.RendezvousMissed, version: int, inde
     others = ", ".join(map(str, missed.missing))
     whom = f"rank{'s' if len(missed.missing) > 1 else ''} {others}"
     if missed.waiting != 0:  # only rank 0 can be late: it waits for the batch in flight, then sends each bucket
-        doing = ("to start the push (rank 0 first waits for the batch being generated on the servers)" if index == 0
-                 else f"to send bucket {index} of {count} to the servers and start the next")
+        doing = (
+            "to start the push (rank 0 first waits for the batch being generated on the servers)"
+            if index == 0
+            else f"to send bucket {index} of {count} to the servers and start the next"
+        )
     else:
         doing = f"to join the push at bucket {index + 1} of {count}"
     if missed.waited_s >= 0.99 * missed.timeout_s:  # gloo gave up at its timeout (not a rank that died)
-        knobs = "deployment.request_timeout_s + weight_sync_timeout_s" if index == 0 else "deployment.weight_sync_timeout_s"
-        return (f"rank {missed.waiting} waited more than {missed.timeout_s:g}s ({knobs}) for {whom} {doing}, in the "
-                f"push of the weights of step {version}; raise the timeout if that is expected")
-    return (f"rank {missed.waiting} lost {whom} after {missed.waited_s:.0f}s of waiting for it {doing}, in the push of "
-            f"the weights of step {version} ({missed})")
+        knobs = (
+            "deployment.request_timeout_s + weight_sync_timeout_s" if index == 0 else "deployment.weight_sync_timeout_s"
+        )
+        return (
+            f"rank {missed.waiting} waited more than {missed.timeout_s:g}s ({knobs}) for {whom} {doing}, in the "
+            f"push of the weights of step {version}; raise the timeout if that is expected"
+        )
+    return (
+        f"rank {missed.waiting} lost {whom} after {missed.waited_s:.0f}s of waiting for it {doing}, in the push of "
+        f"the weights of step {version} ({missed})"
+    )
 
 
-def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_dir: Path, start_step: int,
-                      check: WeightCheck, replicas: list[Replica],
-                      between_batches: Callable[[int, Callable[[], None]], None]) -> ServerSink:
+def start_server_sink(
+    trainer,
+    tokenizer,
+    deployment,
+    urls: list[str],
+    *,
+    run_dir: Path,
+    start_step: int,
+    check: WeightCheck,
+    replicas: list[Replica],
+    between_batches: Callable[[int, Callable[[], None]], None],
+) -> ServerSink:
     """The sink for ``urls`` (``deployment``: the run's ``[deployment]`` section), with the run's start
     weights already pushed (and checked). Rank 0 opens the transport: NCCL on GPUs (the group formed here),
     the filesystem elsewhere. Every rank forms the push's rendezvous group (a collective)."""
@@ -105,10 +133,23 @@ def start_server_sink(trainer, tokenizer, deployment, urls: list[str], *, run_di
         if mode == "nccl":
             transport = open_nccl(clients, deployment, urls, dtype=str(trainer.dtype).removeprefix("torch."))
         else:
-            transport = FilesystemWeightSync(clients, Path(run_dir) / "broadcasts",
-                                             timeout_s=deployment.weight_sync_timeout_s, bucket_bytes=bucket_bytes)
-    sink = ServerSink(trainer, transport, tokenizer, check, replicas, between_batches, bucket_bytes=bucket_bytes,
-                      rendezvous=rendezvous, start_wait_s=deployment.request_timeout_s + deployment.weight_sync_timeout_s)
+            transport = FilesystemWeightSync(
+                clients,
+                Path(run_dir) / "broadcasts",
+                timeout_s=deployment.weight_sync_timeout_s,
+                bucket_bytes=bucket_bytes,
+            )
+    sink = ServerSink(
+        trainer,
+        transport,
+        tokenizer,
+        check,
+        replicas,
+        between_batches,
+        bucket_bytes=bucket_bytes,
+        rendezvous=rendezvous,
+        start_wait_s=deployment.request_timeout_s + deployment.weight_sync_timeout_s,
+    )
     sink.push(start_step)
     # a server that keeps no weight version (vLLM 0.25, 0.26) cannot confirm a push: the probe checks every one
     # instead (every rank must agree: under FSDP the trainer's side of the probe is a collective)
@@ -122,9 +163,17 @@ def open_nccl(clients: list[ServerClient], deployment, urls: list[str], *, dtype
     wire carries the trainer's compute dtype, which the servers compute in (``scirl.deploy.launch``):
     a float32 run's servers get float32, not a bf16 rounding of it."""
     address = nccl_master_address(urls, deployment.nccl_address)
-    port = pick(address, deployment.nccl_port, "deployment.nccl_port", "set deployment.nccl_port = 0 (a free port) or free it")
-    sync = NCCLWeightSync(clients, master_address=address, master_port=port, timeout_s=deployment.weight_sync_timeout_s,
-                          dtype=dtype, bucket_bytes=mib_to_bytes(deployment.weight_bucket_mib))
+    port = pick(
+        address, deployment.nccl_port, "deployment.nccl_port", "set deployment.nccl_port = 0 (a free port) or free it"
+    )
+    sync = NCCLWeightSync(
+        clients,
+        master_address=address,
+        master_port=port,
+        timeout_s=deployment.weight_sync_timeout_s,
+        dtype=dtype,
+        bucket_bytes=mib_to_bytes(deployment.weight_bucket_mib),
+    )
     try:
         sync.init()
     except (ServerError, RuntimeError, TimeoutError) as exc:
@@ -151,11 +200,15 @@ def nccl_master_address(urls: list[str], configured: str | None = None) -> str:
             try:
                 probe.connect((host, urlparse(url).port or 80))
             except OSError as exc:
-                raise TrainError(f"no route from this machine to the server {url} ({exc}); set "
-                                 "deployment.nccl_address to this machine's address the servers can reach") from exc
+                raise TrainError(
+                    f"no route from this machine to the server {url} ({exc}); set "
+                    "deployment.nccl_address to this machine's address the servers can reach"
+                ) from exc
             addresses[url] = probe.getsockname()[0]
     if len(set(addresses.values())) > 1:
-        raise TrainError("the servers are reached through different interfaces of this machine ("
-                         + ", ".join(f"{url} via {address}" for url, address in addresses.items())
-                         + "); set deployment.nccl_address to the one address every server can reach")
+        raise TrainError(
+            "the servers are reached through different interfaces of this machine ("
+            + ", ".join(f"{url} via {address}" for url, address in addresses.items())
+            + "); set deployment.nccl_address to the one address every server can reach"
+        )
     return next(iter(addresses.values()))

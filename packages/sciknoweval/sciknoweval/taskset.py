@@ -151,8 +151,14 @@ def score_reply(reply: str, data: SciKnowEvalData, mode: str | None = None) -> s
 # A scirl run's resolved config (its directory's config.toml) and the copy each of its checkpoints carries
 RUN_CONFIGS = ("config.toml", "run_config.toml")
 # taskset key <- the run config's [data] key
-RECORDED = {"data": "source", "data_format": "format", "data_columns": "columns", "split_method": "split_method",
-            "split_seed": "split_seed", "eval_per_domain": "eval_per_domain"}
+RECORDED = {
+    "data": "source",
+    "data_format": "format",
+    "data_columns": "columns",
+    "split_method": "split_method",
+    "split_seed": "split_seed",
+    "eval_per_domain": "eval_per_domain",
+}
 
 
 def recorded_data(run: str) -> dict:
@@ -160,8 +166,9 @@ def recorded_data(run: str) -> dict:
     of one), as taskset keys: its source, format or columns, split method and seed, held-out size."""
     path = next((Path(run) / name for name in RUN_CONFIGS if (Path(run) / name).is_file()), None)
     if path is None:
-        raise ValueError(f"run {run!r}: neither a scirl run directory nor a scirl checkpoint "
-                         f"(no {' or '.join(RUN_CONFIGS)})")
+        raise ValueError(
+            f"run {run!r}: neither a scirl run directory nor a scirl checkpoint (no {' or '.join(RUN_CONFIGS)})"
+        )
     data = tomllib.loads(path.read_text(encoding="utf-8")).get("data", {})
     data.setdefault("split_seed", data.get("seed", DEFAULT_SPLIT_SEED))  # a run saved before the rename
     settings = {key: data[field] for key, field in RECORDED.items() if field in data}
@@ -252,8 +259,11 @@ class SciKnowEvalTaskset(vf.Taskset[SciKnowEvalTask, SciKnowEvalConfig]):
         except DataSourceError as e:
             # scirl's messages name its own `--data` flag; in a config the knob is the taskset's key.
             where = "[orchestrator.train.source.env.taskset] (or the eval source's)"
-            hint = (f"`--data` above is the taskset's `data` key here: set it under {where}" if "--data" in str(e)
-                    else f"set the taskset's `data` key under {where}")
+            hint = (
+                f"`--data` above is the taskset's `data` key here: set it under {where}"
+                if "--data" in str(e)
+                else f"set the taskset's `data` key under {where}"
+            )
             raise DataSourceError(f"{e}\n{hint}") from e
         # Sort by id first so the order depends only on the questions and the
         # seed, not on the order the files were read in.

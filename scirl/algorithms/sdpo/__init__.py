@@ -35,8 +35,12 @@ class Sdpo(Grpo):
         super().__init__(cfg, spec)
         self.sdpo = c = cfg.sdpo
         # what the orchestrator's half reads (the first four fields)
-        self.teacher = TeacherSettings(success_threshold=c.success_threshold, reprompt_on_self_success=c.reprompt_on_self_success,
-                                       feedback=c.feedback, max_prompt_tokens=c.max_teacher_prompt_tokens)
+        self.teacher = TeacherSettings(
+            success_threshold=c.success_threshold,
+            reprompt_on_self_success=c.reprompt_on_self_success,
+            feedback=c.feedback,
+            max_prompt_tokens=c.max_teacher_prompt_tokens,
+        )
         self.ema: EmaTeacher | None = None
 
     # ---- the orchestrator's half ----
@@ -49,11 +53,18 @@ class Sdpo(Grpo):
         a sample with a teacher is never dropped by the zero-advantage filter (the teacher is its signal)."""
         extras = []
         for teacher in group_teachers(items, completions, scored, self.teacher, tokenizer, reward_mode):
-            record = {"teacher": "none" if teacher is None else "solution" if teacher.solution is not None else "feedback",
-                      "teacher_solution": teacher.solution if teacher else None,
-                      "teacher_prompt_tokens": len(teacher.prompt_ids) if teacher else 0}
-            extras.append({"record": record, "keep": teacher is not None,
-                           "sample": {"teacher_prompt_ids": teacher.prompt_ids} if teacher is not None else None})
+            record = {
+                "teacher": "none" if teacher is None else "solution" if teacher.solution is not None else "feedback",
+                "teacher_solution": teacher.solution if teacher else None,
+                "teacher_prompt_tokens": len(teacher.prompt_ids) if teacher else 0,
+            }
+            extras.append(
+                {
+                    "record": record,
+                    "keep": teacher is not None,
+                    "sample": {"teacher_prompt_ids": teacher.prompt_ids} if teacher is not None else None,
+                }
+            )
         return extras
 
     def rollout_metrics(self, rollouts):
@@ -61,9 +72,13 @@ class Sdpo(Grpo):
             return {}
         n = len(rollouts)
         taught = [r for r in rollouts if r["teacher"] != "none"]
-        return {"sdpo/teacher_fraction": len(taught) / n,
-                "sdpo/feedback_fraction": sum(r["teacher"] == "feedback" for r in rollouts) / n,
-                "sdpo/teacher_prompt_tokens": statistics.fmean(r["teacher_prompt_tokens"] for r in taught) if taught else 0.0}
+        return {
+            "sdpo/teacher_fraction": len(taught) / n,
+            "sdpo/feedback_fraction": sum(r["teacher"] == "feedback" for r in rollouts) / n,
+            "sdpo/teacher_prompt_tokens": statistics.fmean(r["teacher_prompt_tokens"] for r in taught)
+            if taught
+            else 0.0,
+        }
 
     def train_metric(self, key: str) -> bool:
         return key.startswith("sdpo/") or key == "time/teacher"
@@ -114,8 +129,9 @@ class Sdpo(Grpo):
             student = trainer.head.student_logprobs(hidden.index_select(0, taught), weight, targets, tail=cfg.tail)
             per_token = divergence(student, targets.logprobs, cfg.alpha)
             sampler = trainer.flat(mb.packed, mb.inference_logprobs)
-            is_weight = importance_weight(token_logprobs.index_select(0, taught), sampler.index_select(0, taught),
-                                          cfg.is_clip)
+            is_weight = importance_weight(
+                token_logprobs.index_select(0, taught), sampler.index_select(0, taught), cfg.is_clip
+            )
             loss = loss + (is_weight * per_token).sum() / max(scales[1], 1.0)
             sums.teacher_tokens, sums.divergence = float(mb.teacher.tokens), per_token.detach().sum()
         return trainer.backward(loss, sums, trainer.on_grid(mb.packed, entropy), mb.loss_mask, dummy)
@@ -136,8 +152,11 @@ class Sdpo(Grpo):
             self.reshard(trainer)
             hidden, weight = trainer.teacher_hidden(teacher)
             # here, while the weight holds the teacher's values (and, under FSDP, is still gathered)
-            targets = None if mb.teacher is None else trainer.head.teacher_targets(
-                hidden, weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
+            targets = (
+                None
+                if mb.teacher is None
+                else trainer.head.teacher_targets(hidden, weight, top_k=self.sdpo.top_k, tail=self.sdpo.tail)
+            )
             self.reshard(trainer)
         return targets
 

@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 
 from scirl.trainer.loss import LossSums
 
-LOG_RATIO_BOUND = 20.0  # |log ratio| beyond this is clamped before exp (the reference's bound), so the weight stays finite
+# |log ratio| beyond this is clamped before exp (the reference's bound), so the weight stays finite
+LOG_RATIO_BOUND = 20.0
 
 
 # ---- the distributions and the divergence ----
@@ -82,8 +83,11 @@ class DistillSums(LossSums):
 
 
 def distill_stats(sums: DistillSums, world_size: int) -> dict:
-    return {"sdpo/divergence": sums.divergence / max(sums.teacher_tokens, 1), "sdpo/teacher_tokens": int(sums.teacher_tokens),
-            "time/teacher": sums.teacher_seconds / world_size}
+    return {
+        "sdpo/divergence": sums.divergence / max(sums.teacher_tokens, 1),
+        "sdpo/teacher_tokens": int(sums.teacher_tokens),
+        "time/teacher": sums.teacher_seconds / world_size,
+    }
 
 
 # ---- the EMA teacher ----

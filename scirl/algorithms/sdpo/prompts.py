@@ -48,14 +48,26 @@ class Teacher:
     solution: int | None  # the index in the group of the success shown; None: feedback only
 
 
-def group_teachers(items: list[PromptedQuestion], completions: list[Completion], scored: list[reward.Scored],
-                   settings: TeacherSettings, tokenizer, reward_mode: str) -> list[Teacher | None]:
+def group_teachers(
+    items: list[PromptedQuestion],
+    completions: list[Completion],
+    scored: list[reward.Scored],
+    settings: TeacherSettings,
+    tokenizer,
+    reward_mode: str,
+) -> list[Teacher | None]:
     """The teacher of each completion of one group (``items[k]``: the prompt completion ``k`` was sampled from)."""
     successes = [k for k, s in enumerate(scored) if s.reward >= settings.success_threshold]
     teachers: list[Teacher | None] = []
     for k, (item, completion) in enumerate(zip(items, completions, strict=True)):
-        shown = next((j for j in successes if (j != k or settings.reprompt_on_self_success)
-                      and items[j].prompt_ids == item.prompt_ids), None)
+        shown = next(
+            (
+                j
+                for j in successes
+                if (j != k or settings.reprompt_on_self_success) and items[j].prompt_ids == item.prompt_ids
+            ),
+            None,
+        )
         feedback = None
         if shown is None and settings.feedback:
             feedback = reward.failure_feedback(scored[k], reward_mode, truncated=completion.finish_reason == "length")
@@ -68,8 +80,9 @@ def group_teachers(items: list[PromptedQuestion], completions: list[Completion],
     return teachers
 
 
-def fitted_prompt(question: Question, solution: str | None, feedback: str | None, tokenizer,
-                  limit: int) -> list[int] | None:
+def fitted_prompt(
+    question: Question, solution: str | None, feedback: str | None, tokenizer, limit: int
+) -> list[int] | None:
     """The teacher prompt's token ids, its solution cut until it fits ``limit`` tokens (None: it cannot)."""
     ids = encode_messages(tokenizer, teacher_messages(question, solution, feedback))
     if len(ids) <= limit:
