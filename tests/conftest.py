@@ -93,8 +93,10 @@ def cpu_description() -> str:
             if line.startswith("model name"):
                 model = line.split(":", 1)[1].strip()
                 break
-    return (f"CPU: {model}; torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}; "
-            f"AMX tiles: {torch.cpu._is_amx_tile_supported()}; threads: {torch.get_num_threads()}")
+    return (
+        f"CPU: {model}; torch {torch.__version__} CPU capability {torch.backends.cpu.get_cpu_capability()}; "
+        f"AMX tiles: {torch.cpu._is_amx_tile_supported()}; threads: {torch.get_num_threads()}"
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -16,16 +16,24 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+    data_file,
+    final_weights,
+    letter_model_dir,
+    one_thread,
+    rows,
+    run_in_process,
+    train_args,
+)
 from scirl import algorithms
 from scirl.run.config import TrainConfig
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args,
-)
 
 # completion lengths 3, 1 and 4 (T = 4); a padded position holds a wild value the mask must hide
 MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
 ADVANTAGES = torch.tensor([1.0, -0.5, -1.5], dtype=torch.float64)
-SAMPLER = torch.tensor([[-1.0, -0.5, -2.0, -30.0], [-0.7, 9.0, 9.0, 9.0], [-1.2, -0.3, -0.9, -2.5]], dtype=torch.float64)
+SAMPLER = torch.tensor(
+    [[-1.0, -0.5, -2.0, -30.0], [-0.7, 9.0, 9.0, 9.0], [-1.2, -0.3, -0.9, -2.5]], dtype=torch.float64
+)
 
 
 def trainer_logprobs(ratios) -> torch.Tensor:
@@ -47,7 +55,7 @@ def run_loss(algorithm, logprobs: torch.Tensor) -> tuple[float, torch.Tensor]:
 
 def direct_gradient(objective, logprobs: torch.Tensor) -> tuple[float, torch.Tensor]:
     value = objective(logprobs)
-    grad, = torch.autograd.grad(value, logprobs)
+    (grad,) = torch.autograd.grad(value, logprobs)
     return float(value.detach()), grad
 
 
@@ -106,9 +114,11 @@ def test_gspo_clips_the_length_normalised_sequence_ratio():
     1 + 4e-4) A_i). Sequence ratios: row 0 at 1 + 3.5e-4 (A > 0: inside the upper clip), row 1 at 1 - 3.5e-4
     (A < 0: below the lower clip), row 2 at 1 + 5e-4 (A < 0: never clipped above)."""
     algorithm = algorithms.build(TrainConfig(algorithm="gspo"))
-    ratios = [[math.exp(math.log(1 + 3.5e-4) * 3 - 2e-3 - 1e-3), math.exp(2e-3), math.exp(1e-3), 9.0],
-              [1 - 3.5e-4, 2.0, 2.0, 2.0],
-              [math.exp(4e-3), math.exp(-2e-3), 1.0, math.exp(4 * math.log(1 + 5e-4) - 2e-3)]]
+    ratios = [
+        [math.exp(math.log(1 + 3.5e-4) * 3 - 2e-3 - 1e-3), math.exp(2e-3), math.exp(1e-3), 9.0],
+        [1 - 3.5e-4, 2.0, 2.0, 2.0],
+        [math.exp(4e-3), math.exp(-2e-3), 1.0, math.exp(4 * math.log(1 + 5e-4) - 2e-3)],
+    ]
 
     def paper(lp):
         total = 0
@@ -152,7 +162,7 @@ def test_the_default_is_prime_rls_loss_and_its_advantages():
             log_ratio = lp[i, t] - SAMPLER[i, t]
             diff = float((torch.exp(lp[i, t]) - torch.exp(SAMPLER[i, t])).detach())
             masked = diff > 0.2 if ADVANTAGES[i] > 0 else diff < -0.2
-            total = total - (0 if masked else ADVANTAGES[i] * torch.exp(log_ratio)) + 1e-3 * log_ratio ** 2
+            total = total - (0 if masked else ADVANTAGES[i] * torch.exp(log_ratio)) + 1e-3 * log_ratio**2
         return total / len(tokens())
 
     assert_same(run_loss(algorithm, trainer_logprobs(RATIOS)), direct_gradient(paper, trainer_logprobs(RATIOS)))
@@ -160,8 +170,9 @@ def test_the_default_is_prime_rls_loss_and_its_advantages():
     assert algorithm.advantages(rewards).tolist() == [[0.75, -0.25, -0.25, -0.25]]
 
 
-@pytest.mark.parametrize("name, normalised", [("grpo", False), ("dr_grpo", False), ("dapo", True), ("gspo", True),
-                                              ("cispo", True)])
+@pytest.mark.parametrize(
+    "name, normalised", [("grpo", False), ("dr_grpo", False), ("dapo", True), ("gspo", True), ("cispo", True)]
+)
 def test_each_algorithm_takes_its_papers_advantage(name, normalised):
     rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
     centred = rewards - rewards.mean()
@@ -180,8 +191,11 @@ def test_every_algorithm_is_a_flag_with_its_own_section_and_a_bad_value_is_one_l
     cfg = load_config(["--algorithm", "dapo", "--dapo.eps-high", "0.3", "--gspo.eps-low", "1e-4"])
     assert (cfg.algorithm, cfg.dapo.eps_high, cfg.gspo.eps_low) == ("dapo", 0.3, 1e-4)
     assert validate(read_toml(write_config(cfg, tmp_path / "config.toml"))) == cfg
-    for flags, field in ((["--algorithm", "ppo"], "algorithm"), (["--dapo.eps-low", "-1"], "dapo.eps_low"),
-                         (["--algorithm", "dr_grpo", "--advantage.std-normalize", "true"], "std normalisation")):
+    for flags, field in (
+        (["--algorithm", "ppo"], "algorithm"),
+        (["--dapo.eps-low", "-1"], "dapo.eps_low"),
+        (["--algorithm", "dr_grpo", "--advantage.std-normalize", "true"], "std normalisation"),
+    ):
         assert main([*flags, "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert field in err and "Traceback" not in err and err.count("\n") == 1, err
@@ -193,11 +207,19 @@ def test_dapo_drops_a_group_whose_rewards_are_all_equal_whatever_the_filter_says
     from scirl.rollouts.generate import score_groups
     from scirl.task.schema import Question
 
-    q = Question(id="q1", question="Which?", labels=("A", "B", "C", "D"), options=("a", "b", "c", "d"), answer_key="A",
-                 domain="Physics")
+    q = Question(
+        id="q1",
+        question="Which?",
+        labels=("A", "B", "C", "D"),
+        options=("a", "b", "c", "d"),
+        answer_key="A",
+        domain="Physics",
+    )
     item = PromptedQuestion(q, [1, 2, 3], "Which?")
-    groups = [[Completion(text, [5, 6], [-0.1, -0.2], "stop") for text in texts]
-              for texts in (["Answer: A", "Answer: B"], ["Answer: B", "Answer: C"])]  # a mixed group, a flat one
+    groups = [
+        [Completion(text, [5, 6], [-0.1, -0.2], "stop") for text in texts]
+        for texts in (["Answer: A", "Answer: B"], ["Answer: B", "Answer: C"])
+    ]  # a mixed group, a flat one
     for name, dropped in (("dapo", [False, False, True, True]), ("grpo", [False, False, False, False])):
         cfg = TrainConfig(algorithm=name, group_size=2, batch_size=4, filters={"zero_advantage": {"enforce": False}})
         rollouts, samples = score_groups(1, [[item], [item]], groups, cfg.rollout_settings(), vocab_size=100)
@@ -214,8 +236,13 @@ class ScriptedGenerator:
     def generate(self, prompts, params):
         from scirl.inference.base import Completion
 
-        return [[Completion(text, [5], [-0.1], "stop") for text in
-                 (["Answer: B"] * params.n if p[0] % 2 else ["Answer: A", "Answer: B"][: params.n])] for p in prompts]
+        return [
+            [
+                Completion(text, [5], [-0.1], "stop")
+                for text in (["Answer: B"] * params.n if p[0] % 2 else ["Answer: A", "Answer: B"][: params.n])
+            ]
+            for p in prompts
+        ]
 
 
 @pytest.mark.parametrize("rounds, kept_groups", [(3, [1, 3]), (1, [1])])
@@ -228,14 +255,25 @@ def test_dapo_refills_dropped_groups_from_the_next_questions_and_the_checkpoint_
     from scirl.rollouts.source import ColocatedSource
     from scirl.task.schema import Question
 
-    questions = [PromptedQuestion(Question(id=f"q{i}", question="Which?", labels=("A", "B"), options=("a", "b"),
-                                           answer_key="A", domain="Physics"), [i], "Which?") for i in range(8)]
+    questions = [
+        PromptedQuestion(
+            Question(
+                id=f"q{i}", question="Which?", labels=("A", "B"), options=("a", "b"), answer_key="A", domain="Physics"
+            ),
+            [i],
+            "Which?",
+        )
+        for i in range(8)
+    ]
     sampler = QuestionSampler(8, seed=0)
     sampler.order = list(range(8))  # the questions in order: 0, 1, 2, ...
     sampler.take(1, questions)  # question 0 was an earlier step's
-    cfg = TrainConfig(algorithm="dapo", group_size=2, batch_size=4, dapo={"dynamic_sampling": "refill", "refill_rounds": rounds})
-    batch = ColocatedSource(questions, sampler, ScriptedGenerator(), cfg.rollout_settings(), vocab_size=100,
-                            dist=Dist()).next(1)
+    cfg = TrainConfig(
+        algorithm="dapo", group_size=2, batch_size=4, dapo={"dynamic_sampling": "refill", "refill_rounds": rounds}
+    )
+    batch = ColocatedSource(
+        questions, sampler, ScriptedGenerator(), cfg.rollout_settings(), vocab_size=100, dist=Dist()
+    ).next(1)
     drawn = 2 + (2 if rounds >= 2 else 1)
     assert sorted({r["question_id"] for r in batch.rollouts}) == [f"q{i}" for i in range(1, 1 + drawn)]
     assert sorted({s.group for s in batch.samples}) == kept_groups
@@ -245,8 +283,9 @@ def test_dapo_refills_dropped_groups_from_the_next_questions_and_the_checkpoint_
     sampler = QuestionSampler(8, seed=0)
     sampler.order = list(range(8))
     sampler.take(1, questions)
-    assert ColocatedSource(questions, sampler, ScriptedGenerator(), drop.rollout_settings(), vocab_size=100,
-                           dist=Dist()).next(1).data_position == {"epoch": 0, "cursor": 3}
+    assert ColocatedSource(
+        questions, sampler, ScriptedGenerator(), drop.rollout_settings(), vocab_size=100, dist=Dist()
+    ).next(1).data_position == {"epoch": 0, "cursor": 3}
 
 
 @pytest.mark.parametrize("name", ["dr_grpo", "dapo", "gspo", "cispo", "sdpo"])
@@ -263,13 +302,27 @@ def test_the_export_to_prime_rl_refuses_an_algorithm_it_has_no_counterpart_for_i
 
 
 @pytest.mark.parametrize("name, lora", [("dr_grpo", False), ("dapo", False), ("gspo", False), ("cispo", True)])
-def test_a_short_run_of_each_variant_trains_and_logs_its_loss(name, lora, letter_model_dir, data_file, tmp_path,  # noqa: F811
-                                                               one_thread):  # noqa: F811
+def test_a_short_run_of_each_variant_trains_and_logs_its_loss(
+    name,
+    lora,
+    letter_model_dir,
+    data_file,
+    tmp_path,  # noqa: F811
+    one_thread,
+):  # noqa: F811
     """Two steps of each variant (CISPO under LoRA): its section in config.toml, finite losses and weights."""
     if lora:
         pytest.importorskip("peft")
     run_dir = tmp_path / name
-    extra = ["--algorithm", name, "--optim.lr", "2e-3", "--temperature", "1.2", *(["--lora.enabled", "true"] if lora else [])]
+    extra = [
+        "--algorithm",
+        name,
+        "--optim.lr",
+        "2e-3",
+        "--temperature",
+        "1.2",
+        *(["--lora.enabled", "true"] if lora else []),
+    ]
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=extra)) == 0
     config = (run_dir / "config.toml").read_text()
     assert f'algorithm = "{name}"' in config and f"[{name}]" in config
@@ -281,4 +334,3 @@ def test_a_short_run_of_each_variant_trains_and_logs_its_loss(name, lora, letter
     assert all(torch.isfinite(t).all() for t in weights.values())
     records = [json.loads(line) for line in (run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert "teacher" not in records[0]
-

@@ -6,8 +6,8 @@ import statistics
 import pytest
 import torch
 
-from scirl.run.config import FiltersConfig
 from scirl.rollouts.grpo import apply_filters, group_advantages, is_gibberish, is_repetition
+from scirl.run.config import FiltersConfig
 
 
 def test_advantage_is_reward_minus_group_mean():
@@ -55,8 +55,9 @@ def test_repetition_needs_window_consecutive_confident_tokens():
 
 
 def test_filters_first_match_wins_and_enforce_decides_the_drop():
-    cfg = FiltersConfig.model_validate({"gibberish": {"token_id_threshold": 10}, "repetition": {"window": 3},
-                                        "zero_advantage": {"enforce": False}})
+    cfg = FiltersConfig.model_validate(
+        {"gibberish": {"token_id_threshold": 10}, "repetition": {"window": 3}, "zero_advantage": {"enforce": False}}
+    )
     vocab = 100
     low = -math.log(vocab) - 3
     sure = math.log(0.999)

@@ -39,7 +39,9 @@ def test_loss_matches_reference_formula(seed):
     trainer, inference, adv, mask = random_batch(seed)
     scale = float(mask.sum()) + 3  # any global count; here larger than this micro-batch's
     loss, sums = rl_loss(trainer, inference, adv, mask, mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale)
-    expected, masked = reference_loss(trainer.tolist(), inference.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 1e-3, scale)
+    expected, masked = reference_loss(
+        trainer.tolist(), inference.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 1e-3, scale
+    )
     assert abs(loss.item() - expected) <= 1e-6
     assert sums.masked == masked
     assert sums.tokens == mask.sum().item()
@@ -52,7 +54,11 @@ def test_masking_cases_use_probability_difference_in_the_advantage_direction():
     inference = torch.full_like(p_tr, math.log(0.5))
     trainer = p_tr.log()
     mask = torch.ones_like(p_tr, dtype=torch.bool)
-    for adv, expect_masked in [(1.0, [True, False, False, False, True]), (-1.0, [False, False, True, False, False]), (0.0, [False, False, True, False, False])]:
+    for adv, expect_masked in [
+        (1.0, [True, False, False, False, True]),
+        (-1.0, [False, False, True, False, False]),
+        (0.0, [False, False, True, False, False]),
+    ]:
         a = torch.tensor([adv], dtype=torch.float64)
         _, sums = rl_loss(trainer, inference, a, mask, mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=5)
         assert sums.masked == sum(expect_masked), adv
@@ -70,8 +76,16 @@ def test_kl_term_covers_all_loss_tokens_including_masked_and_zero_advantage():
     inference = torch.tensor([[math.log(0.5), math.log(0.5)]], dtype=torch.float64)
     mask = torch.ones_like(trainer, dtype=torch.bool)
     for adv in (1.0, 0.0):
-        loss, _ = rl_loss(trainer, inference, torch.tensor([adv], dtype=torch.float64), mask,
-                          mask_low=0.2, mask_high=0.2, kl_tau=1.0, loss_scale=2)
+        loss, _ = rl_loss(
+            trainer,
+            inference,
+            torch.tensor([adv], dtype=torch.float64),
+            mask,
+            mask_low=0.2,
+            mask_high=0.2,
+            kl_tau=1.0,
+            loss_scale=2,
+        )
         # token 0 is masked for A=1 (0.9-0.5 > 0.2) but still pays (log 1.8)^2; token 1 has ratio 1
         pg = -adv * 1.0
         assert loss.item() == pytest.approx((pg + math.log(1.8) ** 2) / 2, abs=1e-9)
@@ -87,7 +101,9 @@ def test_token_normalisation_is_global_across_micro_batches():
     trainer.grad = None
     parts, sums = 0.0, LossSums()
     for sl in (slice(0, 3), slice(3, 8)):
-        part, s = rl_loss(trainer[sl], inference[sl], adv[sl], mask[sl], mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale)
+        part, s = rl_loss(
+            trainer[sl], inference[sl], adv[sl], mask[sl], mask_low=0.2, mask_high=0.2, kl_tau=1e-3, loss_scale=scale
+        )
         part.backward()
         parts += part.item()
         sums = sums.add(s)
@@ -99,8 +115,16 @@ def test_token_normalisation_is_global_across_micro_batches():
 def test_gradient_of_the_policy_term_is_advantage_times_ratio():
     trainer = torch.tensor([[math.log(0.5)]], dtype=torch.float64, requires_grad=True)
     inference = torch.tensor([[math.log(0.4)]], dtype=torch.float64)
-    loss, _ = rl_loss(trainer, inference, torch.tensor([2.0], dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool),
-                      mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=1)
+    loss, _ = rl_loss(
+        trainer,
+        inference,
+        torch.tensor([2.0], dtype=torch.float64),
+        torch.ones(1, 1, dtype=torch.bool),
+        mask_low=0.2,
+        mask_high=0.2,
+        kl_tau=0.0,
+        loss_scale=1,
+    )
     loss.backward()
     assert trainer.grad.item() == pytest.approx(-2.0 * 0.5 / 0.4)  # d(-A r)/d logp = -A r
 
@@ -108,7 +132,16 @@ def test_gradient_of_the_policy_term_is_advantage_times_ratio():
 def test_rejects_empty_token_count():
     t = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="loss_scale"):
-        rl_loss(t, t, torch.zeros(1), torch.zeros(1, 2, dtype=torch.bool), mask_low=0.2, mask_high=0.2, kl_tau=0.0, loss_scale=0)
+        rl_loss(
+            t,
+            t,
+            torch.zeros(1),
+            torch.zeros(1, 2, dtype=torch.bool),
+            mask_low=0.2,
+            mask_high=0.2,
+            kl_tau=0.0,
+            loss_scale=0,
+        )
 
 
 def test_token_logprobs_use_the_sampling_temperature():
@@ -147,6 +180,7 @@ def test_token_logprobs_backward_equals_autograd(temperature):
     reference_entropy = -(reference.exp() * reference).sum(-1)
     torch.testing.assert_close(entropy, reference_entropy.detach(), atol=1e-5, rtol=1e-5)
     assert not entropy.requires_grad
+
 
 def reference_top_p_logprobs(logits, targets, temperature, top_p):
     """Plain autograd: scale, mask the tokens outside the nucleus (the rule of ``hf.top_p_filter``), log_softmax."""

@@ -8,18 +8,17 @@ import math
 import pytest
 import torch
 
+from helpers.train_runs import samples_with_teachers
 from scirl import algorithms
-from scirl.inference.base import Completion
 from scirl.algorithms.sdpo.distill import divergence
 from scirl.algorithms.sdpo.prompts import TeacherSettings, group_teachers
+from scirl.inference.base import Completion
 from scirl.rollouts.contract import PromptedQuestion
 from scirl.run.config import TrainConfig
 from scirl.task.prompt import build_messages, teacher_messages
 from scirl.task.reward import Scored
 from scirl.trainer.batching import Batching
 from scirl.trainer.targets import student_logprobs, teacher_targets
-
-from helpers.train_runs import samples_with_teachers
 
 # ---- the divergence, against the textbook formulas written out entry by entry ----
 
@@ -125,8 +124,10 @@ def group(rewards, texts=None, finish=None, parsed=None):
     texts = texts or [f"reply {k}" for k in range(n)]
     completions = [Completion(texts[k], [5], [-0.1], (finish or ["stop"] * n)[k]) for k in range(n)]
     parsed = parsed or [True] * n
-    scored = [Scored(answer="B" if parsed[k] else None, correct=r > 0, parsed=parsed[k], reward=r)
-              for k, r in enumerate(rewards)]
+    scored = [
+        Scored(answer="B" if parsed[k] else None, correct=r > 0, parsed=parsed[k], reward=r)
+        for k, r in enumerate(rewards)
+    ]
     return q, items, completions, scored
 
 
@@ -155,14 +156,16 @@ def test_several_successes_each_success_is_shown_another():
 def test_a_self_success_sees_itself_only_when_asked():
     q, items, completions, scored = group([0.0, 1.0])
     assert group_teachers(items, completions, scored, settings(), CharTokenizer(), "strict")[1] is None
-    teachers = group_teachers(items, completions, scored, settings(reprompt_on_self_success=True), CharTokenizer(),
-                              "strict")
+    teachers = group_teachers(
+        items, completions, scored, settings(reprompt_on_self_success=True), CharTokenizer(), "strict"
+    )
     assert [t.solution for t in teachers] == [1, 1]
 
 
 def test_a_group_without_success_has_no_teacher_unless_the_reward_says_why_it_failed():
-    q, items, completions, scored = group([0.0, 0.0, 0.0], finish=["stop", "stop", "length"],
-                                          parsed=[True, False, False])
+    q, items, completions, scored = group(
+        [0.0, 0.0, 0.0], finish=["stop", "stop", "length"], parsed=[True, False, False]
+    )
     assert group_teachers(items, completions, scored, settings(), CharTokenizer(), "strict") == [None] * 3
     teachers = group_teachers(items, completions, scored, settings(feedback=True), CharTokenizer(), "strict")
     assert teachers[0] is None  # a wrong letter: the reward says only that it is wrong
@@ -191,13 +194,17 @@ def test_a_long_teacher_prompt_is_cut_in_its_solution():
     assert len(cut.prompt_ids) <= limit and cut.solution == 0
     assert "Correctly solve the original question." in CharTokenizer().decode(cut.prompt_ids)
     frame = len(full.prompt_ids) - len(long_reply)
-    assert group_teachers(items, completions, scored, settings(max_prompt_tokens=frame - 1), CharTokenizer(),
-                          "strict")[1] is None
+    assert (
+        group_teachers(items, completions, scored, settings(max_prompt_tokens=frame - 1), CharTokenizer(), "strict")[1]
+        is None
+    )
 
 
 def test_grpo_makes_no_teacher_prompts():
     assert not TrainConfig().rollout_settings().algorithm.needs_tokenizer()
-    assert TrainConfig(algorithm="sdpo").rollout_settings().algorithm.teacher == settings(feedback=True, max_prompt_tokens=10240)
+    assert TrainConfig(algorithm="sdpo").rollout_settings().algorithm.teacher == settings(
+        feedback=True, max_prompt_tokens=10240
+    )
 
 
 # ---- the trainer: teacher held fixed, EMA, shared prompts ----
@@ -205,13 +212,20 @@ def test_grpo_makes_no_teacher_prompts():
 
 def make_trainer(model_dir, **sdpo):
     from scirl.distributed import Dist
-    from scirl.trainer.model import load_model
     from scirl.trainer import Trainer
+    from scirl.trainer.model import load_model
 
     cfg = TrainConfig(algorithm="sdpo", sdpo=sdpo)
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.8,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
     return trainer
 
@@ -228,9 +242,9 @@ def direct_gradient(trainer, samples, alpha, top_k, is_clip):
         c = len(s.completion_ids)
         with torch.no_grad():
             t_ids = torch.tensor([s.teacher_prompt_ids + s.completion_ids])
-            teacher = model(input_ids=t_ids).logits[0, len(s.teacher_prompt_ids) - 1: -1]
+            teacher = model(input_ids=t_ids).logits[0, len(s.teacher_prompt_ids) - 1 : -1]
         ids = torch.tensor([s.prompt_ids + s.completion_ids])
-        student = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1: -1]
+        student = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]
         d = our_divergence(student, teacher, alpha, 0.8, top_k=top_k)
         sampled = torch.log_softmax(student.float() / 0.8, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
         weight = (sampled.detach() - torch.tensor(s.logprobs)).exp().clamp(max=is_clip)
@@ -295,13 +309,35 @@ def test_the_metrics_row_and_step_line_say_how_many_rollouts_had_a_teacher():
     from scirl.run.metrics import step_line, step_metrics
 
     def record(teacher, tokens):
-        return {"reward": 1.0, "dropped": False, "advantage": 0.5, "domain": "Physics", "parsed_strict": True,
-                "parsed_lenient": True, "correct_strict": True, "correct_lenient": True, "filter": None,
-                "num_tokens": 3, "finish_reason": "stop", "teacher": teacher, "teacher_prompt_tokens": tokens}
+        return {
+            "reward": 1.0,
+            "dropped": False,
+            "advantage": 0.5,
+            "domain": "Physics",
+            "parsed_strict": True,
+            "parsed_lenient": True,
+            "correct_strict": True,
+            "correct_lenient": True,
+            "filter": None,
+            "num_tokens": 3,
+            "finish_reason": "stop",
+            "teacher": teacher,
+            "teacher_prompt_tokens": tokens,
+        }
 
     rollouts = [record("solution", 100), record("feedback", 60), record("none", 0), record("none", 0)]
-    stats = {"stepped": True, "loss": 0.1, "entropy": 0.5, "grad_norm": 1.0, "mismatch_kl": 0.0, "masked_fraction": 0.0,
-             "loss_tokens": 6, "sdpo/divergence": 0.25, "sdpo/teacher_tokens": 6, "time/teacher": 0.01}
+    stats = {
+        "stepped": True,
+        "loss": 0.1,
+        "entropy": 0.5,
+        "grad_norm": 1.0,
+        "mismatch_kl": 0.0,
+        "masked_fraction": 0.0,
+        "loss_tokens": 6,
+        "sdpo/divergence": 0.25,
+        "sdpo/teacher_tokens": 6,
+        "time/teacher": 0.01,
+    }
     timings = {"time/generate": 1.0, "time/train": 1.0, "time/weight_sync": 0.0, "time/step": 2.0}
     sdpo = algorithms.build(TrainConfig(algorithm="sdpo"))
     m = step_metrics(3, rollouts, stats, timings, sdpo)
@@ -309,8 +345,13 @@ def test_the_metrics_row_and_step_line_say_how_many_rollouts_had_a_teacher():
     assert (m["sdpo/divergence"], m["time/teacher"]) == (0.25, 0.01)
     assert "SDPO teacher 50.0% | Divergence 0.2500" in step_line(m, sdpo)
     grpo_algorithm = algorithms.build(TrainConfig())
-    grpo = step_metrics(3, [{k: v for k, v in r.items() if not k.startswith("teacher")} for r in rollouts],
-                        {k: v for k, v in stats.items() if not k.startswith(("sdpo", "time/"))}, timings, grpo_algorithm)
+    grpo = step_metrics(
+        3,
+        [{k: v for k, v in r.items() if not k.startswith("teacher")} for r in rollouts],
+        {k: v for k, v in stats.items() if not k.startswith(("sdpo", "time/"))},
+        timings,
+        grpo_algorithm,
+    )
     assert not any(k.startswith("sdpo/") for k in grpo) and "SDPO" not in step_line(grpo, grpo_algorithm)
 
 
@@ -320,8 +361,12 @@ def test_the_sdpo_config_round_trips_and_bad_values_are_one_line_errors(tmp_path
 
     cfg = load_config(["--algorithm", "sdpo", "--sdpo.top-k", "0", "--sdpo.teacher", "current", "--sdpo.is-clip", "0"])
     assert validate(read_toml(write_config(cfg, tmp_path / "config.toml"))) == cfg
-    for flags, field in ((["--algorithm", "ppo"], "algorithm"), (["--sdpo.alpha", "1.5"], "sdpo.alpha"),
-                         (["--sdpo.teacher", "frozen"], "sdpo.teacher"), (["--sdpo.ema-rate", "0"], "sdpo.ema_rate")):
+    for flags, field in (
+        (["--algorithm", "ppo"], "algorithm"),
+        (["--sdpo.alpha", "1.5"], "sdpo.alpha"),
+        (["--sdpo.teacher", "frozen"], "sdpo.teacher"),
+        (["--sdpo.ema-rate", "0"], "sdpo.ema_rate"),
+    ):
         assert main([*flags, "--dry-run"]) == 2
         err = capsys.readouterr().err
         assert field in err and "Traceback" not in err and err.count("\n") == 1, err
@@ -331,13 +376,20 @@ def test_in_one_bf16_process_the_teacher_computes_with_the_ema_cast_and_the_copy
     """One bf16 process trains float32 masters through a bf16 compute copy: the teacher forward puts the
     EMA's values, cast, into that copy, and the copy is the masters' cast again afterwards."""
     from scirl.distributed import Dist
-    from scirl.trainer.model import load_model
     from scirl.trainer import Trainer
+    from scirl.trainer.model import load_model
 
     cfg = TrainConfig(algorithm="sdpo")
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.bfloat16)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.bfloat16,
+    )
     assert trainer.compute_copy is not None
     for value in trainer.algorithm.ema.values:
         value.add_(0.01)

@@ -28,21 +28,23 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.gpu_check import REPO, import_gpu_check, run_check
 from scirl.distributed import Dist
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import count_unique_tokens
 
-from helpers.gpu_check import REPO, import_gpu_check, run_check
 
-
-@pytest.mark.parametrize("args, says", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--steps", "1"], "--steps must be at least 2"),
-    (["--budget-s", "soon"], "--budget-s: invalid float value"),
-    (["--shape", "70b"], "--shape: invalid choice"),
-    (["--stage", "b", "--no-vllm"], "contradict"),
-    (["--stage", "targets", "--resume"], "--stage targets leaves the resume check out"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--steps", "1"], "--steps must be at least 2"),
+        (["--budget-s", "soon"], "--budget-s: invalid float value"),
+        (["--shape", "70b"], "--shape: invalid choice"),
+        (["--stage", "b", "--no-vllm"], "contradict"),
+        (["--stage", "targets", "--resume"], "--stage targets leaves the resume check out"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, says):
     done = run_check([*args, "--out", str(tmp_path)], tmp_path, timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
@@ -81,7 +83,12 @@ def test_the_first_calls_stages_fit_the_default_budget_in_the_order_of_what_matt
     left = args.budget_s - gpu_check.RESERVE_S
     first = settled(gpu_check, ["--stage", "targets"])
     assert (first["shape"], first["steps"], first["resume"], first["sweep_rows"], first["second_shape"]) == (
-        "0.6b", 3, False, "targets", "1.7b")
+        "0.6b",
+        3,
+        False,
+        "targets",
+        "1.7b",
+    )
     assert gpu_check.STAGE_A["targets"] == ("a_sweep", "a_peer", "a_sweep2", "a_train")
     assert estimate(first, ["probe", "model", "a_sweep", "a_peer", "a_sweep2"]) <= left
     assert first["budget"]["a_sweep"][1] + estimate(first, ["probe", "model", "a_peer"]) <= left
@@ -93,7 +100,11 @@ def test_the_first_calls_stages_fit_the_default_budget_in_the_order_of_what_matt
     assert estimate(larger, ["probe", "model", "a_train"]) <= left
     # asked for, the resume check comes back, and its estimate grows with the steps asked for
     asked = settled(gpu_check, ["--shape", "1.7b", "--resume", "--steps", "4"])
-    assert asked["resume"] and asked["budget"]["a_resume"][0] > settled(gpu_check, ["--shape", "1.7b", "--resume"])["budget"]["a_resume"][0]
+    assert (
+        asked["resume"]
+        and asked["budget"]["a_resume"][0]
+        > settled(gpu_check, ["--shape", "1.7b", "--resume"])["budget"]["a_resume"][0]
+    )
     small = settled(gpu_check, [])
     assert larger["budget"]["a_sweep"][0] == 2 * small["budget"]["a_sweep"][0]  # the sweep does not depend on steps
     assert larger["budget"]["a_sweep2"] == small["budget"]["a_sweep2"]  # at its own shape
@@ -112,7 +123,9 @@ def test_one_step_is_enough_without_the_resume_check_and_refused_with_it(tmp_pat
 def test_the_deterministic_launch_runs_scirl_train():
     """On a GPU, stage A launches ``scirl train`` through a prelude that sets the deterministic kernels: the same CLI."""
     launch, common = import_gpu_check("launch"), import_gpu_check("common")
-    cmd = launch.scirl_command(["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True)
+    cmd = launch.scirl_command(
+        ["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, env=common.python_env(), timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "max_steps = 3" in done.stdout and 'backend = "hf"' in done.stdout
@@ -130,7 +143,7 @@ def test_the_completion_lengths_are_the_stated_geometric_distribution():
     # the mean of 20,000 draws of a distribution whose standard deviation is 77.1: within 4 sigma of 0.545
     assert abs(sum(drawn) / len(drawn) - stated["mean"]) < 2.2 and max(drawn) == 256 and min(drawn) == 1
     # the share that reaches the limit, no EOS in the first 255 tokens: within 4 sigma of 0.0019
-    assert abs(sum(n == 256 for n in drawn) / len(drawn) - 0.99 ** 255) < 0.0076
+    assert abs(sum(n == 256 for n in drawn) / len(drawn) - 0.99**255) < 0.0076
     # a CPU's 32-token limit keeps the shape: the same share of completions reaches it
     assert model.length_distribution(32)["at_limit"] == pytest.approx(stated["at_limit"], rel=1e-9)
 
@@ -244,9 +257,11 @@ def test_a_rows_steps_show_what_compiled_on_batches_it_had_not_seen_and_the_peak
         return {"loss": float(forward(torch.ones(n)))}
 
     out = sweep.measure_steps(step, 8, [16, 24], repeats=2, memory=memory)
-    assert out["compiles"] == {"warmup": {"graphs": 1, "graph_breaks": 0, "recompile_limit_hits": 0},
-                               "timed": {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0},
-                               "fresh": {"graphs": 2, "graph_breaks": 0, "recompile_limit_hits": 0}}
+    assert out["compiles"] == {
+        "warmup": {"graphs": 1, "graph_breaks": 0, "recompile_limit_hits": 0},
+        "timed": {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0},
+        "fresh": {"graphs": 2, "graph_breaks": 0, "recompile_limit_hits": 0},
+    }
     assert out["stats"] == {"loss": 16.0} and [s["loss"] for _, s in out["fresh"]] == [32.0, 48.0]
     assert len(out["steps_s"]) == 2 and out["step_s"] > 0 and all(seconds > 0 for seconds, _ in out["fresh"])
     assert out["peak_mb"] == 24  # the largest timed step's, not the warm-up's 508
@@ -260,8 +275,15 @@ def test_each_new_trainer_of_the_sweep_starts_with_dynamos_caches_cleared(tiny_m
     """Rows on one trainer share its compiled graphs; a row that builds a new trainer (other kernels or attention)
     starts from cleared caches, so its graphs do not count against the recompile limit of the variants before it."""
     sweep, compiles = import_gpu_check("sweep"), import_gpu_check("compiles")
-    ctx = {"model_dir": str(tiny_model_dir), "device": "cpu", "dtype": "float32", "max_tokens": 16, "seq_len": 512,
-           "questions": 2, "group_size": 4}
+    ctx = {
+        "model_dir": str(tiny_model_dir),
+        "device": "cpu",
+        "dtype": "float32",
+        "max_tokens": 16,
+        "seq_len": 512,
+        "questions": 2,
+        "group_size": 4,
+    }
     cpu = torch.device("cpu")
     trainers = sweep.Trainers(load_model(ctx["model_dir"], cpu, Dist(), torch.float32), ctx, cpu, torch.float32)
 
@@ -290,20 +312,38 @@ def test_the_sweeps_rows_put_issue_41s_targets_first_and_the_20_gb_row_is_the_ch
     row, and the smaller ones its alternative."""
     sweep, plan = import_gpu_check("sweep"), import_gpu_check("plan")
     defaults = {"kernels": "compile", "attention": "flex"}
-    ctx = {"model_dir": "Qwen/Qwen3-0.6B", "shape": "0.6b", "device": "cuda", "dtype": "bfloat16", "max_tokens": 256,
-           "seq_len": 1024, "questions": 8, "group_size": 16}
+    ctx = {
+        "model_dir": "Qwen/Qwen3-0.6B",
+        "shape": "0.6b",
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "max_tokens": 256,
+        "seq_len": 1024,
+        "questions": 8,
+        "group_size": 16,
+    }
     samples = sweep.sweep_samples(ctx)
     step_tokens = count_unique_tokens(samples)  # 12,997: a budget of 16,384 holds the whole step
     rows = sweep.sweep_settings("cuda", defaults, 8192, step_tokens, "targets")
     assert [(r["role"], r["micro_batch_tokens"], r["activation_checkpointing"]) for r in rows] == [
-        ("default", 8192, False), ("checkpointed", 8192, True), ("smaller", 4096, False), ("smaller", 2048, False)]
+        ("default", 8192, False),
+        ("checkpointed", 8192, True),
+        ("smaller", 4096, False),
+        ("smaller", 2048, False),
+    ]
     assert sweep.sweep_settings("cuda", defaults, 8192, step_tokens, "default") == rows[:1]
     rest = sweep.sweep_settings("cuda", defaults, 8192, step_tokens, "all")[4:]
     assert [(r["micro_batch_tokens"], r["activation_checkpointing"], r["role"]) for r in rest] == [
-        (16384, False, None), (2048, True, None), (4096, True, None), (16384, True, None)]
+        (16384, False, None),
+        (2048, True, None),
+        (4096, True, None),
+        (16384, True, None),
+    ]
     longest = max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
-    gb = {(r["micro_batch_tokens"], r["activation_checkpointing"]):
-          plan.plan_figures(plan.train_config(ctx, r), longest) for r in rows}
+    gb = {
+        (r["micro_batch_tokens"], r["activation_checkpointing"]): plan.plan_figures(plan.train_config(ctx, r), longest)
+        for r in rows
+    }
     assert gb[8192, False]["plan_allocated_mb"] > 25e3 and gb[8192, True]["plan_peak_mb"] <= 16e3
     in_tensors = [gb[tokens, False]["plan_allocated_mb"] for tokens in (8192, 4096, 2048)]
     assert in_tensors == sorted(in_tensors, reverse=True)
@@ -334,13 +374,36 @@ def test_the_peer_stage_reads_the_pair_bench_trl_reports(tmp_path, capsys):
     a side that failed is the stage's failure, with its last lines."""
     bench_trl, peer, common = import_bench_trl(), import_gpu_check("peer"), import_gpu_check("common")
     out = tmp_path / "bench_trl.json"
-    args = SimpleNamespace(questions=8, group=16, tokens=256, shape="0.6b", hidden=256, layers=4, threads=1, rounds=1,
-                           steps=2, warmup=1, device="cuda", dtype="bfloat16", sampler="hf",
-                           gpu_memory_utilization=0.35, enforce_eager=False, against=None, json=str(out))
+    args = SimpleNamespace(
+        questions=8,
+        group=16,
+        tokens=256,
+        shape="0.6b",
+        hidden=256,
+        layers=4,
+        threads=1,
+        rounds=1,
+        steps=2,
+        warmup=1,
+        device="cuda",
+        dtype="bfloat16",
+        sampler="hf",
+        gpu_memory_utilization=0.35,
+        enforce_eager=False,
+        against=None,
+        json=str(out),
+    )
 
     def step(seconds: float, generate: float) -> dict:
-        return {"seconds": seconds, "generate": generate, "train": seconds - generate, "sync": 0.0,
-                "completion_tokens": 32768, "cpu_seconds": seconds, "cpu_generate": generate}
+        return {
+            "seconds": seconds,
+            "generate": generate,
+            "train": seconds - generate,
+            "sync": 0.0,
+            "completion_tokens": 32768,
+            "cpu_seconds": seconds,
+            "cpu_generate": generate,
+        }
 
     runs = {"hf": {"scirl": [step(8.0, 6.0)], "trl": [step(12.0, 8.0)]}}
     assert bench_trl.write_report(args, runs, defaultdict(dict), [], final=True) == 0
@@ -360,13 +423,23 @@ def gpu_row(sweep, ctx: dict, setting: dict, seconds: float, peak_gb: float, pla
     sweep's own ``row_figures``."""
     stats = {"forward_tokens": 13100, "unique_tokens": 12997, "loss_tokens": 11800, "padding_tokens": 103}
     none = {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0}
-    measured = {"step_s": seconds, "steps_s": [seconds, seconds], "stats": stats,
-                "fresh": [(seconds * 1.05, stats), (seconds * 0.95, stats)],
-                "compiles": {"warmup": {**none, "graphs": 3}, "timed": none, "fresh": none},
-                "peak_mb": peak_gb * 1e3, "reserved_mb": peak_gb * 1.05e3, "device_used_mb": peak_gb * 1.1e3 + 700,
-                "alloc_retries": 0}
-    plan = {"plan_peak_mb": plan_gb[1] * 1e3, "plan_moment": "head's backward", "plan_allocated_mb": plan_gb[0] * 1e3,
-            "plan_allocated_moment": "head's backward"}
+    measured = {
+        "step_s": seconds,
+        "steps_s": [seconds, seconds],
+        "stats": stats,
+        "fresh": [(seconds * 1.05, stats), (seconds * 0.95, stats)],
+        "compiles": {"warmup": {**none, "graphs": 3}, "timed": none, "fresh": none},
+        "peak_mb": peak_gb * 1e3,
+        "reserved_mb": peak_gb * 1.05e3,
+        "device_used_mb": peak_gb * 1.1e3 + 700,
+        "alloc_retries": 0,
+    }
+    plan = {
+        "plan_peak_mb": plan_gb[1] * 1e3,
+        "plan_moment": "head's backward",
+        "plan_allocated_mb": plan_gb[0] * 1e3,
+        "plan_allocated_moment": "head's backward",
+    }
     batches = [SimpleNamespace(packed=SimpleNamespace(forward_tokens=n)) for n in (8192, 4908)]
     return {**setting, **plan, **sweep.row_figures(ctx, plan, measured, batches)}
 
@@ -377,19 +450,41 @@ def test_a_gpu_sweeps_report_names_the_targets_and_the_20_gb_rows_cost(monkeypat
     sweep, figures, common = import_gpu_check("sweep"), import_gpu_check("figures"), import_gpu_check("common")
     ctx = {"dense_parameters": 440_000_000, "head_parameters": 155_582_464, "peak_tflops": 989.0}
     rows = sweep.sweep_settings("cuda", {"kernels": "compile", "attention": "flex"}, 8192, 12997, "targets")
-    seconds_peak_plan = [(0.20, 26.0, (29.6, 33.1)), (0.25, 12.0, (12.7, 13.6)), (0.21, 19.0, (20.9, 23.1)),
-                         (0.22, 15.0, (16.5, 18.0))]
+    seconds_peak_plan = [
+        (0.20, 26.0, (29.6, 33.1)),
+        (0.25, 12.0, (12.7, 13.6)),
+        (0.21, 19.0, (20.9, 23.1)),
+        (0.22, 15.0, (16.5, 18.0)),
+    ]
     measured = [gpu_row(sweep, ctx, row, *figures_of_row) for row, figures_of_row in zip(rows, seconds_peak_plan)]
     flops = 6 * 440_000_000 * 12997 + 6 * 155_582_464 * 11800
     assert measured[0]["mfu"] == pytest.approx(flops / 0.20 / 989e12)
     assert measured[0]["plan_allocated_over_peak"] == pytest.approx(29.6 / 26.0)
     assert measured[0]["plan_over_device"] == pytest.approx(33.1 / (26.0 * 1.1 + 0.7))
     assert measured[0]["fresh_step_s"] == pytest.approx(0.20) and measured[0]["fresh_mfu"] > 0
-    batch = {"completions": 128, "unique_tokens": 12997, "prompt_mean": 225.0, "completion_mean": 92.0,
-             "longest_row": 538}
-    result = {"settings": measured, "shape": "0.6b", "batch": batch, "fresh_batches": [batch, batch], "not_run": [],
-              "profile": {"wall_s": 0.21, "gpu_busy_s": 0.19, "gpu_busy_share": 0.9, "setting": "compile kernels",
-                          "time": "GPU", "top_ops": [{"name": "aten::mm", "seconds": 0.1, "calls": 3}], "table": "t"}}
+    batch = {
+        "completions": 128,
+        "unique_tokens": 12997,
+        "prompt_mean": 225.0,
+        "completion_mean": 92.0,
+        "longest_row": 538,
+    }
+    result = {
+        "settings": measured,
+        "shape": "0.6b",
+        "batch": batch,
+        "fresh_batches": [batch, batch],
+        "not_run": [],
+        "profile": {
+            "wall_s": 0.21,
+            "gpu_busy_s": 0.19,
+            "gpu_busy_share": 0.9,
+            "setting": "compile kernels",
+            "time": "GPU",
+            "top_ops": [{"name": "aten::mm", "seconds": 0.1, "calls": 3}],
+            "table": "t",
+        },
+    }
     out = io.StringIO()
     monkeypatch.setattr(common, "REPORT", out)
     figures.print_a_sweep(result, ctx)
@@ -407,9 +502,16 @@ def test_a_gpu_sweeps_report_names_the_targets_and_the_20_gb_rows_cost(monkeypat
 def test_a_gpu_peers_report_says_the_training_half_against_its_target(monkeypatch):
     peer, figures, common = import_gpu_check("peer"), import_gpu_check("figures"), import_gpu_check("common")
     side = {"s_per_step": 8.0, "generate_s": 6.0, "train_s": 2.0, "peak_allocated_mb": 30000.0, "timed_steps": 1}
-    report = {"config": {"device": "cuda", "dtype": "bfloat16", "questions": 8, "group": 16, "tokens": 256},
-              "pairs": {"hf": {"results": {"scirl": side, "trl": {**side, "s_per_step": 12.0, "train_s": 5.0}},
-                               "ratios": {"s_per_step": 1.5, "train_s": 2.5}, "errors": []}}}
+    report = {
+        "config": {"device": "cuda", "dtype": "bfloat16", "questions": 8, "group": 16, "tokens": 256},
+        "pairs": {
+            "hf": {
+                "results": {"scirl": side, "trl": {**side, "s_per_step": 12.0, "train_s": 5.0}},
+                "ratios": {"s_per_step": 1.5, "train_s": 2.5},
+                "errors": [],
+            }
+        },
+    }
     out = io.StringIO()
     monkeypatch.setattr(common, "REPORT", out)
     figures.print_a_peer(peer.peer_figures(report))

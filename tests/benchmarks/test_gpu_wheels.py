@@ -21,16 +21,26 @@ def test_every_pyproject_requirement_is_in_the_image_or_a_wheel():
     assert gpu_wheels.pyproject_problems() == []
     image, wheels = gpu_wheels.read_lists()
     # what the image lacks (stated for that machine): each one a wheel, pinned exactly
-    for name in ("pydantic", "pydantic-core", "datasets", "dill", "multiprocess", "fastapi", "starlette", "uvicorn",
-                 "tomli-w"):
+    for name in (
+        "pydantic",
+        "pydantic-core",
+        "datasets",
+        "dill",
+        "multiprocess",
+        "fastapi",
+        "starlette",
+        "uvicorn",
+        "tomli-w",
+    ):
         assert name in wheels and name not in image, name
         assert all(part.isdigit() for part in wheels[name].split(".")), (name, wheels[name])
     assert image["torch"] == "2.11.0" and image["transformers"] == "5.17.0"
 
 
 def test_the_script_downloads_exactly_the_wheel_list():
-    listed = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_wheels.py"), "list"], capture_output=True,
-                            text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_wheels.py"), "list"], capture_output=True, text=True, check=True
+    ).stdout.split()
     _, wheels = gpu_wheels.read_lists()
     assert listed == [f"{name}=={version}" for name, version in wheels.items()]
     script = (REPO / "benchmarks" / "gpu_wheels.sh").read_text()
@@ -44,14 +54,18 @@ def test_a_requirement_outside_both_lists_or_off_a_known_version_is_a_problem():
     assert check(["tomli>=2.0; python_version < '3.11'", "pywin32; sys_platform == 'win32'"], image, wheels, "x") == []
     assert check(["scipy"], image, wheels, "x") == ["x needs 'scipy': neither in the image nor among the wheels"]
     assert check(["huggingface-hub<1.0"], image, wheels, "x") == [
-        "x needs 'huggingface-hub<1.0': the image has huggingface-hub 1.33.0"]
+        "x needs 'huggingface-hub<1.0': the image has huggingface-hub 1.33.0"
+    ]
     assert check(["pydantic>=2.14"], image, wheels, "x") == ["x needs 'pydantic>=2.14': the wheel has pydantic 2.13.5"]
 
 
 def test_a_malformed_or_doubled_list_is_refused(tmp_path):
     lists = tmp_path / "lists.txt"
-    for text, says in (("wheel pydantic>=2\n", "expected"), ("wheel a==1\nwheel a==2\n", "pinned twice"),
-                       ("image a\nwheel a==1\n", "listed under two kinds")):
+    for text, says in (
+        ("wheel pydantic>=2\n", "expected"),
+        ("wheel a==1\nwheel a==2\n", "pinned twice"),
+        ("image a\nwheel a==1\n", "listed under two kinds"),
+    ):
         lists.write_text(text)
         with pytest.raises(gpu_wheels.ListError, match=says):
             gpu_wheels.read_lists(lists)
@@ -62,9 +76,20 @@ def test_trl_travels_with_stage_as_wheels():
     it needs is in the image or among them (its Requires-Dist of 1.16.0, extras left out)."""
     image, wheels = gpu_wheels.read_lists()
     assert wheels["trl"] == "1.16.0" and "trl" not in gpu_wheels.parse_lists()["vllm"]
-    trl_requires = ["accelerate>=1.10.1", "datasets>=4.7.0", "huggingface_hub>=0.34.0", "jinja2", "numpy>=1.26.0",
-                    "packaging>20.0", "pandas>=2.1.1", "psutil>=5.9.4", "pyarrow>=21.0.0", "pyyaml>=6.0.1",
-                    "transformers>=4.56.2", 'liger-kernel>=0.8.2; extra == "liger"']
+    trl_requires = [
+        "accelerate>=1.10.1",
+        "datasets>=4.7.0",
+        "huggingface_hub>=0.34.0",
+        "jinja2",
+        "numpy>=1.26.0",
+        "packaging>20.0",
+        "pandas>=2.1.1",
+        "psutil>=5.9.4",
+        "pyarrow>=21.0.0",
+        "pyyaml>=6.0.1",
+        "transformers>=4.56.2",
+        'liger-kernel>=0.8.2; extra == "liger"',
+    ]
     assert gpu_wheels.requirement_problems(trl_requires, image, wheels, "trl") == []
 
 
@@ -80,7 +105,9 @@ def test_the_wheels_and_the_working_tree_must_fit_one_call_together(tmp_path):
     assert 0 < gpu_wheels.working_tree_bytes() < limit // 4  # the repository itself: a few MiB
 
 
-@pytest.mark.skipif(not list((REPO / ".whl").glob("*.whl")), reason="no wheelhouse here (bash benchmarks/gpu_wheels.sh)")
+@pytest.mark.skipif(
+    not list((REPO / ".whl").glob("*.whl")), reason="no wheelhouse here (bash benchmarks/gpu_wheels.sh)"
+)
 def test_a_downloaded_wheelhouse_is_complete():
     """Where the wheels were downloaded: each one's own requirements are met, one version each, and they travel in one
     call with the working tree."""
@@ -94,11 +121,16 @@ def tiny_wheel(directory: Path, name: str) -> Path:
     import hashlib
     import zipfile
 
-    files = {f"{name}.py": f"VALUE = {name!r}\n",
-             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
-             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = [f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
-              f"{len(text.encode())}" for path, text in files.items()]
+    files = {
+        f"{name}.py": f"VALUE = {name!r}\n",
+        f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+        f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b'=').decode()},"
+        f"{len(text.encode())}"
+        for path, text in files.items()
+    ]
     files[f"{name}-1.0.dist-info/RECORD"] = "\n".join(record + [f"{name}-1.0.dist-info/RECORD,,"]) + "\n"
     path = directory / f"{name}-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as archive:
@@ -108,8 +140,12 @@ def tiny_wheel(directory: Path, name: str) -> Path:
 
 
 def install_set(*args, store: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_install_set.sh"), *args], capture_output=True, text=True,
-                          env={**__import__("os").environ, "SCIRL_SET_STORE": str(store)})
+    return subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_install_set.sh"), *args],
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "SCIRL_SET_STORE": str(store)},
+    )
 
 
 @pytest.mark.slow
@@ -158,8 +194,12 @@ def test_the_set_travels_in_parts_and_installs_only_whole(tmp_path):
     site = tmp_path / "site"
     done = install_set("--install", str(site), store=store)
     assert done.returncode == 0, done.stderr
-    imported = subprocess.run([sys.executable, "-c", "import alpha_pkg, gamma_pkg; print(alpha_pkg.VALUE, gamma_pkg.VALUE)"],
-                              capture_output=True, text=True, env={"PYTHONPATH": str(site)})
+    imported = subprocess.run(
+        [sys.executable, "-c", "import alpha_pkg, gamma_pkg; print(alpha_pkg.VALUE, gamma_pkg.VALUE)"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(site)},
+    )
     assert imported.stdout.split() == ["alpha_pkg", "gamma_pkg"]
 
 
@@ -169,13 +209,17 @@ def test_vllms_own_requirements_are_met_or_left_out_on_purpose():
     assert gpu_wheels.vllm_requirement_problems() == []
     kinds = gpu_wheels.parse_lists()
     assert kinds["vllm"]["vllm"] == "0.25.0" and kinds["wheel"]["trl"] == "1.16.0"  # TRL: among stage A's
-    assert "flashinfer-python" in kinds["leave"]  # hence VLLM_USE_FLASHINFER_SAMPLER=0 (scirl.inference.vllm.sampler_env)
+    assert (
+        "flashinfer-python" in kinds["leave"]
+    )  # hence VLLM_USE_FLASHINFER_SAMPLER=0 (scirl.inference.vllm.sampler_env)
     recorded = (REPO / "benchmarks" / "gpu_wheels_vllm_requires.txt").read_text()
     assert "torch==2.11.0" in recorded  # the image's torch: why 0.25 and not a later release
 
 
-@pytest.mark.skipif(not list((REPO / ".vllm-set" / "wheels").glob("*.whl")),
-                    reason="no vLLM set here (bash benchmarks/gpu_wheels.sh --vllm)")
+@pytest.mark.skipif(
+    not list((REPO / ".vllm-set" / "wheels").glob("*.whl")),
+    reason="no vLLM set here (bash benchmarks/gpu_wheels.sh --vllm)",
+)
 def test_a_downloaded_vllm_set_is_complete():
     problems, total = gpu_wheels.vllm_set_problems(REPO / ".vllm-set" / "wheels")
     assert problems == [] and total > 0

@@ -55,11 +55,31 @@ DATA_CASES = [
     ["data", "stats", "--data", "{data}", "--data-columns", "question=Q,options=O,answer=A"],
     ["data", "stats", "--data", "{data}", "--data-format", "medmcqa"],
     ["data", "stats", "--data", "{not_jsonl}"],  # a CSV named .jsonl: was "2 MCQ", every line bad JSON
-    ["data", "export", "--data", "{data}", "--split", "eval", "--out", "{tmp}/e.jsonl", "--data-columns",
-     "question=Q,options=O,answer=A"],
+    [
+        "data",
+        "export",
+        "--data",
+        "{data}",
+        "--split",
+        "eval",
+        "--out",
+        "{tmp}/e.jsonl",
+        "--data-columns",
+        "question=Q,options=O,answer=A",
+    ],
 ]
 
-EVAL_SERVER = ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--data", "{data}", "--out", "{tmp}/e.json"]
+EVAL_SERVER = [
+    "eval",
+    "--base-url",
+    "http://127.0.0.1:9/v1",
+    "--model",
+    "m",
+    "--data",
+    "{data}",
+    "--out",
+    "{tmp}/e.json",
+]
 EVAL_CASES = [
     ["eval"],  # no --model / --out
     EVAL_SERVER + ["--n-samples", "0"],
@@ -185,8 +205,17 @@ TRAIN_DEMO_CASES = [
     ["demo", "--eval-per-domain", "0"],
     ["demo", "--deployment.num-train-gpus", "2"],  # trainer ranks without servers: the demo trains in one process
     # issue 49: the same bad input is 2 in train as where it is read elsewhere (these were 1)
-    ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{data}", "--data.columns",
-     "question=Q,options=O,answer=A"],
+    [
+        "train",
+        "--output-dir",
+        "{tmp}/run",
+        "--model",
+        "{model}",
+        "--data.source",
+        "{data}",
+        "--data.columns",
+        "question=Q,options=O,answer=A",
+    ],
     ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{not_jsonl}"],
     ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{data}", "--batch-size", "800"],
 ]
@@ -198,15 +227,33 @@ RUN_CASES = [
     ["eval", "--run", "{run}", "--base-url", "http://127.0.0.1:9/v1", "--out", "{tmp}/e.json"],  # a served model's name
     ["eval", "--model", "{run}/weights/step_1", "--eval-per-domain", "2", "--out", "{tmp}/e.json"],  # trained questions
     ["eval", "--run", "{run}", "--split", "train", "--out", "{tmp}/e.json"],  # the split it trained on
-    ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--run", "{run}", "--eval-per-domain", "2",
-     "--out", "{tmp}/e.json"],  # refused before any request (nothing listens on port 9)
+    [
+        "eval",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "m",
+        "--run",
+        "{run}",
+        "--eval-per-domain",
+        "2",
+        "--out",
+        "{tmp}/e.json",
+    ],  # refused before any request (nothing listens on port 9)
     ["eval", "--model", "{empty_run}/weights/latest", "--out", "{tmp}/e.json"],  # a run without a checkpoint
     ["eval", "--run", "{empty_run}", "--model", "{run}/weights/step_1", "--out", "{tmp}/e.json"],  # two runs
     ["eval", "--model", "{run}/weights/step_1", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/e.json"],
     ["eval", "compare", "{results}", "{disjoint}"],  # no question in both: nothing to pair
     ["eval", "compare", "{results}", "{repeated}"],  # a question twice
     ["train", "--model", "{tmp}/no-model", "--dry-run"],
-    ["train", "--model", "{tmp}/no-model", "--device", "cuda", "--dry-run"],  # was HFValidationError from the memory plan
+    [
+        "train",
+        "--model",
+        "{tmp}/no-model",
+        "--device",
+        "cuda",
+        "--dry-run",
+    ],  # was HFValidationError from the memory plan
     ["train", "--model", "{file}", "--dry-run"],
     ["train", "--model", "{tmp}", "--dry-run"],  # a directory without config.json
     ["train", "--resume", "{run}", "--model", "org/another-model", "--dry-run"],  # the run trains its own model
@@ -216,9 +263,27 @@ RUN_CASES = [
     ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{file_of_nothing}"],
     ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{ambiguous}"],
     ["export", "prime-rl", "--out", "{tmp}/x", "--data", "{data}", "--data-columns", "question=Q,options=O,answer=A"],
-    ["eval", "--model", "{model}", "--data", "{data}", "--data-columns", "question=Q,options=O,answer=A",
-     "--out", "{tmp}/e.json"],
-    ["export", "prime-rl", "--out", "{tmp}/x", "--data-format", "arc", "--data-columns", "question=Q,options=O,answer=A"],
+    [
+        "eval",
+        "--model",
+        "{model}",
+        "--data",
+        "{data}",
+        "--data-columns",
+        "question=Q,options=O,answer=A",
+        "--out",
+        "{tmp}/e.json",
+    ],
+    [
+        "export",
+        "prime-rl",
+        "--out",
+        "{tmp}/x",
+        "--data-format",
+        "arc",
+        "--data-columns",
+        "question=Q,options=O,answer=A",
+    ],
     ["export", "prime-rl", "--out", "{tmp}/x", "--split-seed", "-1"],
     ["export", "prime-rl", "--out", "{exported}"],  # an earlier export: --force
     ["inference", "--model", "{tmp}/no-model"],  # before any server starts
@@ -227,12 +292,22 @@ RUN_CASES = [
     ["dcp-to-hf", "{tmp}/nowhere", "--out", "{file}/o"],  # under a plain file: before any checkpoint is read
     ["export", "prime-rl", "--out", "{file}/x"],
     # served under its path (vLLM's default name): the run is known, and its trained questions refused
-    ["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "{run}/weights/step_1", "--eval-per-domain", "2",
-     "--out", "{tmp}/e.json"],
+    [
+        "eval",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "{run}/weights/step_1",
+        "--eval-per-domain",
+        "2",
+        "--out",
+        "{tmp}/e.json",
+    ],
 ]
 
-ALL_CASES = (DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES
-             + RUN_CASES)
+ALL_CASES = (
+    DATA_CASES + EVAL_CASES + COMPARE_CASES + SERVE_CASES + REPORT_CASES + EXPORT_CASES + TRAIN_DEMO_CASES + RUN_CASES
+)
 
 
 @pytest.fixture(scope="module")
@@ -241,8 +316,11 @@ def places(tmp_path_factory, tiny_model_dir):
     rows = generate_rows(n_per_domain=4, seed=2)
     data = write_jsonl(rows, root / "rows.jsonl")
     latin1 = root / "latin1.jsonl"
-    latin1.write_bytes("\n".join(json.dumps(dict(r, question=r["question"] + " \u00e9"), ensure_ascii=False)
-                                 for r in rows).encode("latin-1"))
+    latin1.write_bytes(
+        "\n".join(json.dumps(dict(r, question=r["question"] + " \u00e9"), ensure_ascii=False) for r in rows).encode(
+            "latin-1"
+        )
+    )
     utf16 = root / "utf16.jsonl"
     utf16.write_bytes(data.read_text(encoding="utf-8").encode("utf-16"))
     file = root / "plain.txt"
@@ -253,8 +331,10 @@ def places(tmp_path_factory, tiny_model_dir):
     list_json.write_text("[1, 2]")
     bad_records = root / "bad_records.json"
     bad_records.write_text(json.dumps({"records": [{"id": ["x"], "correct": "yes"}]}))
-    ambiguous = write_jsonl([{"question": "q?", "options": ["a", "b"], "answer": "A", "answer_index": 0, "answer_letter": "A"}],
-                            root / "ambiguous.jsonl")
+    ambiguous = write_jsonl(
+        [{"question": "q?", "options": ["a", "b"], "answer": "A", "answer_index": 0, "answer_letter": "A"}],
+        root / "ambiguous.jsonl",
+    )
     file_of_nothing = write_jsonl([{"prompt": "q?", "response": "a"}], root / "nothing.jsonl")
     not_jsonl = root / "table.jsonl"
     not_jsonl.write_text("question,A,B,answer\nWhich is a metal?,iron,wood,A\n")
@@ -271,8 +351,18 @@ def places(tmp_path_factory, tiny_model_dir):
     repeated.write_text(json.dumps({"records": [{"id": "a", "correct": True}, {"id": "a", "correct": False}]}))
     # a run (its config and a checkpoint, the tiny model: nothing here trains), and one with no checkpoint yet
     run, empty_run = root / "run", root / "empty_run"
-    config = load_config(["--model", str(tiny_model_dir), "--data.source", str(data), "--data.eval-per-domain", "1",
-                          "--output-dir", str(run)])
+    config = load_config(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--data.source",
+            str(data),
+            "--data.eval-per-domain",
+            "1",
+            "--output-dir",
+            str(run),
+        ]
+    )
     write_config(config, run / "config.toml")
     shutil.copytree(tiny_model_dir, run / "weights" / "step_1")
     (run / "weights" / "latest").write_text("step_1\n")
@@ -280,11 +370,27 @@ def places(tmp_path_factory, tiny_model_dir):
     exported = root / "exported"
     exported.mkdir()
     (exported / "grpo.toml").write_text("")
-    return {"data": data, "model": tiny_model_dir, "latin1": latin1, "utf16": utf16, "file": file, "notutf8": notutf8,
-            "list_json": list_json, "bad_records": bad_records, "results": results, "ambiguous": ambiguous,
-            "file_of_nothing": file_of_nothing, "latin1_toml": latin1_toml, "latin1_run": latin1_run,
-            "disjoint": disjoint, "repeated": repeated, "run": run, "empty_run": empty_run, "exported": exported,
-            "not_jsonl": not_jsonl}
+    return {
+        "data": data,
+        "model": tiny_model_dir,
+        "latin1": latin1,
+        "utf16": utf16,
+        "file": file,
+        "notutf8": notutf8,
+        "list_json": list_json,
+        "bad_records": bad_records,
+        "results": results,
+        "ambiguous": ambiguous,
+        "file_of_nothing": file_of_nothing,
+        "latin1_toml": latin1_toml,
+        "latin1_run": latin1_run,
+        "disjoint": disjoint,
+        "repeated": repeated,
+        "run": run,
+        "empty_run": empty_run,
+        "exported": exported,
+        "not_jsonl": not_jsonl,
+    }
 
 
 def run_cli(argv: list[str]) -> int:
@@ -311,8 +417,21 @@ def test_bad_input_is_one_line_and_exit_2(argv, places, tmp_path, capsys, monkey
 # ---- the flags a message names ----
 
 # Programs a message may tell one to run, with flags of their own
-OTHER_PROGRAMS = {"pip", "torchrun", "vllm", "uv", "git", "sbatch", "srun", "scancel", "huggingface-cli", "python",
-                  "python3", "nvidia-smi", "curl"}
+OTHER_PROGRAMS = {
+    "pip",
+    "torchrun",
+    "vllm",
+    "uv",
+    "git",
+    "sbatch",
+    "srun",
+    "scancel",
+    "huggingface-cli",
+    "python",
+    "python3",
+    "nvidia-smi",
+    "curl",
+}
 # The commands that take scirl train's config as flags (besides options of their own)
 TAKE_TRAIN_CONFIG = {"train", "demo", "inference", "slurm", "job"}
 FLAG = re.compile(r"--[a-z][a-z0-9-]*(?:\.[a-z0-9-]+)*")
@@ -327,14 +446,18 @@ class Captured(Exception):
 def command_of(argv: list[str]) -> tuple[str, ...]:
     """The command (and subcommand) ``argv`` runs: ("data", "stats"), ("eval", "compare"), ("train",)."""
     name = argv[0]
-    if len(argv) > 1 and ((name == "data" and argv[1] in ("stats", "export")) or (name == "export" and argv[1] == "prime-rl")
-                          or (name == "eval" and argv[1] == "compare")):
+    if len(argv) > 1 and (
+        (name == "data" and argv[1] in ("stats", "export"))
+        or (name == "export" and argv[1] == "prime-rl")
+        or (name == "eval" and argv[1] == "compare")
+    ):
         return name, argv[1]
     return (name,)
 
 
 def options_of(command: tuple[str, ...], monkeypatch) -> set[str]:
     """The option strings of ``command``'s parser, caught as its main() asks it to parse."""
+
     def catch(self, *args, **kwargs):
         raise Captured(self)
 
@@ -387,8 +510,9 @@ def assert_names_only_flags_it_accepts(argv: list[str], line: str, monkeypatch) 
     for command, flag in named_flags(line, command_of(argv)):
         if flag in typed:  # the user's own flag, named as what is wrong
             continue
-        assert accepted(command, flag, options_of(command, monkeypatch)), \
+        assert accepted(command, flag, options_of(command, monkeypatch)), (
             f"`scirl {' '.join(command)}` does not accept {flag}, which its message names: {line}"
+        )
 
 
 def test_the_flag_check_knows_each_commands_flags(monkeypatch):
@@ -401,7 +525,8 @@ def test_the_flag_check_knows_each_commands_flags(monkeypatch):
     assert accepted(("data", "stats"), "--split-seed", options_of(("data", "stats"), monkeypatch))
     assert not accepted(("data", "stats"), "--split", options_of(("data", "stats"), monkeypatch))
     assert named_flags("x: fix: pip install 'scirl[gpu]', or --inference.backend hf", ("train",)) == [
-        (("train",), "--inference.backend")]
+        (("train",), "--inference.backend")
+    ]
     assert named_flags("stopped; resume with: scirl train --resume run", ("demo",)) == [(("train",), "--resume")]
 
 
@@ -410,13 +535,26 @@ def test_the_flag_check_knows_each_commands_flags(monkeypatch):
 MISFIT = ["--data", "{data}", "--data-columns", "question=Q,options=O,answer=A"]  # columns the file does not have
 
 
-@pytest.mark.parametrize("argv", [
-    ["data", "stats", *MISFIT],
-    ["train", "--output-dir", "{tmp}/run", "--model", "{model}", "--data.source", "{data}", "--data.columns",
-     "question=Q,options=O,answer=A"],
-    ["eval", "--model", "{model}", *MISFIT, "--out", "{tmp}/e.json"],
-    ["export", "prime-rl", "--out", "{tmp}/x", *MISFIT],
-], ids=["data stats", "train", "eval", "export"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["data", "stats", *MISFIT],
+        [
+            "train",
+            "--output-dir",
+            "{tmp}/run",
+            "--model",
+            "{model}",
+            "--data.source",
+            "{data}",
+            "--data.columns",
+            "question=Q,options=O,answer=A",
+        ],
+        ["eval", "--model", "{model}", *MISFIT, "--out", "{tmp}/e.json"],
+        ["export", "prime-rl", "--out", "{tmp}/x", *MISFIT],
+    ],
+    ids=["data stats", "train", "eval", "export"],
+)
 def test_a_column_mapping_that_does_not_fit_the_file_is_refused_naming_the_column(argv, places, tmp_path, capsys):
     """data stats read every row as missing_field and exited 0, train exited 1: each command now names the
     column no row has."""

@@ -39,8 +39,27 @@ def data(tmp_path_factory):
 
 
 def train_argv(model, data, out) -> list[str]:
-    return ["train", "--model", str(model), "--data.source", str(data), "--output-dir", str(out), "--device", "cpu",
-            "--max-steps", "1", "--batch-size", "8", "--group-size", "8", "--max-completion-tokens", "4", "--seq-len", "256"]
+    return [
+        "train",
+        "--model",
+        str(model),
+        "--data.source",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--device",
+        "cpu",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--group-size",
+        "8",
+        "--max-completion-tokens",
+        "4",
+        "--seq-len",
+        "256",
+    ]
 
 
 def test_the_vllm_backend_without_vllm_is_refused_before_any_work(tiny_model_dir, data, tmp_path, monkeypatch, capsys):
@@ -137,8 +156,22 @@ def test_a_demo_whose_training_is_stopped_by_ctrl_c_exits_130(tmp_path, monkeypa
     stopped (status 130)"). Now it says where the run is and exits 130, as the shell expects of Ctrl-C."""
     monkeypatch.setattr(scirl.demo.run, "train", lambda cfg, **kwargs: 128 + signal.SIGINT)
     out = tmp_path / "demo"
-    assert cli_main(["demo", "--output-dir", str(out), "--no-report", "--no-progress", "--train-per-domain", "2",
-                     "--eval-per-domain", "1"]) == 130
+    assert (
+        cli_main(
+            [
+                "demo",
+                "--output-dir",
+                str(out),
+                "--no-report",
+                "--no-progress",
+                "--train-per-domain",
+                "2",
+                "--eval-per-domain",
+                "1",
+            ]
+        )
+        == 130
+    )
     line = [line for line in capsys.readouterr().err.splitlines() if line.startswith("scirl demo:")]
     assert len(line) == 1 and "SIGINT" in line[0] and str(out) in line[0]
     assert (out / "eval_base.json").is_file()  # what was done before the stop stays
@@ -147,8 +180,12 @@ def test_a_demo_whose_training_is_stopped_by_ctrl_c_exits_130(tmp_path, monkeypa
 @pytest.mark.slow
 def test_ctrl_c_stops_a_server_with_130(tiny_model_dir):
     """`scirl serve` exited 0 on Ctrl-C (uvicorn shut down, then raised it again, and the command swallowed it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in proc.stdout:  # the server says when it serves: wait for that, not for a time
             if "ready at" in line:
@@ -181,8 +218,9 @@ def test_a_dry_run_of_a_run_whose_model_moved_plans_without_a_traceback(tmp_path
     """A resume reads its checkpoint, not the model its config names, so that model may be gone; the memory plan
     of `--device cuda --dry-run` asked the hub cache about the path and raised HFValidationError."""
     run_dir = tmp_path / "run"
-    write_config(load_config(["--model", str(tmp_path / "moved-model"), "--output-dir", str(run_dir)]),
-                 run_dir / "config.toml")
+    write_config(
+        load_config(["--model", str(tmp_path / "moved-model"), "--output-dir", str(run_dir)]), run_dir / "config.toml"
+    )
     assert cli_main(["train", "--resume", str(run_dir), "--device", "cuda", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "no memory plan" in out and "moved-model" in out
@@ -204,8 +242,9 @@ def no_hub(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-def test_no_hub_is_one_line_and_exit_2_in_every_command_that_needs_it(no_hub, tiny_model_dir, data, tmp_path,
-                                                                       monkeypatch, capsys):
+def test_no_hub_is_one_line_and_exit_2_in_every_command_that_needs_it(
+    no_hub, tiny_model_dir, data, tmp_path, monkeypatch, capsys
+):
     """No hub access was exit 1 in `scirl data stats` and 2 in `scirl eval`; training with a hub model id retried
     for 51 s, then exited 1. Now 2 and one line naming HF_HUB_OFFLINE=1 and the local alternative, before any
     model or tokenizer is asked for (the loaders are what retry)."""
@@ -237,8 +276,24 @@ def test_a_command_that_does_not_need_the_hub_does_not_wait_for_it(no_hub, tmp_p
     monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *args, **kwargs: asked.append(args) or 1 / 0)
     monkeypatch.chdir(tmp_path)
     config = Path(__file__).resolve().parents[2] / "configs" / "sciknoweval-qwen3-8b.toml"
-    assert cli_main(["slurm", "@", str(config), "--model", "org/not-cached", "--nodes", "2", "--infer-nodes", "1",
-                     "--out", "job.sbatch"]) == 0
+    assert (
+        cli_main(
+            [
+                "slurm",
+                "@",
+                str(config),
+                "--model",
+                "org/not-cached",
+                "--nodes",
+                "2",
+                "--infer-nodes",
+                "1",
+                "--out",
+                "job.sbatch",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "job.sbatch").is_file()
     assert asked == []  # its retries are what took the time
 
@@ -264,8 +319,10 @@ def test_an_extra_the_config_asks_for_is_checked_with_the_configuration(tiny_mod
 def fake_distribution(site: Path, name: str, version: str, requires: list[str] = ()) -> None:
     info = site / f"{name}-{version}.dist-info"
     info.mkdir(parents=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-                                   + "".join(f"Requires-Dist: {r}\n" for r in requires))
+    (info / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {r}\n" for r in requires)
+    )
     (info / "RECORD").write_text("")
 
 
@@ -278,8 +335,13 @@ def test_vision_packages_built_for_another_torch_are_named_at_start_up(tiny_mode
     (site / "torchvision").mkdir()
     (site / "torchvision" / "__init__.py").write_text('raise RuntimeError("operator torchvision::nms does not exist")')
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "scirl", *train_argv(tiny_model_dir, data, tmp_path / "run")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "scirl", *train_argv(tiny_model_dir, data, tmp_path / "run")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     line = one_line(done.stderr)
     assert "torchvision 0.1.0 (built for torch 1.0.0)" in line and line.endswith("fix: pip uninstall -y torchvision")
@@ -296,8 +358,9 @@ def test_a_cuda_build_of_a_vision_package_beside_a_cpu_torch_is_recognised(tmp_p
     fake_distribution(site, "torchcodec", "0.9.0+cpu")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(extras, "cuda_builds_by_default", lambda: True)  # the registry's x86-64 Linux wheels
-    assert extras.side_package_problem().startswith("torchaudio 2.13.0 (a CUDA build) cannot load beside torch "
-                                                    "2.13.0+cpu")
+    assert extras.side_package_problem().startswith(
+        "torchaudio 2.13.0 (a CUDA build) cannot load beside torch 2.13.0+cpu"
+    )
     monkeypatch.setattr(extras, "cuda_builds_by_default", lambda: False)  # elsewhere its builds are the CPU ones
     assert extras.side_package_problem() is None
 
@@ -310,8 +373,20 @@ def test_a_server_that_is_not_there_is_a_missing_resource(data, tmp_path, capsys
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    argv = ["eval", "--base-url", f"http://127.0.0.1:{port}/v1", "--model", "m", "--data", str(data),
-            "--eval-per-domain", "1", "--out", str(tmp_path / "e.json"), "--no-progress"]
+    argv = [
+        "eval",
+        "--base-url",
+        f"http://127.0.0.1:{port}/v1",
+        "--model",
+        "m",
+        "--data",
+        str(data),
+        "--eval-per-domain",
+        "1",
+        "--out",
+        str(tmp_path / "e.json"),
+        "--no-progress",
+    ]
     assert cli_main(argv) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("scirl eval: cannot reach") and "Is the server running?" in last

@@ -52,6 +52,9 @@ def test_the_library_leaves_the_allocator_alone():
     for path in root.rglob("*.py"):
         tree = ast.parse(path.read_text(encoding="utf-8"))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "keep_freed_memory":
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "keep_freed_memory"
+            ):
                 callers.add(path.relative_to(root).as_posix())
     assert callers == {"commands/train.py"}  # the demo command reaches it through commands/train's helper

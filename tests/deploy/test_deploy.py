@@ -16,15 +16,23 @@ from pathlib import Path
 
 import pytest
 
-from scirl.run.config_io import load_config
 from scirl.deploy import launch, ports, preflight, supervisor
 from scirl.errors import PreflightError
+from scirl.run.config_io import load_config
 
 FAKES = Path(__file__).parents[1] / "fakes" / "deploy_fakes.py"
 REPO = Path(__file__).resolve().parents[2]
 DEADLINE_S = 60  # "within seconds", asserted generously for a loaded 2-core machine
-QWEN3_8B = {"hidden_size": 4096, "num_hidden_layers": 36, "intermediate_size": 12288, "vocab_size": 151936,
-            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False}
+QWEN3_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 36,
+    "intermediate_size": 12288,
+    "vocab_size": 151936,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+}
 
 
 def env() -> dict:
@@ -32,8 +40,19 @@ def env() -> dict:
 
 
 def deploy_args(tiny_model_dir, out: Path, *extra: str) -> list[str]:
-    return ["--model", str(tiny_model_dir), "--device", "cpu", "--output-dir", str(out),
-            "--deployment.num-infer-gpus", "2", "--deployment.startup-timeout-s", "60", *extra]
+    return [
+        "--model",
+        str(tiny_model_dir),
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--deployment.num-infer-gpus",
+        "2",
+        "--deployment.startup-timeout-s",
+        "60",
+        *extra,
+    ]
 
 
 def start_launcher(tmp_path: Path, args: list[str], **spec) -> tuple[subprocess.Popen, Path]:
@@ -41,8 +60,14 @@ def start_launcher(tmp_path: Path, args: list[str], **spec) -> tuple[subprocess.
     record.mkdir()
     path = tmp_path / "spec.json"
     path.write_text(json.dumps({"args": args, "record": str(record), **spec}))
-    proc = subprocess.Popen([sys.executable, str(FAKES), "launch", str(path)], env=env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(FAKES), "launch", str(path)],
+        env=env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     return proc, record
 
 
@@ -103,10 +128,12 @@ def test_a_finished_run_exits_0_with_every_process_gone_and_its_ports_recorded(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("behave, status, last_line", [("crash", 1, "fake CUDA out of memory"),
-                                                        ("refuse", 2, "fake refusal of a bad input")])
-def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(tiny_model_dir, tmp_path, behave, status,
-                                                                      last_line):
+@pytest.mark.parametrize(
+    "behave, status, last_line", [("crash", 1, "fake CUDA out of memory"), ("refuse", 2, "fake refusal of a bad input")]
+)
+def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(
+    tiny_model_dir, tmp_path, behave, status, last_line
+):
     proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave=behave)
     code, _, err = finish(proc)
     assert code == status  # the trainer's own: a refused input stays exit 2
@@ -118,8 +145,9 @@ def test_a_trainer_failure_stops_the_servers_and_shows_its_last_lines(tiny_model
 @pytest.mark.slow
 def test_a_server_dying_mid_run_stops_the_whole_run_and_shows_its_log(tiny_model_dir, tmp_path):
     die = tmp_path / "die"
-    proc, record = start_launcher(tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave="wait",
-                                  die_when={"1": str(die)})
+    proc, record = start_launcher(
+        tmp_path, deploy_args(tiny_model_dir, tmp_path / "run"), behave="wait", die_when={"1": str(die)}
+    )
     wait_for(record / "trainer_0.json", proc)  # the run is going
     die.touch()
     code, _, err = finish(proc)
@@ -152,7 +180,9 @@ def test_a_server_that_exits_at_start_fails_the_run_at_once(tiny_model_dir, tmp_
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_launcher_reaches_every_trainer_rank_stops_the_servers_and_ends_quietly(tiny_model_dir, tmp_path):
+def test_sigterm_to_the_launcher_reaches_every_trainer_rank_stops_the_servers_and_ends_quietly(
+    tiny_model_dir, tmp_path
+):
     out = tmp_path / "run"
     args = deploy_args(tiny_model_dir, out, "--deployment.num-train-gpus", "2")
     proc, record = start_launcher(tmp_path, args, behave="wait")
@@ -207,19 +237,30 @@ def test_a_run_dir_holding_a_run_is_refused_before_the_servers_start(tiny_model_
     out.mkdir()
     (out / "config.toml").write_text("")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    done = subprocess.run([sys.executable, "-m", "scirl", "train", *deploy_args(tiny_model_dir, out)], env=env(),
-                          capture_output=True, text=True, timeout=DEADLINE_S)
+    done = subprocess.run(
+        [sys.executable, "-m", "scirl", "train", *deploy_args(tiny_model_dir, out)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "--resume" in done.stderr
     assert not (out / "ports.json").exists()
 
 
 def test_a_run_dir_in_use_is_refused_before_the_servers_start(tiny_model_dir, tmp_path):
     from scirl.run import rundir
+
     out = tmp_path / "run"
     held = rundir.lock(out)  # as a live trainer holds it
     try:
-        done = subprocess.run([sys.executable, "-m", "scirl", "train", *deploy_args(tiny_model_dir, out)], env=env(),
-                              capture_output=True, text=True, timeout=DEADLINE_S)
+        done = subprocess.run(
+            [sys.executable, "-m", "scirl", "train", *deploy_args(tiny_model_dir, out)],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+        )
     finally:
         held.close()
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and "in use" in done.stderr
@@ -253,14 +294,38 @@ def test_the_trainer_command_for_one_rank_and_for_torchrun(tmp_path):
     cfg = load_config(["--output-dir", str(tmp_path), "--deployment.num-infer-gpus", "2"])
     picked = ports.Ports("0.0.0.0", [8001, 8002], 9000, None)
     argv = launch.trainer_argv(cfg, ["@", "x.toml"], picked, "nccl", resume=True, clean=False)
-    assert argv == [sys.executable, "-m", "scirl", "train", "@", "x.toml", "--resume", str(tmp_path), "--inference.urls",
-                    "http://127.0.0.1:8001,http://127.0.0.1:8002", "--deployment.nccl-port", "9000",
-                    "--deployment.weight-sync", "nccl"]
+    assert argv == [
+        sys.executable,
+        "-m",
+        "scirl",
+        "train",
+        "@",
+        "x.toml",
+        "--resume",
+        str(tmp_path),
+        "--inference.urls",
+        "http://127.0.0.1:8001,http://127.0.0.1:8002",
+        "--deployment.nccl-port",
+        "9000",
+        "--deployment.weight-sync",
+        "nccl",
+    ]
     assert load_config(argv[8:]).inference.urls == ["http://127.0.0.1:8001", "http://127.0.0.1:8002"]
     cfg = load_config(["--deployment.num-infer-gpus", "6", "--deployment.num-train-gpus", "2"])
     argv = launch.trainer_argv(cfg, [], ports.Ports("127.0.0.1", [8001], 9000, 9001), "nccl", resume=False, clean=True)
-    assert argv[:11] == [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                         "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:9001"]
+    assert argv[:11] == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:9001",
+    ]
     assert argv[11:15] == ["-m", "scirl", "train", "--clean"]
 
 
@@ -275,6 +340,7 @@ def test_a_resume_forgets_the_servers_its_launcher_started_last_time(tmp_path):
 
 def test_the_launchers_files_neither_block_a_fresh_run_nor_fall_to_clean(tmp_path):
     from scirl.run import rundir
+
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "inference_0.log").write_text("live server log\n")
     (tmp_path / "ports.json").write_text("{}")
@@ -346,11 +412,20 @@ def test_gpus_too_few_or_busy_are_refused_and_the_rest_split_in_order(monkeypatc
 def test_a_failure_report_leads_with_the_first_error_when_noise_follows_it(tmp_path):
     log = tmp_path / "inference_0.log"
     noise = [f" - leaked function f{i}" for i in range(50)]
-    log.write_text("\n".join(["INFO loading", "WARNING quoted `OSError: x` in a warning",
-                              "(Worker pid=9) ERROR [executor.py:10] RuntimeError: Unsupported CPU attention",
-                              "EngineDeadError: engine died", *noise]) + "\n")
+    log.write_text(
+        "\n".join(
+            [
+                "INFO loading",
+                "WARNING quoted `OSError: x` in a warning",
+                "(Worker pid=9) ERROR [executor.py:10] RuntimeError: Unsupported CPU attention",
+                "EngineDeadError: engine died",
+                *noise,
+            ]
+        )
+        + "\n"
+    )
     report = supervisor.Child("inference server 0", None, log).tail().splitlines()
     assert report[0] == "first error: (Worker pid=9) ERROR [executor.py:10] RuntimeError: Unsupported CPU attention"
-    assert report[2:] == noise[-supervisor.TAIL_LINES:]
+    assert report[2:] == noise[-supervisor.TAIL_LINES :]
     log.write_text("step 1\nscirl train: generation failed: status 500\n")  # within the tail: shown once
     assert supervisor.Child("trainer", None, log).tail() == "step 1\nscirl train: generation failed: status 500"

@@ -23,7 +23,6 @@ import pytest
 import scirl
 from fakes import slurm_fakes
 from helpers.server_process import free_port, stop
-
 from scirl.cli import main
 from scirl.deploy import launch, plan, ports, supervisor
 from scirl.errors import PreflightError
@@ -58,8 +57,18 @@ def parse_shell_line(line: str) -> tuple[dict[str, str], int | None, list[str]]:
 
 
 def test_scirl_inference_prints_the_command_the_launcher_runs(capsys, tmp_path):
-    args = ["@", str(DEMO_CONFIG), "--model", str(DEMO_BASE), "--output-dir", str(tmp_path / "run"),
-            "--inference.kv-cache-gib", "0.25", "--deployment.num-infer-gpus", "1"]
+    args = [
+        "@",
+        str(DEMO_CONFIG),
+        "--model",
+        str(DEMO_BASE),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--inference.kv-cache-gib",
+        "0.25",
+        "--deployment.num-infer-gpus",
+        "1",
+    ]
     port = free_port()
     assert main(["inference", *args, "--port", str(port), "--print-command"]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
@@ -90,11 +99,19 @@ def test_scirl_inference_refuses_bad_input_in_one_line(capsys):
 
 
 def job_plan(nodes: list[str], gpus_per_node: int = 0, resume: bool = False, config_args=None) -> plan.JobPlan:
-    return plan.plan_job(config_args or ["@", "x.toml", "--output-dir", "/runs/a"],
-                         [plan.Node(f"n{i}", address) for i, address in enumerate(nodes)], infer_nodes=2,
-                         gpus_per_node=gpus_per_node, ports=plan.JobPorts(8000, 29400, 29500), weight_sync="nccl",
-                         run_dir=Path("/runs/a"), logs=Path("/runs/a/logs/job-7"), attempt="job-7", resume=resume,
-                         python="/py")
+    return plan.plan_job(
+        config_args or ["@", "x.toml", "--output-dir", "/runs/a"],
+        [plan.Node(f"n{i}", address) for i, address in enumerate(nodes)],
+        infer_nodes=2,
+        gpus_per_node=gpus_per_node,
+        ports=plan.JobPorts(8000, 29400, 29500),
+        weight_sync="nccl",
+        run_dir=Path("/runs/a"),
+        logs=Path("/runs/a/logs/job-7"),
+        attempt="job-7",
+        resume=resume,
+        python="/py",
+    )
 
 
 def test_a_job_plan_takes_every_address_from_its_node_list():
@@ -102,8 +119,16 @@ def test_a_job_plan_takes_every_address_from_its_node_list():
     assert planned.urls == ["http://10.0.0.5:8000", "http://10.0.0.6:8000"] and planned.rendezvous == "10.0.0.7:29400"
     for part, address in zip(planned.servers, ["10.0.0.5", "10.0.0.6"]):
         assert part.argv[:4] == ["/py", "-m", "scirl", "inference"]
-        assert part.argv[-8:] == ["--host", address, "--deployment.weight-sync", "nccl", "--port", "8000", "--gpus",
-                                  "8"]  # data parallel over the node, taking weights as the trainer sends them
+        assert part.argv[-8:] == [
+            "--host",
+            address,
+            "--deployment.weight-sync",
+            "nccl",
+            "--port",
+            "8000",
+            "--gpus",
+            "8",
+        ]  # data parallel over the node, taking weights as the trainer sends them
     hosts = []
     for part, address in zip(planned.trainers, ["10.0.0.7", "10.0.0.8"]):
         argv = part.argv
@@ -116,8 +141,11 @@ def test_a_job_plan_takes_every_address_from_its_node_list():
     words = [word for part in planned.servers + planned.trainers for word in part.argv]
     assert not any("127.0.0.1" in word or "localhost" in word for word in words)
     assert [p.name for p in planned.servers + planned.trainers] == [
-        "inference server on node 1 (n0)", "inference server on node 2 (n1)", "trainer on node 3 (n2)",
-        "trainer on node 4 (n3)"]
+        "inference server on node 1 (n0)",
+        "inference server on node 2 (n1)",
+        "trainer on node 3 (n2)",
+        "trainer on node 4 (n3)",
+    ]
     assert [p.log.name for p in planned.trainers] == ["trainer_node3.log", "trainer_node4.log"]
     record = planned.record()
     assert record["urls"] == planned.urls and record["nccl"] == 29500 and record["rendezvous"] == 29400
@@ -130,7 +158,7 @@ def test_a_resumed_job_continues_the_run_and_its_servers_read_the_saved_config()
     resumed = job_plan(["10.0.0.1", "10.0.0.2", "10.0.0.3"], resume=True)  # the script's --resume
     assert resumed.servers[0].argv[4:7] == ["@", "x.toml", "--output-dir"]
     train = resumed.trainers[0].argv
-    assert train[train.index("train") + 1:][:6] == ["@", "x.toml", "--output-dir", "/runs/a", "--resume", "/runs/a"]
+    assert train[train.index("train") + 1 :][:6] == ["@", "x.toml", "--output-dir", "/runs/a", "--resume", "/runs/a"]
     again = job_plan(["10.0.0.1", "10.0.0.2", "10.0.0.3"], resume=True, config_args=["--resume", "/runs/a"])
     assert again.servers[0].argv[4:6] == ["@", "/runs/a/config.toml"]  # scirl slurm --resume: the saved config
     assert again.trainers[0].argv.count("--resume") == 1
@@ -158,21 +186,49 @@ def slurm(*args: str) -> int:
 def test_scirl_slurm_writes_a_job_script_with_its_layout_and_refuses_bad_shapes(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "job.sbatch"
-    assert slurm("--output-dir", "run", "--nodes", "2", "--infer-nodes", "1", "--gpus-per-node", "8",
-                 "--partition", "gpu", "--account", "lab", "--time", "04:00:00", "--out", str(out)) == 0
+    assert (
+        slurm(
+            "--output-dir",
+            "run",
+            "--nodes",
+            "2",
+            "--infer-nodes",
+            "1",
+            "--gpus-per-node",
+            "8",
+            "--partition",
+            "gpu",
+            "--account",
+            "lab",
+            "--time",
+            "04:00:00",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     text = out.read_text()
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
-    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
-                 "#SBATCH --time=04:00:00", f"#SBATCH --output={tmp_path / 'run' / 'logs' / 'slurm-%j.out'}",
-                 'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")', f"cd {tmp_path}"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --time=04:00:00",
+        f"#SBATCH --output={tmp_path / 'run' / 'logs' / 'slurm-%j.out'}",
+        'NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        f"cd {tmp_path}",
+    ):
         assert line in text.splitlines()
     assert "#SBATCH --signal=B:TERM@" in text and "--on-node 'srun --nodes=1 --ntasks=1 --nodelist={node}" in text
     assert '$RESUME "$@" -- @ ' in text and f"sbatch {out} --resume" in text
     assert (tmp_path / "run" / "logs").is_dir() and os.access(out, os.X_OK)
     capsys.readouterr()
 
-    for bad, words in ((["--nodes", "2", "--infer-nodes", "2"], "leaves no node for the trainer"),
-                       (["--nodes", "3", "--infer-nodes", "0"], "--infer-nodes must be at least 1")):
+    for bad, words in (
+        (["--nodes", "2", "--infer-nodes", "2"], "leaves no node for the trainer"),
+        (["--nodes", "3", "--infer-nodes", "0"], "--infer-nodes must be at least 1"),
+    ):
         assert slurm(*bad, "--out", str(out)) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and words in err
@@ -209,7 +265,9 @@ wait
     done = subprocess.run(["sbatch", str(script)], env=env, capture_output=True, text=True, timeout=30)
     job = done.stdout.split()[-1]
     deadline = time.monotonic() + 60
-    while not (tmp_path / "state" / f"job_{job}.status").is_file() or slurm_fakes.job_processes(job, tmp_path / "state"):
+    while not (tmp_path / "state" / f"job_{job}.status").is_file() or slurm_fakes.job_processes(
+        job, tmp_path / "state"
+    ):
         assert time.monotonic() < deadline, "the stand-in job did not end"
         time.sleep(0.1)
     out = (tmp_path / f"out-{job}.txt").read_text()
@@ -229,9 +287,31 @@ def start_job(tmp_path: Path, *, server_mode: str = "ok") -> tuple[subprocess.Po
     record, ended = tmp_path / "record", tmp_path / "job-ended"
     record.mkdir()
     on_node = f"{sys.executable} {FAKES} on-node --record {record} --server-mode {server_mode} {{node}} --"
-    argv = [sys.executable, "-m", "scirl", "job", "--node-names", "127.0.0.1 127.0.0.2 127.0.0.3", "--infer-nodes", "1",
-            "--attempt", "job-7", "--on-node", on_node, "--end-job", f"touch {ended}", "--", "@", str(DEMO_CONFIG),
-            "--model", str(DEMO_BASE), "--output-dir", str(tmp_path / "run"), "--deployment.startup-timeout-s", "60"]
+    argv = [
+        sys.executable,
+        "-m",
+        "scirl",
+        "job",
+        "--node-names",
+        "127.0.0.1 127.0.0.2 127.0.0.3",
+        "--infer-nodes",
+        "1",
+        "--attempt",
+        "job-7",
+        "--on-node",
+        on_node,
+        "--end-job",
+        f"touch {ended}",
+        "--",
+        "@",
+        str(DEMO_CONFIG),
+        "--model",
+        str(DEMO_BASE),
+        "--output-dir",
+        str(tmp_path / "run"),
+        "--deployment.startup-timeout-s",
+        "60",
+    ]
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     return job, record, ended
 
@@ -267,7 +347,10 @@ def test_a_stop_asks_every_trainer_node_once_to_checkpoint_and_leaves_nothing_ru
     recorded = json.loads((tmp_path / "run" / "ports.json").read_text())
     assert recorded["urls"] == [f"http://127.0.0.1:{recorded['servers'][0]}"] and recorded["attempt"] == "job-7"
     assert {p.name for p in (tmp_path / "run" / "logs" / "job-7").iterdir()} == {
-        "inference_node1.log", "trainer_node2.log", "trainer_node3.log"}
+        "inference_node1.log",
+        "trainer_node2.log",
+        "trainer_node3.log",
+    }
     assert [pid for pid in recorded_pids(record) if supervisor.alive(pid)] == []
 
 
@@ -291,22 +374,54 @@ def test_a_server_that_cannot_see_the_trainers_broadcasts_is_refused_at_start_in
     elsewhere = tmp_path / "another-node"
     elsewhere.mkdir()
     port = free_port()
-    server = subprocess.Popen([sys.executable, str(FAKES), "vllm-view", "--port", str(port), "--root", str(elsewhere)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, str(FAKES), "vllm-view", "--port", str(port), "--root", str(elsewhere)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     run = tmp_path / "run"
     try:
-        done = subprocess.run([sys.executable, "-m", "scirl", "train", "@", str(DEMO_CONFIG), "--model", str(DEMO_BASE),
-                               "--data.source", str(questions), "--data.eval-per-domain", "10", "--batch-size", "16",
-                               "--group-size", "4", "--output-dir", str(run), "--inference.urls", url,
-                               "--deployment.weight-sync", "filesystem", "--deployment.startup-timeout-s", "60"],
-                              capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "scirl",
+                "train",
+                "@",
+                str(DEMO_CONFIG),
+                "--model",
+                str(DEMO_BASE),
+                "--data.source",
+                str(questions),
+                "--data.eval-per-domain",
+                "10",
+                "--batch-size",
+                "16",
+                "--group-size",
+                "4",
+                "--output-dir",
+                str(run),
+                "--inference.urls",
+                url,
+                "--deployment.weight-sync",
+                "filesystem",
+                "--deployment.startup-timeout-s",
+                "60",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
     finally:
         stop(server)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"scirl train: inference server {url} cannot load the weights this trainer has just "
-                           f"written to {run / 'broadcasts' / 'step_0'} (status 500: "), last
+    assert last.startswith(
+        f"scirl train: inference server {url} cannot load the weights this trainer has just "
+        f"written to {run / 'broadcasts' / 'step_0'} (status 500: "
+    ), last
     assert "--deployment.weight-sync nccl" in last and "Traceback" not in done.stderr
     assert (run / "broadcasts" / "step_0" / "model.safetensors").is_file()  # written here, not seen there
     assert not (run / "metrics.jsonl").exists()

@@ -8,10 +8,10 @@ from collections import Counter
 
 import pytest
 
-from scirl.task.data import question_from_row
 from scirl.demo.world import HABITS, LETTERS, generate_reading_rows, web_answer
-from scirl.task.schema import DOMAINS
 from scirl.synth.questions import RELATIONS
+from scirl.task.data import question_from_row
+from scirl.task.schema import DOMAINS
 
 
 def test_reading_rows_are_valid_mcqs_whose_text_states_exactly_one_option():
@@ -51,8 +51,33 @@ def test_pretrain_script_runs_and_writes_a_loadable_model(tmp_path):
     from scirl.demo.pretrain import main
 
     out = tmp_path / "base"
-    assert main(["--out", str(out), "--steps", "3", "--clean-steps", "1", "--batch-size", "4", "--eval-every", "3",
-                 "--val-per-domain", "2", "--hidden-size", "32", "--layers", "1", "--heads", "2", "--vocab-size", "400"]) == 0
+    assert (
+        main(
+            [
+                "--out",
+                str(out),
+                "--steps",
+                "3",
+                "--clean-steps",
+                "1",
+                "--batch-size",
+                "4",
+                "--eval-every",
+                "3",
+                "--val-per-domain",
+                "2",
+                "--hidden-size",
+                "32",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--vocab-size",
+                "400",
+            ]
+        )
+        == 0
+    )
     log = [json.loads(line) for line in (out / "pretrain_log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 3 and 0 <= log[-1]["greedy_acc"] <= 1
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -64,12 +89,20 @@ def read_jsonl(path):
 
 
 def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
-    from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
     from helpers.train_runs import assert_forwards_compute_the_unique_tokens
+    from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
 
     out = tmp_path / "demo"
-    summary = run_demo(DemoOptions(output_dir=out, train_per_domain=40, eval_per_domain=10, report=False, progress=False,
-                                   overrides=["--max-steps", "10", "--ckpt.interval", "10"]))
+    summary = run_demo(
+        DemoOptions(
+            output_dir=out,
+            train_per_domain=40,
+            eval_per_domain=10,
+            report=False,
+            progress=False,
+            overrides=["--max-steps", "10", "--ckpt.interval", "10"],
+        )
+    )
     before = json.loads((out / "eval_base.json").read_text())
     after = json.loads((out / "eval_final.json").read_text())
     for results in (before, after):  # scirl eval's format, on the 40 held-out questions
@@ -81,7 +114,10 @@ def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
     assert [m["step"] for m in metrics] == list(range(1, 11))
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
-    assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
+    assert after["overall_accuracy"] > before["overall_accuracy"], (
+        before["overall_accuracy"],
+        after["overall_accuracy"],
+    )
     assert (out / "weights" / "step_10" / "config.json").is_file()
     assert_forwards_compute_the_unique_tokens(out, BASE_MODEL_DIR)
     assert summary["gain_points"] == pytest.approx(100 * (after["overall_accuracy"] - before["overall_accuracy"]))
@@ -92,15 +128,31 @@ def test_shortened_demo_runs_end_to_end_and_the_reward_rises(tmp_path):
 def test_the_demos_training_on_two_torchrun_ranks_computes_each_prompt_once(tmp_path):
     """``torchrun --nproc-per-node 2 -m scirl train`` on the demo's config and data (2 gloo ranks, FSDP2): each rank
     packs its groups' prompts once, and what the forwards compute is the batches' unique tokens."""
-    from scirl.demo.run import BASE_MODEL_DIR, DEMO_CONFIG, write_questions
     from helpers.train_runs import assert_forwards_compute_the_unique_tokens, torchrun_train
+    from scirl.demo.run import BASE_MODEL_DIR, DEMO_CONFIG, write_questions
 
     data = write_questions(tmp_path / "questions.jsonl", 40, 10, 0)
-    torchrun_train(["@", str(DEMO_CONFIG), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
-                    "--output-dir", str(tmp_path / "run"), "--max-steps", "3", "--eval.interval", "0"])
+    torchrun_train(
+        [
+            "@",
+            str(DEMO_CONFIG),
+            "--model",
+            str(BASE_MODEL_DIR),
+            "--data.source",
+            str(data),
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--max-steps",
+            "3",
+            "--eval.interval",
+            "0",
+        ]
+    )
     metrics = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
-    assert {json.loads(line)["rank"] for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()} == {0, 1}
+    assert {
+        json.loads(line)["rank"] for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    } == {0, 1}
     assert_forwards_compute_the_unique_tokens(tmp_path / "run", BASE_MODEL_DIR)
 
 
@@ -110,7 +162,6 @@ def test_shortened_demo_with_the_vllm_backend_raises_held_out_accuracy(tmp_path)
     samples the rollouts (taking the new weights after every step), and the model still learns."""
     pytest.importorskip("vllm")
     import tomllib
-
     import torch
 
     from scirl.demo.run import DemoOptions, run_demo
@@ -119,9 +170,16 @@ def test_shortened_demo_with_the_vllm_backend_raises_held_out_accuracy(tmp_path)
     torch.set_num_threads(1)  # before the engine starts: afterwards vLLM's CPU backend pins the count
     out = tmp_path / "demo"
     try:
-        summary = run_demo(DemoOptions(output_dir=out, train_per_domain=40, eval_per_domain=10, report=False,
-                                       progress=False, overrides=["--max-steps", "10", "--ckpt.interval", "10",
-                                                                  "--inference.backend", "vllm"]))
+        summary = run_demo(
+            DemoOptions(
+                output_dir=out,
+                train_per_domain=40,
+                eval_per_domain=10,
+                report=False,
+                progress=False,
+                overrides=["--max-steps", "10", "--ckpt.interval", "10", "--inference.backend", "vllm"],
+            )
+        )
     finally:
         torch.set_num_threads(threads)
     config = tomllib.loads((out / "config.toml").read_text())
@@ -134,7 +192,10 @@ def test_shortened_demo_with_the_vllm_backend_raises_held_out_accuracy(tmp_path)
     before = json.loads((out / "eval_base.json").read_text())
     after = json.loads((out / "eval_final.json").read_text())
     assert after["counts"]["answered"] == before["counts"]["answered"] == 40
-    assert after["overall_accuracy"] > before["overall_accuracy"], (before["overall_accuracy"], after["overall_accuracy"])
+    assert after["overall_accuracy"] > before["overall_accuracy"], (
+        before["overall_accuracy"],
+        after["overall_accuracy"],
+    )
 
 
 def test_demo_with_inference_servers_trains_through_the_launcher_in_the_guides_layout(tmp_path):
@@ -142,20 +203,30 @@ def test_demo_with_inference_servers_trains_through_the_launcher_in_the_guides_l
     server and two trainer ranks started by scirl train's launcher (stand-ins here, tests/fakes/deploy_fakes.py), given
     the demo's own settings; the demo evaluates what they left and says which layout trained."""
     from fakes.deploy_fakes import launch_options
-
     from scirl.demo.run import BASE_MODEL_DIR, DemoOptions, run_demo
 
     out, record = tmp_path / "demo", tmp_path / "record"
     record.mkdir()
-    summary = run_demo(DemoOptions(output_dir=out, train_per_domain=10, eval_per_domain=2, report=False, progress=False,
-                                   overrides=["--max-steps", "4", "--deployment.num-infer-gpus", "1",
-                                              "--deployment.num-train-gpus", "2"],
-                                   launch_options=launch_options({"record": str(record), "behave": "demo"})))
+    summary = run_demo(
+        DemoOptions(
+            output_dir=out,
+            train_per_domain=10,
+            eval_per_domain=2,
+            report=False,
+            progress=False,
+            overrides=["--max-steps", "4", "--deployment.num-infer-gpus", "1", "--deployment.num-train-gpus", "2"],
+            launch_options=launch_options({"record": str(record), "behave": "demo"}),
+        )
+    )
     ranks = [json.loads((record / f"trainer_{rank}.json").read_text()) for rank in (0, 1)]
     assert [rank["world_size"] for rank in ranks] == ["2", "2"] and len(ranks[0]["urls"]) == 1
     argv = ranks[0]["argv"]
-    for flag, value in (("--model", str(BASE_MODEL_DIR)), ("--output-dir", str(out)), ("--max-steps", "4"),
-                        ("--data.source", str(out / "data" / "demo_questions.jsonl"))):
+    for flag, value in (
+        ("--model", str(BASE_MODEL_DIR)),
+        ("--output-dir", str(out)),
+        ("--max-steps", "4"),
+        ("--data.source", str(out / "data" / "demo_questions.jsonl")),
+    ):
         assert argv[argv.index(flag) + 1] == value
     assert summary["layout"] == "1 vLLM server(s) + 2 trainer rank(s)"
     assert summary["inference_backend"] == "vllm" and summary["steps"] == 4
@@ -175,8 +246,19 @@ def test_demo_command_reports_a_training_problem_without_a_traceback(tmp_path, c
     from scirl.cli import main
 
     # 20 training questions, a step wants 64 (batch 512 / group 8)
-    argv = ["demo", "--output-dir", str(tmp_path / "d"), "--no-report", "--no-progress", "--train-per-domain", "5",
-            "--eval-per-domain", "2", "--batch-size", "512"]
+    argv = [
+        "demo",
+        "--output-dir",
+        str(tmp_path / "d"),
+        "--no-report",
+        "--no-progress",
+        "--train-per-domain",
+        "5",
+        "--eval-per-domain",
+        "2",
+        "--batch-size",
+        "512",
+    ]
     assert main(argv) == 2  # data and config that do not fit: refused as bad input is, whatever the command
     assert "fewer than the 64 a step needs" in capsys.readouterr().err
 
@@ -201,7 +283,10 @@ def test_the_demo_config_ships_inside_the_package():
     from scirl.demo.run import DEMO_CONFIG, PACKAGE_DIR
 
     pyproject = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text())
-    shipped = {p.resolve() for pattern in pyproject["tool"]["setuptools"]["package-data"]["scirl"]
-               for p in PACKAGE_DIR.glob(pattern)}
+    shipped = {
+        p.resolve()
+        for pattern in pyproject["tool"]["setuptools"]["package-data"]["scirl"]
+        for p in PACKAGE_DIR.glob(pattern)
+    }
     assert DEMO_CONFIG.is_file() and DEMO_CONFIG.resolve() in shipped
     assert DEMO_CONFIG.parent.name == "configs" and DEMO_CONFIG.is_relative_to(PACKAGE_DIR)

@@ -51,9 +51,15 @@ def run_shell(script: str, namespace: dict) -> tuple[int, str]:
     Whatever it left running (a server started with ``&``) is stopped with it."""
     log = namespace["log"]
     with log.open("w") as out:
-        process = subprocess.Popen(["bash", "-c", "set -eo pipefail\n" + script], cwd=namespace["cwd"],
-                                   env=namespace["env"], stdin=subprocess.DEVNULL, stdout=out,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            ["bash", "-c", "set -eo pipefail\n" + script],
+            cwd=namespace["cwd"],
+            env=namespace["env"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             status = process.wait(timeout=BLOCK_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -143,8 +149,11 @@ def run_console(example) -> str | None:
             return f"`{command}` exited with {status}; its output ends:\n{tail(output)}"
         missing = missing_lines(expected, output)
         if missing:
-            return (f"`{command}` did not print, in this order:\n" + "\n".join(missing)
-                    + f"\nIt printed (the end):\n{tail(output, 60)}")
+            return (
+                f"`{command}` did not print, in this order:\n"
+                + "\n".join(missing)
+                + f"\nIt printed (the end):\n{tail(output, 60)}"
+            )
     return None
 
 
@@ -212,8 +221,11 @@ def test_ellipsis_stands_for_any_text_within_a_line():
 
 
 def test_a_block_that_needs_a_gpu_is_not_run_and_the_next_one_sees_the_last_ones_files(tmp_path):
-    page = write_page(tmp_path, "```bash\n# needs a GPU\nexit 1\n```\n\n```bash\necho hi > made.txt\n```\n\n"
-                                "```console\n$ cat made.txt\nhi\n```\n")
+    page = write_page(
+        tmp_path,
+        "```bash\n# needs a GPU\nexit 1\n```\n\n```bash\necho hi > made.txt\n```\n\n"
+        "```console\n$ cat made.txt\nhi\n```\n",
+    )
     run_page(page, tmp_path)
 
 
@@ -274,10 +286,13 @@ def test_the_serve_example_waits_quietly_for_the_servers_ready_line(tmp_path):
     """docs/evaluation.md's wait for `scirl serve`'s URL printed a grep error while serve.log did not exist yet."""
     page = (ROOT / "docs" / "evaluation.md").read_text(encoding="utf-8")
     [wait] = [line for line in page.splitlines() if line.startswith("until url=")]
-    script = ("(sleep 1; echo 'scirl serve: ready at http://127.0.0.1:1/v1' > serve.log; sleep 60) &\nserver=$!\n"
-              f"{wait}\necho \"$url\"\nkill $server\n")  # the log appears a second after the first look
-    done = subprocess.run(["bash", "-c", "set -eo pipefail\n" + script], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=60)
+    script = (
+        "(sleep 1; echo 'scirl serve: ready at http://127.0.0.1:1/v1' > serve.log; sleep 60) &\nserver=$!\n"
+        f'{wait}\necho "$url"\nkill $server\n'
+    )  # the log appears a second after the first look
+    done = subprocess.run(
+        ["bash", "-c", "set -eo pipefail\n" + script], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0 and done.stdout == "http://127.0.0.1:1/v1\n" and done.stderr == "", done.stderr
 
 
@@ -293,8 +308,9 @@ def anchors(path: Path) -> set[str]:
     seen: dict[str, int] = {}
     for i, token in enumerate(tokens):
         if token.type == "heading_open":
-            base = slug("".join(child.content for child in tokens[i + 1].children
-                                if child.type in ("text", "code_inline")))
+            base = slug(
+                "".join(child.content for child in tokens[i + 1].children if child.type in ("text", "code_inline"))
+            )
             found.add(f"{base}-{seen[base]}" if base in seen else base)
             seen[base] = seen.get(base, 0) + 1
     return found

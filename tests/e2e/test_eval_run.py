@@ -28,10 +28,34 @@ def trained_run(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("eval_run")
     data = write_jsonl(generate_rows(n_per_domain=12, seed=1), root / "rows.jsonl")
     run_dir = root / "run"
-    cfg = load_config(["--model", str(tiny_model_dir), "--data.source", str(data), "--data.eval-per-domain", "2",
-                       "--data.split-seed", "5", "--output-dir", str(run_dir), "--max-steps", "1", "--batch-size", "16",
-                       "--group-size", "8", "--max-completion-tokens", "4", "--seq-len", "512", "--device", "cpu",
-                       "--dtype", "float32"])
+    cfg = load_config(
+        [
+            "--model",
+            str(tiny_model_dir),
+            "--data.source",
+            str(data),
+            "--data.eval-per-domain",
+            "2",
+            "--data.split-seed",
+            "5",
+            "--output-dir",
+            str(run_dir),
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "16",
+            "--group-size",
+            "8",
+            "--max-completion-tokens",
+            "4",
+            "--seq-len",
+            "512",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert train(cfg, show_progress=False) == 0
     splits = load_splits(str(data), eval_per_domain=2, seed=5)
     return run_dir, data, {q.id for q in splits.train}, {q.id for q in splits.eval}
@@ -45,8 +69,12 @@ def test_a_checkpoint_is_evaluated_on_exactly_the_questions_its_run_held_out(tra
     run_dir, data, trained, held_out = trained_run
     assert len(held_out) == 8 and len(trained) == 40
     out = tmp_path / "eval.json"
-    assert cli_main(["eval", "--model", str(run_dir / "weights" / "step_1"), "--data", str(data), "--out", str(out),
-                     *EVAL_ARGS]) == 0
+    assert (
+        cli_main(
+            ["eval", "--model", str(run_dir / "weights" / "step_1"), "--data", str(data), "--out", str(out), *EVAL_ARGS]
+        )
+        == 0
+    )
     assert evaluated_ids(out) == held_out  # no trained question among them
     err = capsys.readouterr().err
     [line] = [line for line in err.splitlines() if "data settings of run" in line]
@@ -64,8 +92,18 @@ def test_trained_questions_are_refused_before_anything_is_evaluated(trained_run,
     model loads; --allow-trained-questions evaluates them with a warning."""
     run_dir, data, trained, held_out = trained_run
     out = tmp_path / "eval.json"
-    argv = ["eval", "--model", str(run_dir / "weights" / "step_1"), "--data", str(data), "--eval-per-domain", "4",
-            "--out", str(out), *EVAL_ARGS]
+    argv = [
+        "eval",
+        "--model",
+        str(run_dir / "weights" / "step_1"),
+        "--data",
+        str(data),
+        "--eval-per-domain",
+        "4",
+        "--out",
+        str(out),
+        *EVAL_ARGS,
+    ]
     asked = {q.id for q in load_splits(str(data), eval_per_domain=4, seed=5).eval}
     assert cli_main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -90,8 +128,9 @@ def test_an_old_run_config_with_data_seed_still_gives_its_split(trained_run, tmp
     assert "is read as split_seed" in capsys.readouterr().err
 
 
-def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_eval(trained_run, tiny_model_dir,
-                                                                                    tmp_path, capsys):
+def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_eval(
+    trained_run, tiny_model_dir, tmp_path, capsys
+):
     """Issue 49: `--allow-trained-questions` scored questions the run trained on, and its results file recorded
     nothing of it: `scirl report RUN` showed it as the "accuracy after", `scirl eval compare` paired it without a
     word, and eval's first line said "which it did not train on". The file now records the count, and every
@@ -100,8 +139,21 @@ def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_ev
     run = tmp_path / "run"
     shutil.copytree(run_dir, run)  # the report writes into it
     model = run / "weights" / "step_1"
-    assert cli_main(["eval", "--run", str(run), "--model", str(tiny_model_dir), "--out", str(run / "eval_base.json"),
-                     *EVAL_ARGS]) == 0  # held out
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--run",
+                str(run),
+                "--model",
+                str(tiny_model_dir),
+                "--out",
+                str(run / "eval_base.json"),
+                *EVAL_ARGS,
+            ]
+        )
+        == 0
+    )  # held out
     capsys.readouterr()
     other_split = ["--eval-per-domain", "4", "--split-seed", "7", "--allow-trained-questions"]
     after = run / "eval_final.json"
@@ -118,8 +170,9 @@ def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_ev
 
     assert cli_main(["report", str(run)]) == 0
     err = capsys.readouterr().err
-    assert f"accuracy after (eval_final.json): {n} of the {len(asked)} questions trained on by run {run.resolve()}" \
-        in err
+    assert (
+        f"accuracy after (eval_final.json): {n} of the {len(asked)} questions trained on by run {run.resolve()}" in err
+    )
     assert "accuracy before" not in err  # the held-out one needs no word
     page = (run / "report" / "report.html").read_text()
     assert "accuracy after (not held out)" in page and "accuracy before (not held out)" not in page
@@ -127,8 +180,12 @@ def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_ev
 
     # two files on those questions: the difference is not a held-out one either, on either side
     base = tmp_path / "base-other-split.json"
-    assert cli_main(["eval", "--run", str(run), "--model", str(tiny_model_dir), *other_split, "--out", str(base),
-                     *EVAL_ARGS]) == 0
+    assert (
+        cli_main(
+            ["eval", "--run", str(run), "--model", str(tiny_model_dir), *other_split, "--out", str(base), *EVAL_ARGS]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert cli_main(["eval", "compare", str(base), str(after)]) == 0
     out = capsys.readouterr().out
@@ -144,11 +201,30 @@ def test_a_score_on_trained_questions_keeps_its_warning_after_it_leaves_scirl_ev
 def test_a_plain_eval_names_its_data_split_and_seed_in_one_line(trained_run, tiny_model_dir, tmp_path, capsys):
     run_dir, data, trained, held_out = trained_run
     out = tmp_path / "eval.json"
-    assert cli_main(["eval", "--model", str(tiny_model_dir), "--data", str(data), "--eval-per-domain", "2",
-                     "--split-seed", "5", "--out", str(out), *EVAL_ARGS]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--model",
+                str(tiny_model_dir),
+                "--data",
+                str(data),
+                "--eval-per-domain",
+                "2",
+                "--split-seed",
+                "5",
+                "--out",
+                str(out),
+                *EVAL_ARGS,
+            ]
+        )
+        == 0
+    )
     first = capsys.readouterr().err.splitlines()[0]
-    assert first == (f"scirl eval: 8 questions: the eval split of {data} (--eval-per-domain 2 --split-method content "
-                     "--split-seed 5); no run given, so not checked against a training split")
+    assert first == (
+        f"scirl eval: 8 questions: the eval split of {data} (--eval-per-domain 2 --split-method content "
+        "--split-seed 5); no run given, so not checked against a training split"
+    )
     assert json.loads(out.read_text())["trained_on"]["questions"] is None  # not checked, and the file says so
 
 

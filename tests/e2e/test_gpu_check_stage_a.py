@@ -25,8 +25,9 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     (shim / "__init__.py").write_text('raise ImportError("a stand-in vllm that does not import")\n')
     out = tmp_path / "check"
     pythonpath = os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")]))
-    done = run_check(["--cpu", "--out", str(out), "--json", str(tmp_path / "copy.json")], tmp_path,
-                     {"PYTHONPATH": pythonpath})
+    done = run_check(
+        ["--cpu", "--out", str(out), "--json", str(tmp_path / "copy.json")], tmp_path, {"PYTHONPATH": pythonpath}
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     result = json.loads((out / "gpu_check.json").read_text())
     assert json.loads((tmp_path / "copy.json").read_text()) == result
@@ -43,7 +44,9 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     probe = stages["probe"]["figures"]  # torch.compile through inductor works here (the CPU's C++ compiler)
     assert probe["compile"]["ok"] and probe["compile"]["device"] == "cpu" and probe["compile"]["seconds"] > 0
     assert "torch.compile (inductor, cpu): works" in done.stdout
-    model = stages["model"]["figures"]  # the EOS bias: EOS sampled at the rate that keeps the mission's lengths at 32 tokens
+    model = stages["model"][
+        "figures"
+    ]  # the EOS bias: EOS sampled at the rate that keeps the mission's lengths at 32 tokens
     assert abs(model["eos"]["measured"] - model["eos"]["rate"]) < 0.05 * model["eos"]["rate"]
     a = stages["a_train"]["figures"]
     assert [s["step"] for s in a["steps"]] == [1, 2]
@@ -55,8 +58,11 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
         assert s["padding_tokens"] == 0 and s["loss_tokens"] == s["completion_tokens"] and s["mfu"] is None
         # measured inside the run, each step (scirl_run --steps): eager layers compile nothing; no allocator on a CPU
         assert s["compiles"] == {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0}
-        assert s["train_peak_mb"] is None and set(s["trainer"]) == {"train/compiles", "train/graph_breaks",
-                                                                    "memory/alloc_retries"}
+        assert s["train_peak_mb"] is None and set(s["trainer"]) == {
+            "train/compiles",
+            "train/graph_breaks",
+            "memory/alloc_retries",
+        }
     assert a["generation_tokens_per_s"] > 0 and a["useful_tokens_per_s"] > 0 and a["train_flops_per_step"] > 0
     # the mission's lengths: prompts of 100-350 tokens (to within a word), completions of mixed lengths up to the limit
     assert 100 <= a["prompts"]["min"] and a["prompts"]["max"] <= 360 and a["prompts"]["count"] == 8
@@ -71,31 +77,62 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     assert blocked > 0 and a["steps"][1]["checkpoint_s"] == blocked
     assert a["memory_peak_mb"] > 0 and a["deterministic"] is None and a["train_peak_mb"] is None
     assert a["plan_allocated_mb"] > 0 and a["plan_peak_mb"] >= a["plan_allocated_mb"]
-    for text in ("stage A: transformers backend", "mean of steps 2+: step", "weight sync", "checkpoint (step 2",
-                 "MFU n/a", "generation:", "peak memory:", "tokens a step:", "at the limit (designed: mean 12.0",
-                 "checkpoints every 1 step(s): step 2 blocked"):
+    for text in (
+        "stage A: transformers backend",
+        "mean of steps 2+: step",
+        "weight sync",
+        "checkpoint (step 2",
+        "MFU n/a",
+        "generation:",
+        "peak memory:",
+        "tokens a step:",
+        "at the limit (designed: mean 12.0",
+        "checkpoints every 1 step(s): step 2 blocked",
+    ):
         assert text in done.stdout, (text, done.stdout[-3000:])
     # the same report as a GPU run fills it: the training peak against the plan's bytes in tensors, the trainer's own
     # figures where its metrics rows have them, the process's peak with generation's KV cache
     trainer = {"train/compiles": 2, "train/graph_breaks": 0, "memory/alloc_retries": 0}
-    on_a_gpu = {**a, "train_peak_mb": 20500.0, "process_peak_mb": 29000.0,
-                "steps": [{**s, "train_peak_mb": 20500.0, "trainer": trainer} for s in a["steps"]]}
+    on_a_gpu = {
+        **a,
+        "train_peak_mb": 20500.0,
+        "process_peak_mb": 29000.0,
+        "steps": [{**s, "train_peak_mb": 20500.0, "trainer": trainer} for s in a["steps"]],
+    }
     figures, common, printed = import_gpu_check("figures"), import_gpu_check("common"), io.StringIO()
     monkeypatch.setattr(common, "REPORT", printed)
-    figures.print_a_train(on_a_gpu, {"shape": "0.6b", "parameters": 6e8, "device": "cuda", "dtype": "bfloat16",
-                                     "questions": 4, "group_size": 4, "max_tokens": 32})
-    assert (f"training peak: 20500 MB (the allocator's, reset before each step's training) against the plan's "
-            f"{a['plan_allocated_mb']:.0f} MB in tensors") in printed.getvalue()
+    figures.print_a_train(
+        on_a_gpu,
+        {
+            "shape": "0.6b",
+            "parameters": 6e8,
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "questions": 4,
+            "group_size": 4,
+            "max_tokens": 32,
+        },
+    )
+    assert (
+        f"training peak: 20500 MB (the allocator's, reset before each step's training) against the plan's "
+        f"{a['plan_allocated_mb']:.0f} MB in tensors"
+    ) in printed.getvalue()
     assert "the whole process 29000 MB (generation's KV cache included)" in printed.getvalue()
-    assert ("the trainer's own figures (last step): train/compiles 2, train/graph_breaks 0, memory/alloc_retries 0"
-            in printed.getvalue())
+    assert (
+        "the trainer's own figures (last step): train/compiles 2, train/graph_breaks 0, memory/alloc_retries 0"
+        in printed.getvalue()
+    )
     assert "peak memory: 29000 MB (torch allocator, training process)" in printed.getvalue()
 
     # the step alone: the targets' rows first (a CPU: the eager layers and the SDPA path, no allocator peak), the rest
     # of the grid after them; each row timed on its warm-up's batch and on batches no step had seen
     sweep = stages["a_sweep"]["figures"]
     assert [(r["role"], r["micro_batch_tokens"], r["activation_checkpointing"]) for r in sweep["settings"]] == [
-        ("default", 1024, False), ("checkpointed", 1024, True), ("smaller", 512, False), (None, 512, True)]
+        ("default", 1024, False),
+        ("checkpointed", 1024, True),
+        ("smaller", 512, False),
+        (None, 512, True),
+    ]
     assert {(r["kernels"], r["attention"], r["deterministic"]) for r in sweep["settings"]} == {("eager", "sdpa", False)}
     batch = sweep["batch"]
     assert batch["completions"] == 16 and 100 <= batch["prompt_mean"] <= 350 and 1 <= batch["completion_mean"] < 32
@@ -103,24 +140,35 @@ def test_cpu_check_runs_stage_a_with_the_resume_check_and_says_why_stage_b_was_s
     assert all(f["unique_tokens"] != batch["unique_tokens"] for f in sweep["fresh_batches"])
     for r in sweep["settings"]:
         assert r["step_s"] > 0 and r["useful_tokens_per_s"] > 0 and r["mfu"] is None and r["peak_mb"] is None
-        assert r["plan_peak_mb"] > 0 and r["largest_micro_batch"] <= r["micro_batch_tokens"] and r["padding_tokens"] == 0
+        assert (
+            r["plan_peak_mb"] > 0 and r["largest_micro_batch"] <= r["micro_batch_tokens"] and r["padding_tokens"] == 0
+        )
         assert 0 < r["plan_allocated_mb"] <= r["plan_peak_mb"]
         # the same useful work however it is cut; a group split between micro-batches computes its prompt twice
         assert r["unique_tokens"] == batch["unique_tokens"] <= r["forward_tokens"]
         assert [f["unique_tokens"] for f in r["fresh"]] == [f["unique_tokens"] for f in sweep["fresh_batches"]]
         assert all(f["step_s"] > 0 for f in r["fresh"]) and r["fresh_step_s"] > 0
-        assert r["compiles"] == {part: {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0}
-                                 for part in ("warmup", "timed", "fresh")}  # eager layers
+        assert r["compiles"] == {
+            part: {"graphs": 0, "graph_breaks": 0, "recompile_limit_hits": 0} for part in ("warmup", "timed", "fresh")
+        }  # eager layers
     mbs = {(r["micro_batch_tokens"], r["activation_checkpointing"]): r["micro_batches"] for r in sweep["settings"]}
     assert mbs[512, False] == mbs[512, True] > mbs[1024, False] == mbs[1024, True] >= 1
     # checkpointing keeps one tensor a layer: the plan says less memory with it, at every size
     plan = {(r["micro_batch_tokens"], r["activation_checkpointing"]): r["plan_peak_mb"] for r in sweep["settings"]}
-    assert plan[512, True] < plan[512, False] and plan[1024, True] < plan[1024, False] and plan[512, False] < plan[1024, False]
+    assert (
+        plan[512, True] < plan[512, False]
+        and plan[1024, True] < plan[1024, False]
+        and plan[512, False] < plan[1024, False]
+    )
     profile = sweep["profile"]
     assert profile["wall_s"] > 0 and profile["gpu_busy_s"] is None and profile["top_ops"][0]["seconds"] > 0
     assert any(o["name"] == "aten::mm" for o in profile["top_ops"]) and Path(profile["table"]).is_file()
-    for text in ("the training step alone", "unseen", "profile of one step (eager kernels, sdpa attention",
-                 "targets at tiny: MFU n/a"):
+    for text in (
+        "the training step alone",
+        "unseen",
+        "profile of one step (eager kernels, sdpa attention",
+        "targets at tiny: MFU n/a",
+    ):
         assert text in done.stdout, (text, done.stdout[-3000:])
     # the peer: TRL is not among the suite's requirements (stage A's GPU wheels carry it)
     peer = stages["a_peer"]

@@ -17,9 +17,19 @@ from helpers.gpu_check import run_check  # noqa: E402
 def test_cpu_check_stage_b_prints_the_step_split_throughput_kl_memory_and_overlap(tmp_path):
     done = run_check(["--cpu", "--stage", "b", "--disaggregated", "--out", str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
-    for text in ("mean of steps 2+: step", "generate", "weight sync", "raw vllm.LLM.generate", "mismatch KL: max",
-                 "peak memory:", "disaggregated mean of steps 2+", "overlap", "weights through filesystem",
-                 "push check", "b_eval: scirl eval of step_2 through the server: 40 questions"):
+    for text in (
+        "mean of steps 2+: step",
+        "generate",
+        "weight sync",
+        "raw vllm.LLM.generate",
+        "mismatch KL: max",
+        "peak memory:",
+        "disaggregated mean of steps 2+",
+        "overlap",
+        "weights through filesystem",
+        "push check",
+        "b_eval: scirl eval of step_2 through the server: 40 questions",
+    ):
         assert text in done.stdout, (text, done.stdout[-3000:])
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["stage_b"] == "ran"

@@ -12,13 +12,30 @@ import pytest
 import torch
 
 from helpers.train_runs import (  # noqa: F401
-    data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args, trainer_state,
+    data_file,
+    final_weights,
+    letter_model_dir,
+    one_thread,
+    rows,
+    run_in_process,
+    train_args,
+    trainer_state,
 )
 
 GRPO_REFERENCE = Path(__file__).parents[1] / "helpers" / "fixtures" / "grpo_reference.json"
 GRPO_FLAGS = ["--optim.lr", "2e-3", "--temperature", "0.9", "--top-p", "0.95", "--batch-size", "32"]
-REFERENCE_KEYS = ("reward/mean", "reward/std", "reward/mean_all", "trainable/count", "tokens/completion", "epoch",
-                  "loss", "grad_norm", "entropy", "mismatch_kl")
+REFERENCE_KEYS = (
+    "reward/mean",
+    "reward/std",
+    "reward/mean_all",
+    "trainable/count",
+    "tokens/completion",
+    "epoch",
+    "loss",
+    "grad_norm",
+    "entropy",
+    "mismatch_kl",
+)
 
 
 def grpo_summary(run_dir: Path, steps: int) -> dict:
@@ -26,8 +43,13 @@ def grpo_summary(run_dir: Path, steps: int) -> dict:
     weights = final_weights(run_dir, steps)
     return {
         "rows": [{key: m.get(key) for key in REFERENCE_KEYS} for m in rows(run_dir)],
-        "rollouts": [[(r["completion"], r["reward"], r["advantage"]) for r in map(json.loads, (
-            run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines())] for step in range(1, steps + 1)],
+        "rollouts": [
+            [
+                (r["completion"], r["reward"], r["advantage"])
+                for r in map(json.loads, (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines())
+            ]
+            for step in range(1, steps + 1)
+        ],
         "weights": {name: float(t.double().sum()) for name, t in sorted(weights.items())},
         "record_keys": sorted(json.loads((run_dir / "rollouts" / "step_1.jsonl").read_text().splitlines()[0])),
     }
@@ -42,7 +64,7 @@ def grpo_summary(run_dir: Path, steps: int) -> dict:
 RECORDED_REL = 1e-4
 # The loss is a mean of +-A * ratio terms whose advantages cancel within each group: its value is ~1e-8, all
 # round-off; the bound is absolute: a sum of 128 terms of magnitude <= 1, each rounded to 2**-24 relative.
-RECORDED_LOSS_ABS = 128 * 2.0 ** -24
+RECORDED_LOSS_ABS = 128 * 2.0**-24
 
 
 @pytest.mark.recorded
@@ -91,7 +113,7 @@ def direct_grpo_gradient(model, samples, *, temperature, top_p, loss_cfg) -> dic
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.completion_ids])
         p = len(s.prompt_ids)
-        logits = model(input_ids=ids).logits[0, p - 1:-1].double() / temperature
+        logits = model(input_ids=ids).logits[0, p - 1 : -1].double() / temperature
         targets = ids[0, p:]
         with torch.no_grad():
             ascending, order = logits.sort(dim=-1)
@@ -117,21 +139,30 @@ def test_grpo_gradient_on_fixed_inputs_is_the_formula_written_out(tiny_model_dir
     samples whose sampler logprobs are stale, so that tokens are masked on both sides and the KL term is not
     zero. Both computations run here, in this process, so the tolerance is round-off of float32 sums alone.
     With ``test_grpo_runs_as_before_sdpo_existed`` (sampling and advantages on a recorded run) this pins GRPO."""
+    from helpers.train_runs import fixed_samples
     from scirl import algorithms
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
-    from scirl.trainer import Trainer
-    from helpers.train_runs import fixed_samples
 
     cfg = TrainConfig()
     samples = fixed_samples(7, seed=5)
     for i, s in enumerate(samples):  # two groups sharing prompts, for the shared-prompt batches
         s.group, s.prompt_ids = i % 2, samples[i % 2].prompt_ids
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.9, top_p=0.95, device=torch.device("cpu"),
-                      dist=Dist(), dtype=torch.float32, batching=Batching(micro_batch_size=3, share_prompts=share_prompts))
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.9,
+        top_p=0.95,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+        batching=Batching(micro_batch_size=3, share_prompts=share_prompts),
+    )
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=0.0)  # the gradient is what is compared
     batches = trainer.batches(samples)
     count = float(sum(len(s.completion_ids) for s in samples))
@@ -157,8 +188,12 @@ def ema_teacher(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(letter_model_dir, data_file,  # noqa: F811
-                                                                                tmp_path, one_thread):  # noqa: F811
+def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
+    letter_model_dir,
+    data_file,  # noqa: F811
+    tmp_path,
+    one_thread,
+):  # noqa: F811
     """Uninterrupted 4 SDPO steps vs kill -9 inside checkpoint 4's write and a resume from checkpoint 2:
     the same rows (the teacher's share and divergence among them), completions, weights and EMA teacher, bit for
     bit (every step in one process with one thread, so the float sums are the same)."""
@@ -171,9 +206,12 @@ def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
     assert all(key in m for m in expected for key in (*SDPO_KEYS, "time/teacher"))
 
     run_dir = tmp_path / "interrupted"
-    proc = start(train_args(letter_model_dir, data_file, run_dir, max_steps=4, extra=SDPO), {"SCIRL_CKPT_WRITE_DELAY": "0.3"})
-    wait_for(lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc,
-             what="checkpoint 4's write")
+    proc = start(
+        train_args(letter_model_dir, data_file, run_dir, max_steps=4, extra=SDPO), {"SCIRL_CKPT_WRITE_DELAY": "0.3"}
+    )
+    wait_for(
+        lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc, what="checkpoint 4's write"
+    )
     proc.kill()
     proc.wait()
     assert ema_teacher(run_dir, 2)
@@ -187,7 +225,8 @@ def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
         a = [json.loads(x) for x in (reference / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         b = [json.loads(x) for x in (run_dir / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
         assert [(r["completion"], r["teacher"], r["teacher_solution"]) for r in a] == [
-            (r["completion"], r["teacher"], r["teacher_solution"]) for r in b]
+            (r["completion"], r["teacher"], r["teacher_solution"]) for r in b
+        ]
     for saved in (final_weights, ema_teacher):
         want, have = saved(reference, 4), saved(run_dir, 4)
         assert want.keys() == have.keys()
@@ -199,8 +238,13 @@ def test_an_sdpo_run_killed_mid_checkpoint_resumes_exactly_ema_teacher_included(
 
 
 @pytest.mark.slow
-def test_a_grpo_checkpoint_resumes_as_sdpo_with_the_teacher_from_its_weights(letter_model_dir, data_file, tmp_path,  # noqa: F811
-                                                                            one_thread, capsys):  # noqa: F811
+def test_a_grpo_checkpoint_resumes_as_sdpo_with_the_teacher_from_its_weights(
+    letter_model_dir,
+    data_file,
+    tmp_path,  # noqa: F811
+    one_thread,
+    capsys,
+):  # noqa: F811
     run_dir = tmp_path / "run"
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2)) == 0
     assert not ema_teacher(run_dir, 2)
@@ -211,8 +255,12 @@ def test_a_grpo_checkpoint_resumes_as_sdpo_with_the_teacher_from_its_weights(let
 
 
 @pytest.mark.slow
-def test_sdpo_under_lora_averages_the_adapter_over_the_frozen_base(letter_model_dir, data_file, tmp_path,  # noqa: F811
-                                                                   one_thread):  # noqa: F811
+def test_sdpo_under_lora_averages_the_adapter_over_the_frozen_base(
+    letter_model_dir,
+    data_file,
+    tmp_path,  # noqa: F811
+    one_thread,
+):  # noqa: F811
     """LoRA: the teacher is the frozen base plus the EMA of the adapter: the checkpoint's EMA holds the
     adapter's tensors only, and the run resumes from it."""
     pytest.importorskip("peft")
@@ -228,7 +276,7 @@ def test_sdpo_under_lora_averages_the_adapter_over_the_frozen_base(letter_model_
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
 
 
-FSDP_SDPO_SCRIPT = r'''
+FSDP_SDPO_SCRIPT = r"""
 import sys, torch
 from scirl import algorithms
 from scirl.run.config import TrainConfig
@@ -256,7 +304,7 @@ if dist.rank == 0:
     torch.save({"stats": stats, "state": state, "ema": ema}, out_file)
 teardown()
 exit_process(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -269,12 +317,12 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     import sys
 
     from helpers.train_runs import samples_with_teachers
-    from scirl.distributed import Dist
     from scirl import algorithms
+    from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     samples = samples_with_teachers(seed=4) + samples_with_teachers(seed=5)
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
@@ -284,15 +332,37 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     torch.save(ema, tmp_path / "ema.pt")
     (tmp_path / "fsdp_sdpo.py").write_text(FSDP_SDPO_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(tmp_path / "fsdp_sdpo.py"),
-         str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "ema.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "fsdp_sdpo.py"),
+            str(tiny_model_dir),
+            str(tmp_path / "samples.pt"),
+            str(tmp_path / "ema.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
     cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0.5))
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.8,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
     with torch.no_grad():
         for name, value in trainer.algorithm.ema.tensors().items():
@@ -317,9 +387,31 @@ def test_sdpo_on_the_demo_base_raises_the_reward(tmp_path, one_thread):  # noqa:
 
     data = write_questions(tmp_path / "q.jsonl", 40, 5, 0)
     run_dir = tmp_path / "run"
-    assert run_in_process(["@", str(DEMO_CONFIG), "--model", str(BASE_MODEL_DIR), "--data.source", str(data),
-                           "--data.eval-per-domain", "5", "--output-dir", str(run_dir), "--max-steps", "8",
-                           "--eval.interval", "0", "--ckpt.interval", "8", "--algorithm", "sdpo"]) == 0
+    assert (
+        run_in_process(
+            [
+                "@",
+                str(DEMO_CONFIG),
+                "--model",
+                str(BASE_MODEL_DIR),
+                "--data.source",
+                str(data),
+                "--data.eval-per-domain",
+                "5",
+                "--output-dir",
+                str(run_dir),
+                "--max-steps",
+                "8",
+                "--eval.interval",
+                "0",
+                "--ckpt.interval",
+                "8",
+                "--algorithm",
+                "sdpo",
+            ]
+        )
+        == 0
+    )
     metrics = rows(run_dir)
     rewards = [m["reward/mean"] for m in metrics]
     # deterministic here (seeded, one thread); across seeds 0-3 the rise was 0.29-0.49

@@ -32,8 +32,24 @@ DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 DEMO_CONFIG = Path(scirl.__file__).parent / "configs" / "demo.toml"
 NODES = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 # the demo's recipe on 4 questions a step (the 30-step run through servers gains ~40 points), checkpoints every 5
-RECIPE = ["--model", str(DEMO_BASE), "--data.eval-per-domain", "10", "--batch-size", "32", "--group-size", "8",
-          "--eval.interval", "0", "--ckpt.interval", "5", "--ckpt.keep", "2", "--inference.kv-cache-gib", "0.25"]
+RECIPE = [
+    "--model",
+    str(DEMO_BASE),
+    "--data.eval-per-domain",
+    "10",
+    "--batch-size",
+    "32",
+    "--group-size",
+    "8",
+    "--eval.interval",
+    "0",
+    "--ckpt.interval",
+    "5",
+    "--ckpt.keep",
+    "2",
+    "--inference.kv-cache-gib",
+    "0.25",
+]
 JOB_DEADLINE_S = 480  # a job on a loaded 2-core machine: ~30 s of server start, ~10 s of trainer start, 30 steps
 END_WITHIN_S = 60  # the issue's bound for a failed job to end whole
 
@@ -88,8 +104,7 @@ def held_out_accuracy(questions: Path, model_dir: Path, out: Path) -> float:
 
 
 @pytest.mark.timeout(1200)
-def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_30_steps(tmp_path, monkeypatch,
-                                                                                           capsys):
+def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_30_steps(tmp_path, monkeypatch, capsys):
     from scirl.demo.run import write_questions
 
     state = tmp_path / "slurm"
@@ -99,12 +114,35 @@ def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_
     run = tmp_path / "run"
     jobs: list[str] = []
     try:
-        jobs.append(submit(["@", str(DEMO_CONFIG), *RECIPE, "--data.source", str(questions), "--output-dir",
-                            str(run), "--nodes", "3", "--infer-nodes", "1", "--out", str(tmp_path / "job.sbatch")],
-                           capsys))
+        jobs.append(
+            submit(
+                [
+                    "@",
+                    str(DEMO_CONFIG),
+                    *RECIPE,
+                    "--data.source",
+                    str(questions),
+                    "--output-dir",
+                    str(run),
+                    "--nodes",
+                    "3",
+                    "--infer-nodes",
+                    "1",
+                    "--out",
+                    str(tmp_path / "job.sbatch"),
+                ],
+                capsys,
+            )
+        )
         first = jobs[0]
-        wait_for(lambda: (run / "weights" / "step_10" / "trainer_state" / "manifest.json").is_file()  # both parts
-                 or status(state, first) is not None, JOB_DEADLINE_S, "checkpoint 10 of the first job")
+        wait_for(
+            lambda: (
+                (run / "weights" / "step_10" / "trainer_state" / "manifest.json").is_file()  # both parts
+                or status(state, first) is not None
+            ),
+            JOB_DEADLINE_S,
+            "checkpoint 10 of the first job",
+        )
         assert status(state, first) is None, (run / "logs" / f"slurm-{first}.out").read_text()[-3000:]
 
         # every address the trainer uses is a node's: the rendezvous on node 2, the workers' master address
@@ -116,8 +154,11 @@ def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_
         assert recorded["rendezvous_endpoint"] == f"127.0.0.2:{recorded['rendezvous']}"
 
         os.kill(ranks["127.0.0.3"]["pid"], signal.SIGKILL)  # the trainer's rank on node 3, mid-run
-        ended_after = wait_for(lambda: status(state, first) is not None and not slurm_fakes.job_processes(first),
-                               END_WITHIN_S * 3, "the killed job's end")
+        ended_after = wait_for(
+            lambda: status(state, first) is not None and not slurm_fakes.job_processes(first),
+            END_WITHIN_S * 3,
+            "the killed job's end",
+        )
         assert ended_after <= END_WITHIN_S
         job_log = (run / "logs" / f"slurm-{first}.out").read_text()
         assert "trainer on node 3 (127.0.0.3) exited with" in job_log, job_log[-4000:]
@@ -125,8 +166,12 @@ def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_
         assert "SIGKILL" in (run / "logs" / f"job-{first}" / "trainer_node3.log").read_text()
 
         # the same run, continued by a second job from its last checkpoint
-        jobs.append(submit(["--resume", str(run), "--nodes", "3", "--infer-nodes", "1",
-                            "--out", str(tmp_path / "resume.sbatch")], capsys))
+        jobs.append(
+            submit(
+                ["--resume", str(run), "--nodes", "3", "--infer-nodes", "1", "--out", str(tmp_path / "resume.sbatch")],
+                capsys,
+            )
+        )
         second = jobs[1]
         wait_for(lambda: status(state, second) is not None, JOB_DEADLINE_S, "the resumed job's end")
         second_log = (run / "logs" / f"slurm-{second}.out").read_text()
@@ -141,8 +186,9 @@ def test_a_three_node_slurm_job_killed_mid_run_ends_whole_and_its_resume_trains_
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == list(range(1, 31))  # every step once
     assert sorted(int(p.stem.split("_")[1]) for p in (run / "rollouts").glob("step_*.jsonl")) == list(range(1, 31))
-    resumed_from = re.search(r"Resuming \S+ from step (\d+)",
-                             (run / "logs" / f"job-{second}" / "trainer_node2.log").read_text())
+    resumed_from = re.search(
+        r"Resuming \S+ from step (\d+)", (run / "logs" / f"job-{second}" / "trainer_node2.log").read_text()
+    )
     assert resumed_from and int(resumed_from.group(1)) >= 10
     assert json.loads((run / "ports.json").read_text())["attempt"] == f"job-{second}"
 

@@ -11,15 +11,23 @@ import sys
 import pytest
 import torch
 
+from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+    assert_forwards_compute_the_unique_tokens,
+    assert_same_rows,
+    data_file,
+    final_weights,
+    fixed_samples,
+    letter_model_dir,
+    one_thread,
+    rows,
+    run_in_process,
+    torchrun_train,
+    train_args,
+    trainer_state,
+)
 from scirl import algorithms
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    assert_forwards_compute_the_unique_tokens, assert_same_rows, data_file, final_weights, fixed_samples,
-    letter_model_dir, one_thread, rows, run_in_process, torchrun_train, train_args, trainer_state,
-)
-
-
-FSDP_SCRIPT = r'''
+FSDP_SCRIPT = r"""
 import sys, torch
 from scirl import algorithms
 from scirl.run.config import TrainConfig
@@ -44,7 +52,7 @@ if dist.rank == 0:
 from scirl.distributed import exit_process, teardown
 teardown()
 exit_process(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -53,28 +61,50 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
     """torchrun, 2 gloo ranks, FSDP2: the loss-token count (GSPO: the completion count) is global and the update
     equals one process's (the block-wise LM head, at a temperature and a nucleus, uses the tied weight the root's
     forward gathered)."""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     samples = fixed_samples()
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"),
-         algorithm],
-        env=env, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "fsdp_step.py"),
+            str(tiny_model_dir),
+            str(tmp_path / "samples.pt"),
+            str(tmp_path / "out.pt"),
+            algorithm,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
     cfg = TrainConfig(algorithm=algorithm)
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.7,
+        top_p=0.9,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     want = trainer.train_step(make_micro_batches(samples, max_rows=2))
     assert got["stats"]["loss_tokens"] == want["loss_tokens"]
@@ -136,11 +166,14 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
             torch.testing.assert_close(opt_got["state"][name][key], value, rtol=1e-5, atol=1e-6, msg=str((name, key)))
     # two ranks wrote the serving weights side by side: one file each, with an index
     files = sorted(p.name for p in (reference / "weights" / "step_3").glob("model*"))
-    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                     "model.safetensors.index.json"]
+    assert files == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
-TEARDOWN_SCRIPT = r'''
+TEARDOWN_SCRIPT = r"""
 import json, os, sys, threading, torch
 from scirl.run.config_io import load_config
 from scirl.run.train import train
@@ -151,7 +184,7 @@ with open(f"{sys.argv[2]}/teardown_{os.environ['RANK']}.json", "w") as f:
     json.dump(report, f)
 from scirl.distributed import exit_process
 exit_process(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -161,9 +194,23 @@ def test_a_finished_multi_rank_run_tears_down_its_process_group(letter_model_dir
     (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
     argv = train_args(letter_model_dir, data_file, tmp_path / "run", max_steps=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(tmp_path / "teardown.py"), json.dumps(argv), str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "teardown.py"),
+            json.dumps(argv),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     reports = [json.loads((tmp_path / f"teardown_{rank}.json").read_text()) for rank in (0, 1)]
     assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, proc.stdout + proc.stderr

@@ -11,8 +11,17 @@ import pytest
 import torch
 
 from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    assert_same_rows, data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, start, train_args,
-    trainer_state, wait_for,
+    assert_same_rows,
+    data_file,
+    final_weights,
+    letter_model_dir,
+    one_thread,
+    rows,
+    run_in_process,
+    start,
+    train_args,
+    trainer_state,
+    wait_for,
 )
 
 
@@ -41,8 +50,9 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
 
     # 1) resume (nothing to resume from: step 0); kill -9 while checkpoint 4's files are being written
     proc = start(["--resume", str(run_dir)], slow_checkpoints)
-    wait_for(lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc,
-             what="checkpoint 4's write")
+    wait_for(
+        lambda: any((run_dir / "weights" / ".step_4.tmp").glob("*.safetensors")), proc, what="checkpoint 4's write"
+    )
     proc.kill()
     proc.wait()
     # step 5 trains beside checkpoint 4's write: its row may be in before the kill
@@ -52,8 +62,9 @@ def test_resume_after_kill9_and_sigterm_is_exact(letter_model_dir, data_file, tm
     #    background: the step in progress ends (step 4, or 3 if the signal beat its check), its checkpoint is saved,
     #    and the run exits once every checkpoint is committed
     proc = start(["--resume", str(run_dir), "--ckpt.interval", "1"], slow_checkpoints)
-    wait_for(lambda: any((run_dir / "weights" / ".step_3.tmp").glob("*.safetensors")), proc,
-             what="checkpoint 3's write")
+    wait_for(
+        lambda: any((run_dir / "weights" / ".step_3.tmp").glob("*.safetensors")), proc, what="checkpoint 3's write"
+    )
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, out
@@ -86,8 +97,8 @@ def test_resume_with_shuffled_options_is_exact(letter_model_dir, tmp_path, one_t
     """Shuffled options (and the random control reward) come from seeds alone: a run stopped at checkpoint 2
     and resumed shows and rewards step 3 exactly as the uninterrupted run. Four train questions, two a
     step: step 3 opens the second epoch, right after the resume."""
-    from scirl.task.reward import random_reward
     from scirl.synth.questions import generate_rows, write_jsonl
+    from scirl.task.reward import random_reward
 
     data_file = write_jsonl(generate_rows(n_per_domain=2, seed=1, non_mcq=False), tmp_path / "rows.jsonl")
     extra = ["--data.eval-per-domain", "1", "--data.shuffle-options", shuffle, "--reward.mode", reward_mode]

@@ -6,11 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from scirl.run.config_io import load_config
-
 from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    copy_run, data_file, letter_model_dir, one_step_run, rows, trainer_state,
+    copy_run,
+    data_file,
+    letter_model_dir,
+    one_step_run,
+    rows,
+    trainer_state,
 )
+from scirl.run.config_io import load_config
 
 
 def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, capsys):
@@ -20,7 +24,9 @@ def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, c
 
     run_dir = copy_run(one_step_run, tmp_path)
     saved = (run_dir / "config.toml").read_text()
-    assert main(["--resume", str(run_dir), "--data.eval-per-domain", "3", "--max-steps", "2"]) == 2  # refused: bad input
+    assert (
+        main(["--resume", str(run_dir), "--data.eval-per-domain", "3", "--max-steps", "2"]) == 2
+    )  # refused: bad input
     assert "questions" in capsys.readouterr().err
     assert (run_dir / "config.toml").read_text() == saved
     assert not (run_dir / "resumes.jsonl").exists()  # only a resume that went on is recorded
@@ -43,7 +49,9 @@ def test_a_resume_refuses_another_model_before_anything_loads(one_step_run, tiny
     assert (run_dir / "config.toml").read_text() == saved and not (run_dir / "weights" / "step_2").exists()
     model = read_toml(run_dir / "config.toml")["model"]
     spelt_otherwise = str(Path(model).resolve()) + "/"
-    assert main(["--resume", str(run_dir), "--model", spelt_otherwise, "--max-steps", "1"]) == 0  # at max_steps: nothing to do
+    assert (
+        main(["--resume", str(run_dir), "--model", spelt_otherwise, "--max-steps", "1"]) == 0
+    )  # at max_steps: nothing to do
     assert read_toml(run_dir / "config.toml")["model"] == model
 
 
@@ -54,15 +62,20 @@ def test_resume_applies_a_changed_learning_rate(one_step_run, tmp_path, capsys):
 
     run_dir = copy_run(one_step_run, tmp_path)
     lr = load_config(["@", str(run_dir / "config.toml")]).optim.lr
-    assert main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
+    assert (
+        main(["--resume", str(run_dir), "--optim.lr", "0.5", "--optim.weight-decay", "0.25", "--max-steps", "2"]) == 0
+    )
     group = trainer_state(run_dir, 2)["optimizer"]["param_groups"][0]
     assert group["lr"] == 0.5 and group["weight_decay"] == 0.25
     # not silently: one line says what changed, and the run records it beside the config it now holds
     [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Changed on resume")]
     assert f"optim.lr {lr} -> 0.5" in line and "optim.weight_decay 0.01 -> 0.25" in line and "max_steps 1 -> 2" in line
     [record] = [json.loads(row) for row in (run_dir / "resumes.jsonl").read_text().splitlines()]
-    assert record["step"] == 1 and record["changed"] == {"max_steps": [1, 2], "optim.lr": [lr, 0.5],
-                                                         "optim.weight_decay": [0.01, 0.25]}
+    assert record["step"] == 1 and record["changed"] == {
+        "max_steps": [1, 2],
+        "optim.lr": [lr, 0.5],
+        "optim.weight_decay": [0.01, 0.25],
+    }
     assert load_config(["@", str(run_dir / "config.toml")]).optim.lr == 0.5
     assert main(["--resume", str(run_dir), "--max-steps", "3"]) == 0  # a second resume: its own row
     rows_ = [json.loads(row) for row in (run_dir / "resumes.jsonl").read_text().splitlines()]
@@ -97,8 +110,9 @@ def test_resume_says_which_newer_checkpoint_it_skipped_and_why(one_step_run, tmp
     assert "from step 1" in out and "step_3" in out and "manifest says step 1" in out
 
 
-def test_a_weights_only_final_checkpoint_serves_and_a_resume_goes_on_from_the_one_before(one_step_run, tmp_path,
-                                                                                         capsys):
+def test_a_weights_only_final_checkpoint_serves_and_a_resume_goes_on_from_the_one_before(
+    one_step_run, tmp_path, capsys
+):
     """`--ckpt.final weights`: the last step's checkpoint is the serving weights alone (what an eval needs); a later
     `--resume` with more steps says it skipped it and goes on from the last full checkpoint."""
     from scirl.commands.train import main

@@ -8,18 +8,39 @@ import json
 import pytest
 import torch
 
+from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+    data_file,
+    final_weights,
+    letter_model_dir,
+    one_thread,
+    rows,
+    run_in_process,
+    train_args,
+    trainer_state,
+)
 from scirl.run.config_io import load_config, read_toml, validate
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    data_file, final_weights, letter_model_dir, one_thread, rows, run_in_process, train_args, trainer_state,
-)
-
-
 METRIC_KEYS = {
-    "step", "time", "reward/mean", "reward/std", "parse_rate/strict", "parse_rate/lenient", "filters/gibberish",
-    "filters/repetition", "filters/zero_advantage", "trainable/count", "trainable/total", "trainable/fraction",
-    "tokens/completion", "tokens_per_s", "time/step", "time/generate", "time/train", "time/weight_sync",
-    "time/checkpoint", "memory/peak_mb",
+    "step",
+    "time",
+    "reward/mean",
+    "reward/std",
+    "parse_rate/strict",
+    "parse_rate/lenient",
+    "filters/gibberish",
+    "filters/repetition",
+    "filters/zero_advantage",
+    "trainable/count",
+    "trainable/total",
+    "trainable/fraction",
+    "tokens/completion",
+    "tokens_per_s",
+    "time/step",
+    "time/generate",
+    "time/train",
+    "time/weight_sync",
+    "time/checkpoint",
+    "memory/peak_mb",
 }
 
 
@@ -68,8 +89,9 @@ def test_short_run_writes_every_output(letter_model_dir, data_file, tmp_path, on
     state = load_progress(run_dir / "weights" / "step_3")
     assert state["step"] == 3 and state["data_position"]["cursor"] == 6
     saved = trainer_state(run_dir, 3)
-    assert saved["optimizer"]["state"] and all(torch.equal(saved["model"][name], model.state_dict()[name])
-                                              for name in saved["model"])
+    assert saved["optimizer"]["state"] and all(
+        torch.equal(saved["model"][name], model.state_dict()[name]) for name in saved["model"]
+    )
 
     # the same directory again without --resume is refused; --clean starts over
     from scirl.errors import RunDirError
@@ -88,15 +110,18 @@ def test_grpo_learns_what_the_reward_asks(letter_model_dir, data_file, tmp_path,
 
     monkeypatch.setattr(scirl.task.reward, "score", reward_for_a)
     run_dir = tmp_path / "learn"
-    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=8, extra=["--batch-size", "32", "--optim.lr", "1e-3"])
+    argv = train_args(
+        letter_model_dir, data_file, run_dir, max_steps=8, extra=["--batch-size", "32", "--optim.lr", "1e-3"]
+    )
     assert run_in_process(argv) == 0
     rewards = [m["reward/mean_all"] for m in rows(run_dir)]
     # deterministic here (seeded, one thread); across seeds the rise was 0.22-0.34
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
 
 
-def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_masters(letter_model_dir, data_file,
-                                                                                        tmp_path, one_thread, monkeypatch):
+def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_masters(
+    letter_model_dir, data_file, tmp_path, one_thread, monkeypatch
+):
     """--dtype bfloat16 in one process: the optimizer steps float32 masters (what checkpoints hold); the
     trainer and the sampler both use one bf16 copy, refreshed by every step (a stale copy would sample
     an old policy), so their logprobs agree as closely as in float32."""
@@ -111,7 +136,9 @@ def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_
 
     monkeypatch.setattr(HFGenerator, "generate", recording_generate)
     run_dir = tmp_path / "run"
-    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=["--dtype", "bfloat16", "--ckpt.interval", "1"])
+    argv = train_args(
+        letter_model_dir, data_file, run_dir, max_steps=2, extra=["--dtype", "bfloat16", "--ckpt.interval", "1"]
+    )
     assert run_in_process(argv) == 0
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2] and len(seen) == 2
@@ -124,8 +151,9 @@ def test_bfloat16_in_one_process_computes_and_samples_in_a_bf16_copy_of_float32_
     assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)
 
 
-def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(letter_model_dir, data_file, tmp_path,
-                                                                          monkeypatch, capsys):
+def test_a_non_finite_loss_skips_the_update_and_repeated_ones_stop_the_run(
+    letter_model_dir, data_file, tmp_path, monkeypatch, capsys
+):
     """NaN in the loss: the optimizer step is skipped (weights stay finite, the row says so); three in a row
     end the run with exit 1 and no checkpoint is written from them."""
     import scirl.algorithms.grpo

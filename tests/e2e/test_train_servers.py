@@ -47,11 +47,24 @@ def start_server(log_path: Path, *, core: int | None = None) -> tuple[subprocess
     from scirl.inference.vllm_command import server_command
 
     port = free_port()
-    argv, env = server_command(str(DEMO_BASE), port=port, served_model_name="policy", dtype="float32",
-                               max_model_len=512, device="cpu", kv_cache_gib=0.25, seed=0)
+    argv, env = server_command(
+        str(DEMO_BASE),
+        port=port,
+        served_model_name="policy",
+        dtype="float32",
+        max_model_len=512,
+        device="cpu",
+        kv_cache_gib=0.25,
+        seed=0,
+    )
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env, "OMP_NUM_THREADS": "1"},
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     client = ServerClient(url, timeout_s=30)
     try:
@@ -83,15 +96,38 @@ def server(request, tmp_path_factory) -> tuple[subprocess.Popen, str]:
 
 
 def train_args(questions: Path, out: Path, *extra: str) -> list[str]:
-    return ["@", str(DEMO_CONFIG), "--model", str(DEMO_BASE), "--output-dir", str(out),
-            "--data.source", str(questions), "--data.eval-per-domain", "10", "--batch-size", "16",
-            "--group-size", "4", "--max-completion-tokens", "8", "--seq-len", "512", *extra]
+    return [
+        "@",
+        str(DEMO_CONFIG),
+        "--model",
+        str(DEMO_BASE),
+        "--output-dir",
+        str(out),
+        "--data.source",
+        str(questions),
+        "--data.eval-per-domain",
+        "10",
+        "--batch-size",
+        "16",
+        "--group-size",
+        "4",
+        "--max-completion-tokens",
+        "8",
+        "--seq-len",
+        "512",
+        *extra,
+    ]
 
 
 def run_scirl(args: list[str], *, timeout: float = RUN_DEADLINE_S) -> subprocess.CompletedProcess:
     """``scirl ARGS`` in a process of its own (a launcher)."""
-    return subprocess.run([sys.executable, "-m", "scirl", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "scirl", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def rows(run: Path) -> list[dict]:
@@ -120,10 +156,29 @@ def test_one_command_starts_a_server_and_two_trainer_ranks_async_through_the_fil
     from scirl.run.backends import hf_generator
 
     run = tmp_path / "run"
-    done = run_scirl(["train", *train_args(questions, run, "--deployment.num-infer-gpus", "1",
-                                           "--deployment.num-train-gpus", "2", "--max-steps", "3",
-                                           "--max-async-level", "1", "--optim.lr", "5e-3",
-                                           "--inference.kv-cache-gib", "0.25", "--deployment.weight-bucket-mib", "0.25")])
+    done = run_scirl(
+        [
+            "train",
+            *train_args(
+                questions,
+                run,
+                "--deployment.num-infer-gpus",
+                "1",
+                "--deployment.num-train-gpus",
+                "2",
+                "--max-steps",
+                "3",
+                "--max-async-level",
+                "1",
+                "--optim.lr",
+                "5e-3",
+                "--inference.kv-cache-gib",
+                "0.25",
+                "--deployment.weight-bucket-mib",
+                "0.25",
+            ),
+        ]
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = rows(run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -155,12 +210,14 @@ def test_the_server_answers_with_the_pushed_weights(server, questions, tmp_path)
     model's."""
     from transformers import AutoTokenizer
 
-    from scirl.run.backends import hf_generator
     from scirl.inference.remote import RemoteGenerator
+    from scirl.run.backends import hf_generator
 
     _, url = server
     run = tmp_path / "run"
-    assert train_here(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3")) == 0
+    assert (
+        train_here(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3")) == 0
+    )
     tokenizer = AutoTokenizer.from_pretrained(DEMO_BASE)
     prompts = [tokenizer.encode(text) for text in ("Question: what is 2+2?\nAnswer:", "The capital of France is")]
     remote = RemoteGenerator([url], tokenizer, model_name="policy", timeout_s=60)
@@ -185,12 +242,38 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
     rewards exactly what the colocated loop does."""
     _, url = server
     # options shuffled per completion: each its own prompt, sampled alone, rewarded by a seeded coin
-    common = ("--max-steps", "2", "--optim.lr", "5e-3", "--seed", "7", "--data.shuffle-options", "rollout",
-              "--reward.mode", "random")
-    assert train_here(train_args(questions, tmp_path / "colocated", "--inference.backend", "vllm",
-                                 "--inference.kv-cache-gib", "0.25", *common)) == 0
-    assert train_here(train_args(questions, tmp_path / "servers", "--inference.urls", url, "--max-async-level", "0",
-                                 *common)) == 0
+    common = (
+        "--max-steps",
+        "2",
+        "--optim.lr",
+        "5e-3",
+        "--seed",
+        "7",
+        "--data.shuffle-options",
+        "rollout",
+        "--reward.mode",
+        "random",
+    )
+    assert (
+        train_here(
+            train_args(
+                questions,
+                tmp_path / "colocated",
+                "--inference.backend",
+                "vllm",
+                "--inference.kv-cache-gib",
+                "0.25",
+                *common,
+            )
+        )
+        == 0
+    )
+    assert (
+        train_here(
+            train_args(questions, tmp_path / "servers", "--inference.urls", url, "--max-async-level", "0", *common)
+        )
+        == 0
+    )
     for a, b in zip(rows(tmp_path / "colocated"), rows(tmp_path / "servers"), strict=True):
         # the weight checks measure two different samplers (and the server's first one runs before step 1)
         measured = ("time", "memory", "tokens_per_s", "weight_check")
@@ -202,8 +285,9 @@ def test_synchronous_server_run_equals_the_colocated_run(server, questions, tmp_
             else:
                 assert b[key] == a[key], key
     for step in (1, 2):
-        assert ([(r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "colocated", step)]
-                == [(r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "servers", step)])
+        assert [(r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "colocated", step)] == [
+            (r["completion"], r["option_order"], r["reward"]) for r in rollouts(tmp_path / "servers", step)
+        ]
     orders = {(r["group"], tuple(r["option_order"])) for r in rollouts(tmp_path / "servers", 1)}
     assert len(orders) > len({group for group, _ in orders})  # a group's completions saw several orders
 
@@ -214,11 +298,30 @@ def test_an_async_run_killed_mid_checkpoint_resumes_with_every_step_once(server,
     (on-policy: the run goes on from a consistent version), and every step appears exactly once."""
     _, url = server
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "scirl", "train",
-           *train_args(questions, run, "--inference.urls", url, "--max-steps", "4", "--ckpt.interval", "2",
-                       "--max-async-level", "1")]
-    trainer = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", "SCIRL_CKPT_WRITE_DELAY": "0.3"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "scirl",
+        "train",
+        *train_args(
+            questions,
+            run,
+            "--inference.urls",
+            url,
+            "--max-steps",
+            "4",
+            "--ckpt.interval",
+            "2",
+            "--max-async-level",
+            "1",
+        ),
+    ]
+    trainer = subprocess.Popen(
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "SCIRL_CKPT_WRITE_DELAY": "0.3"},
+    )
     try:
         writing = run / "weights" / ".step_4.tmp"
         wait_for(lambda: any(writing.glob("*.safetensors")) or trainer.poll() is not None, 300)
@@ -243,8 +346,25 @@ def test_sdpo_through_the_server_one_step_ahead(server, questions, tmp_path):
     trains, and the clipped importance weight takes the lag."""
     _, url = server
     run = tmp_path / "run"
-    assert train_here(train_args(questions, run, "--inference.urls", url, "--max-steps", "2", "--optim.lr", "5e-3",
-                                 "--max-async-level", "1", "--algorithm", "sdpo")) == 0
+    assert (
+        train_here(
+            train_args(
+                questions,
+                run,
+                "--inference.urls",
+                url,
+                "--max-steps",
+                "2",
+                "--optim.lr",
+                "5e-3",
+                "--max-async-level",
+                "1",
+                "--algorithm",
+                "sdpo",
+            )
+        )
+        == 0
+    )
     metrics = rows(run)
     assert [m["async/lag_max"] for m in metrics] == [0, 1]
     assert all(m["sdpo/teacher_fraction"] > 0 and m["sdpo/divergence"] >= 0 and m["time/teacher"] > 0 for m in metrics)
@@ -259,11 +379,17 @@ def test_sdpo_through_the_server_one_step_ahead(server, questions, tmp_path):
 
 # ---- pushes that go wrong on purpose: each ends the run in one line naming the server ----
 
+
 def run_scirl_patched(patch: str, args: list[str]) -> subprocess.CompletedProcess:
     """``scirl`` with ``patch`` (Python) applied in its process first: a fault put into the push."""
     code = f"{patch}\nfrom scirl.cli import main\nraise SystemExit(main({args!r}))"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_DEADLINE_S,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=RUN_DEADLINE_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 PUSH_FAULT = """
@@ -276,33 +402,61 @@ transport.write_weights = faulty
 """
 
 
-@pytest.mark.parametrize("fault", [
-    # one tensor left out of the push: the server keeps its old copy of it
-    "(name, tensor) for name, tensor in named_tensors if name != 'model.layers.0.mlp.down_proj.weight'",
-    # weights rounded to bf16 on the way to a float32 server
-    "(name, tensor.to(torch.bfloat16).float()) for name, tensor in named_tensors",
-], ids=["one-tensor-left-out", "bf16-rounded"])
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # one tensor left out of the push: the server keeps its old copy of it
+        "(name, tensor) for name, tensor in named_tensors if name != 'model.layers.0.mlp.down_proj.weight'",
+        # weights rounded to bf16 on the way to a float32 server
+        "(name, tensor.to(torch.bfloat16).float()) for name, tensor in named_tensors",
+    ],
+    ids=["one-tensor-left-out", "bf16-rounded"],
+)
 def test_a_push_that_goes_wrong_ends_the_run_naming_the_server(server, questions, tmp_path, fault):
     _, url = server
     run = tmp_path / "run"
-    done = run_scirl_patched(PUSH_FAULT.format(fault=fault),
-                             ["train", *train_args(questions, run, "--inference.urls", url, "--max-steps", "3",
-                                        "--optim.lr", "5e-3", "--deployment.verify-interval", "1")])
+    done = run_scirl_patched(
+        PUSH_FAULT.format(fault=fault),
+        [
+            "train",
+            *train_args(
+                questions,
+                run,
+                "--inference.urls",
+                url,
+                "--max-steps",
+                "3",
+                "--optim.lr",
+                "5e-3",
+                "--deployment.verify-interval",
+                "1",
+            ),
+        ],
+    )
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     # version 0 already fails where the server held another run's weights (the module's server is shared)
-    assert re.match(rf"scirl train: {re.escape(url)} does not hold the trainer's weights after the push of "
-                    r"version [01]: ", last), last
+    assert re.match(
+        rf"scirl train: {re.escape(url)} does not hold the trainer's weights after the push of "
+        r"version [01]: ",
+        last,
+    ), last
     assert "tolerance 0.001 for float32" in last and "Traceback" not in done.stderr
     assert not (run / "metrics.jsonl").exists()  # step 1's row comes after its push and check: none was written
 
 
 def run_until_checkpoint_1(questions, run: Path, url: str, *extra: str) -> subprocess.Popen:
     """A long run on ``url``, returned once its first checkpoint is there (the server is warm by then)."""
-    cmd = [sys.executable, "-m", "scirl", "train",
-           *train_args(questions, run, "--inference.urls", url, "--max-steps", "50", "--ckpt.interval", "1", *extra)]
-    trainer = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "scirl",
+        "train",
+        *train_args(questions, run, "--inference.urls", url, "--max-steps", "50", "--ckpt.interval", "1", *extra),
+    ]
+    trainer = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     try:
         wait_for(lambda: (run / "weights" / "step_1").is_dir() or trainer.poll() is not None, 300)
         assert trainer.poll() is None, trainer.communicate()
@@ -323,8 +477,9 @@ def test_a_hung_server_ends_the_run_at_the_request_deadline(server, questions, t
     naming the server, and the last checkpoint stays usable."""
     proc, url = server
     run = tmp_path / "run"
-    trainer = run_until_checkpoint_1(questions, run, url, "--deployment.request-timeout-s", "8",
-                                     "--deployment.weight-sync-timeout-s", "8")
+    trainer = run_until_checkpoint_1(
+        questions, run, url, "--deployment.request-timeout-s", "8", "--deployment.weight-sync-timeout-s", "8"
+    )
     try:
         os.killpg(proc.pid, signal.SIGSTOP)
         _, err = trainer.communicate(timeout=120)  # the 8 s deadlines, plus the trainer's own exit

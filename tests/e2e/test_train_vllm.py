@@ -21,7 +21,13 @@ pytest.importorskip("vllm")
 
 from helpers.in_process import scirl_here, train_here  # noqa: E402
 from helpers.train_runs import (  # noqa: E402
-    COMPUTED_KEYS, EXACT_KEYS, assert_same_rows, final_weights, rows, vllm_args, wait_for,
+    COMPUTED_KEYS,
+    EXACT_KEYS,
+    assert_same_rows,
+    final_weights,
+    rows,
+    vllm_args,
+    wait_for,
 )
 
 
@@ -60,16 +66,23 @@ def test_with_eval_during_training_the_engine_leaves_the_run_bit_for_bit_the_sam
     """The engine that samples the rollouts also answers the eval: the same completions, losses and weights
     as the reference run with eval off (its prefix cache is emptied again, as the weight update leaves it)."""
     run_dir = tmp_path / "eval_on"
-    assert train_here(vllm_args(questions, run_dir, extra=["--ckpt.interval", "1", "--eval.interval", "1",
-                                                           "--eval.questions", "16"])) == 0
+    assert (
+        train_here(
+            vllm_args(
+                questions, run_dir, extra=["--ckpt.interval", "1", "--eval.interval", "1", "--eval.questions", "16"]
+            )
+        )
+        == 0
+    )
     off, on = rows(reference), rows(run_dir)
     for want, have in zip(off, on, strict=True):
         for key in (*EXACT_KEYS, *COMPUTED_KEYS):
             assert have.get(key) == want.get(key), (want["step"], key)
         assert have["eval/questions"] == 16 and 0 <= have["eval/accuracy"] <= 1
     for step in (1, 2, 3):
-        assert (run_dir / "rollouts" / f"step_{step}.jsonl").read_text() == \
-            (reference / "rollouts" / f"step_{step}.jsonl").read_text()
+        assert (run_dir / "rollouts" / f"step_{step}.jsonl").read_text() == (
+            reference / "rollouts" / f"step_{step}.jsonl"
+        ).read_text()
     w_off, w_on = final_weights(reference, 3), final_weights(run_dir, 3)
     assert all(torch.equal(w_on[k], w_off[k]) for k in w_off)
 
@@ -80,8 +93,13 @@ def test_vllm_run_is_reproducible_and_resumes_exactly_after_kill9(reference, que
     loaded from the checkpoint): the same rows and completions as the uninterrupted run."""
     run_dir = tmp_path / "interrupted"
     env = {**ONE_THREAD, "SCIRL_CKPT_WRITE_DELAY": "0.3"}
-    proc = subprocess.Popen([sys.executable, "-m", "scirl", "train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1"])],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "scirl", "train", *vllm_args(questions, run_dir, extra=["--ckpt.interval", "1"])],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     writing = run_dir / "weights" / ".step_3.tmp"
     wait_for(lambda: any(writing.glob("*.safetensors")), proc, what="checkpoint 3's write")
     proc.send_signal(signal.SIGKILL)
@@ -106,9 +124,24 @@ def test_torchrun_two_ranks_each_with_an_engine(questions, tmp_path):
     FSDP2 full tensors gathered after each step reach both engines (their logprobs match the trainer's)."""
     run_dir = tmp_path / "two_ranks"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "scirl", "train", *vllm_args(questions, run_dir, max_steps=2)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "scirl",
+            "train",
+            *vllm_args(questions, run_dir, max_steps=2),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
@@ -121,7 +154,9 @@ def test_sdpo_with_the_colocated_engine(questions, tmp_path):
     """SDPO with an in-process vLLM engine: the engine samples and takes the new weights as under GRPO (its
     logprobs stay the trainer's), the teacher forward is the trainer's own."""
     run_dir = tmp_path / "sdpo"
-    assert train_here(vllm_args(questions, run_dir, max_steps=2, extra=["--algorithm", "sdpo", "--sdpo.top-k", "20"])) == 0
+    assert (
+        train_here(vllm_args(questions, run_dir, max_steps=2, extra=["--algorithm", "sdpo", "--sdpo.top-k", "20"])) == 0
+    )
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)
@@ -139,5 +174,6 @@ def test_an_engine_that_never_takes_the_new_weights_ends_the_run(questions, tmp_
     args = ["train", *vllm_args(questions, tmp_path / "run", max_steps=2, extra=["--deployment.verify-interval", "1"])]
     assert scirl_here(args) == 1  # an exception other than the run's own error would fail this test with its traceback
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("scirl train: the in-process vLLM engine does not hold the trainer's weights after the "
-                           "push of version 1: "), last
+    assert last.startswith(
+        "scirl train: the in-process vLLM engine does not hold the trainer's weights after the push of version 1: "
+    ), last

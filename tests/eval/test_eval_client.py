@@ -12,12 +12,11 @@ from collections import Counter
 
 import pytest
 
-from scirl.task.data import load_splits
+from fakes.openai_server import FakeOpenAI, Reply, answering
 from scirl.eval.client import ClientConfig, FatalServerError, evaluate_server
 from scirl.eval.results import records_path
 from scirl.synth.questions import generate_rows, write_jsonl
-
-from fakes.openai_server import FakeOpenAI, Reply, answering
+from scirl.task.data import load_splits
 
 FAST = 0.4  # a timeout well under the fake's 1.5 s hang
 
@@ -42,13 +41,17 @@ def splits(data_file):
 def expected_accuracy(questions) -> float:
     from scirl.task.reward import extract_answer
 
-    return sum(extract_answer(rule_reply(q), q.labels, options=q.options) == q.answer_key for q in questions) / len(questions)
+    return sum(extract_answer(rule_reply(q), q.labels, options=q.options) == q.answer_key for q in questions) / len(
+        questions
+    )
 
 
 def config(url, **kw) -> ClientConfig:
     """Client settings for these tests. The default timeout is generous so that a loaded machine never turns a
     healthy reply into a retry (tests count requests exactly); tests of hanging servers pass ``timeout=FAST``."""
-    base = dict(base_url=url, model="fake", timeout=30.0, retries=12, concurrency=8, backoff_base=0.01, backoff_max=0.05)
+    base = dict(
+        base_url=url, model="fake", timeout=30.0, retries=12, concurrency=8, backoff_base=0.01, backoff_max=0.05
+    )
     return ClientConfig(**{**base, **kw})
 
 
@@ -69,7 +72,9 @@ def test_faulty_server_gives_every_answer_and_the_clean_accuracy(splits):
         assert results["overall_accuracy"] == pytest.approx(expected_accuracy(questions))
     assert faulty_results["per_domain_accuracy"] == clean_results["per_domain_accuracy"]
     assert [r["answers"] for r in faulty_results["records"]] == [r["answers"] for r in clean_results["records"]]
-    assert [r["id"] for r in faulty_results["records"]] == [q.id for q in questions]  # question order, not arrival order
+    assert [r["id"] for r in faulty_results["records"]] == [
+        q.id for q in questions
+    ]  # question order, not arrival order
 
 
 def test_question_failing_after_all_retries_is_reported_and_filled_in_by_a_rerun(splits, tmp_path):
@@ -115,8 +120,27 @@ def test_wrong_url_or_model_stops_at_once_with_a_clear_error(splits):
 
 
 def _eval_cmd(url, data_file, out):
-    return [sys.executable, "-m", "scirl", "eval", "--base-url", url, "--model", "fake", "--data", str(data_file),
-            "--eval-per-domain", "10", "--concurrency", "2", "--timeout", "5", "--out", str(out), "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "scirl",
+        "eval",
+        "--base-url",
+        url,
+        "--model",
+        "fake",
+        "--data",
+        str(data_file),
+        "--eval-per-domain",
+        "10",
+        "--concurrency",
+        "2",
+        "--timeout",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
 
 
 @pytest.mark.slow
@@ -127,7 +151,9 @@ def test_killed_eval_resumes_without_asking_answered_questions_again(splits, dat
     server = answering(questions, rule_reply, delay_s=0.05)
     env = {**os.environ, "OPENAI_API_KEY": "sk-test-secret-key"}
     with server as srv:
-        proc = subprocess.Popen(_eval_cmd(srv.url, data_file, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            _eval_cmd(srv.url, data_file, out), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
         deadline = time.time() + 60
         while not (records.exists() and len(records.read_text().splitlines()) >= 11):
             assert proc.poll() is None, proc.stdout.read().decode()
@@ -162,10 +188,16 @@ def test_rerun_with_other_settings_is_refused(splits, data_file, tmp_path):
     out = tmp_path / "eval.json"
     server = answering(questions, rule_reply)
     with server as srv:
-        first = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4"], capture_output=True, text=True, timeout=120)
+        first = subprocess.run(
+            _eval_cmd(srv.url, data_file, out) + ["--limit", "4"], capture_output=True, text=True, timeout=120
+        )
         assert first.returncode == 0, first.stdout + first.stderr
-        other = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--limit", "4", "--temperature", "0.7"],
-                               capture_output=True, text=True, timeout=120)
+        other = subprocess.run(
+            _eval_cmd(srv.url, data_file, out) + ["--limit", "4", "--temperature", "0.7"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert other.returncode == 2
     assert "temperature" in other.stderr and "--overwrite" in other.stderr
     assert sum(server.requests.values()) == 4
@@ -175,12 +207,15 @@ def test_reply_with_odd_choice_indexes_is_malformed_not_a_crash():
     from scirl.eval.client import RetryableError, parse_choices
 
     ok = {"index": 0, "message": {"content": "B"}, "finish_reason": "stop"}
-    for body in ({"choices": [ok, {"index": None, "message": {"content": "C"}}]},
-                 {"choices": [ok, {"index": "1", "message": {"content": "C"}}]}):
+    for body in (
+        {"choices": [ok, {"index": None, "message": {"content": "C"}}]},
+        {"choices": [ok, {"index": "1", "message": {"content": "C"}}]},
+    ):
         with pytest.raises(RetryableError, match="malformed"):
             parse_choices(json.dumps(body).encode())
-    assert parse_choices(json.dumps({"choices": [{**ok, "index": 1}, {**ok, "index": 0, "message": {"content": "A"}}]}).encode()) \
-        == [("A", "stop"), ("B", "stop")]
+    assert parse_choices(
+        json.dumps({"choices": [{**ok, "index": 1}, {**ok, "index": 0, "message": {"content": "A"}}]}).encode()
+    ) == [("A", "stop"), ("B", "stop")]
 
 
 def test_timeout_bounds_the_whole_request_even_when_the_server_trickles_bytes(splits):
@@ -209,7 +244,8 @@ def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_
 
     app = FakeOpenAI(answer=rejected)
     unauthorized = FakeOpenAI(
-        answer=lambda request: Reply(401, {"error": f"bad key {request.headers.get('authorization')}"}))
+        answer=lambda request: Reply(401, {"error": f"bad key {request.headers.get('authorization')}"})
+    )
 
     questions = splits.split("eval")[:3]
     out = tmp_path / "eval.json"
@@ -218,7 +254,13 @@ def test_api_key_echoed_in_a_server_error_is_not_written_or_printed(splits, tmp_
         with pytest.raises(FatalServerError) as fatal:
             evaluate_server(questions, config(other.url, api_key=key), progress=False)
     assert results["counts"]["failed"] == 3 and "rejected credentials" in results["failed"][0]["error"]
-    for text in (out.read_text(), records_path(out).read_text(), str(fatal.value), json.dumps(results), capsys.readouterr().out):
+    for text in (
+        out.read_text(),
+        records_path(out).read_text(),
+        str(fatal.value),
+        json.dumps(results),
+        capsys.readouterr().out,
+    ):
         assert key not in text
 
 
@@ -246,7 +288,9 @@ def test_eval_takes_the_split_seed_so_a_reseeded_holdout_can_be_evaluated(splits
     server = answering(load_splits(str(data_file), eval_per_domain=0).split("train"), rule_reply)
     out = tmp_path / "eval.json"
     with server as srv:
-        done = subprocess.run(_eval_cmd(srv.url, data_file, out) + ["--split-seed", "7"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            _eval_cmd(srv.url, data_file, out) + ["--split-seed", "7"], capture_output=True, text=True, timeout=120
+        )
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads(out.read_text())
     assert [r["id"] for r in results["records"]] == [q.id for q in reseeded]
@@ -258,10 +302,19 @@ def test_several_greedy_samples_are_flagged_as_identical(splits, data_file, tmp_
     mean@k and look like a measurement, so the user is told."""
     server = answering(splits.split("eval"), rule_reply)
     with server as srv:
-        greedy = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "a.json") + ["--limit", "2", "--n-samples", "4"],
-                                capture_output=True, text=True, timeout=120)
-        sampled = subprocess.run(_eval_cmd(srv.url, data_file, tmp_path / "b.json") + ["--limit", "2", "--n-samples", "4",
-                                 "--temperature", "0.7"], capture_output=True, text=True, timeout=120)
+        greedy = subprocess.run(
+            _eval_cmd(srv.url, data_file, tmp_path / "a.json") + ["--limit", "2", "--n-samples", "4"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        sampled = subprocess.run(
+            _eval_cmd(srv.url, data_file, tmp_path / "b.json")
+            + ["--limit", "2", "--n-samples", "4", "--temperature", "0.7"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert greedy.returncode == 0 and sampled.returncode == 0
     assert "--temperature 0" in greedy.stderr and "identical" in greedy.stderr
     assert "identical" not in sampled.stderr
@@ -272,8 +325,21 @@ def test_bad_numeric_flags_are_refused_with_a_message(tmp_path, capsys):
 
     for flag, value in (("--batch-size", "0"), ("--n-samples", "0"), ("--eval-per-domain", "-1")):
         try:  # argparse's own refusals (a type that checks the value) arrive as SystemExit(2)
-            status = main(["eval", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--out",
-                           str(tmp_path / "x.json"), "--data", str(tmp_path / "absent.jsonl"), flag, value])
+            status = main(
+                [
+                    "eval",
+                    "--base-url",
+                    "http://127.0.0.1:9/v1",
+                    "--model",
+                    "m",
+                    "--out",
+                    str(tmp_path / "x.json"),
+                    "--data",
+                    str(tmp_path / "absent.jsonl"),
+                    flag,
+                    value,
+                ]
+            )
         except SystemExit as exit_:
             status = exit_.code
         assert status == 2

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from fakes.openai_server import FakeOpenAI, Reply
-from scirl.task.data import load_splits
 from scirl.eval.client import ClientConfig, evaluate_server
 from scirl.synth.questions import generate_rows, write_jsonl
+from scirl.task.data import load_splits
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,13 @@ def questions(data_file, per_domain=1):
 def fake_server(reply=None, status=200, error_body=None, model="m") -> FakeOpenAI:
     """The shared fake giving every request the same reply (or the same error: ``{auth}`` in ``error_body`` is the
     request's Authorization header); it records each request's headers."""
+
     def error(request):
-        return Reply(status, (error_body or "").replace("{auth}", request.headers.get("authorization", "")),
-                     media_type="text/plain")
+        return Reply(
+            status,
+            (error_body or "").replace("{auth}", request.headers.get("authorization", "")),
+            media_type="text/plain",
+        )
 
     return FakeOpenAI(answer=reply if status == 200 else error, model=model, finish_reason="length")
 
@@ -38,8 +42,23 @@ def test_markup_in_a_model_name_and_a_server_error_is_printed_literally(data_fil
     from scirl.commands.eval import main
 
     with fake_server(status=400, error_body="bad [/x] request [bold]", model="[/x]") as srv:
-        rc = main(["--base-url", srv.url, "--model", "[/x]", "--data", str(data_file), "--eval-per-domain", "1",
-                   "--retries", "0", "--out", str(tmp_path / "e.json"), "--no-progress"])
+        rc = main(
+            [
+                "--base-url",
+                srv.url,
+                "--model",
+                "[/x]",
+                "--data",
+                str(data_file),
+                "--eval-per-domain",
+                "1",
+                "--retries",
+                "0",
+                "--out",
+                str(tmp_path / "e.json"),
+                "--no-progress",
+            ]
+        )
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert rc == 1  # every question failed (HTTP 400), and the summary still printed
     assert "[/x]" in out and "bad [/x] request [bold]" in out
@@ -62,14 +81,17 @@ def test_replies_past_the_cap_are_stored_cut_and_counted(data_file, tmp_path):
     """Before: a server ignoring max_tokens with 20 MB replies made 160 MB results for 8 questions."""
     qs = questions(data_file)
     with fake_server(reply="Answer: B " + "x" * 200_000) as srv:
-        cfg = ClientConfig(base_url=srv.url, model="m", n_samples=2, temperature=1.0, max_tokens=8, retries=0,
-                           max_reply_chars=1000)
+        cfg = ClientConfig(
+            base_url=srv.url, model="m", n_samples=2, temperature=1.0, max_tokens=8, retries=0, max_reply_chars=1000
+        )
         results = evaluate_server(qs, cfg, out=tmp_path / "e.json", progress=False)
     assert results["counts"]["truncated_replies"] == 2 * len(qs)
     assert results["settings"]["max_reply_chars"] == 1000
     assert all(len(reply) == 1000 for r in results["records"] for reply in r["replies"])
     assert (tmp_path / "e.records.jsonl").stat().st_size < 2 * len(qs) * 1000 + 10_000
-    assert all(json.loads(line).get("truncated") == 2 for line in (tmp_path / "e.records.jsonl").read_text().splitlines()[1:])
+    assert all(
+        json.loads(line).get("truncated") == 2 for line in (tmp_path / "e.records.jsonl").read_text().splitlines()[1:]
+    )
 
 
 def test_a_flood_is_not_read_past_the_limit(data_file):
@@ -111,8 +133,24 @@ def test_an_eval_leaves_no_lock_file_behind(data_file, tmp_path):
 
     out = tmp_path / "e.json"
     with fake_server(reply="Answer: A") as srv:
-        assert main(["--base-url", srv.url, "--model", "m", "--data", str(data_file), "--eval-per-domain", "1",
-                     "--out", str(out), "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "--base-url",
+                    srv.url,
+                    "--model",
+                    "m",
+                    "--data",
+                    str(data_file),
+                    "--eval-per-domain",
+                    "1",
+                    "--out",
+                    str(out),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["e.json", "e.records.jsonl"]
     first = lock_out(out)
     first.close()
@@ -128,8 +166,23 @@ def test_echoed_credentials_are_blanked(data_file, tmp_path, capsys):
 
     with fake_server(status=400, error_body="you sent Authorization: {auth}") as srv:
         url = srv.url.replace("http://", "http://alice:pa%24%24word@")
-        rc = main(["--base-url", url, "--model", "m", "--data", str(data_file), "--eval-per-domain", "1",
-                   "--retries", "0", "--out", str(tmp_path / "e.json"), "--no-progress"])
+        rc = main(
+            [
+                "--base-url",
+                url,
+                "--model",
+                "m",
+                "--data",
+                str(data_file),
+                "--eval-per-domain",
+                "1",
+                "--retries",
+                "0",
+                "--out",
+                str(tmp_path / "e.json"),
+                "--no-progress",
+            ]
+        )
         sent = srv.state.headers[0]["authorization"]
     assert rc == 1 and sent.startswith("Basic ")
     token = sent.split()[1]
@@ -137,7 +190,12 @@ def test_echoed_credentials_are_blanked(data_file, tmp_path, capsys):
     saved = (tmp_path / "e.json").read_text()
     shown = capsys.readouterr()
     for text in (saved, shown.out, shown.err):
-        assert token not in text and token.rstrip("=") not in text and "pa$$word" not in text and "pa%24%24word" not in text
+        assert (
+            token not in text
+            and token.rstrip("=") not in text
+            and "pa$$word" not in text
+            and "pa%24%24word" not in text
+        )
     assert "Basic ***" in json.loads(saved)["failed"][0]["error"]
 
 

@@ -13,21 +13,29 @@ from dataclasses import replace
 import pytest
 
 from fakes.openai_server import FakeOpenAI, Reply
-from scirl.task.data import load_splits, question_from_row
 from scirl.eval.letters import letter_stats, letter_summary, prior_shift
 from scirl.eval.local import evaluate_generator
 from scirl.eval.permutations import items, orders_for
 from scirl.eval.results import RecordsFile, SettingsMismatch, build_results, records_path
-from scirl.task.shuffle import permute
 from scirl.synth.questions import generate_rows, write_jsonl
+from scirl.task.data import load_splits, question_from_row
+from scirl.task.shuffle import permute
 
 SETTINGS = {"model": "m", "data": "d", "n_samples": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 8, "seed": None}
 
 
 def record(qid, gold, answers, task="t", labels=("A", "B", "C", "D")):
     correct = [a == gold for a in answers]
-    return {"id": qid, "domain": "Biology", "task": task, "labels": list(labels), "answerKey": gold,
-            "answers": list(answers), "correct": correct[0], "correct_samples": correct}
+    return {
+        "id": qid,
+        "domain": "Biology",
+        "task": task,
+        "labels": list(labels),
+        "answerKey": gold,
+        "answers": list(answers),
+        "correct": correct[0],
+        "correct_samples": correct,
+    }
 
 
 def test_a_model_always_answering_a_gets_the_expected_letters_kl_and_conditional_accuracy():
@@ -43,12 +51,17 @@ def test_a_model_always_answering_a_gets_the_expected_letters_kl_and_conditional
     assert stats["kl_predicted_gold"] == pytest.approx(expected)
     assert stats["unparsed_rate"] == 0.0
     # a model picking letters as often as they are right has no letter bias
-    assert letter_stats([record(str(i), g, [g]) for i, g in enumerate(golds)])["kl_predicted_gold"] == pytest.approx(0.0)
+    assert letter_stats([record(str(i), g, [g]) for i, g in enumerate(golds)])["kl_predicted_gold"] == pytest.approx(
+        0.0
+    )
 
 
 def test_unparsed_samples_count_apart_and_tasks_get_their_own_letters():
-    records = [record("1", "A", ["A", None]), record("2", "B", ["A", "A"]),
-               record("3", "A", ["B"], task="u", labels=("A", "B"))]
+    records = [
+        record("1", "A", ["A", None]),
+        record("2", "B", ["A", "A"]),
+        record("3", "A", ["B"], task="u", labels=("A", "B")),
+    ]
     summary = letter_summary(records)
     assert summary["samples"] == 5 and summary["unparsed_rate"] == pytest.approx(1 / 5)
     assert summary["predicted"]["A"] == pytest.approx(3 / 4)  # of the 4 parsed samples
@@ -124,7 +137,9 @@ class ContentGenerator:
         self.calls += 1
         if self.interrupt_after is not None and self.calls > self.interrupt_after:
             raise KeyboardInterrupt
-        return [[Completion(self.reply(self.texts[p[0]]), [1], [0.0], "stop") for _ in range(params.n)] for p in prompts]
+        return [
+            [Completion(self.reply(self.texts[p[0]]), [1], [0.0], "stop") for _ in range(params.n)] for p in prompts
+        ]
 
 
 def expected_figures(questions, knows, k, seed=0):
@@ -169,7 +184,8 @@ def test_permutation_eval_in_process_reports_consistency_and_text_changes(questi
     plain = evaluate_generator(ContentGenerator(questions, knows), questions)
     assert results["overall_accuracy"] == plain["overall_accuracy"] == perm["per_order_accuracy"][0]
     assert perm["per_order_accuracy"][0] == pytest.approx(
-        sum(q.id in knows or q.answer_key == "A" for q in questions) / len(questions))
+        sum(q.id in knows or q.answer_key == "A" for q in questions) / len(questions)
+    )
     for r, q in zip(results["records"], questions):
         entries = r["permutations"]
         assert [e["permutation"] for e in entries] == list(range(k))
@@ -255,8 +271,22 @@ def data_file(tmp_path_factory):
 
 
 def cli_args(url, data_file, out, *extra):
-    return ["--base-url", url, "--model", "fake", "--data", str(data_file), "--eval-per-domain", "2", "--timeout", "30",
-            "--out", str(out), "--no-progress", *extra]
+    return [
+        "--base-url",
+        url,
+        "--model",
+        "fake",
+        "--data",
+        str(data_file),
+        "--eval-per-domain",
+        "2",
+        "--timeout",
+        "30",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def test_permutation_eval_through_a_server_prints_the_figures_and_resumes(data_file, tmp_path, capsys):
@@ -290,8 +320,21 @@ def test_permutation_eval_through_a_server_prints_the_figures_and_resumes(data_f
 def test_permutations_below_one_is_a_one_line_usage_error(tmp_path, capsys, value):
     from scirl.commands.eval import main
 
-    assert main(["--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--out", str(tmp_path / "x.json"),
-                 "--permutations", value]) == 2
+    assert (
+        main(
+            [
+                "--base-url",
+                "http://127.0.0.1:9/v1",
+                "--model",
+                "m",
+                "--out",
+                str(tmp_path / "x.json"),
+                "--permutations",
+                value,
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--permutations must be >= 1" in err and "Traceback" not in err
 
@@ -316,7 +359,8 @@ def test_failed_orders_are_listed_and_a_rerun_asks_only_them(data_file, tmp_path
         results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
         assert results["counts"]["answered"] == 0 and results["counts"]["failed"] == len(questions)
         assert sorted((f["id"], f["permutation"]) for f in results["failed"]) == sorted(
-            (q.id, i) for q in questions for i in (1, 2))
+            (q.id, i) for q in questions for i in (1, 2)
+        )
         asked.clear()
         healthy.set()
         results = evaluate_server(questions, cfg, out=out, progress=False, permutations=3)
@@ -332,15 +376,20 @@ def test_report_plots_the_letters_before_and_after(questions, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     base = build_results(questions, {q.id: {"replies": ["A"]} for q in questions}, [], SETTINGS)
-    final = evaluate_generator(ContentGenerator(questions, knows=frozenset(q.id for q in questions)), questions, permutations=2)
+    final = evaluate_generator(
+        ContentGenerator(questions, knows=frozenset(q.id for q in questions)), questions, permutations=2
+    )
     (run / "eval_base.json").write_text(json.dumps(base))
     (run / "eval_final.json").write_text(json.dumps(final))
     page = write_report(run).read_text()
     assert (run / "report" / "letters.png").read_bytes()[:4] == b"\x89PNG"
     assert "Share of each answer letter among the gold answers" in page  # the plot's caption: it is on the page
     assert "letter bias KL" in page and "100.0% / 100.0% (2 orders)" in page  # the final eval knows every answer
-    drawn = plots.plot_letters([("before", letter_table(Evaluation("b", base))), ("after", letter_table(Evaluation("f", final)))],
-                               tmp_path / "letters.png", "t")
+    drawn = plots.plot_letters(
+        [("before", letter_table(Evaluation("b", base))), ("after", letter_table(Evaluation("f", final)))],
+        tmp_path / "letters.png",
+        "t",
+    )
     assert drawn["gold"] == base["letters"]["gold"] == final["letters"]["gold"]  # the same questions: one gold set
     assert drawn["predicted, before"]["A"] == 1.0
     assert drawn["predicted, after"] == final["letters"]["gold"]
@@ -354,8 +403,23 @@ def test_permutation_eval_of_a_local_model_directory(tiny_model_dir, data_file, 
     from scirl.commands.eval import main
 
     out = tmp_path / "local.json"
-    args = ["--model", str(tiny_model_dir), "--data", str(data_file), "--eval-per-domain", "1", "--max-tokens", "3",
-            "--device", "cpu", "--permutations", "2", "--out", str(out), "--no-progress"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data_file),
+        "--eval-per-domain",
+        "1",
+        "--max-tokens",
+        "3",
+        "--device",
+        "cpu",
+        "--permutations",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main(args) == 0
     results = json.loads(out.read_text())
     perm = results["permutations"]

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from scirl.task.data import question_from_row
-from scirl.eval.stats import compare, mcnemar, pass_at_k, summarize, wilson_interval
 from scirl.eval.results import RecordsFile, SettingsMismatch, build_results, records_path
+from scirl.eval.stats import compare, mcnemar, pass_at_k, summarize, wilson_interval
 from scirl.synth.questions import generate_rows
+from scirl.task.data import question_from_row
 
 
 def test_wilson_interval_matches_hand_computation():
@@ -53,9 +53,15 @@ def _record(qid, domain, correct, strict=None, answers=None, level="L1", task="t
     answers = answers if answers is not None else ["A" if c else "B" for c in correct]
     strict = strict if strict is not None else correct
     return {
-        "id": qid, "domain": domain, "level": level, "task": task,
-        "correct": correct[0], "correct_samples": correct, "strict_correct_samples": strict,
-        "answers": answers, "strict_answers": [a if s else None for a, s in zip(answers, strict)],
+        "id": qid,
+        "domain": domain,
+        "level": level,
+        "task": task,
+        "correct": correct[0],
+        "correct_samples": correct,
+        "strict_correct_samples": strict,
+        "answers": answers,
+        "strict_answers": [a if s else None for a, s in zip(answers, strict)],
     }
 
 
@@ -112,8 +118,21 @@ def test_build_results_has_documented_keys_and_scores_replies(questions):
     }
     results = build_results(questions[:3], answered, [{"id": q2.id, "error": "HTTP 500"}], SETTINGS)
     assert list(results)[:2] == ["overall_accuracy", "per_domain_accuracy"]
-    for key in ("per_level_accuracy", "per_task_accuracy", "strict_accuracy", "strict_per_domain_accuracy", "ci95",
-                "unparsed_rate", "mean_at_k", "pass_at_k", "n_samples", "counts", "failed", "settings", "records"):
+    for key in (
+        "per_level_accuracy",
+        "per_task_accuracy",
+        "strict_accuracy",
+        "strict_per_domain_accuracy",
+        "ci95",
+        "unparsed_rate",
+        "mean_at_k",
+        "pass_at_k",
+        "n_samples",
+        "counts",
+        "failed",
+        "settings",
+        "records",
+    ):
         assert key in results
     assert results["counts"]["questions"] == 3
     assert results["counts"]["answered"] == 2

@@ -8,13 +8,12 @@ from collections import Counter
 
 import pytest
 
-from scirl.commands.eval import main
-from scirl.task.data import load_splits
-from scirl.eval.results import BadRecordsFile, RecordsFile, SettingsMismatch, check_resumable, records_path
-from scirl.task.prompt import user_text
-from scirl.synth.questions import generate_rows, write_jsonl
-
 from fakes.openai_server import answering
+from scirl.commands.eval import main
+from scirl.eval.results import BadRecordsFile, RecordsFile, SettingsMismatch, check_resumable, records_path
+from scirl.synth.questions import generate_rows, write_jsonl
+from scirl.task.data import load_splits
+from scirl.task.prompt import user_text
 
 N = 6  # questions per evaluation (--limit)
 OTHER_ID = "0123456789abcdef"  # a well-formed id that is in no eval set here
@@ -38,8 +37,24 @@ def env(tmp_path_factory):
 
 
 def eval_args(server, data_file, out, *extra):
-    return ["--base-url", server.url, "--model", "fake", "--data", str(data_file), "--eval-per-domain", "4",
-            "--limit", str(N), "--timeout", "30", "--out", str(out), "--no-progress", *extra]
+    return [
+        "--base-url",
+        server.url,
+        "--model",
+        "fake",
+        "--data",
+        str(data_file),
+        "--eval-per-domain",
+        "4",
+        "--limit",
+        str(N),
+        "--timeout",
+        "30",
+        "--out",
+        str(out),
+        "--no-progress",
+        *extra,
+    ]
 
 
 def split_clean(clean: bytes) -> tuple[bytes, list[bytes]]:
@@ -80,16 +95,29 @@ CASES = [
     ("replies not a list", replace(2, lambda line: edit(line, replies="A")), {"bad field 'replies'": 1}, {2}),
     ("a reply not a string", replace(2, lambda line: edit(line, replies=[3])), {"bad field 'replies'": 1}, {2}),
     ("no replies", replace(3, lambda line: edit(line, replies=[])), {"wrong number of replies": 1}, {3}),
-    ("finish reasons mistyped", replace(5, lambda line: edit(line, finish_reasons="stop")),
-     {"bad field 'finish_reasons'": 1}, {5}),
-    ("id not in this eval set", lambda h, L: joined(h, L + [edit(L[0], id=OTHER_ID)]), {"id not in this eval set": 1}, set()),
+    (
+        "finish reasons mistyped",
+        replace(5, lambda line: edit(line, finish_reasons="stop")),
+        {"bad field 'finish_reasons'": 1},
+        {5},
+    ),
+    (
+        "id not in this eval set",
+        lambda h, L: joined(h, L + [edit(L[0], id=OTHER_ID)]),
+        {"id not in this eval set": 1},
+        set(),
+    ),
     ("duplicated id", lambda h, L: joined(h, L + [edit(L[0], replies=["I cannot tell."])]), {"duplicate id": 1}, set()),
     ("binary junk line", replace(2, lambda line: b"\x00\xff\xfe junk \x80\x81"), {"not JSON": 1}, {2}),
     ("binary junk inserted", lambda h, L: joined(h, L[:3] + [b"\xff\xfe\x00\x01"] + L[3:]), {"not JSON": 1}, set()),
     ("pathologically nested", replace(1, lambda line: b"[" * 100_000), {"not JSON": 1}, {1}),
     ("extra header line", lambda h, L: joined(h, L[:2] + [h] + L[2:]), {"extra header line": 1}, set()),
-    ("mixed damage", lambda h, L: joined(h, [L[0], b"{oops", L[2][:-3], edit(L[3], id=...), L[4], L[5]]),
-     {"not JSON": 2, "missing field 'id'": 1}, {1, 2, 3}),
+    (
+        "mixed damage",
+        lambda h, L: joined(h, [L[0], b"{oops", L[2][:-3], edit(L[3], id=...), L[4], L[5]]),
+        {"not JSON": 2, "missing field 'id'": 1},
+        {1, 2, 3},
+    ),
     # harmless: nothing skipped, nothing asked again
     ("blank lines, no final newline", lambda h, L: joined(h, L[:2] + [b"", b"  "] + L[2:])[:-1], {}, set()),
     # a file that holds nothing: everything asked
@@ -152,8 +180,11 @@ BAD_HEADERS = [
     ("garbled header", lambda h, L: joined(h[:15] + b"#~", L), "garbled"),
     ("binary header", lambda h, L: joined(b"\x89PNG\r\n\x1a\x00\xff", L), "garbled"),
     ("header settings not an object", lambda h, L: joined(b'{"scirl_eval_records": 1, "settings": [1]}', L), "garbled"),
-    ("header of another format version", lambda h, L: joined(h.replace(b'"scirl_eval_records": 1', b'"scirl_eval_records": 9'), L),
-     "format 9"),
+    (
+        "header of another format version",
+        lambda h, L: joined(h.replace(b'"scirl_eval_records": 1', b'"scirl_eval_records": 9'), L),
+        "format 9",
+    ),
     ("header with other settings", lambda h, L: joined(header_with(h, temperature=0.5), L), "temperature"),
 ]
 
@@ -194,7 +225,15 @@ def test_a_cut_short_header_alone_starts_afresh(env, tmp_path):
 
 def test_a_reply_holding_unicode_line_separators_reads_back(tmp_path):
     """Records split on newlines only: U+2028 and U+0085 are written unescaped and must not cut a record."""
-    settings = {"model": "m", "data": "d", "n_samples": 1, "temperature": 0.0, "top_p": 1.0, "max_tokens": 8, "seed": None}
+    settings = {
+        "model": "m",
+        "data": "d",
+        "n_samples": 1,
+        "temperature": 0.0,
+        "top_p": 1.0,
+        "max_tokens": 8,
+        "seed": None,
+    }
     path = tmp_path / "r.records.jsonl"
     with RecordsFile(path, settings) as rf:
         rf.append("a" * 16, ["Answer:\u2028B\x85\r"])

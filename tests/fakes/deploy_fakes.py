@@ -59,15 +59,22 @@ def server(argv: list[str]) -> int:
     parser.add_argument("--record")
     parser.add_argument("--dev-routes", default="yes")
     args = parser.parse_args(argv)
-    record(args.record, f"server_{args.index}.json", {"pid": os.getpid(), "env": dict(os.environ),
-                                                       "affinity": sorted(os.sched_getaffinity(0))})
+    record(
+        args.record,
+        f"server_{args.index}.json",
+        {"pid": os.getpid(), "env": dict(os.environ), "affinity": sorted(os.sched_getaffinity(0))},
+    )
     print(f"fake server {args.index}: loading model", flush=True)
     if args.mode == "exit":
         print("ValueError: fake model load failed", flush=True)
         return 3
 
-    with FakeOpenAI(ready=lambda: args.mode == "ok", vllm=VLLMRoutes() if args.dev_routes == "yes" else None,
-                    host=args.host, port=args.port):
+    with FakeOpenAI(
+        ready=lambda: args.mode == "ok",
+        vllm=VLLMRoutes() if args.dev_routes == "yes" else None,
+        host=args.host,
+        port=args.port,
+    ):
         print(f"fake server {args.index}: listening on {args.port}", flush=True)
         deadline = time.monotonic() + WAIT_LIMIT_S
         while time.monotonic() < deadline:
@@ -80,10 +87,16 @@ def server(argv: list[str]) -> int:
 
 # vLLM 0.32's answer to POST /collective_rpc reload_weights with a weights_path that does not exist there
 # (the path is taken for a hub repo id; vLLM writes '<path>' for it)
-MISSING_PATH_ANSWER = {"error": {"message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
-                                 "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
-                                 "argument if needed.', please check the stack trace above for the root cause",
-                                 "type": "InternalServerError", "param": None, "code": 500}}
+MISSING_PATH_ANSWER = {
+    "error": {
+        "message": "Call to collective_rpc method failed: Worker failed with error 'Repo id "
+        "must be in the form 'repo_name' or 'namespace/repo_name': '<path>'. Use `repo_type` "
+        "argument if needed.', please check the stack trace above for the root cause",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
 
 
 def vllm_view(argv: list[str]) -> int:
@@ -100,8 +113,13 @@ def vllm_view(argv: list[str]) -> int:
         seen = Path(args.root) / request.body["kwargs"]["weights_path"].lstrip("/")
         return None if seen.is_dir() else Reply(500, MISSING_PATH_ANSWER)
 
-    with FakeOpenAI(model="policy", max_model_len=512, vllm=VLLMRoutes(), port=args.port,
-                    fail={"/collective_rpc": reload_from_what_this_node_sees}):
+    with FakeOpenAI(
+        model="policy",
+        max_model_len=512,
+        vllm=VLLMRoutes(),
+        port=args.port,
+        fail={"/collective_rpc": reload_from_what_this_node_sees},
+    ):
         time.sleep(WAIT_LIMIT_S)
     return 0
 
@@ -119,9 +137,18 @@ def trainer(argv: list[str]) -> int:
     # as scirl train: a SIGTERM while it waits for its servers ends it at once; after that it asks for a checkpoint
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    record(args.record, f"trainer_{rank}.json", {"pid": os.getpid(), "argv": sys.argv, "urls": urls, "health": answers,
-                                                 "world_size": os.environ.get("WORLD_SIZE"),
-                                                 "server_processes": server_processes(urls)})
+    record(
+        args.record,
+        f"trainer_{rank}.json",
+        {
+            "pid": os.getpid(),
+            "argv": sys.argv,
+            "urls": urls,
+            "health": answers,
+            "world_size": os.environ.get("WORLD_SIZE"),
+            "server_processes": server_processes(urls),
+        },
+    )
     print(f"fake trainer rank {rank}: step 1 done", flush=True)
     if args.behave == "crash":
         print("Traceback (most recent call last):\ntorch.OutOfMemoryError: fake CUDA out of memory", flush=True)
@@ -165,6 +192,7 @@ def leave_a_run(config_args: list[str]) -> None:
     import shutil
 
     from scirl.run.config_io import load_config
+
     cfg = load_config(config_args)
     out = Path(cfg.output_dir)
     shutil.copytree(cfg.model, out / "weights" / f"step_{cfg.max_steps}")
@@ -200,15 +228,27 @@ def on_node(argv: list[str]) -> int:
     parser.add_argument("--server-mode", default="ok")
     parser.add_argument("--behave", default="wait")
     parser.add_argument("node")
-    args, part = parser.parse_args(argv[:split]), argv[split + 1:]
+    args, part = parser.parse_args(argv[:split]), argv[split + 1 :]
     if "inference" in part:
-        fake = ["server", "--host", part[part.index("--host") + 1], "--port", part[part.index("--port") + 1],
-                "--mode", args.server_mode, "--record", args.record]
+        fake = [
+            "server",
+            "--host",
+            part[part.index("--host") + 1],
+            "--port",
+            part[part.index("--port") + 1],
+            "--mode",
+            args.server_mode,
+            "--record",
+            args.record,
+        ]
         os.execv(sys.executable, [sys.executable, str(HERE), *fake])
     rank = "0" if "is_host=1" in part else "1"
-    train_args = part[part.index("train") + 1:]
-    os.execve(sys.executable, [sys.executable, str(HERE), "trainer", "--record", args.record, "--behave", args.behave,
-                               *train_args], {**os.environ, "RANK": rank, "WORLD_SIZE": "2"})
+    train_args = part[part.index("train") + 1 :]
+    os.execve(
+        sys.executable,
+        [sys.executable, str(HERE), "trainer", "--record", args.record, "--behave", args.behave, *train_args],
+        {**os.environ, "RANK": rank, "WORLD_SIZE": "2"},
+    )
     return 1  # not reached
 
 
@@ -218,27 +258,51 @@ def launch_options(spec: dict) -> dict:
 
     def server_command(slot):
         mode = spec.get("server_modes", {}).get(str(slot.index), "ok")
-        argv = [sys.executable, str(HERE), "server", "--port", str(slot.port), "--index", str(slot.index), "--mode", mode,
-                "--record", spec["record"], "--dev-routes", spec.get("dev_routes", "yes")]
+        argv = [
+            sys.executable,
+            str(HERE),
+            "server",
+            "--port",
+            str(slot.port),
+            "--index",
+            str(slot.index),
+            "--mode",
+            mode,
+            "--record",
+            spec["record"],
+            "--dev-routes",
+            spec.get("dev_routes", "yes"),
+        ]
         if str(slot.index) in spec.get("die_when", {}):
             argv += ["--die-when", spec["die_when"][str(slot.index)]]
         return argv, {}
 
-    return {"server_command": None if spec.get("vllm") else server_command,
-            "trainer_program": [str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")]}
+    return {
+        "server_command": None if spec.get("vllm") else server_command,
+        "trainer_program": [str(HERE), "trainer", "--record", spec["record"], "--behave", spec.get("behave", "ok")],
+    }
 
 
 def launch(spec_path: str) -> int:
     from scirl.commands.train import deploy
     from scirl.run.config_io import load_config
+
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_config(spec["args"])
-    return deploy(cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False),
-                  **launch_options(spec))
+    return deploy(
+        cfg, spec["args"], resume=spec.get("resume", False), clean=spec.get("clean", False), **launch_options(spec)
+    )
 
 
 if __name__ == "__main__":
     sys.path[:0] = [str(HERE.parents[2]), str(HERE.parents[1])]  # scirl, and tests/ (the fake server)
     command, rest = sys.argv[1], sys.argv[2:]
-    sys.exit({"server": server, "vllm-view": vllm_view, "trainer": trainer, "on-node": on_node,
-              "launch": lambda a: launch(a[0])}[command](rest))
+    sys.exit(
+        {
+            "server": server,
+            "vllm-view": vllm_view,
+            "trainer": trainer,
+            "on-node": on_node,
+            "launch": lambda a: launch(a[0]),
+        }[command](rest)
+    )

@@ -47,11 +47,18 @@ def received_by_vllm(sent: list[torch.Tensor], init_info: dict, update_info: dic
             buffer.copy_(got)
 
     loaded = {}
-    meta = ((name, (shape, getattr(torch, dtype)))
-            for name, dtype, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"]))
+    meta = (
+        (name, (shape, getattr(torch, dtype)))
+        for name, dtype, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"])
+    )
     packed_tensor.packed_nccl_broadcast_consumer(
-        meta, Replay(), 0, lambda pairs: loaded.update((n, t.clone()) for n, t in pairs),
-        buffer_size_bytes=init_info["packed_buffer_size_bytes"], num_buffers=init_info["packed_num_buffers"],
-        device="cpu")
+        meta,
+        Replay(),
+        0,
+        lambda pairs: loaded.update((n, t.clone()) for n, t in pairs),
+        buffer_size_bytes=init_info["packed_buffer_size_bytes"],
+        num_buffers=init_info["packed_num_buffers"],
+        device="cpu",
+    )
     assert not queue, "broadcasts the receiver never took"
     return loaded

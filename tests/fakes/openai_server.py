@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
-from typing import Callable
 from urllib.parse import urlsplit
 
 HOLD_LIMIT_S = 120  # a held route gives up after this, even if the test never lets it go
@@ -86,11 +86,25 @@ class VLLMRoutes:
 # NCCLWeightTransferUpdateInfo in vllm/distributed/weight_transfer/): 0.25 takes the packing with each update,
 # 0.32 and 0.33 at init.
 RELEASE_PAYLOAD_FIELDS = {
-    "0.25": (frozenset({"master_address", "master_port", "rank_offset", "world_size"}),
-             frozenset({"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"})),
-    "0.32": (frozenset({"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
-                        "packed_buffer_size_bytes", "packed_num_buffers"}),
-             frozenset({"names", "dtype_names", "shapes"})),
+    "0.25": (
+        frozenset({"master_address", "master_port", "rank_offset", "world_size"}),
+        frozenset({"names", "dtype_names", "shapes", "packed", "packed_buffer_size_bytes", "packed_num_buffers"}),
+    ),
+    "0.32": (
+        frozenset(
+            {
+                "master_address",
+                "master_port",
+                "rank_offset",
+                "world_size",
+                "nccl_unique_id_b64",
+                "packed",
+                "packed_buffer_size_bytes",
+                "packed_num_buffers",
+            }
+        ),
+        frozenset({"names", "dtype_names", "shapes"}),
+    ),
 }
 
 
@@ -106,13 +120,26 @@ class FakeOpenAI:
     ``{"error": "ROUTE failed on purpose"}`` with that status, or ``fail[route](request)``'s ``Reply`` where it
     gives one. ``model`` and ``max_model_len``: what ``/v1/models`` lists. ``vllm``: vLLM's own routes."""
 
-    def __init__(self, *, answer: str | Callable[[Request], str | Reply] = "A", model: str = "fake",
-                 max_model_len: int | None = None, finish_reason: str = "stop", max_n: int | None = None,
-                 delay_s: float = 0.0, faults: float = 0.0, seed: int = 0, hang_s: float = 1.5,
-                 count_by: Callable[[Request], object] | None = None, ready: Callable[[], bool] = lambda: True,
-                 hold: dict[str, threading.Event] | None = None,
-                 fail: dict[str, int | Callable[[Request], Reply | None]] | None = None,
-                 vllm: VLLMRoutes | None = None, host: str = "127.0.0.1", port: int = 0):
+    def __init__(
+        self,
+        *,
+        answer: str | Callable[[Request], str | Reply] = "A",
+        model: str = "fake",
+        max_model_len: int | None = None,
+        finish_reason: str = "stop",
+        max_n: int | None = None,
+        delay_s: float = 0.0,
+        faults: float = 0.0,
+        seed: int = 0,
+        hang_s: float = 1.5,
+        count_by: Callable[[Request], object] | None = None,
+        ready: Callable[[], bool] = lambda: True,
+        hold: dict[str, threading.Event] | None = None,
+        fail: dict[str, int | Callable[[Request], Reply | None]] | None = None,
+        vllm: VLLMRoutes | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
         self.answer, self.model, self.max_model_len = answer, model, max_model_len
         self.finish_reason, self.max_n, self.delay_s = finish_reason, max_n, delay_s
         self.faults, self.rng, self.hang_s = faults, random.Random(seed), hang_s
@@ -123,8 +150,12 @@ class FakeOpenAI:
         self.requests: Counter = Counter()
         self.injected: Counter = Counter()
         self.lock = threading.Lock()
-        self.routes = {("GET", "/health"): self.health, ("GET", "/v1/models"): self.models,
-                       ("POST", "/v1/chat/completions"): self.chat, ("POST", "/v1/completions"): self.completions}
+        self.routes = {
+            ("GET", "/health"): self.health,
+            ("GET", "/v1/models"): self.models,
+            ("POST", "/v1/chat/completions"): self.chat,
+            ("POST", "/v1/completions"): self.completions,
+        }
         if vllm is not None:
             self.routes.update(vllm_routes(self, vllm))
         self.routes[("GET", "/openapi.json")] = self.openapi
@@ -218,11 +249,20 @@ class FakeOpenAI:
         if isinstance(answer, Reply):
             return answer
         count = 1 if fault == "short" else min(n, self.max_n or n)
-        choices = [{"index": i, "message": {"role": "assistant", "content": answer},
-                    "finish_reason": self.finish_reason} for i in range(count)]
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": answer}, "finish_reason": self.finish_reason}
+            for i in range(count)
+        ]
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-        return Reply(body={"id": "x", "object": "chat.completion", "model": request.body.get("model"),
-                           "choices": choices, "usage": usage})
+        return Reply(
+            body={
+                "id": "x",
+                "object": "chat.completion",
+                "model": request.body.get("model"),
+                "choices": choices,
+                "usage": usage,
+            }
+        )
 
     def draw_fault(self, n: int) -> str | None:
         if not self.faults:
@@ -240,9 +280,20 @@ class FakeOpenAI:
         answer = self.answer(request) if callable(self.answer) else self.answer
         if isinstance(answer, Reply):
             return answer
-        return Reply(body={"choices": [{"index": i, "text": answer, "token_ids": [5, 2], "finish_reason": "stop",
-                                        "logprobs": {"token_logprobs": [-0.5, -0.25]}}
-                                       for i in range(request.body["n"])]})
+        return Reply(
+            body={
+                "choices": [
+                    {
+                        "index": i,
+                        "text": answer,
+                        "token_ids": [5, 2],
+                        "finish_reason": "stop",
+                        "logprobs": {"token_logprobs": [-0.5, -0.25]},
+                    }
+                    for i in range(request.body["n"])
+                ]
+            }
+        )
 
 
 def vllm_routes(fake: FakeOpenAI, vllm: VLLMRoutes) -> dict:
@@ -274,12 +325,14 @@ def vllm_routes(fake: FakeOpenAI, vllm: VLLMRoutes) -> dict:
             if vllm.keeps_version:
                 fake.state.version = request.body[key]
             return Reply(body={"success": True})
+
         return behaviour
 
     routes = {
         ("GET", "/is_sleeping"): lambda request: Reply(body={"is_sleeping": False}),
-        ("GET", "/server_info"): lambda request: Reply(body={"vllm_config": {"weight_transfer_config":
-                                                                             vllm.weight_transfer}}),
+        ("GET", "/server_info"): lambda request: Reply(
+            body={"vllm_config": {"weight_transfer_config": vllm.weight_transfer}}
+        ),
         ("GET", "/get_world_size"): lambda request: Reply(body={"world_size": vllm.world_size}),
         ("POST", "/start_weight_update"): ok,
         ("POST", "/collective_rpc"): ok,
@@ -291,12 +344,14 @@ def vllm_routes(fake: FakeOpenAI, vllm: VLLMRoutes) -> dict:
     if old:  # its /finish_weight_update takes no body and no version is kept
         routes[("POST", "/finish_weight_update")] = ok
         return routes
-    routes.update({
-        ("POST", "/shutdown_weight_transfer_engine"): ok,
-        ("POST", "/finish_weight_update"): sets_version("weight_version"),
-        ("POST", "/update_weight_version"): sets_version("new_version"),
-        ("GET", "/weight_info"): lambda request: Reply(body={"weight_version": fake.state.version}),
-    })
+    routes.update(
+        {
+            ("POST", "/shutdown_weight_transfer_engine"): ok,
+            ("POST", "/finish_weight_update"): sets_version("weight_version"),
+            ("POST", "/update_weight_version"): sets_version("new_version"),
+            ("GET", "/weight_info"): lambda request: Reply(body={"weight_version": fake.state.version}),
+        }
+    )
     if vllm.checksums is not None:
         routes[("POST", "/weight_checker")] = lambda request: Reply(body={"checksums": vllm.checksums()})
     return routes
@@ -323,8 +378,15 @@ def send(handler: BaseHTTPRequestHandler, reply: Reply) -> None:
             handler.wfile.flush()
         return
     body = reply.body
-    data = (b"" if body is None else body if isinstance(body, bytes) else body.encode() if isinstance(body, str)
-            else json.dumps(body).encode())
+    data = (
+        b""
+        if body is None
+        else body
+        if isinstance(body, bytes)
+        else body.encode()
+        if isinstance(body, str)
+        else json.dumps(body).encode()
+    )
     handler.send_header("Content-Length", str(len(data)))
     handler.end_headers()
     handler.wfile.write(data)
@@ -336,16 +398,24 @@ def answering(questions, reply: Callable[[object], str | Reply], **behaviour) ->
     from scirl.task.prompt import user_text
 
     by_text = {user_text(q): q for q in questions}
-    return FakeOpenAI(answer=lambda request: reply(by_text[request.text]),
-                      count_by=lambda request: by_text[request.text].id, **behaviour)
+    return FakeOpenAI(
+        answer=lambda request: reply(by_text[request.text]),
+        count_by=lambda request: by_text[request.text].id,
+        **behaviour,
+    )
 
 
-def fake_vllm(*, dev_mode: bool = True, fail: dict[str, int] | None = None, gate: threading.Event | None = None,
-              **routes) -> FakeOpenAI:
+def fake_vllm(
+    *, dev_mode: bool = True, fail: dict[str, int] | None = None, gate: threading.Event | None = None, **routes
+) -> FakeOpenAI:
     """The fake as a vLLM server: completions of two tokens ("x"), dev-mode routes unless ``dev_mode`` is False
     (``routes``: ``VLLMRoutes``' fields); ``gate``: completions wait until it is set (a server still generating)."""
-    return FakeOpenAI(answer="x", fail=fail, hold={"/v1/completions": gate} if gate is not None else None,
-                      vllm=VLLMRoutes(**routes) if dev_mode else None)
+    return FakeOpenAI(
+        answer="x",
+        fail=fail,
+        hold={"/v1/completions": gate} if gate is not None else None,
+        vllm=VLLMRoutes(**routes) if dev_mode else None,
+    )
 
 
 def routes(fake: FakeOpenAI) -> list[str]:

@@ -40,7 +40,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 KILL_WAIT_S = 5.0
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+    signal.SIGCONT,
+)
 
 
 def install(bin_dir: Path, state_dir: Path, nodes: list[str]) -> dict[str, str]:
@@ -49,13 +57,17 @@ def install(bin_dir: Path, state_dir: Path, nodes: list[str]) -> dict[str, str]:
     state_dir.mkdir(parents=True, exist_ok=True)
     for command in ("sbatch", "srun", "scontrol", "scancel"):
         path = bin_dir / command
-        path.write_text(f"#!/bin/sh\nexec {sys.executable} {HERE} {command} \"$@\"\n")
+        path.write_text(f'#!/bin/sh\nexec {sys.executable} {HERE} {command} "$@"\n')
         path.chmod(0o755)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_SLURM_STATE": str(state_dir),
-            "FAKE_SLURM_NODES": ",".join(nodes)}
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "FAKE_SLURM_STATE": str(state_dir),
+        "FAKE_SLURM_NODES": ",".join(nodes),
+    }
 
 
 # ---- hostlists ----
+
 
 def expand(hostlist: str) -> list[str]:
     """``a[1-3,7],b`` -> a1 a2 a3 a7 b (zero padding kept)."""
@@ -87,22 +99,49 @@ def compress(names: list[str]) -> str:
 
 # ---- sbatch ----
 
+
 def sbatch(argv: list[str]) -> int:
     script, args = Path(argv[0]).resolve(), argv[1:]
     options = dict(re.findall(r"^#SBATCH --([a-z-]+)=(\S+)", script.read_text(), flags=re.M))
     state = Path(os.environ["FAKE_SLURM_STATE"])
     job_id = str(next_number(state / "job_ids"))
     nodes = os.environ["FAKE_SLURM_NODES"].split(",")[: int(options.get("nodes", "1"))]
-    env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_JOB_NODELIST": compress(nodes),
-           "SLURM_NODELIST": compress(nodes), "SLURM_JOB_NUM_NODES": str(len(nodes)), "SLURM_NNODES": str(len(nodes)),
-           "SLURM_JOB_NAME": options.get("job-name", script.name), "SLURM_SUBMIT_DIR": os.getcwd(),
-           "SLURMD_NODENAME": nodes[0], "SLURM_NODEID": "0", "SLURM_CLUSTER_NAME": "stand-in"}
+    env = {
+        **os.environ,
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOBID": job_id,
+        "SLURM_JOB_NODELIST": compress(nodes),
+        "SLURM_NODELIST": compress(nodes),
+        "SLURM_JOB_NUM_NODES": str(len(nodes)),
+        "SLURM_NNODES": str(len(nodes)),
+        "SLURM_JOB_NAME": options.get("job-name", script.name),
+        "SLURM_SUBMIT_DIR": os.getcwd(),
+        "SLURMD_NODENAME": nodes[0],
+        "SLURM_NODEID": "0",
+        "SLURM_CLUSTER_NAME": "stand-in",
+    }
     output = Path(options.get("output", f"slurm-{job_id}.out").replace("%j", job_id))
     # the job's own record keeper, outside the job (no SLURM_JOB_ID): scancel of the job does not end it
-    subprocess.Popen([sys.executable, str(HERE), "run-batch", json.dumps({"env": env, "argv": ["bash", str(script), *args],
-                                                                           "output": str(output), "state": str(state),
-                                                                           "job": job_id})],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [
+            sys.executable,
+            str(HERE),
+            "run-batch",
+            json.dumps(
+                {
+                    "env": env,
+                    "argv": ["bash", str(script), *args],
+                    "output": str(output),
+                    "state": str(state),
+                    "job": job_id,
+                }
+            ),
+        ],
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     print(f"Submitted batch job {job_id}")
     return 0
 
@@ -110,8 +149,14 @@ def sbatch(argv: list[str]) -> int:
 def run_batch(argv: list[str]) -> int:
     spec = json.loads(argv[0])
     with open(spec["output"], "ab") as out:
-        proc = subprocess.Popen(spec["argv"], env=spec["env"], stdout=out, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            spec["argv"],
+            env=spec["env"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
     status = proc.wait()
     record = Path(spec["state"]) / f"job_{spec['job']}.status"
     record.with_suffix(".tmp").write_text(str(status))
@@ -134,6 +179,7 @@ def next_number(path: Path) -> int:
 
 # ---- scontrol ----
 
+
 def scontrol(argv: list[str]) -> int:
     if argv[:2] != ["show", "hostnames"]:
         print(f"scontrol (stand-in): only 'show hostnames' is supported, got {argv}", file=sys.stderr)
@@ -145,12 +191,27 @@ def scontrol(argv: list[str]) -> int:
 
 # ---- srun ----
 
-SRUN_OPTIONS = {"-N": "nodes", "--nodes": "nodes", "-n": "ntasks", "--ntasks": "ntasks", "-w": "nodelist",
-                "--nodelist": "nodelist", "-r": "relative", "--relative": "relative", "-J": "job-name",
-                "--job-name": "job-name", "--ntasks-per-node": "ntasks-per-node", "--gpus-per-node": "gpus-per-node",
-                "--export": "export"}
-SRUN_FLAGS = {"-K": "kill-on-bad-exit", "--kill-on-bad-exit": "kill-on-bad-exit", "--overlap": "overlap",
-              "--exact": "exact"}
+SRUN_OPTIONS = {
+    "-N": "nodes",
+    "--nodes": "nodes",
+    "-n": "ntasks",
+    "--ntasks": "ntasks",
+    "-w": "nodelist",
+    "--nodelist": "nodelist",
+    "-r": "relative",
+    "--relative": "relative",
+    "-J": "job-name",
+    "--job-name": "job-name",
+    "--ntasks-per-node": "ntasks-per-node",
+    "--gpus-per-node": "gpus-per-node",
+    "--export": "export",
+}
+SRUN_FLAGS = {
+    "-K": "kill-on-bad-exit",
+    "--kill-on-bad-exit": "kill-on-bad-exit",
+    "--overlap": "overlap",
+    "--exact": "exact",
+}
 
 
 def parse_srun(argv: list[str]) -> tuple[dict, list[str]]:
@@ -187,7 +248,7 @@ def srun(argv: list[str]) -> int:
             return 1
     else:
         first = int(options.get("relative", 0))
-        nodes = job_nodes[first: first + int(options.get("nodes", len(job_nodes) - first))]
+        nodes = job_nodes[first : first + int(options.get("nodes", len(job_nodes) - first))]
     if int(options.get("ntasks", len(nodes))) != len(nodes) or options.get("ntasks-per-node", "1") != "1":
         print("srun: error: the stand-in runs one task per node", file=sys.stderr)
         return 1
@@ -217,10 +278,21 @@ def srun(argv: list[str]) -> int:
 
 
 def start_task(command: list[str], node: str, index: int, nodes: list[str], job: str, step: str) -> subprocess.Popen:
-    env = {**os.environ, "SLURMD_NODENAME": node, "SLURM_NODEID": str(index), "SLURM_PROCID": str(index),
-           "SLURM_LOCALID": "0", "SLURM_STEP_ID": step, "SLURM_STEPID": step, "SLURM_STEP_NODELIST": compress(nodes),
-           "SLURM_STEP_NUM_NODES": str(len(nodes)), "SLURM_STEP_NUM_TASKS": str(len(nodes)),
-           "SLURM_NTASKS": str(len(nodes)), "SLURM_NPROCS": str(len(nodes)), "SLURM_TOPOLOGY_ADDR": node}
+    env = {
+        **os.environ,
+        "SLURMD_NODENAME": node,
+        "SLURM_NODEID": str(index),
+        "SLURM_PROCID": str(index),
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": step,
+        "SLURM_STEPID": step,
+        "SLURM_STEP_NODELIST": compress(nodes),
+        "SLURM_STEP_NUM_NODES": str(len(nodes)),
+        "SLURM_STEP_NUM_TASKS": str(len(nodes)),
+        "SLURM_NTASKS": str(len(nodes)),
+        "SLURM_NPROCS": str(len(nodes)),
+        "SLURM_TOPOLOGY_ADDR": node,
+    }
     return subprocess.Popen(command, env=env, start_new_session=True)
 
 
@@ -253,7 +325,11 @@ def wait_tasks(tasks: list[subprocess.Popen], nodes: list[str], *, kill_on_bad_e
             code = task.poll()
             if code is not None and code != 0 and i not in reported:
                 reported.add(i)
-                what = f"Exited with exit code {code}" if code > 0 else {9: "Killed", 15: "Terminated"}.get(-code, f"Signal {-code}")
+                what = (
+                    f"Exited with exit code {code}"
+                    if code > 0
+                    else {9: "Killed", 15: "Terminated"}.get(-code, f"Signal {-code}")
+                )
                 print(f"srun: error: {nodes[i]}: task {i}: {what}", file=sys.stderr, flush=True)
                 if kill_on_bad_exit and not terminating:
                     terminating = True
@@ -277,13 +353,20 @@ def end_step(tasks: list[subprocess.Popen]) -> None:
 
 # ---- scancel ----
 
+
 def scancel(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].isdigit():
         print(f"scancel (stand-in): only 'scancel JOBID' is supported, got {argv}", file=sys.stderr)
         return 1
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # the sweep is not part of the job
-    subprocess.Popen([sys.executable, str(HERE), "sweep", argv[0]], env=env, start_new_session=True,
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen(
+        [sys.executable, str(HERE), "sweep", argv[0]],
+        env=env,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return 0
 
 
@@ -324,6 +407,12 @@ def sweep(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    commands = {"sbatch": sbatch, "run-batch": run_batch, "scontrol": scontrol, "srun": srun, "scancel": scancel,
-                "sweep": sweep}
+    commands = {
+        "sbatch": sbatch,
+        "run-batch": run_batch,
+        "scontrol": scontrol,
+        "srun": srun,
+        "scancel": scancel,
+        "sweep": sweep,
+    }
     sys.exit(commands[sys.argv[1]](sys.argv[2:]))

@@ -18,7 +18,6 @@ def run_check(args, tmp_path, env_extra=None, timeout=480):
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-
 def import_gpu_check(module: str = "orchestrate"):
     """A module of the package ``benchmarks/gpu_check`` (benchmarks/ on the module path, as the scripts have it)."""
     sys.path.insert(0, str(REPO / "benchmarks"))

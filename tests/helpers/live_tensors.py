@@ -75,5 +75,7 @@ def bucket_bound(specs: list, bucket_bytes: int) -> int:
     tensors, the one being copied into it (``scirl.weights.buckets``: a bucket of one tensor is that tensor)."""
     from scirl.weights.buckets import plan_buckets, spec_bytes
 
-    return max(sum(map(spec_bytes, bucket)) + (max(map(spec_bytes, bucket)) if len(bucket) > 1 else 0)
-               for bucket in plan_buckets(specs, bucket_bytes))
+    return max(
+        sum(map(spec_bytes, bucket)) + (max(map(spec_bytes, bucket)) if len(bucket) > 1 else 0)
+        for bucket in plan_buckets(specs, bucket_bytes)
+    )

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import scirl
-from scirl.run.config_io import load_config
 from scirl.rollouts.contract import Sample
+from scirl.run.config_io import load_config
 
 DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 
@@ -73,10 +73,38 @@ def data_file(tmp_path_factory):
 
 def train_args(model, data, out, max_steps=3, extra=()):
     return [
-        "--model", str(model), "--data.source", str(data), "--data.eval-per-domain", "2", "--output-dir", str(out),
-        "--max-steps", str(max_steps), "--batch-size", "16", "--group-size", "8", "--micro-batch-size", "8",
-        "--max-completion-tokens", "4", "--seq-len", "512", "--optim.lr", "1e-2", "--seed", "3", "--device", "cpu",
-        "--dtype", "float32", "--filters.zero-advantage.no-enforce", "--ckpt.interval", "2", *extra,
+        "--model",
+        str(model),
+        "--data.source",
+        str(data),
+        "--data.eval-per-domain",
+        "2",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(max_steps),
+        "--batch-size",
+        "16",
+        "--group-size",
+        "8",
+        "--micro-batch-size",
+        "8",
+        "--max-completion-tokens",
+        "4",
+        "--seq-len",
+        "512",
+        "--optim.lr",
+        "1e-2",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--filters.zero-advantage.no-enforce",
+        "--ckpt.interval",
+        "2",
+        *extra,
     ]
 
 
@@ -132,8 +160,13 @@ def wait_for(predicate, proc, timeout=240.0, what=""):
 
 def start(argv, env_extra=None) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **(env_extra or {})}
-    return subprocess.Popen([sys.executable, "-m", "scirl", "train", *argv], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "scirl", "train", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def fixed_samples(n=5, seed=0, shortest_prompt=4):
@@ -142,13 +175,15 @@ def fixed_samples(n=5, seed=0, shortest_prompt=4):
     samples = []
     for i in range(n):
         n_prompt, n_completion = shortest_prompt + i, 1 + (i * 3) % 5
-        samples.append(Sample(
-            prompt_ids=torch.randint(10, 500, (n_prompt,), generator=g).tolist(),
-            completion_ids=torch.randint(10, 500, (n_completion,), generator=g).tolist(),
-            logprobs=(-torch.rand(n_completion, generator=g) * 5).tolist(),
-            advantage=float(torch.randn(1, generator=g)),
-            group=i,
-        ))
+        samples.append(
+            Sample(
+                prompt_ids=torch.randint(10, 500, (n_prompt,), generator=g).tolist(),
+                completion_ids=torch.randint(10, 500, (n_completion,), generator=g).tolist(),
+                logprobs=(-torch.rand(n_completion, generator=g) * 5).tolist(),
+                advantage=float(torch.randn(1, generator=g)),
+                group=i,
+            )
+        )
     return samples
 
 
@@ -173,8 +208,24 @@ def copy_run(run_dir: Path, tmp_path: Path) -> Path:
 
 def torchrun_train(argv: list[str]) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "-m", "scirl", "train", *argv], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "scirl",
+            "train",
+            *argv,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -187,22 +238,57 @@ def assert_forwards_compute_the_unique_tokens(run_dir: Path, model_dir) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     for m in rows(run_dir):
-        records = [json.loads(line) for line in (run_dir / "rollouts" / f"step_{m['step']}.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line) for line in (run_dir / "rollouts" / f"step_{m['step']}.jsonl").read_text().splitlines()
+        ]
         trained = [r for r in records if not r["dropped"]]
         prompts = {(r["rank"], r["group"], r["prompt"]) for r in trained}
-        unique = (sum(len(tokenizer(p, add_special_tokens=False).input_ids) for _, _, p in prompts)
-                  + sum(r["num_tokens"] for r in trained))
+        unique = sum(len(tokenizer(p, add_special_tokens=False).input_ids) for _, _, p in prompts) + sum(
+            r["num_tokens"] for r in trained
+        )
         assert abs(m["train/forward_tokens"] - unique) <= 0.1 * unique, (m["step"], m["train/forward_tokens"], unique)
         assert m["train/padding_tokens"] <= 0.05 * unique, (m["step"], m["train/padding_tokens"], unique)
         assert m["train/loss_tokens"] == sum(r["num_tokens"] for r in trained)
 
 
 def vllm_args(data, out, max_steps=3, extra=()):
-    return ["--model", str(DEMO_BASE), "--data.source", str(data), "--data.eval-per-domain", "4", "--output-dir", str(out),
-            "--max-steps", str(max_steps), "--batch-size", "32", "--group-size", "8", "--micro-batch-size", "32",
-            "--max-completion-tokens", "8", "--seq-len", "512", "--optim.lr", "1e-3", "--seed", "5", "--device", "cpu",
-            "--dtype", "float32", "--filters.zero-advantage.no-enforce", "--inference.backend", "vllm",
-            "--inference.enforce-eager", "--inference.kv-cache-gib", "1", *extra]
+    return [
+        "--model",
+        str(DEMO_BASE),
+        "--data.source",
+        str(data),
+        "--data.eval-per-domain",
+        "4",
+        "--output-dir",
+        str(out),
+        "--max-steps",
+        str(max_steps),
+        "--batch-size",
+        "32",
+        "--group-size",
+        "8",
+        "--micro-batch-size",
+        "32",
+        "--max-completion-tokens",
+        "8",
+        "--seq-len",
+        "512",
+        "--optim.lr",
+        "1e-3",
+        "--seed",
+        "5",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--filters.zero-advantage.no-enforce",
+        "--inference.backend",
+        "vllm",
+        "--inference.enforce-eager",
+        "--inference.kv-cache-gib",
+        "1",
+        *extra,
+    ]
 
 
 def samples_with_teachers(seed=0):
@@ -216,7 +302,14 @@ def samples_with_teachers(seed=0):
         for k, n in enumerate(lengths):
             teacher = None if (group_index, k) == (0, 1) else torch.randint(10, 500, (9 + k,), generator=g).tolist()
             teacher = shared if group_index == 1 else teacher
-            samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
-                                  (-torch.rand(n, generator=g) * 3).tolist(), float(torch.randn(1, generator=g)),
-                                  group_index, teacher))
+            samples.append(
+                Sample(
+                    prompt,
+                    torch.randint(10, 500, (n,), generator=g).tolist(),
+                    (-torch.rand(n, generator=g) * 3).tolist(),
+                    float(torch.randn(1, generator=g)),
+                    group_index,
+                    teacher,
+                )
+            )
     return samples

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scirl.inference.base import SamplingParams
 from scirl.cpu.generator import CPUGenerator
+from scirl.inference.base import SamplingParams
 from scirl.inference.hf import HFGenerator
 
 PROMPT_TEXTS = [
@@ -233,7 +233,9 @@ def test_preallocated_cache_matches_transformers_dynamic_cache(generator, prompt
     import scirl.cpu.generator as hf
 
     params = SamplingParams(n=3, temperature=1.0, max_tokens=16, seed=5)
-    fast = CPUGenerator(generator.model, tokenizer=generator.tokenizer, shared_prefix_attention=False).generate(prompts, params)
+    fast = CPUGenerator(generator.model, tokenizer=generator.tokenizer, shared_prefix_attention=False).generate(
+        prompts, params
+    )
     monkeypatch.setattr(hf, "preallocated_layer_class", lambda: None)  # fall back to DynamicCache
     plain = generator.generate(prompts, params)  # the plain loop: transformers' DynamicCache
     assert [[c.token_ids for c in g] for g in fast] == [[c.token_ids for c in g] for g in plain]
@@ -258,10 +260,13 @@ def test_min_tokens_holds_eos_back(many_eos, prompts, tiny_model_dir):
     assert c.logprobs == pytest.approx(expected.tolist(), abs=1e-4)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(n=4, temperature=0, max_tokens=30),
-    SamplingParams(n=5, temperature=1.0, max_tokens=30, seed=3),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=4, temperature=0, max_tokens=30),
+        SamplingParams(n=5, temperature=1.0, max_tokens=30, seed=3),
+    ],
+)
 def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts, params, monkeypatch):
     """Decoding from one prompt K/V per group gives the tokens and logprobs of n repeated copies."""
     import scirl.cpu.generator as hf
@@ -277,7 +282,9 @@ def test_shared_prefix_attention_matches_repeated_prompt_cache(many_eos, prompts
     monkeypatch.setattr(hf.SharedPrefixCache, "update", counting_update)
     shared = gen.generate(prompts, params)
     assert steps  # the shared path ran
-    reference = CPUGenerator(gen.model, tokenizer=gen.tokenizer, shared_prefix_attention=False).generate(prompts, params)
+    reference = CPUGenerator(gen.model, tokenizer=gen.tokenizer, shared_prefix_attention=False).generate(
+        prompts, params
+    )
     if params.temperature > 0:  # sampled rows of one group stop at different steps; greedy ones do not stop here
         lengths = [len(c.token_ids) for g in shared for c in g]
         assert min(lengths) < 10 and max(lengths) == 30
@@ -299,7 +306,9 @@ def test_attention_with_lse_kernel_matches_the_plain_formula(dtype):
     query = torch.randn(3, 2, 5, 16, generator=g).to(dtype)
     buffer_k, buffer_v = (torch.randn(3, 2, 12, 16, generator=g).to(dtype) for _ in range(2))
     key, value = buffer_k[:, :, :7], buffer_v[:, :, :7]  # a filled prefix, as the preallocated cache exposes
-    bias = torch.zeros(3, 1, 1, 7).masked_fill(torch.arange(7) < torch.tensor([0, 2, 4])[:, None, None, None], float("-inf"))
+    bias = torch.zeros(3, 1, 1, 7).masked_fill(
+        torch.arange(7) < torch.tensor([0, 2, 4])[:, None, None, None], float("-inf")
+    )
     out, lse = attention_with_lse(query, key, value, 0.25, bias)
     scores = (query.float() @ key.float().transpose(-1, -2)) * 0.25 + bias
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -329,8 +338,10 @@ def test_should_stop_cancels_generation_between_decode_steps(tiny_model_dir):
     assert gen.generate([[5, 6, 7]], params, should_stop=lambda: False) == gen.generate([[5, 6, 7]], params)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=0, max_tokens=12),
-                                    SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7)])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(n=3, temperature=0, max_tokens=12), SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7)],
+)
 def test_cpu_decode_path_equals_the_plain_loop(many_eos, prompts, params):
     """The CPU generator (preallocated cache, shared prompt K/V) only changes speed: same tokens, same logprobs."""
     gen, _ = many_eos

@@ -36,8 +36,9 @@ def engine():
     except ImportError as exc:
         pytest.skip(f"vLLM is not installed: {exc}")
     torch.set_num_threads(1)  # before the engine: afterwards the CPU backend ignores it
-    generator = adapter.VLLMGenerator(MODEL_A, dtype="float32", max_model_len=256, enforce_eager=True,
-                                      seed=0, kv_cache_gib=0.125)
+    generator = adapter.VLLMGenerator(
+        MODEL_A, dtype="float32", max_model_len=256, enforce_eager=True, seed=0, kv_cache_gib=0.125
+    )
     generator.rng_untouched = random.getstate() == before[0] and torch.equal(torch.get_rng_state(), before[1])
     yield generator
     generator.close()
@@ -63,9 +64,9 @@ def model_b(model_a):
 
 @pytest.fixture(scope="module")
 def prompts(engine):
+    from scirl.synth.questions import generate_rows
     from scirl.task.data import question_from_row
     from scirl.task.prompt import build_messages
-    from scirl.synth.questions import generate_rows
 
     rows = generate_rows(n_per_domain=1, seed=0, non_mcq=False)[:4]
     return [encode_messages(engine.tokenizer, build_messages(question_from_row(r))) for r in rows]
@@ -81,7 +82,9 @@ def push(engine, model):
 def hf_greedy(model, tokenizer, prompts, max_tokens):
     from scirl.inference.hf import HFGenerator
 
-    groups = HFGenerator(model, tokenizer=tokenizer).generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    groups = HFGenerator(model, tokenizer=tokenizer).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens)
+    )
     return [g[0].token_ids for g in groups]
 
 

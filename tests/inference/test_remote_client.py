@@ -46,10 +46,12 @@ def test_a_hung_server_times_out():
 def test_remote_generator_spreads_prompts_and_sends_every_sampling_field():
     a, b = fake_vllm(), fake_vllm()
     with a as srv_a, b as srv_b:
-        generator = RemoteGenerator([srv_a.url, srv_b.url], _Tokenizer(), model_name="m", timeout_s=10,
-                                    max_concurrency=4)
-        groups = generator.generate([[1], [2], [3]], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=4,
-                                                                    seed=3))
+        generator = RemoteGenerator(
+            [srv_a.url, srv_b.url], _Tokenizer(), model_name="m", timeout_s=10, max_concurrency=4
+        )
+        groups = generator.generate(
+            [[1], [2], [3]], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_tokens=4, seed=3)
+        )
         assert [len(g) for g in groups] == [2, 2, 2] and groups[0][0].token_ids == [5, 2]
         sent = {tuple(b_["prompt"]): b_ for app in (a, b) for b_ in body(app, "/v1/completions")}
         assert len(body(a, "/v1/completions")) == 2 and len(body(b, "/v1/completions")) == 1
@@ -76,8 +78,11 @@ def test_should_stop_cancels_a_generation_still_running():
         generator = RemoteGenerator([srv.url], _Tokenizer(), model_name="m", timeout_s=30, max_concurrency=2)
         try:
             with pytest.raises(GenerationCancelled):
-                generator.generate([[1], [2], [3], [4]], SamplingParams(max_tokens=2, seed=0),
-                                   should_stop=lambda: len(body(app, "/v1/completions")) == 2)
+                generator.generate(
+                    [[1], [2], [3], [4]],
+                    SamplingParams(max_tokens=2, seed=0),
+                    should_stop=lambda: len(body(app, "/v1/completions")) == 2,
+                )
         finally:
             gate.set()  # the two requests already sent finish, unread
             generator.close()
@@ -90,38 +95,58 @@ class _Tokenizer:
 
 
 def test_server_command_cpu_gpu_and_bad_combinations():
-    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="float32", max_model_len=512,
-                               device="cpu", kv_cache_gib=0.5)
+    argv, env = server_command(
+        "m", port=8001, served_model_name="pol", dtype="float32", max_model_len=512, device="cpu", kv_cache_gib=0.5
+    )
     assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     # dev routes; no usage report to vLLM's stats server; "m" is no local directory, so the hub stays reachable
     # (and vLLM's own sampler where FlashInfer is missing: test_engines_and_servers_use_vllms_own_sampler_...)
     env.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
     # on CPU the engine process runs the model itself (no second interpreter for vLLM's one worker)
-    assert env == {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert env == {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     flags = " ".join(argv)
     assert "--logprobs-mode processed_logprobs" in flags and "--enforce-eager" in flags
     assert f"--kv-cache-memory-bytes {1 << 29}" in flags and "--no-enable-chunked-prefill" in flags
     assert "--weight-transfer-config" not in flags and "--data-parallel-size" not in flags
 
-    argv, env = server_command("m", port=8001, served_model_name="pol", dtype="bfloat16", max_model_len=4096,
-                               device="cuda", data_parallel_size=6, weight_sync="nccl", gpu_memory_utilization=0.8)
+    argv, env = server_command(
+        "m",
+        port=8001,
+        served_model_name="pol",
+        dtype="bfloat16",
+        max_model_len=4096,
+        device="cuda",
+        data_parallel_size=6,
+        weight_sync="nccl",
+        gpu_memory_utilization=0.8,
+    )
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env  # a GPU server keeps vLLM's own process layout
     flags = " ".join(argv)
     assert "--data-parallel-size 6" in flags and "--gpu-memory-utilization 0.8" in flags
     assert argv[argv.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert "--enforce-eager" not in flags and "--no-enable-chunked-prefill" not in flags
 
-    for bad in (dict(device="cpu", weight_sync="nccl"), dict(device="cpu", data_parallel_size=2),
-                dict(device="tpu"), dict(device="cuda", weight_sync="ipc")):
+    for bad in (
+        dict(device="cpu", weight_sync="nccl"),
+        dict(device="cpu", data_parallel_size=2),
+        dict(device="tpu"),
+        dict(device="cuda", weight_sync="ipc"),
+    ):
         with pytest.raises(ValueError):
             server_command("m", port=1, served_model_name="p", dtype="float32", max_model_len=8, **bad)
 
 
 def test_client_urls_with_or_without_v1():
     assert ServerClient("http://h:1/v1/").url == ServerClient("http://h:1").url == "http://h:1"
-    assert str(ServerError("http://h:1", "/x", "status 500", "line one\nline two")) == \
-        "http://h:1/x: status 500: line one line two"
+    assert (
+        str(ServerError("http://h:1", "/x", "status 500", "line one\nline two"))
+        == "http://h:1/x: status 500: line one line two"
+    )
 
 
 def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(monkeypatch):
@@ -134,11 +159,23 @@ def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(m
     real_find_spec = importlib.util.find_spec
     monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
     for installed in (False, True):
-        monkeypatch.setattr(vllm_module.importlib.util, "find_spec",
-                            lambda name, *a: object() if name == "flashinfer" and installed else
-                            (None if name == "flashinfer" else real_find_spec(name, *a)))
-        _, env = server_command("m", port=8000, served_model_name="m", dtype="bfloat16", max_model_len=64, device="cuda")
+        monkeypatch.setattr(
+            vllm_module.importlib.util,
+            "find_spec",
+            lambda name, *a: (
+                object()
+                if name == "flashinfer" and installed
+                else (None if name == "flashinfer" else real_find_spec(name, *a))
+            ),
+        )
+        _, env = server_command(
+            "m", port=8000, served_model_name="m", dtype="bfloat16", max_model_len=64, device="cuda"
+        )
         assert env.get("VLLM_USE_FLASHINFER_SAMPLER") == (None if installed else "0")
     monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")
-    assert "VLLM_USE_FLASHINFER_SAMPLER" not in server_command("m", port=8000, served_model_name="m", dtype="bfloat16",
-                                                                max_model_len=64, device="cuda")[1]
+    assert (
+        "VLLM_USE_FLASHINFER_SAMPLER"
+        not in server_command("m", port=8000, served_model_name="m", dtype="bfloat16", max_model_len=64, device="cuda")[
+            1
+        ]
+    )

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from scirl.task.data import load_splits
 from scirl.inference.base import Completion, Generator
 from scirl.synth.questions import generate_rows, write_jsonl
+from scirl.task.data import load_splits
 
 MESSAGES = [{"role": "system", "content": "Answer with a letter."}, {"role": "user", "content": "Which? A. x B. y"}]
 
@@ -44,13 +44,17 @@ def test_models_lists_the_served_name(client):
 
 
 def test_chat_completion_shape_n_usage_and_token_limit(client):
-    r = client.post("/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES, "n": 3, "temperature": 1.0,
-                                                  "max_completion_tokens": 5, "seed": 1})
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": MESSAGES, "n": 3, "temperature": 1.0, "max_completion_tokens": 5, "seed": 1},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "chat.completion" and body["model"] == "tiny"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
-    assert all(c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str) for c in body["choices"])
+    assert all(
+        c["message"]["role"] == "assistant" and isinstance(c["message"]["content"], str) for c in body["choices"]
+    )
     assert all(c["finish_reason"] in ("stop", "length") for c in body["choices"])
     usage = body["usage"]
     assert usage["prompt_tokens"] > 0 and 0 < usage["completion_tokens"] <= 15
@@ -148,8 +152,12 @@ def test_port_in_use_fails_at_once_with_a_clear_message(tiny_model_dir):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", str(port)],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert done.returncode == 2  # refused before the model loads
     assert "already in use" in done.stderr and str(port) in done.stderr
 
@@ -161,8 +169,12 @@ def data_file(tmp_path_factory):
 
 @pytest.mark.slow
 def test_eval_against_scirl_serve_end_to_end(tiny_model_dir, data_file, tmp_path):
-    server = subprocess.Popen([sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0",
-                               "--served-model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "scirl", "serve", str(tiny_model_dir), "--port", "0", "--served-model-name", "tiny"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = None
         deadline = time.time() + 120
@@ -175,10 +187,37 @@ def test_eval_against_scirl_serve_end_to_end(tiny_model_dir, data_file, tmp_path
         out = tmp_path / "eval.json"
         env = {**os.environ, "OPENAI_API_KEY": "sk-never-written"}
         done = subprocess.run(
-            [sys.executable, "-m", "scirl", "eval", "--base-url", url, "--model", "tiny", "--data", str(data_file),
-             "--eval-per-domain", "4", "--max-tokens", "6", "--n-samples", "2", "--temperature", "1.0", "--seed", "0",
-             "--concurrency", "4", "--out", str(out), "--no-progress"],
-            capture_output=True, text=True, timeout=300, env=env,
+            [
+                sys.executable,
+                "-m",
+                "scirl",
+                "eval",
+                "--base-url",
+                url,
+                "--model",
+                "tiny",
+                "--data",
+                str(data_file),
+                "--eval-per-domain",
+                "4",
+                "--max-tokens",
+                "6",
+                "--n-samples",
+                "2",
+                "--temperature",
+                "1.0",
+                "--seed",
+                "0",
+                "--concurrency",
+                "4",
+                "--out",
+                str(out),
+                "--no-progress",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
         )
     finally:
         server.terminate()
@@ -227,8 +266,20 @@ def test_eval_command_on_a_local_model_dir(tiny_model_dir, data_file, tmp_path, 
     from scirl.commands.eval import main
 
     out = tmp_path / "local.json"
-    args = ["--model", str(tiny_model_dir), "--data", str(data_file), "--eval-per-domain", "2", "--max-tokens", "3",
-            "--device", "cpu", "--out", str(out)]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(data_file),
+        "--eval-per-domain",
+        "2",
+        "--max-tokens",
+        "3",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     results = json.loads(out.read_text())
     assert results["counts"]["answered"] == 8 and results["settings"]["backend"] == "local"
@@ -267,8 +318,11 @@ def raw_post(url: str, body: bytes, headers: str = "") -> socket.socket:
     """Send a chat request over a plain socket (so the test can drop the connection) and return the socket."""
     host, port = url.split("//")[1].split("/")[0].split(":")
     sock = socket.create_connection((host, int(port)), timeout=60)
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n{headers}\r\n".encode() + body)
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{headers}\r\n".encode()
+        + body
+    )
     return sock
 
 
@@ -302,8 +356,12 @@ def test_a_batch_keeps_going_while_one_of_its_clients_waits(generator):
     held = HeldGenerator(generator.tokenizer)
     with running(create_app(held, "held")) as srv:
         result = {}
-        waiting = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
-            srv.url + "/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=120)))
+        waiting = threading.Thread(
+            target=lambda: result.setdefault(
+                "r",
+                httpx.post(srv.url + "/chat/completions", json={"messages": MESSAGES, "max_tokens": 4}, timeout=120),
+            )
+        )
         waiting.start()
         assert held.started.wait(60)
         held.release.set()
@@ -328,8 +386,11 @@ def test_request_body_limit_is_a_413(limited):
     r = limited.post("/v1/chat/completions", json=big)
     assert r.status_code == 413 and "4000 bytes" in r.json()["error"]["message"]
     # a chunked body (no Content-Length) is cut off at the limit too
-    r = limited.post("/v1/chat/completions", content=iter([json.dumps(big).encode()[:3000]] * 2),
-                     headers={"Content-Type": "application/json"})
+    r = limited.post(
+        "/v1/chat/completions",
+        content=iter([json.dumps(big).encode()[:3000]] * 2),
+        headers={"Content-Type": "application/json"},
+    )
     assert r.status_code == 413
 
 
@@ -342,14 +403,17 @@ def test_n_times_max_tokens_is_capped(limited):
     assert r.status_code == 200
 
 
-@pytest.mark.parametrize("body", [
-    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
-    b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
-    b'{"messages": "hi"',
-    b'\xff\xfe{}',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "temperature": -Infinity}',
+        b'{"messages": "hi"',
+        b"\xff\xfe{}",
+    ],
+)
 def test_non_finite_numbers_and_bad_json_are_a_422(limited, body):
     """Before: NaN gave a 500 (the error echoed NaN, which JSON cannot carry) and a dropped connection."""
     r = limited.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
@@ -399,8 +463,11 @@ def test_tokenization_runs_off_the_event_loop(generator):
     slow.release.set()  # here the tokenizer is what holds the request, not the model
     with TestClient(create_app(slow, "slow")) as c:
         result = {}
-        asking = threading.Thread(target=lambda: result.setdefault("r", c.post(
-            "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})))
+        asking = threading.Thread(
+            target=lambda: result.setdefault(
+                "r", c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+            )
+        )
         asking.start()
         assert tokenizer.entered.wait(60)
         assert c.get("/v1/models").status_code == 200  # served while the prompt is still being tokenized

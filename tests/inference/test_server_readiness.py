@@ -16,9 +16,9 @@ import pytest
 
 from fakes.openai_server import FakeOpenAI
 from helpers.server_process import free_port
-from scirl.run.config_io import load_config
 from scirl.errors import TrainError
 from scirl.inference.client import ServerClient, ServerError, wait_until_ready
+from scirl.run.config_io import load_config
 from scirl.synth.questions import generate_rows, write_jsonl
 
 DEADLINE_S = 60  # "within seconds", asserted generously for a loaded 2-core machine
@@ -55,16 +55,21 @@ def test_the_wait_names_each_server_not_ready_with_its_answer_and_the_time_left(
         refused, slow = f"http://127.0.0.1:{free_port()}", starting.url.removesuffix("/v1")
         clients = [ServerClient(url, timeout_s=600) for url in (silent, refused, slow)]
         with pytest.raises(ServerError) as caught:
-            wait_until_ready(clients, 40, say=lines.append, report_every_s=15, probe_timeout_s=0.2, clock=clock,
-                             sleep=clock.sleep)
+            wait_until_ready(
+                clients, 40, say=lines.append, report_every_s=15, probe_timeout_s=0.2, clock=clock, sleep=clock.sleep
+            )
         ready = []
         wait_until_ready([clients[2]], 40, say=ready.append, clock=clock, sleep=clock.sleep)
     waiting = f"waiting for inference server(s): {silent} (no answer within 0.2s), {refused} (connection refused)"
-    assert lines == [f"{waiting}, {slow} (status 503); 40s of 40s left",  # at once, then every 15 s
-                     f"{waiting}, {slow} (status 503); 25s of 40s left",
-                     f"{waiting}; 10s of 40s left"]  # ready since 20 s
-    assert str(caught.value) == (f"{silent}/health: not ready after 40s; its last answer: no answer within 0.2s; "
-                                 f"not ready either: {refused} (connection refused)")
+    assert lines == [
+        f"{waiting}, {slow} (status 503); 40s of 40s left",  # at once, then every 15 s
+        f"{waiting}, {slow} (status 503); 25s of 40s left",
+        f"{waiting}; 10s of 40s left",
+    ]  # ready since 20 s
+    assert str(caught.value) == (
+        f"{silent}/health: not ready after 40s; its last answer: no answer within 0.2s; "
+        f"not ready either: {refused} (connection refused)"
+    )
     assert ready == []  # a server that answers at once is not waited for aloud
 
 
@@ -102,14 +107,42 @@ def test_scirl_train_against_a_silent_server_says_what_it_waits_for_then_names_i
     data = write_jsonl(generate_rows(n_per_domain=4, seed=0), tmp_path / "rows.jsonl")
     with silent_server() as url:
         done = subprocess.run(
-            [sys.executable, "-m", "scirl", "train", "--model", str(tiny_model_dir), "--data.source", str(data),
-             "--data.eval-per-domain", "1", "--output-dir", str(tmp_path / "run"), "--device", "cpu",
-             "--batch-size", "8", "--group-size", "4", "--max-completion-tokens", "4", "--seq-len", "512",
-             "--inference.urls", f"{url}/v1", "--deployment.startup-timeout-s", "8"],
-            capture_output=True, text=True, timeout=2 * DEADLINE_S)
+            [
+                sys.executable,
+                "-m",
+                "scirl",
+                "train",
+                "--model",
+                str(tiny_model_dir),
+                "--data.source",
+                str(data),
+                "--data.eval-per-domain",
+                "1",
+                "--output-dir",
+                str(tmp_path / "run"),
+                "--device",
+                "cpu",
+                "--batch-size",
+                "8",
+                "--group-size",
+                "4",
+                "--max-completion-tokens",
+                "4",
+                "--seq-len",
+                "512",
+                "--inference.urls",
+                f"{url}/v1",
+                "--deployment.startup-timeout-s",
+                "8",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=2 * DEADLINE_S,
+        )
     assert done.returncode == 1, done.stderr
     assert f"waiting for inference server(s): {url} (no answer within 5s); " in done.stdout  # not a silent trainer
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
         f"scirl train: inference server {url} is not usable: /health: not ready after 8s; its last answer: "
-        "no answer within 5s (deployment.startup_timeout_s = 8s)")
+        "no answer within 5s (deployment.startup_timeout_s = 8s)"
+    )

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scirl.cli import main as cli_main
-
 from helpers.taskset import data_file  # noqa: F401  (a fixture, used by name)
+from scirl.cli import main as cli_main
 
 
 def write_primerl_checkpoint(model_dir: Path, run_dir: Path, step: int = 3) -> dict:
@@ -35,8 +34,14 @@ def write_primerl_checkpoint(model_dir: Path, run_dir: Path, step: int = 3) -> d
     model(ids, labels=ids).loss.backward()
     optimizer.step()
     model_sd, optim_sd = get_state_dict(model, [optimizer])
-    state = {"app": {"model": model_sd, "optimizers": optim_sd, "scheduler": {"last_epoch": step},
-                     "progress": {"step": step, "total_tokens": 5}}}
+    state = {
+        "app": {
+            "model": model_sd,
+            "optimizers": optim_sd,
+            "scheduler": {"last_epoch": step},
+            "progress": {"step": step, "total_tokens": 5},
+        }
+    }
     dcp.save(state, checkpoint_id=run_dir / "checkpoints" / f"step_{step}" / "trainer", no_dist=True)
     (run_dir / "configs").mkdir(parents=True)
     (run_dir / "configs" / "trainer.json").write_text(json.dumps({"model": {"name": str(model_dir)}}))
@@ -64,13 +69,26 @@ def test_dcp_to_hf_writes_the_trained_weights_as_an_hf_model(primerl_run, tiny_m
     assert set(loaded) == set(trained)
     for name, tensor in trained.items():
         assert torch.equal(loaded[name], tensor), name
-    assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    assert (
+        AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(tiny_model_dir).chat_template
+    )
     assert not (tmp_path / "hf32.tmp").exists()
 
     # the default: bf16 weights and a config that says so (vLLM's dtype "auto" reads it)
     out16 = tmp_path / "hf16"
-    assert cli_main(["dcp-to-hf", str(run / "checkpoints" / "step_3" / "trainer"), "--out", str(out16),
-                     "--base", str(tiny_model_dir)]) == 0
+    assert (
+        cli_main(
+            [
+                "dcp-to-hf",
+                str(run / "checkpoints" / "step_3" / "trainer"),
+                "--out",
+                str(out16),
+                "--base",
+                str(tiny_model_dir),
+            ]
+        )
+        == 0
+    )
     model16 = AutoModelForCausalLM.from_pretrained(out16)
     assert model16.dtype == torch.bfloat16
     for name, tensor in model16.state_dict().items():
@@ -95,8 +113,29 @@ def test_dcp_to_hf_output_is_evaluated_by_scirl_eval(primerl_run, data_file, tmp
     out = tmp_path / "hf"
     assert cli_main(["dcp-to-hf", str(run / "checkpoints" / "step_3"), "--out", str(out)]) == 0
     results = tmp_path / "eval.json"
-    assert cli_main(["eval", "--model", str(out), "--data", str(data_file), "--eval-per-domain", "5", "--limit", "3",
-                     "--max-tokens", "4", "--device", "cpu", "--no-progress", "--out", str(results)]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "--model",
+                str(out),
+                "--data",
+                str(data_file),
+                "--eval-per-domain",
+                "5",
+                "--limit",
+                "3",
+                "--max-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "--no-progress",
+                "--out",
+                str(results),
+            ]
+        )
+        == 0
+    )
     assert json.loads(results.read_text())["counts"]["answered"] == 3
 
 

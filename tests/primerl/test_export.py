@@ -10,14 +10,15 @@ import shutil
 import socket
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import verifiers.v1 as vf
 from sciknoweval import SciKnowEvalConfig
 
+from helpers.taskset import EVAL_PER_DOMAIN, PACKAGE_DIR, REPO, data_file, load  # noqa: F401  (data_file: a fixture)
 from scirl.cli import main as cli_main
 from scirl.primerl.export import (
     BASE_PORT_SEARCH,
@@ -35,16 +36,15 @@ from scirl.primerl.export import (
 )
 from scirl.synth.questions import write_jsonl
 
-from helpers.taskset import EVAL_PER_DOMAIN, PACKAGE_DIR, REPO, data_file, load  # noqa: F401  (data_file: a fixture)
-
-
 # prime-rl is not on PyPI, so its resolution of the exported grpo.toml is recorded
 # by scripts/check_primerl_config.sh (prime-rl's own RLConfig, at the commit named in
 # each fixture) and checked here. A change to the export fails these tests until the
 # fixtures are recorded again against prime-rl.
 
-FIXTURES = {path.stem: json.loads(path.read_text())
-            for path in sorted((REPO / "tests" / "helpers" / "fixtures").glob("primerl_*.json"))}
+FIXTURES = {
+    path.stem: json.loads(path.read_text())
+    for path in sorted((REPO / "tests" / "helpers" / "fixtures").glob("primerl_*.json"))
+}
 # Where prime-rl took each resolved value from, in the exported TOML (checked against the fixtures below).
 FACT_SOURCES = {
     "trainer.weight_broadcast.port": "weight_broadcast.port",
@@ -57,8 +57,15 @@ FACT_SOURCES = {
     "orchestrator.env_server_base_port": "orchestrator.env_server_base_port",
     "orchestrator.model.client.base_url": "orchestrator.model.client.base_url",
 }
-PORT_FACTS = ["trainer.weight_broadcast.port", "inference.server.port", "inference.backend_port", "router_metrics_port",
-              "inference.vllm.data_parallel_rpc_port", "orchestrator.rollout_transport.port", "rollout_ready_port"]
+PORT_FACTS = [
+    "trainer.weight_broadcast.port",
+    "inference.server.port",
+    "inference.backend_port",
+    "router_metrics_port",
+    "inference.vllm.data_parallel_rpc_port",
+    "orchestrator.rollout_transport.port",
+    "rollout_ready_port",
+]
 
 
 def lookup(table: dict, dotted: str):
@@ -81,23 +88,46 @@ def exported_toml(base: int, ref: str) -> dict:
 
 def test_export_with_shuffle_and_a_control_reward(data_file, tmp_path):
     out = tmp_path / "export"
-    assert cli_main(["export", "prime-rl", "--out", str(out), "--data", str(data_file),
-                     "--shuffle-options", "epoch", "--reward-mode", "format"]) == 0
+    assert (
+        cli_main(
+            [
+                "export",
+                "prime-rl",
+                "--out",
+                str(out),
+                "--data",
+                str(data_file),
+                "--shuffle-options",
+                "epoch",
+                "--reward-mode",
+                "format",
+            ]
+        )
+        == 0
+    )
     cfg = tomllib.loads((out / "grpo.toml").read_text())
     taskset = cfg["orchestrator"]["train"]["source"][0]["env"]["taskset"]
-    assert taskset == {"id": "sciknoweval", "split": "train", "data": str(data_file.resolve()),
-                       "shuffle_options": "epoch", "reward_mode": "format"}
+    assert taskset == {
+        "id": "sciknoweval",
+        "split": "train",
+        "data": str(data_file.resolve()),
+        "shuffle_options": "epoch",
+        "reward_mode": "format",
+    }
     config = SciKnowEvalConfig.model_validate(taskset)
     tasks = list(vf.load_taskset(config.model_copy(update={"eval_per_domain": EVAL_PER_DOMAIN})))
     assert tasks and all(t.data.option_order is not None and t.data.reward_mode == "format" for t in tasks)
     # only the taskset differs from the default export, which prime-rl validated (fixtures)
     base = cfg["inference"]["server"]["port"]
-    assert without(cfg, ["orchestrator.train.source"]) == without(exported_toml(base, "main"), ["orchestrator.train.source"])
+    assert without(cfg, ["orchestrator.train.source"]) == without(
+        exported_toml(base, "main"), ["orchestrator.train.source"]
+    )
 
 
 def test_fixtures_cover_every_target_at_its_commit():
     assert sorted((f["prime_rl_ref"], f["prime_rl_commit"]) for f in FIXTURES.values()) == sorted(
-        (t.name, t.commit) for t in TARGETS.values())
+        (t.name, t.commit) for t in TARGETS.values()
+    )
     assert TARGETS[DEFAULT_TARGET].name == "main"
 
 
@@ -145,8 +175,10 @@ def test_prime_rl_resolves_every_port_to_the_exported_block(name):
     other = Ports(fixture["base_port"] + 500)
     moved = exported_toml(other.base, fixture["prime_rl_ref"])
     assert without(moved, set(FACT_SOURCES.values())) == without(exported, set(FACT_SOURCES.values()))
-    assert [lookup(moved, s) for s in ("weight_broadcast.port", "inference.server.port", "orchestrator.model.client.base_url")] == [
-        other.nccl, other.api, other.base_url]
+    assert [
+        lookup(moved, s)
+        for s in ("weight_broadcast.port", "inference.server.port", "orchestrator.model.client.base_url")
+    ] == [other.nccl, other.api, other.base_url]
 
     # the NCCL port is the exported one on both sides, not the 29501 default
     assert resolved["trainer.weight_broadcast.port"] == resolved["orchestrator.weight_broadcast.port"] == ports.nccl
@@ -154,9 +186,20 @@ def test_prime_rl_resolves_every_port_to_the_exported_block(name):
     assert defaults["trainer.weight_broadcast.port"] == 29501
     # every port prime-rl opens is moved off its default, distinct, outside the ephemeral range
     opened = [resolved[f] for f in PORT_FACTS] + resolved["env_server_ports"]
-    assert opened == [ports.nccl, ports.api, ports.backend, ports.router_metrics, ports.dp_rpc, ports.rollout,
-                      ports.rollout + 1, ports.env_servers]
-    assert resolved["router_metrics_port"] == resolved["inference.server.port"] + fixture["launcher_constants"]["router_metrics_offset"]
+    assert opened == [
+        ports.nccl,
+        ports.api,
+        ports.backend,
+        ports.router_metrics,
+        ports.dp_rpc,
+        ports.rollout,
+        ports.rollout + 1,
+        ports.env_servers,
+    ]
+    assert (
+        resolved["router_metrics_port"]
+        == resolved["inference.server.port"] + fixture["launcher_constants"]["router_metrics_offset"]
+    )
     assert all(resolved[f] != defaults[f] for f in PORT_FACTS)
     assert len(set(opened)) == len(opened)
     low, high = DEFAULT_EPHEMERAL_RANGE
@@ -170,7 +213,12 @@ def test_prime_rl_resolves_every_port_to_the_exported_block(name):
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_prime_rl_resolves_the_guides_run(name):
     resolved, defaults = FIXTURES[name]["resolved"], FIXTURES[name]["defaults"]
-    assert resolved["trainer.model.name"] == resolved["orchestrator.model.name"] == resolved["inference.vllm.model"] == DEFAULT_MODEL
+    assert (
+        resolved["trainer.model.name"]
+        == resolved["orchestrator.model.name"]
+        == resolved["inference.vllm.model"]
+        == DEFAULT_MODEL
+    )
     assert (resolved["orchestrator.batch_size"], resolved["orchestrator.group_size"]) == (128, 16)
     assert resolved["trainer.optim.lr"] == 5e-6
     assert resolved["seq_len"] == [4096, 4096]
@@ -222,15 +270,30 @@ def test_export_writes_package_config_and_readme(data_file, tmp_path):
     assert source["env"]["taskset"] == {"id": "sciknoweval", "split": "train", "data": str(data_file.resolve())}
     SciKnowEvalConfig.model_validate(source["env"]["taskset"])
     base = cfg["inference"]["server"]["port"]
-    assert without(cfg, ["orchestrator.train.source"]) == without(exported_toml(base, "main"), ["orchestrator.train.source"])
+    assert without(cfg, ["orchestrator.train.source"]) == without(
+        exported_toml(base, "main"), ["orchestrator.train.source"]
+    )
     ports = Ports(base)
     assert all(port_is_free(p) for p in ports.all().values())
     assert "559b44772e471d1538537b8805cc77f3824a5e64" in (out / "grpo.toml").read_text()
 
     text = (out / "README.md").read_text()
-    for needed in (UV_SYNC, "uv run --no-sync rl", "--max-steps 30", DROP_PATH, "WANDB_API_KEY", "559b447",
-                   f"{EXPECTED_TRAIN_TASKS:,} train tasks", "scirl dcp-to-hf", "vllm serve", "scirl eval",
-                   "install scirl first", "--no-deps", "deps/scirl", "uv` and package-index access"):
+    for needed in (
+        UV_SYNC,
+        "uv run --no-sync rl",
+        "--max-steps 30",
+        DROP_PATH,
+        "WANDB_API_KEY",
+        "559b447",
+        f"{EXPECTED_TRAIN_TASKS:,} train tasks",
+        "scirl dcp-to-hf",
+        "vllm serve",
+        "scirl eval",
+        "install scirl first",
+        "--no-deps",
+        "deps/scirl",
+        "uv` and package-index access",
+    ):
         assert needed in text, needed
     for port in ports.all().values():
         assert str(port) in text
@@ -299,8 +362,12 @@ def test_readme_check_command_keeps_a_hostile_data_path_literal(data_file, tmp_p
 @pytest.mark.skipif(not os.environ.get("PRIME_RL_CHECKOUT"), reason="set PRIME_RL_CHECKOUT to a prime-rl checkout")
 def test_check_script_against_a_prime_rl_checkout():
     """CI with a prime-rl checkout: validate a fresh export with prime-rl's own config classes."""
-    result = subprocess.run(["bash", str(REPO / "scripts" / "check_primerl_config.sh"), os.environ["PRIME_RL_CHECKOUT"]],
-                            capture_output=True, text=True, timeout=1800)
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "check_primerl_config.sh"), os.environ["PRIME_RL_CHECKOUT"]],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "FAIL" not in result.stdout
 
@@ -316,8 +383,24 @@ def test_export_works_from_an_installed_scirl_wheel(data_file, tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     shutil.copytree(REPO / "scirl", src / "scirl", symlinks=True, ignore=ignore)
     shutil.copytree(PACKAGE_DIR, src / "packages" / "sciknoweval", ignore=ignore)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", ".", "--no-deps", "--no-build-isolation", "-q",
-                    "-w", str(tmp_path / "dist")], cwd=src, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            ".",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+        ],
+        cwd=src,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     [wheel] = (tmp_path / "dist").glob("scirl-*.whl")
     site = tmp_path / "site"
     with zipfile.ZipFile(wheel) as zf:
@@ -331,8 +414,9 @@ def test_export_works_from_an_installed_scirl_wheel(data_file, tmp_path):
         f"sys.exit(main(['export', 'prime-rl', '--out', {str(out)!r}, '--data', {str(data_file)!r}]))\n"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     for rel in ("sciknoweval/__init__.py", "sciknoweval/taskset.py", "README.md"):
         assert (out / "sciknoweval" / rel).read_bytes() == (PACKAGE_DIR / rel).read_bytes()
@@ -366,15 +450,40 @@ def test_export_reads_the_data_as_scirl_train_does_and_passes_its_format_on(tmp_
     arc = write_jsonl(synthetic_formats.generate_format_rows("arc", n=60, seed=1), tmp_path / "arc.jsonl")
     out = tmp_path / "export"
     columns = "question=question,options=choices,answer=answerKey"
-    assert cli_main(["export", "prime-rl", "--out", str(out), "--data", str(arc), "--data-columns", columns,
-                     "--eval-per-domain", str(EVAL_PER_DOMAIN), "--split-seed", "3"]) == 0
+    assert (
+        cli_main(
+            [
+                "export",
+                "prime-rl",
+                "--out",
+                str(out),
+                "--data",
+                str(arc),
+                "--data-columns",
+                columns,
+                "--eval-per-domain",
+                str(EVAL_PER_DOMAIN),
+                "--split-seed",
+                "3",
+            ]
+        )
+        == 0
+    )
     assert "taskset:" in capsys.readouterr().err
     taskset = tomllib.loads((out / "grpo.toml").read_text())["orchestrator"]["train"]["source"][0]["env"]["taskset"]
-    assert taskset == {"id": "sciknoweval", "split": "train", "data": str(arc.resolve()), "data_columns": columns,
-                       "eval_per_domain": EVAL_PER_DOMAIN, "split_seed": 3}
+    assert taskset == {
+        "id": "sciknoweval",
+        "split": "train",
+        "data": str(arc.resolve()),
+        "data_columns": columns,
+        "eval_per_domain": EVAL_PER_DOMAIN,
+        "split_seed": 3,
+    }
     exported = [t.data.qid for t in vf.load_taskset(SciKnowEvalConfig.model_validate(taskset))]
     assert exported == [t.data.qid for t in load(arc, data_columns=columns, split_seed=3)]
     assert "split_seed=3" in (out / "README.md").read_text()  # the install check loads the same tasks
-    assert cli_main(["export", "prime-rl", "--out", str(out), "--force", "--data", str(arc), "--data-format", "arc"]) == 0
+    assert (
+        cli_main(["export", "prime-rl", "--out", str(out), "--force", "--data", str(arc), "--data-format", "arc"]) == 0
+    )
     taskset = tomllib.loads((out / "grpo.toml").read_text())["orchestrator"]["train"]["source"][0]["env"]["taskset"]
     assert taskset["data_format"] == "arc" and "data_columns" not in taskset

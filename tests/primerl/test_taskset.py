@@ -13,19 +13,30 @@ from pydantic import ValidationError
 from sciknoweval import SciKnowEvalConfig, SciKnowEvalTaskset
 from sciknoweval.taskset import SciKnowEvalData, SciKnowEvalTask
 
+from helpers.taskset import EVAL_PER_DOMAIN, data_file, load  # noqa: F401  (data_file: a fixture, used by name)
 from scirl.cli import main as cli_main
 from scirl.synth.questions import write_jsonl
 from scirl.task import reward
 from scirl.task.data import question_from_row
 from scirl.task.prompt import build_messages
 
-from helpers.taskset import EVAL_PER_DOMAIN, data_file, load  # noqa: F401  (data_file: a fixture, used by name)
-
 
 def exported_questions(data_file, split, tmp_path):
     out = tmp_path / f"{split}.jsonl"
-    rc = cli_main(["data", "export", "--data", str(data_file), "--split", split, "--out", str(out),
-                   "--eval-per-domain", str(EVAL_PER_DOMAIN)])
+    rc = cli_main(
+        [
+            "data",
+            "export",
+            "--data",
+            str(data_file),
+            "--split",
+            split,
+            "--out",
+            str(out),
+            "--eval-per-domain",
+            str(EVAL_PER_DOMAIN),
+        ]
+    )
     assert rc == 0
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     return [question_from_row(row) for row in rows]
@@ -51,8 +62,11 @@ def score(task: SciKnowEvalTask, reply: str) -> vf.Trace:
 
 
 def test_package_exports_exactly_one_taskset_and_id_resolves_to_it():
-    tasksets = [name for name in sciknoweval.__all__
-                if isinstance(getattr(sciknoweval, name), type) and issubclass(getattr(sciknoweval, name), vf.Taskset)]
+    tasksets = [
+        name
+        for name in sciknoweval.__all__
+        if isinstance(getattr(sciknoweval, name), type) and issubclass(getattr(sciknoweval, name), vf.Taskset)
+    ]
     assert tasksets == ["SciKnowEvalTaskset"]
     assert vf.taskset_config_type("sciknoweval") is SciKnowEvalConfig
     assert SciKnowEvalTaskset.task_type() is SciKnowEvalTask
@@ -80,7 +94,11 @@ def test_tasks_equal_scirl_data_export_question_for_question(data_file, split, t
         assert task.data.system_prompt == system["content"]
         assert task.data.prompt == user["content"]
         assert (task.data.answer_key, task.data.labels, task.data.options, task.data.domain) == (
-            q.answer_key, list(q.labels), list(q.options), q.domain)
+            q.answer_key,
+            list(q.labels),
+            list(q.options),
+            q.domain,
+        )
 
 
 def test_train_and_eval_are_disjoint_and_keys_unique(data_file):
@@ -124,10 +142,22 @@ def replies_for(task: SciKnowEvalTask) -> list[str]:
     wrong = next(label for label in task.data.labels if label != gold)
     gold_text = task.data.options[task.data.labels.index(gold)]
     return [
-        gold, f"({gold})", f"{gold}.", wrong, "", f"Answer: {gold}", f"answer: {wrong}",
-        f"The answer is {gold}.", f"**{gold}**", f"\\boxed{{{gold}}}", f"{gold}. {gold_text}",
+        gold,
+        f"({gold})",
+        f"{gold}.",
+        wrong,
+        "",
+        f"Answer: {gold}",
+        f"answer: {wrong}",
+        f"The answer is {gold}.",
+        f"**{gold}**",
+        f"\\boxed{{{gold}}}",
+        f"{gold}. {gold_text}",
         f"<think>Maybe {wrong}. No, {wrong} is wrong.</think>\n{gold}",
-        f"<think>it is {gold}", f"Let me think.\nAnswer: {gold}", f"{gold} or {wrong}", gold_text,
+        f"<think>it is {gold}",
+        f"Let me think.\nAnswer: {gold}",
+        f"{gold} or {wrong}",
+        gold_text,
         f"{wrong}\nActually the answer is {gold}",
     ]
 
@@ -137,10 +167,15 @@ def test_rewards_equal_scirl_reward_over_a_table_of_replies(data_file, mode):
     tasks = load(data_file, reward_mode=mode)
     checked = 0
     for task in tasks[:6]:
-        q = question_from_row({
-            "question": task.data.question, "choices": {"text": task.data.options, "label": task.data.labels},
-            "answerKey": task.data.answer_key, "type": task.data.mcq_type, "domain": task.data.domain,
-        })
+        q = question_from_row(
+            {
+                "question": task.data.question,
+                "choices": {"text": task.data.options, "label": task.data.labels},
+                "answerKey": task.data.answer_key,
+                "type": task.data.mcq_type,
+                "domain": task.data.domain,
+            }
+        )
         assert q.id == task.key
         for reply in replies_for(task):
             trace = score(task, reply)
@@ -180,14 +215,27 @@ def test_epoch_shuffle_permutes_options_as_scirl_does_and_scores_the_shown_order
     moved = 0
     for task in shuffled:
         row = plain[task.key].data
-        q = question_from_row({"question": row.question, "choices": {"text": row.options, "label": row.labels},
-                               "answerKey": row.answer_key, "type": row.mcq_type, "domain": row.domain})
+        q = question_from_row(
+            {
+                "question": row.question,
+                "choices": {"text": row.options, "label": row.labels},
+                "answerKey": row.answer_key,
+                "type": row.mcq_type,
+                "domain": row.domain,
+            }
+        )
         shown = permute(q, epoch_order(q, 3, 0))  # scirl's epoch 0 under seed 3: the same seeding rule
         assert (task.data.options, task.data.answer_key, task.data.option_order) == (
-            list(shown.options), shown.answer_key, list(shown.option_order))
+            list(shown.options),
+            shown.answer_key,
+            list(shown.option_order),
+        )
         assert task.data.prompt == build_messages(shown)[1]["content"]
         # the gold label follows its text, and the reward reads the shown letter
-        assert task.data.options[task.data.labels.index(task.data.answer_key)] == row.options[row.labels.index(row.answer_key)]
+        assert (
+            task.data.options[task.data.labels.index(task.data.answer_key)]
+            == row.options[row.labels.index(row.answer_key)]
+        )
         assert score(task, task.data.answer_key).reward == 1.0
         moved += task.data.answer_key != row.answer_key
     assert moved >= len(shuffled) // 2
@@ -235,13 +283,29 @@ def test_data_errors_name_the_tasksets_data_key(monkeypatch):
 
 def test_other_sets_and_their_exports_load_in_the_taskset(tmp_path):
     from scirl.synth import other_formats as synthetic_formats
+
     arc = write_jsonl(synthetic_formats.generate_format_rows("arc", n=60, seed=1), tmp_path / "arc.jsonl")
     direct = load(arc, split="train")
     assert {len(t.data.options) for t in direct} == {3, 4, 5}  # no option count is dropped as "not MCQ"
     assert [t.data.qid for t in load(arc, split="train", data_format="arc")] == [t.data.qid for t in direct]
     out = tmp_path / "exported.jsonl"
-    assert cli_main(["data", "export", "--data", str(arc), "--split", "train", "--out", str(out),
-                     "--eval-per-domain", str(EVAL_PER_DOMAIN)]) == 0
+    assert (
+        cli_main(
+            [
+                "data",
+                "export",
+                "--data",
+                str(arc),
+                "--split",
+                "train",
+                "--out",
+                str(out),
+                "--eval-per-domain",
+                str(EVAL_PER_DOMAIN),
+            ]
+        )
+        == 0
+    )
     config = SciKnowEvalConfig(id="sciknoweval", data=str(out), eval_per_domain=0, data_format="sciknoweval")
     assert sorted(t.data.qid for t in vf.load_taskset(config)) == sorted(t.data.qid for t in direct)
     mapped = load(arc, split="train", data_columns="question=question,options=choices,answer=answerKey")

@@ -26,16 +26,30 @@ EVAL_EVERY = 4  # the run below evaluated during training every 4 steps
 def metrics_row(step: int) -> dict:
     reward = 0.3 + 0.4 * (1 - math.exp(-step / 5))
     return {
-        "step": step, "time": 1000.0 + 30 * step,
-        "reward/mean": reward, "reward/std": 0.2,
+        "step": step,
+        "time": 1000.0 + 30 * step,
+        "reward/mean": reward,
+        "reward/std": 0.2,
         **{f"reward/{d}": reward + 0.02 * i for i, d in enumerate(DOMAINS)},
-        "parse_rate/strict": 0.6 + 0.03 * step, "parse_rate/lenient": 0.9,
-        "filters/gibberish": 0.01, "filters/repetition": 0.02 * (step % 3), "filters/zero_advantage": 0.3,
-        "trainable/count": 90, "trainable/total": 128, "trainable/fraction": 90 / 128,
-        "loss": 0.1 / step, "entropy": 1.0 - 0.02 * step, "grad_norm": 0.5 + 0.1 * (step % 4),
-        "mismatch_kl": 1e-4 * step, "tokens_per_s": 4000.0 + 100 * step,
-        "time/step": 30.0, "time/generate": 18.0, "time/train": 8.0, "time/weight_sync": 1.5,
-        "time/checkpoint": 2.0 if step % 5 == 0 else 0.0, "memory/peak_mb": 20000.0,
+        "parse_rate/strict": 0.6 + 0.03 * step,
+        "parse_rate/lenient": 0.9,
+        "filters/gibberish": 0.01,
+        "filters/repetition": 0.02 * (step % 3),
+        "filters/zero_advantage": 0.3,
+        "trainable/count": 90,
+        "trainable/total": 128,
+        "trainable/fraction": 90 / 128,
+        "loss": 0.1 / step,
+        "entropy": 1.0 - 0.02 * step,
+        "grad_norm": 0.5 + 0.1 * (step % 4),
+        "mismatch_kl": 1e-4 * step,
+        "tokens_per_s": 4000.0 + 100 * step,
+        "time/step": 30.0,
+        "time/generate": 18.0,
+        "time/train": 8.0,
+        "time/weight_sync": 1.5,
+        "time/checkpoint": 2.0 if step % 5 == 0 else 0.0,
+        "memory/peak_mb": 20000.0,
         **(eval_keys(step) if step % EVAL_EVERY == 0 else {}),
     }
 
@@ -43,9 +57,14 @@ def metrics_row(step: int) -> dict:
 def eval_keys(step: int) -> dict:
     """What eval during training (``eval.interval``) adds to a step's row."""
     accuracy = 0.4 + 0.02 * step
-    return {"eval/accuracy": accuracy, "eval/accuracy_strict": accuracy - 0.1,
-            **{f"eval/accuracy/{d}": accuracy + 0.01 * i for i, d in enumerate(DOMAINS)},
-            "eval/parse_rate": 0.9, "eval/questions": 200, "time/eval": 3.0}
+    return {
+        "eval/accuracy": accuracy,
+        "eval/accuracy_strict": accuracy - 0.1,
+        **{f"eval/accuracy/{d}": accuracy + 0.01 * i for i, d in enumerate(DOMAINS)},
+        "eval/parse_rate": 0.9,
+        "eval/questions": 200,
+        "time/eval": 3.0,
+    }
 
 
 def eval_results(accuracy_by_domain: dict[str, float], n_per_domain: int = 40, with_ci: bool = True) -> dict:
@@ -55,25 +74,51 @@ def eval_results(accuracy_by_domain: dict[str, float], n_per_domain: int = 40, w
         n_right = round(accuracy_by_domain[domain] * n_per_domain)
         for q in range(n_per_domain):
             correct = q < n_right
-            records.append({"id": f"{domain}-{q}", "question": f"q{q}", "domain": domain, "answerKey": "A",
-                            "answers": ["A" if correct else "B"], "correct": correct, "replies": ["..."]})
+            records.append(
+                {
+                    "id": f"{domain}-{q}",
+                    "question": f"q{q}",
+                    "domain": domain,
+                    "answerKey": "A",
+                    "answers": ["A" if correct else "B"],
+                    "correct": correct,
+                    "replies": ["..."],
+                }
+            )
     per_domain = {d: sum(r["correct"] for r in records if r["domain"] == d) / n_per_domain for d in DOMAINS}
     overall = sum(r["correct"] for r in records) / len(records)
-    data = {"overall_accuracy": overall, "per_domain_accuracy": per_domain, "strict_accuracy": overall - 0.05,
-            "unparsed_rate": 0.02, "records": records,
-            "counts": {"questions": len(records), "answered": len(records), "failed": 0,
-                       "per_domain": {d: n_per_domain for d in DOMAINS}}}
+    data = {
+        "overall_accuracy": overall,
+        "per_domain_accuracy": per_domain,
+        "strict_accuracy": overall - 0.05,
+        "unparsed_rate": 0.02,
+        "records": records,
+        "counts": {
+            "questions": len(records),
+            "answered": len(records),
+            "failed": 0,
+            "per_domain": {d: n_per_domain for d in DOMAINS},
+        },
+    }
     if with_ci:
-        data["ci95"] = {"overall": list(wilson_interval(overall * len(records), len(records))),
-                        "per_domain": {d: list(wilson_interval(a * n_per_domain, n_per_domain)) for d, a in per_domain.items()}}
+        data["ci95"] = {
+            "overall": list(wilson_interval(overall * len(records), len(records))),
+            "per_domain": {d: list(wilson_interval(a * n_per_domain, n_per_domain)) for d, a in per_domain.items()},
+        }
     return data
 
 
 def rollout(i: int, parsed: str | None, answer: str = "A") -> dict:
     reward = float(parsed == answer)
-    return {"question_id": f"q{i:03d}", "prompt": [{"role": "user", "content": f"question {i}?"}],
-            "completion": f"<script>alert({i})</script> thinking... Answer: {parsed}",
-            "answer": answer, "parsed": parsed, "reward": reward, "advantage": reward - 0.4}
+    return {
+        "question_id": f"q{i:03d}",
+        "prompt": [{"role": "user", "content": f"question {i}?"}],
+        "completion": f"<script>alert({i})</script> thinking... Answer: {parsed}",
+        "answer": answer,
+        "parsed": parsed,
+        "reward": reward,
+        "advantage": reward - 0.4,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +159,7 @@ def test_every_plot_is_a_nonblank_png_embedded_in_a_self_contained_page(run_dir,
     text = report_page.read_text()
     assert text.count('src="data:image/png;base64,') == len(PLOTS)
     # self-contained: nothing is fetched from anywhere
-    for external in ('src="http', "href=\"http", "<link", "<script"):
+    for external in ('src="http', 'href="http', "<link", "<script"):
         assert external not in text
     assert "group_size" in text and "grpo.learning_rate" in text  # settings
     assert "eval_base.json" in text and "eval_final.json" in text
@@ -141,7 +186,9 @@ def test_eval_during_training_is_plotted_at_the_steps_that_evaluated(run_dir, re
     drawn = plots.plot_eval(run.metrics, tmp_path / "eval.png")
     evaluated = [s for s in range(1, STEPS + 1) if s % EVAL_EVERY == 0]
     assert drawn["eval/accuracy"] == (evaluated, pytest.approx([eval_keys(s)["eval/accuracy"] for s in evaluated]))
-    assert set(drawn) == {"eval/accuracy", "eval/accuracy_strict", "eval/parse_rate"} | {f"eval/accuracy/{d}" for d in DOMAINS}
+    assert set(drawn) == {"eval/accuracy", "eval/accuracy_strict", "eval/parse_rate"} | {
+        f"eval/accuracy/{d}" for d in DOMAINS
+    }
     assert plots.plot_timing(run.metrics, tmp_path / "timing.png")["time/eval"][0] == evaluated
     last = eval_keys(evaluated[-1])["eval/accuracy"]
     assert "held-out accuracy" in report_page.read_text() and f"{100 * last:.1f}%" in report_page.read_text()
@@ -165,8 +212,16 @@ def test_a_metric_logged_on_some_steps_only_is_plotted_on_those_steps(tmp_path):
 
 
 def test_an_sdpo_run_gets_its_divergence_plotted_and_a_grpo_run_no_such_plot(tmp_path):
-    rows = [{"step": s, "reward/mean": 0.5, "sdpo/divergence": 0.2 / s, "sdpo/teacher_fraction": 0.1 * s,
-             "sdpo/feedback_fraction": 0.0} for s in range(1, 6)]
+    rows = [
+        {
+            "step": s,
+            "reward/mean": 0.5,
+            "sdpo/divergence": 0.2 / s,
+            "sdpo/teacher_fraction": 0.1 * s,
+            "sdpo/feedback_fraction": 0.0,
+        }
+        for s in range(1, 6)
+    ]
     drawn = plots.plot_algorithm(rows, tmp_path / "sdpo.png", "sdpo")
     assert drawn["sdpo/divergence"] == ([1, 2, 3, 4, 5], pytest.approx([0.2 / s for s in range(1, 6)]))
     assert drawn["sdpo/teacher_fraction"][1] == pytest.approx([0.1 * s for s in range(1, 6)])
@@ -228,7 +283,13 @@ def test_rollout_samples_are_best_worst_unparsed_of_the_latest_step_and_escaped(
 def test_trainer_rollouts_unparsed_means_lenient_failed_first_then_strict():
     rows = [
         {"question_id": "ok", "reward": 1.0, "advantage": 0.5, "parsed_strict": True, "parsed_lenient": True},
-        {"question_id": "strict_only", "reward": 0.0, "advantage": -0.5, "parsed_strict": False, "parsed_lenient": True},
+        {
+            "question_id": "strict_only",
+            "reward": 0.0,
+            "advantage": -0.5,
+            "parsed_strict": False,
+            "parsed_lenient": True,
+        },
         {"question_id": "nothing", "reward": 0.0, "advantage": -0.5, "parsed_strict": False, "parsed_lenient": False},
     ]
     samples, notes = rollout_samples(rows)
@@ -291,10 +352,16 @@ def test_odd_shapes_in_evaluations_and_rollouts_give_a_page_not_a_crash(tmp_path
     run = tmp_path / "odd"
     (run / "rollouts").mkdir(parents=True)
     # records that are not a list; an interval that does not hold its accuracy (a hand-edited file)
-    (run / "eval_base.json").write_text(json.dumps({"overall_accuracy": 0.5, "records": 5, "ci95": {"overall": [0.9, 0.95]}}))
+    (run / "eval_base.json").write_text(
+        json.dumps({"overall_accuracy": 0.5, "records": 5, "ci95": {"overall": [0.9, 0.95]}})
+    )
     (run / "eval_final.json").write_text(json.dumps({"overall_accuracy": 0.6, "records": {"a": 1}}))
     (run / "rollouts" / "step_1.jsonl").write_text(
-        json.dumps({"question_id": [1], "reward": 1.0}) + "\n" + json.dumps({"question_id": {"a": 1}, "reward": 0.0}) + "\n")
+        json.dumps({"question_id": [1], "reward": 1.0})
+        + "\n"
+        + json.dumps({"question_id": {"a": 1}, "reward": 0.0})
+        + "\n"
+    )
     page = write_report(run).read_text()
     assert "50.0%" in page and "60.0%" in page
     with pytest.raises(ValueError, match="share no question"):  # no records to pair: refused, not "+0.0 pts, p = 1"
@@ -329,9 +396,23 @@ def test_page_renders_in_headless_chromium(report_page, tmp_path):
     page = report_page
     shot = tmp_path / "screenshot.png"
     subprocess.run(
-        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", f"--screenshot={shot}", "--window-size=1200,2000", page.as_uri()],
-        check=True, capture_output=True, timeout=120,
+        [
+            CHROMIUM,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            f"--screenshot={shot}",
+            "--window-size=1200,2000",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
     )
     assert_nonblank_png(shot)

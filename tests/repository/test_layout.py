@@ -36,7 +36,9 @@ def import_graph() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                    base = ".".join(
+                        package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                    )
                 targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
             for target in targets:
                 # the deepest scirl module the import names ("from scirl.run import rundir" -> scirl.run.rundir)
@@ -56,7 +58,7 @@ def test_no_import_cycles():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+                cycles.append(path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt])
             elif nxt not in state:
                 visit(nxt, path + [nxt])
         state[node] = 2
@@ -68,8 +70,23 @@ def test_no_import_cycles():
 
 
 BASE = {"scirl.errors", "scirl.files", "scirl.net", "scirl.distributed", "scirl.hub", "scirl.extras"}
-FOLDERS = ("task", "synth", "inference", "rollouts", "trainer", "algorithms", "weights", "cpu", "eval", "run", "deploy", "report",
-           "primerl", "demo", "commands")
+FOLDERS = (
+    "task",
+    "synth",
+    "inference",
+    "rollouts",
+    "trainer",
+    "algorithms",
+    "weights",
+    "cpu",
+    "eval",
+    "run",
+    "deploy",
+    "report",
+    "primerl",
+    "demo",
+    "commands",
+)
 # What each part may import besides itself, bottom up: the table of docs/architecture.md ("Layers").
 # A folder's every module, and every import in it (inside functions too), counts.
 ALLOWED = {
@@ -89,14 +106,23 @@ ALLOWED = {
     "scirl.weights": BASE | {"scirl.inference"},
     "scirl.cpu": BASE | {"scirl.inference", "scirl.trainer", "scirl.rollouts.contract"},
     "scirl.eval": BASE | {"scirl.task", "scirl.inference"},
-    "scirl.run": BASE | {"scirl.task", "scirl.inference", "scirl.rollouts", "scirl.trainer", "scirl.weights", "scirl.cpu",
-                         "scirl.eval", "scirl.algorithms"},
+    "scirl.run": BASE
+    | {
+        "scirl.task",
+        "scirl.inference",
+        "scirl.rollouts",
+        "scirl.trainer",
+        "scirl.weights",
+        "scirl.cpu",
+        "scirl.eval",
+        "scirl.algorithms",
+    },
     "scirl.deploy": BASE | {"scirl.task", "scirl.inference", "scirl.run", "scirl.algorithms"},
     "scirl.report": BASE | {"scirl.eval", "scirl.run", "scirl.algorithms"},
     "scirl.primerl": BASE | {"scirl.task", "scirl.run", "scirl.algorithms"},
     "scirl.serve": BASE | {"scirl.task", "scirl.inference", "scirl.run"},
-    "scirl.demo": BASE | {"scirl.task", "scirl.synth", "scirl.inference", "scirl.eval", "scirl.run", "scirl.deploy",
-                          "scirl.report"},
+    "scirl.demo": BASE
+    | {"scirl.task", "scirl.synth", "scirl.inference", "scirl.eval", "scirl.run", "scirl.deploy", "scirl.report"},
     "scirl.commands": BASE | {f"scirl.{f}" for f in FOLDERS} | {"scirl.serve", "scirl"},
     "scirl.cli": {"scirl", "scirl.commands", "scirl.extras"},
     "scirl.__main__": {"scirl.cli"},
@@ -136,7 +162,11 @@ def test_the_package_root_holds_at_most_ten_modules():
 def test_the_core_training_path_does_not_reach_the_cpu_speed_code():
     """scirl.cpu is chosen once, in scirl.run.backends: the loop, trainer, generator and loss never import it."""
     graph = import_graph()
-    core = [m for m in graph if m.startswith(("scirl.trainer", "scirl.rollouts", "scirl.algorithms", "scirl.weights", "scirl.inference"))]
+    core = [
+        m
+        for m in graph
+        if m.startswith(("scirl.trainer", "scirl.rollouts", "scirl.algorithms", "scirl.weights", "scirl.inference"))
+    ]
     core += ["scirl.run.train", "scirl.run.setup", "scirl.distributed", "scirl.run.rundir", "scirl.run.checkpoint"]
     for module in core:
         assert not any(t.startswith("scirl.cpu") for t in graph[module]), module
@@ -157,13 +187,15 @@ def test_reading_a_config_and_launching_a_run_import_neither_torch_nor_transform
     """The processes that only read a config (the launcher of a run with servers and its ``--dry-run``, a Slurm
     job's driver, ``scirl report``, the prime-rl export) start in a fraction of a second: torch, transformers and
     peft cost ~3 s of import, and the algorithms' implementations, which import them, load only in ``build``."""
-    code = ("import contextlib, io, sys\n"
-            "import scirl.deploy.job, scirl.deploy.launch, scirl.primerl.export, scirl.report, scirl.run.config_io\n"
-            "from scirl.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
-            "    rc = main(['train', '--device', 'cpu', '--algorithm', 'sdpo', '--dry-run'])\n"
-            "assert rc == 0 and 'algorithm = \"sdpo\"' in out.getvalue(), (rc, out.getvalue()[-500:])\n"
-            "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm') if m in sys.modules))\n")
+    code = (
+        "import contextlib, io, sys\n"
+        "import scirl.deploy.job, scirl.deploy.launch, scirl.primerl.export, scirl.report, scirl.run.config_io\n"
+        "from scirl.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    rc = main(['train', '--device', 'cpu', '--algorithm', 'sdpo', '--dry-run'])\n"
+        "assert rc == 0 and 'algorithm = \"sdpo\"' in out.getvalue(), (rc, out.getvalue()[-500:])\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'peft', 'vllm') if m in sys.modules))\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]", f"imported: {done.stdout.strip()}"
@@ -187,5 +219,6 @@ def test_the_architecture_page_maps_every_module_in_a_line():
             named.append("/".join([*folders, name]))
     modules = {p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")}
     assert len(named) == len(set(named)), f"named twice: {sorted(n for n in set(named) if named.count(n) > 1)}"
-    assert set(named) == modules, (f"not in the map: {sorted(modules - set(named))}; "
-                                   f"in the map, not in scirl/: {sorted(set(named) - modules)}")
+    assert set(named) == modules, (
+        f"not in the map: {sorted(modules - set(named))}; in the map, not in scirl/: {sorted(set(named) - modules)}"
+    )

@@ -51,9 +51,19 @@ def checkpointer(run_dir, model, optimizer=None, tokenizer=None, *, keep=None, s
         weights, moments = get_state_dict(model, optimizer)
         return {"model": weights, "optimizer": moments, "algorithm": {}}
 
-    fixed = fixed_files(model.config, model.generation_config, tokenizer, 'seed = 1\n', dtype)
-    return Checkpointer(Path(run_dir), state=state, fixed=fixed, dtype=dtype, dist=Dist(), group=None,
-                        device=torch.device("cpu"), staging=staging, keep=keep, tied=tied_names(model))
+    fixed = fixed_files(model.config, model.generation_config, tokenizer, "seed = 1\n", dtype)
+    return Checkpointer(
+        Path(run_dir),
+        state=state,
+        fixed=fixed,
+        dtype=dtype,
+        dist=Dist(),
+        group=None,
+        device=torch.device("cpu"),
+        staging=staging,
+        keep=keep,
+        tied=tied_names(model),
+    )
 
 
 def save(run_dir, step, model, optimizer=None, tokenizer=None, *, progress=None, keep=None, full=True) -> Path:
@@ -545,15 +555,23 @@ FILE_LIMIT_WRITER = textwrap.dedent(
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(resource.getrlimit(resource.RLIMIT_FSIZE)[1] != resource.RLIM_INFINITY and
-                    resource.getrlimit(resource.RLIMIT_FSIZE)[1] < (1 << 20), reason="file size limit already low")
+@pytest.mark.skipif(
+    resource.getrlimit(resource.RLIMIT_FSIZE)[1] != resource.RLIM_INFINITY
+    and resource.getrlimit(resource.RLIMIT_FSIZE)[1] < (1 << 20),
+    reason="file size limit already low",
+)
 def test_real_failed_write_is_reported_in_one_line(tmp_path, tiny_model_dir):
     """A real failed write (the kernel refuses to grow a file): safetensors' error becomes one line."""
     script = tmp_path / "writer.py"
     script.write_text(FILE_LIMIT_WRITER)
     run = tmp_path / "run"
-    out = subprocess.run([sys.executable, str(script), str(run), str(tiny_model_dir), str(Path(__file__).parent)],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(script), str(run), str(tiny_model_dir), str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if line.startswith("ERROR")]
     assert len(lines) == 1 and "checkpoint step 2 not saved" in lines[0] and "ckpt.keep" in lines[0]

@@ -15,7 +15,7 @@ import torch
 
 # One script, three roles: "first" (one process: a step, checkpoint 1, then the next step; its state saved whole),
 # "resume" (2 ranks: checkpoint 1 read, the same next step, checkpoint 2), "read" (one process: checkpoint 2 read)
-SCRIPT = r'''
+SCRIPT = r"""
 import sys, torch
 from pathlib import Path
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -74,7 +74,7 @@ else:
 checkpoints.close()
 teardown()
 exit_process(0)
-'''
+"""
 
 
 def run(tmp_path: Path, role: str, model: Path, ranks: int = 1) -> dict[str, dict]:
@@ -82,9 +82,13 @@ def run(tmp_path: Path, role: str, model: Path, ranks: int = 1) -> dict[str, dic
     script = tmp_path / "ranks.py"
     script.write_text(SCRIPT)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] if ranks > 1 else []
-    done = subprocess.run([sys.executable, *launcher, str(script), role, str(model), str(tmp_path / "samples.pt"),
-                           str(tmp_path / role)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, *launcher, str(script), role, str(model), str(tmp_path / "samples.pt"), str(tmp_path / role)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {p.stem: torch.load(p) for p in (tmp_path / role).glob("*.pt")}
 
@@ -96,8 +100,9 @@ def assert_same(got: dict, want: dict, **tolerance) -> None:
         torch.testing.assert_close(got["weights"][name], value, msg=name, **(tolerance or {"rtol": 0, "atol": 0}))
     for name, moments in want["moments"].items():
         for key, value in moments.items():
-            torch.testing.assert_close(got["moments"][name][key], value, msg=f"{name} {key}",
-                                       **(tolerance or {"rtol": 0, "atol": 0}))
+            torch.testing.assert_close(
+                got["moments"][name][key], value, msg=f"{name} {key}", **(tolerance or {"rtol": 0, "atol": 0})
+            )
 
 
 @pytest.mark.slow
@@ -107,8 +112,9 @@ def test_a_checkpoint_resumes_exactly_on_two_ranks_and_theirs_on_one(tiny_model_
     process resumes theirs (the state they saved, bit for bit). The resumed step is the one the process that never
     stopped took, up to the float32 rounding of another reduction order."""
     from safetensors.torch import load_file
-    from helpers.train_runs import fixed_samples
     from transformers import AutoModelForCausalLM
+
+    from helpers.train_runs import fixed_samples
 
     torch.save([vars(s) for s in fixed_samples(n=8)], tmp_path / "samples.pt")
     first = run(tmp_path, "first", tiny_model_dir)
@@ -121,13 +127,16 @@ def test_a_checkpoint_resumes_exactly_on_two_ranks_and_theirs_on_one(tiny_model_
     # Two ranks sum the gradients in another order: float32 rounding, which AdamW's step lr * m / sqrt(v) turns into
     # up to ~1e-4 of lr for an element whose gradient nearly cancels (1.5e-6 at lr 1e-2 seen here): 1e-3 of lr bounds it
     assert_same(resumed["saved"], first["stepped"], rtol=1e-5, atol=1e-5)
-    assert any(not torch.equal(read["loaded"]["weights"][n], first["saved"]["weights"][n])
-               for n in first["saved"]["weights"])  # the resumed step moved the weights
+    assert any(
+        not torch.equal(read["loaded"]["weights"][n], first["saved"]["weights"][n]) for n in first["saved"]["weights"]
+    )  # the resumed step moved the weights
 
     # each rank wrote its share of the serving weights; together they are the model whole, in its dtype
     index = json.loads((step_2 / "model.safetensors.index.json").read_text())
-    assert sorted(set(index["weight_map"].values())) == ["model-00001-of-00002.safetensors",
-                                                          "model-00002-of-00002.safetensors"]
+    assert sorted(set(index["weight_map"].values())) == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     assert all(load_file(step_2 / f) for f in set(index["weight_map"].values()))
     served = AutoModelForCausalLM.from_pretrained(step_2)
     assert served.dtype == torch.float32
@@ -141,8 +150,8 @@ def test_serving_weights_are_in_the_models_dtype_and_match_the_trainers(tiny_mod
     """A bf16 model (its config says so): its checkpoint serves bf16 weights, the float32 masters rounded once, which
     ``from_pretrained`` loads as bf16; the float32 masters stay in the trainer state."""
     from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
     from test_checkpoint import checkpointer, trained_optimizer
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     model.config.dtype = torch.bfloat16  # as a bf16 model's config.json names it

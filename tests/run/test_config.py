@@ -7,15 +7,30 @@ import pytest
 from scirl.errors import ConfigError
 from scirl.run.config import TrainConfig
 from scirl.run.config_io import load_config, read_toml, validate, write_config
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_overrides_kebab_snake_equals_and_bools():
-    cfg = load_config([
-        "--max-steps", "7", "--output_dir=out/x", "--optim.lr", "1e-5", "--optim.betas", "[0.9, 0.95]",
-        "--filters.zero-advantage.no-enforce", "--wandb.enabled", "--advantage.std-normalize", "true",
-        "--ckpt.interval", "3", "--reward.mode", "lenient",
-    ])
+    cfg = load_config(
+        [
+            "--max-steps",
+            "7",
+            "--output_dir=out/x",
+            "--optim.lr",
+            "1e-5",
+            "--optim.betas",
+            "[0.9, 0.95]",
+            "--filters.zero-advantage.no-enforce",
+            "--wandb.enabled",
+            "--advantage.std-normalize",
+            "true",
+            "--ckpt.interval",
+            "3",
+            "--reward.mode",
+            "lenient",
+        ]
+    )
     assert cfg.max_steps == 7 and cfg.output_dir == "out/x"
     assert cfg.optim.lr == 1e-5 and cfg.optim.betas == (0.9, 0.95)
     assert cfg.filters.zero_advantage.enforce is False and cfg.filters.gibberish.enforce is True
@@ -25,53 +40,59 @@ def test_overrides_kebab_snake_equals_and_bools():
 
 def test_files_merge_left_to_right_and_flags_win(tmp_path):
     a = tmp_path / "a.toml"
-    a.write_text('max_steps = 5\nbatch_size = 32\n[optim]\nlr = 1e-4\nweight_decay = 0.0\n')
+    a.write_text("max_steps = 5\nbatch_size = 32\n[optim]\nlr = 1e-4\nweight_decay = 0.0\n")
     b = tmp_path / "b.toml"
-    b.write_text('[optim]\nlr = 2e-4\n')
+    b.write_text("[optim]\nlr = 2e-4\n")
     cfg = load_config(["@", str(a), f"@{b}", "--batch-size", "64"])
     assert cfg.max_steps == 5 and cfg.batch_size == 64
     assert cfg.optim.lr == 2e-4 and cfg.optim.weight_decay == 0.0  # deep merge keeps a's other keys
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--optim.lrr", "1"], "optim.lr"),  # unknown key: named, with a suggestion
-    (["--not-a-field", "1"], "not_a_field"),
-    (["--max-steps", "many"], "max_steps"),
-    (["--optim.lr", "-1"], "optim.lr"),
-    (["--batch-size", "10", "--group-size", "4"], "divisible by group_size"),
-    (["--reward.mode", "fuzzy"], "reward.mode"),
-    (["--data.split", "test"], "data.split"),  # not a traceback after the data has loaded
-    (["--group-size", "1", "--batch-size", "8"], "group_size"),  # every advantage would be 0: 10 idle steps, then an error
-    (["--optim", "3"], "section"),
-    (["--no-max-steps"], "true/false"),
-    (["--max-steps"], "needs a value"),
-    (["loose-word"], "unexpected argument"),
-    (["--micro-batch-tokens", "0"], "micro_batch_tokens"),  # and no micro_batch_size: unbounded micro-batches
-    # values that can only be mistakes (issue 12, item 3): refused here, not as NaN losses or an AdamW crash
-    (["--optim.lr", "inf"], "optim.lr"),
-    (["--optim.lr", "nan"], "optim.lr"),
-    (["--optim.lr", "1e400"], "optim.lr"),  # overflows to inf
-    (["--optim.lr", "2"], "optim.lr"),
-    (["--temperature", "1e300"], "temperature"),
-    (["--temperature", "11"], "temperature"),
-    (["--optim.betas", "[2, -5]"], "optim.betas"),
-    (["--optim.betas", "[0.9, 1.0]"], "optim.betas"),
-    (["--optim.betas", "[0.9, NaN]"], "optim.betas"),
-    (["--optim.weight-decay", "-inf"], "optim.weight_decay"),
-    (["--optim.lr", "0.5", "--optim.weight-decay", "3"], "lr \\* weight_decay"),
-    (["--optim.max-norm", "nan"], "optim.max_norm"),
-    (["--loss.kl-tau", "inf"], "loss.kl_tau"),
-    (["--filters.gibberish.logprob-offset", "nan"], "logprob_offset"),
-    (["--advantage.eps", "inf"], "advantage.eps"),
-    (["--top-p", "nan"], "top_p"),
-    (["--seed", "-1"], "seed"),
-    (["--data.split-seed", str(2**64)], "data.split_seed"),
-    (["--data.seed", "3"], "--data.seed: it is now --data.split-seed"),  # renamed: the flag names its new name
-    (["--output-dir", ""], "output_dir"),
-    (["--model", ""], "model"),
-    (["--data.shuffle-options", "always"], "data.shuffle_options"),
-    (["--reward.mode", "coin"], "reward.mode"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--optim.lrr", "1"], "optim.lr"),  # unknown key: named, with a suggestion
+        (["--not-a-field", "1"], "not_a_field"),
+        (["--max-steps", "many"], "max_steps"),
+        (["--optim.lr", "-1"], "optim.lr"),
+        (["--batch-size", "10", "--group-size", "4"], "divisible by group_size"),
+        (["--reward.mode", "fuzzy"], "reward.mode"),
+        (["--data.split", "test"], "data.split"),  # not a traceback after the data has loaded
+        (
+            ["--group-size", "1", "--batch-size", "8"],
+            "group_size",
+        ),  # every advantage would be 0: 10 idle steps, then an error
+        (["--optim", "3"], "section"),
+        (["--no-max-steps"], "true/false"),
+        (["--max-steps"], "needs a value"),
+        (["loose-word"], "unexpected argument"),
+        (["--micro-batch-tokens", "0"], "micro_batch_tokens"),  # and no micro_batch_size: unbounded micro-batches
+        # values that can only be mistakes (issue 12, item 3): refused here, not as NaN losses or an AdamW crash
+        (["--optim.lr", "inf"], "optim.lr"),
+        (["--optim.lr", "nan"], "optim.lr"),
+        (["--optim.lr", "1e400"], "optim.lr"),  # overflows to inf
+        (["--optim.lr", "2"], "optim.lr"),
+        (["--temperature", "1e300"], "temperature"),
+        (["--temperature", "11"], "temperature"),
+        (["--optim.betas", "[2, -5]"], "optim.betas"),
+        (["--optim.betas", "[0.9, 1.0]"], "optim.betas"),
+        (["--optim.betas", "[0.9, NaN]"], "optim.betas"),
+        (["--optim.weight-decay", "-inf"], "optim.weight_decay"),
+        (["--optim.lr", "0.5", "--optim.weight-decay", "3"], "lr \\* weight_decay"),
+        (["--optim.max-norm", "nan"], "optim.max_norm"),
+        (["--loss.kl-tau", "inf"], "loss.kl_tau"),
+        (["--filters.gibberish.logprob-offset", "nan"], "logprob_offset"),
+        (["--advantage.eps", "inf"], "advantage.eps"),
+        (["--top-p", "nan"], "top_p"),
+        (["--seed", "-1"], "seed"),
+        (["--data.split-seed", str(2**64)], "data.split_seed"),
+        (["--data.seed", "3"], "--data.seed: it is now --data.split-seed"),  # renamed: the flag names its new name
+        (["--output-dir", ""], "output_dir"),
+        (["--model", ""], "model"),
+        (["--data.shuffle-options", "always"], "data.shuffle_options"),
+        (["--reward.mode", "coin"], "reward.mode"),
+    ],
+)
 def test_bad_values_and_unknown_keys_name_the_field(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.") if "." in fragment else fragment):
         load_config(argv)
@@ -121,7 +142,12 @@ def test_shipped_configs_validate(name):
 def test_guide_config_has_the_guides_values():
     cfg = load_config(["@", str(ROOT / "configs" / "sciknoweval-qwen3-8b.toml")])
     assert (cfg.model, cfg.batch_size, cfg.group_size, cfg.max_completion_tokens, cfg.seq_len) == (
-        "PrimeIntellect/Qwen3-8B", 128, 16, 256, 4096)
+        "PrimeIntellect/Qwen3-8B",
+        128,
+        16,
+        256,
+        4096,
+    )
     assert cfg.optim.lr == 5e-6 and cfg.max_steps == 30
     assert cfg.filters.zero_advantage.enforce is False
     assert cfg.filters.gibberish.enforce and cfg.filters.repetition.enforce
@@ -154,24 +180,46 @@ def test_non_finite_floats_in_a_toml_file_are_refused(tmp_path):
     text = str(exc.value)
     assert "temperature" in text and "optim.lr" in text and "loss.mask_low" in text and "finite" in text
 
+
 def test_inference_section_parses_from_flags_and_round_trips(tmp_path):
-    cfg = load_config(["--inference.backend", "vllm", "--inference.sleep-level", "1", "--inference.max-model-len", "1024",
-                       "--inference.enforce-eager", "--inference.gpu-memory-utilization", "0.3", "--inference.kv-cache-gib", "0.5"])
+    cfg = load_config(
+        [
+            "--inference.backend",
+            "vllm",
+            "--inference.sleep-level",
+            "1",
+            "--inference.max-model-len",
+            "1024",
+            "--inference.enforce-eager",
+            "--inference.gpu-memory-utilization",
+            "0.3",
+            "--inference.kv-cache-gib",
+            "0.5",
+        ]
+    )
     inf = cfg.inference
     assert (inf.backend, inf.sleep_level, inf.max_model_len, inf.enforce_eager) == ("vllm", 1, 1024, True)
     assert (inf.gpu_memory_utilization, inf.kv_cache_gib) == (0.3, 0.5)
     assert validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).inference == inf
     defaults = TrainConfig().inference
-    assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == ("auto", None, 2, None)
+    assert (defaults.backend, defaults.max_model_len, defaults.sleep_level, defaults.gpu_memory_utilization) == (
+        "auto",
+        None,
+        2,
+        None,
+    )
 
 
-@pytest.mark.parametrize("argv, fragment", [
-    (["--inference.backend", "sglang"], "inference.backend"),
-    (["--inference.gpu-memory-utilization", "1.5"], "inference.gpu_memory_utilization"),
-    (["--inference.gpu-memory-utilization", "0"], "inference.gpu_memory_utilization"),
-    (["--inference.sleep-level", "3"], "inference.sleep_level"),
-    (["--inference.kv-cache-gib", "0"], "inference.kv_cache_gib"),
-])
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--inference.backend", "sglang"], "inference.backend"),
+        (["--inference.gpu-memory-utilization", "1.5"], "inference.gpu_memory_utilization"),
+        (["--inference.gpu-memory-utilization", "0"], "inference.gpu_memory_utilization"),
+        (["--inference.sleep-level", "3"], "inference.sleep_level"),
+        (["--inference.kv-cache-gib", "0"], "inference.kv_cache_gib"),
+    ],
+)
 def test_inference_section_refuses_bad_values(argv, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config(argv)
@@ -224,8 +272,11 @@ def test_each_registered_algorithm_has_its_section_declared_on_the_config():
     tree = ast.parse(inspect.getsource(config))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "TrainConfig").body
     in_body = {node.target.id for node in body if isinstance(node, ast.AnnAssign)}
-    declared = {name: field.annotation for name, field in TrainConfig.model_fields.items()
-                if getattr(field.annotation, "__module__", None) == sections.__name__}
+    declared = {
+        name: field.annotation
+        for name, field in TrainConfig.model_fields.items()
+        if getattr(field.annotation, "__module__", None) == sections.__name__
+    }
     assert declared == algorithms.config_sections() and declared.keys() <= in_body
     cfg = TrainConfig()
     for name, model in declared.items():

@@ -9,12 +9,12 @@ import json
 import math
 import os
 import random
-import tomllib
 import types
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -49,28 +49,48 @@ from scirl.run.memory import (
     workload,
 )
 from scirl.run.memory_report import notes
+from scirl.trainer import Trainer
 from scirl.trainer.batching import Batching
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_8B = str(ROOT / "configs" / "sciknoweval-qwen3-8b.toml")
 STATE = ("weights", "optimizer", "compute copy")  # what exists before a step: the plan's terms of it
 
 
-def tiny_model(vocab: int, hidden: int, layers: int, kv_heads: int, tied: bool = True, heads: int = 4) -> Qwen3ForCausalLM:
+def tiny_model(
+    vocab: int, hidden: int, layers: int, kv_heads: int, tied: bool = True, heads: int = 4
+) -> Qwen3ForCausalLM:
     torch.manual_seed(0)
-    return Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden,
-                                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                        head_dim=hidden // heads, tie_word_embeddings=tied, max_position_embeddings=4096))
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=hidden // heads,
+            tie_word_embeddings=tied,
+            max_position_embeddings=4096,
+        )
+    )
 
 
 def step_trainer(model, device: torch.device, dtype: torch.dtype, checkpointing: bool, batching: Batching) -> Trainer:
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
-    return Trainer(model, OptimConfig(), algorithms.build(TrainConfig()), temperature=1.0, device=device, dist=Dist(),
-                   dtype=dtype, batching=batching)
+    return Trainer(
+        model,
+        OptimConfig(),
+        algorithms.build(TrainConfig()),
+        temperature=1.0,
+        device=device,
+        dist=Dist(),
+        dtype=dtype,
+        batching=batching,
+    )
 
 
 def grouped(vocab: int, groups: int, group_size: int, prompt: int, completion: int, vary: bool = True) -> list[Sample]:
@@ -79,8 +99,10 @@ def grouped(vocab: int, groups: int, group_size: int, prompt: int, completion: i
     samples = []
     for g in range(groups):
         prompt_ids = [rng.randrange(vocab) for _ in range(prompt - (g % 3 if vary else 0))]
-        samples += [Sample(prompt_ids, [rng.randrange(vocab) for _ in range(completion)], [-1.0] * completion,
-                           (-1.0) ** i, g) for i in range(group_size)]
+        samples += [
+            Sample(prompt_ids, [rng.randrange(vocab) for _ in range(completion)], [-1.0] * completion, (-1.0) ** i, g)
+            for i in range(group_size)
+        ]
     return samples
 
 
@@ -102,15 +124,18 @@ def step_extra(plan) -> int:
     return max(v for k, v in plan.allocated.items() if k != "weight push") - state
 
 
-@pytest.mark.parametrize("vocab, hidden, layers, kv_heads, checkpointing, dtype", [
-    (16384, 64, 2, 2, False, torch.float32),  # the head dominates
-    (16384, 64, 2, 2, True, torch.float32),
-    (512, 64, 4, 2, False, torch.float32),  # the activations dominate
-    (512, 64, 4, 2, True, torch.float32),
-    (2048, 128, 3, 1, True, torch.float32),
-    (512, 64, 4, 2, False, torch.bfloat16),  # bf16: the RMSNorms' float32 casts, the compute copy and its gradients
-    (2048, 128, 3, 1, True, torch.bfloat16),
-])
+@pytest.mark.parametrize(
+    "vocab, hidden, layers, kv_heads, checkpointing, dtype",
+    [
+        (16384, 64, 2, 2, False, torch.float32),  # the head dominates
+        (16384, 64, 2, 2, True, torch.float32),
+        (512, 64, 4, 2, False, torch.float32),  # the activations dominate
+        (512, 64, 4, 2, True, torch.float32),
+        (2048, 128, 3, 1, True, torch.float32),
+        (512, 64, 4, 2, False, torch.bfloat16),  # bf16: the RMSNorms' float32 casts, the compute copy and its gradients
+        (2048, 128, 3, 1, True, torch.bfloat16),
+    ],
+)
 def test_the_estimate_is_within_15_percent_of_a_measured_step(vocab, hidden, layers, kv_heads, checkpointing, dtype):
     """The step's extra memory (gradients, activations, head, transients) as estimated for one process on a CPU
     (the SDPA path; in bf16 the compute copy) against the measured peak. Micro-batches of 4 completions, one group
@@ -122,16 +147,30 @@ def test_the_estimate_is_within_15_percent_of_a_measured_step(vocab, hidden, lay
     model = tiny_model(vocab, hidden, layers, kv_heads)
     shape = ModelShape.from_config(model.config.to_dict())
     c = 2 if dtype == torch.bfloat16 else 4
-    work = Workload(ranks=1, compute_bytes=c, micro_batch_tokens=0, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, group_size=4, attention="sdpa", cuda=False)
-    trainer = step_trainer(model, torch.device("cpu"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs))
+    work = Workload(
+        ranks=1,
+        compute_bytes=c,
+        micro_batch_tokens=0,
+        micro_batch_size=mbs,
+        row_tokens=prompt + completion,
+        completion_tokens=completion,
+        checkpointing=checkpointing,
+        group_size=4,
+        attention="sdpa",
+        cuda=False,
+    )
+    trainer = step_trainer(
+        model, torch.device("cpu"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs)
+    )
     measured = measured_step_extra(trainer, grouped(vocab, 2, 4, prompt, completion))
     plan = estimate_rows(shape, work, work.rows)  # the plan of micro-batches of these rows
     assert abs(step_extra(plan) - measured) <= 0.15 * measured, (step_extra(plan), measured, plan.moments)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype, checkpointing", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)])
+@pytest.mark.parametrize(
+    "dtype, checkpointing", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, True)]
+)
 def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype, checkpointing):
     """One GPU, one process, as ``scirl train`` trains there (the bf16 compute copy, flex attention over packed
     rows, fused AdamW), a Qwen3-shaped model with the real vocabulary: the step's peak as CUDA's allocator counts
@@ -141,11 +180,22 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     model = tiny_model(151936, 1024, 6, 4, tied=False, heads=16)
     shape = ModelShape.from_config(model.config.to_dict())
     c = 2 if dtype == torch.bfloat16 else 4
-    work = Workload(ranks=1, compute_bytes=c, micro_batch_tokens=0, micro_batch_size=mbs, row_tokens=prompt + completion,
-                    completion_tokens=completion, checkpointing=checkpointing, group_size=16, attention="flex")
+    work = Workload(
+        ranks=1,
+        compute_bytes=c,
+        micro_batch_tokens=0,
+        micro_batch_size=mbs,
+        row_tokens=prompt + completion,
+        completion_tokens=completion,
+        checkpointing=checkpointing,
+        group_size=16,
+        attention="flex",
+    )
     plan = estimate_rows(shape, work, work.rows)
     state = sum(plan.terms.get(k, 0) for k in STATE)
-    trainer = step_trainer(model, torch.device("cuda"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs))
+    trainer = step_trainer(
+        model, torch.device("cuda"), dtype, checkpointing, Batching(micro_batch_tokens=0, micro_batch_size=mbs)
+    )
     batches = trainer.batches(grouped(151936, 2, 16, prompt, completion))
     trainer.train_step(batches)
     torch.cuda.synchronize()
@@ -153,9 +203,11 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     torch.cuda.reset_peak_memory_stats()
     trainer.train_step(batches)
     measured = torch.cuda.max_memory_allocated() - before
-    print(f"GPU {dtype} checkpointing={checkpointing}: estimated {step_extra(plan) / GIB:.2f} GiB, measured "
-          f"{measured / GIB:.2f} GiB ({plan.peak_moment}); state {state / GIB:.2f} GiB, "
-          f"allocated before the step {before / GIB:.2f} GiB; reserved at the peak {torch.cuda.max_memory_reserved() / GIB:.2f} GiB")
+    print(
+        f"GPU {dtype} checkpointing={checkpointing}: estimated {step_extra(plan) / GIB:.2f} GiB, measured "
+        f"{measured / GIB:.2f} GiB ({plan.peak_moment}); state {state / GIB:.2f} GiB, "
+        f"allocated before the step {before / GIB:.2f} GiB; reserved at the peak {torch.cuda.max_memory_reserved() / GIB:.2f} GiB"
+    )
     assert abs(before - state) <= 0.05 * state  # the state is what the plan says it is
     assert abs(step_extra(plan) - measured) <= 0.15 * measured, (step_extra(plan), measured, plan.moments)
 
@@ -196,20 +248,30 @@ def test_the_head_is_one_block_of_logits_whatever_the_positions():
 
 def largest_micro_batch(batches) -> tuple[int, int, int, int]:
     """(positions, loss tokens, completions, prompts) of the micro-batches, each at its largest."""
-    return tuple(max(values) for values in zip(*((mb.packed.forward_tokens, mb.loss_tokens, mb.sequences,
-                                                  mb.packed.layout.prompt_index.shape[0]) for mb in batches)))
+    return tuple(
+        max(values)
+        for values in zip(
+            *(
+                (mb.packed.forward_tokens, mb.loss_tokens, mb.sequences, mb.packed.layout.prompt_index.shape[0])
+                for mb in batches
+            )
+        )
+    )
 
 
-@pytest.mark.parametrize("budget, cap, group_size, share", [
-    (0, 4, 4, True),  # a cap of a group: one prompt each
-    (0, 6, 4, True),  # micro-batches straddle groups: ceil((m - 1) / G) + 1 prompts at most
-    (0, 16, 4, True),
-    (0, 5, 4, False),  # every completion its own prompt
-    (520, None, 4, True),  # a budget of two whole groups
-    (700, None, 4, True),  # a budget that splits groups
-    (700, 9, 4, True),
-    (300, None, 1, True),
-])
+@pytest.mark.parametrize(
+    "budget, cap, group_size, share",
+    [
+        (0, 4, 4, True),  # a cap of a group: one prompt each
+        (0, 6, 4, True),  # micro-batches straddle groups: ceil((m - 1) / G) + 1 prompts at most
+        (0, 16, 4, True),
+        (0, 5, 4, False),  # every completion its own prompt
+        (520, None, 4, True),  # a budget of two whole groups
+        (700, None, 4, True),  # a budget that splits groups
+        (700, 9, 4, True),
+        (300, None, 1, True),
+    ],
+)
 def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, share):
     """``Workload.rows``: each of its sizes at least the largest micro-batch the packer cuts from full-length
     completions (what the activations and the head are sized by), and equal where the plan's bound is the packer's
@@ -217,9 +279,18 @@ def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, sha
     prompt, completion = 100, 40
     samples = grouped(1000, 6, group_size, prompt, completion, vary=False)
     got = largest_micro_batch(make_micro_batches(samples, max_tokens=budget, max_rows=cap, share_prompts=share))
-    work = Workload(ranks=1, compute_bytes=4, micro_batch_tokens=budget, micro_batch_size=cap,
-                    row_tokens=prompt + completion, completion_tokens=completion, checkpointing=False,
-                    group_size=group_size, share_prompts=share, attention="sdpa")
+    work = Workload(
+        ranks=1,
+        compute_bytes=4,
+        micro_batch_tokens=budget,
+        micro_batch_size=cap,
+        row_tokens=prompt + completion,
+        completion_tokens=completion,
+        checkpointing=False,
+        group_size=group_size,
+        share_prompts=share,
+        attention="sdpa",
+    )
     rows = work.rows
     planned = (rows.tokens, rows.loss_tokens, rows.completions, rows.prompts)
     assert all(p >= g for p, g in zip(planned, got)), (planned, got)
@@ -232,8 +303,16 @@ def test_the_planned_micro_batch_bounds_the_packers(budget, cap, group_size, sha
 def test_each_term_follows_the_config():
     shape = KNOWN_SHAPES["qwen3-8b"]
     P = shape.parameters()
-    base = Workload(ranks=2, compute_bytes=2, micro_batch_tokens=8192, micro_batch_size=None, row_tokens=1024,
-                    completion_tokens=256, checkpointing=True, group_size=16)
+    base = Workload(
+        ranks=2,
+        compute_bytes=2,
+        micro_batch_tokens=8192,
+        micro_batch_size=None,
+        row_tokens=1024,
+        completion_tokens=256,
+        checkpointing=True,
+        group_size=16,
+    )
     plan = estimate(shape, base)
     assert plan.terms["weights"] == 4 * P // 2 and plan.terms["optimizer"] == 8 * P // 2
     assert estimate(shape, replace(base, extra_state=4)).terms["algorithm state"] == 4 * P // 2
@@ -243,7 +322,9 @@ def test_each_term_follows_the_config():
     lora = estimate(shape, replace(base, ranks=1, lora_parameters=lora_parameters(shape, 16, ["q_proj", "v_proj"])))
     assert lora.terms["weights"] > 2 * P and lora.terms["optimizer"] < P / 100  # bf16 base; a small adapter's moments
     engine = 40 * GIB
-    assert estimate(shape, replace(base, engine_push=engine)).phases["weight push"] == plan.phases["weight push"] + engine
+    assert (
+        estimate(shape, replace(base, engine_push=engine)).phases["weight push"] == plan.phases["weight push"] + engine
+    )
     # fused AdamW: the step holds the state and the gradients, nothing more
     step = plan.moments["optimizer step"]
     assert set(k for k, v in step.items() if v) == {"weights", "optimizer", "gradients", "CUDA context"}
@@ -257,18 +338,28 @@ def test_a_push_adds_a_bucket_not_the_model():
     work = workload(cfg, shape, ranks=2, gpu_bytes=80 * GIB)
     bucket = max(int(cfg.deployment.weight_bucket_mib * (1 << 20)), 2 * shape.vocab * shape.hidden)  # the embeddings
     assert work.push_bucket == bucket and work.push_copy
-    smaller = workload(load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "256"]), shape, ranks=2,
-                       gpu_bytes=80 * GIB)
+    smaller = workload(
+        load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "256"]), shape, ranks=2, gpu_bytes=80 * GIB
+    )
     assert smaller.push_bucket == bucket  # a bucket holds a whole tensor at least: the embeddings'
-    assert workload(load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "4096"]), shape, ranks=2,
-                    gpu_bytes=80 * GIB).push_bucket == 4 << 30
+    assert (
+        workload(
+            load_config(["@", CONFIG_8B, "--deployment.weight-bucket-mib", "4096"]), shape, ranks=2, gpu_bytes=80 * GIB
+        ).push_bucket
+        == 4 << 30
+    )
     push = estimate(shape, work).moments["weight push"]
     assert push["push bucket"] == bucket + bucket // 2 + bucket < 2 * shape.parameters()
-    over_files = workload(load_config(["@", CONFIG_8B, "--deployment.weight-sync", "filesystem"]), shape, ranks=2,
-                          gpu_bytes=80 * GIB)
+    over_files = workload(
+        load_config(["@", CONFIG_8B, "--deployment.weight-sync", "filesystem"]), shape, ranks=2, gpu_bytes=80 * GIB
+    )
     assert estimate(shape, over_files).moments["weight push"]["push bucket"] == bucket + bucket // 2
-    one_process = workload(load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--inference.backend", "hf"]),
-                           shape, ranks=1, gpu_bytes=80 * GIB)
+    one_process = workload(
+        load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--inference.backend", "hf"]),
+        shape,
+        ranks=1,
+        gpu_bytes=80 * GIB,
+    )
     assert one_process.push_bucket == 0  # it samples from the module it trains
 
 
@@ -291,8 +382,16 @@ def test_nccl_communicators_follow_the_deployment():
 def test_a_run_that_cannot_fit_is_refused_with_the_fix():
     shape = KNOWN_SHAPES["qwen3-8b"]
     cfg = load_config(["@", CONFIG_8B])
-    work = Workload(ranks=1, compute_bytes=2, micro_batch_tokens=0, micro_batch_size=8, row_tokens=4096,
-                    completion_tokens=256, checkpointing=True, share_prompts=False)  # rows of the whole sequence
+    work = Workload(
+        ranks=1,
+        compute_bytes=2,
+        micro_batch_tokens=0,
+        micro_batch_size=8,
+        row_tokens=4096,
+        completion_tokens=256,
+        checkpointing=True,
+        share_prompts=False,
+    )  # rows of the whole sequence
     with pytest.raises(PreflightError) as refused:
         check_fit(estimate(shape, work), 80 * GIB, "test", cfg)
     message = str(refused.value)
@@ -347,8 +446,19 @@ def test_dry_run_prints_every_term_and_where_the_guide_layout_stops_fitting(caps
     out = capsys.readouterr().out
     assert tomllib.loads(out)["deployment"]["gpu_memory_gb"] == 79.19  # still a config file
     assert "memory plan per trainer GPU" in out and "built-in table" in out
-    for term in ("weights", "gradients", "optimizer", "gathered", "activations", "backward", "head", "push bucket",
-                 "CUDA context", "NCCL", "allocator reserve"):
+    for term in (
+        "weights",
+        "gradients",
+        "optimizer",
+        "gathered",
+        "activations",
+        "backward",
+        "head",
+        "push bucket",
+        "CUDA context",
+        "NCCL",
+        "allocator reserve",
+    ):
         assert f"# │ {term} " in out, term
     verdict = next(line for line in out.splitlines() if line.startswith("# fits: peak about"))
     assert float(verdict.split("peak about ")[1].split(" GiB")[0]) <= 0.9 * 79.19
@@ -360,8 +470,23 @@ def test_dry_run_prints_every_term_and_where_the_guide_layout_stops_fitting(caps
 def test_dry_run_refuses_what_cannot_fit_in_one_line(capsys):
     from scirl.commands.train import main
 
-    assert main(["@", CONFIG_8B, "--dry-run", "--deployment.gpu-memory-gb", "80", "--deployment.num-train-gpus", "1",
-                 "--micro-batch-size", "64", "--no-activation-checkpointing"]) == 2
+    assert (
+        main(
+            [
+                "@",
+                CONFIG_8B,
+                "--dry-run",
+                "--deployment.gpu-memory-gb",
+                "80",
+                "--deployment.num-train-gpus",
+                "1",
+                "--micro-batch-size",
+                "64",
+                "--no-activation-checkpointing",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("scirl train: memory:") and "fix:" in err
 
@@ -405,8 +530,24 @@ def test_a_gpu_run_is_refused_before_any_weight_loads(monkeypatch, capsys):
     monkeypatch.setattr(scirl.run.train, "train", lambda *a, **k: pytest.fail("the run started"))
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)  # and restored after
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert main(["@", CONFIG_8B, "--deployment.num-train-gpus", "1", "--micro-batch-size", "64",
-                 "--no-activation-checkpointing", "--deployment.num-infer-gpus", "0", "--inference.backend", "hf"]) == 2
+    assert (
+        main(
+            [
+                "@",
+                CONFIG_8B,
+                "--deployment.num-train-gpus",
+                "1",
+                "--micro-batch-size",
+                "64",
+                "--no-activation-checkpointing",
+                "--deployment.num-infer-gpus",
+                "0",
+                "--inference.backend",
+                "hf",
+            ]
+        )
+        == 2
+    )
     assert "a test GPU" in capsys.readouterr().err
     # set before the plan asked for the GPU's size (where CUDA would have initialised): the trainer's allocator
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
@@ -443,15 +584,33 @@ def test_the_trainer_ranks_are_torchruns_else_the_launchers_else_one():
 
 
 def test_a_colocated_engine_too_large_is_refused_naming_a_share_that_fits(monkeypatch):
-    cfg = load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--model", "Qwen/Qwen3-1.7B",
-                       "--inference.backend", "vllm", "--inference.gpu-memory-utilization", "0.9"])
+    cfg = load_config(
+        [
+            "@",
+            CONFIG_8B,
+            "--deployment.num-infer-gpus",
+            "0",
+            "--model",
+            "Qwen/Qwen3-1.7B",
+            "--inference.backend",
+            "vllm",
+            "--inference.gpu-memory-utilization",
+            "0.9",
+        ]
+    )
     with pytest.raises(PreflightError) as refused:
         plan_run(cfg, ranks=1, gpu=(80 * GIB, "test"))
     message = str(refused.value)
     assert "weight push" in message and "--inference.gpu-memory-utilization" in message
     share = float(message.split("--inference.gpu-memory-utilization ")[1].split(",")[0])
-    assert isinstance(plan_run(cfg.model_copy(update={"inference": cfg.inference.model_copy(
-        update={"gpu_memory_utilization": share})}), ranks=1, gpu=(80 * GIB, "test")), tuple)
+    assert isinstance(
+        plan_run(
+            cfg.model_copy(update={"inference": cfg.inference.model_copy(update={"gpu_memory_utilization": share})}),
+            ranks=1,
+            gpu=(80 * GIB, "test"),
+        ),
+        tuple,
+    )
 
 
 def test_the_trainer_gets_expandable_segments_unless_its_user_or_a_vllm_engine_says_otherwise(monkeypatch):
@@ -469,8 +628,10 @@ def test_the_trainer_gets_expandable_segments_unless_its_user_or_a_vllm_engine_s
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True" and env["CUDA_VISIBLE_DEVICES"] == "6,7"
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ  # the launcher's own, which the servers inherit
     assert "PYTORCH_CUDA_ALLOC_CONF" not in trainer_environment(load_config(["@", CONFIG_8B, "--device", "cpu"]), gpus)
-    for name, theirs in (("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512"),
-                         ("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8")):
+    for name, theirs in (
+        ("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512"),
+        ("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.8"),
+    ):
         monkeypatch.setenv(name, theirs)
         env = trainer_environment(servers, gpus)
         assert env[name] == theirs and env.get("PYTORCH_CUDA_ALLOC_CONF", theirs) == theirs
@@ -479,8 +640,9 @@ def test_the_trainer_gets_expandable_segments_unless_its_user_or_a_vllm_engine_s
     colocated = load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--inference.backend", "vllm"])
     assert holds_vllm_engine(colocated) == (importlib.util.find_spec("vllm") is not None)
     assert trainer_env({}, holds_engine=True) == {}
-    assert not holds_vllm_engine(load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0",
-                                              "--inference.backend", "hf"]))
+    assert not holds_vllm_engine(
+        load_config(["@", CONFIG_8B, "--deployment.num-infer-gpus", "0", "--inference.backend", "hf"])
+    )
 
 
 def test_the_allocators_retries_are_in_the_metrics_on_cuda(monkeypatch):
@@ -528,10 +690,18 @@ def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monke
 def test_with_several_ranks_the_plan_counts_a_stand_in_micro_batch():
     """A rank with fewer micro-batches than the busiest runs stand-ins (``cutting.stand_in_shape``), under flex as
     long as the token budget's row: with a cap that keeps real micro-batches shorter, the activations peak there."""
-    work = Workload(ranks=2, compute_bytes=2, micro_batch_tokens=4096, micro_batch_size=2, row_tokens=1024,
-                    completion_tokens=256, checkpointing=True, group_size=16, attention="flex")
+    work = Workload(
+        ranks=2,
+        compute_bytes=2,
+        micro_batch_tokens=4096,
+        micro_batch_size=2,
+        row_tokens=1024,
+        completion_tokens=256,
+        checkpointing=True,
+        group_size=16,
+        attention="flex",
+    )
     alone = estimate(KNOWN_SHAPES["qwen3-8b"], replace(work, ranks=1))
     assert alone.rows.tokens <= 2048  # two completions and two prompts at most, 1024 tokens each
     plan = estimate(KNOWN_SHAPES["qwen3-8b"], work)
     assert plan.rows.tokens == 4096 and plan.terms["activations"] > alone.terms["activations"]
-

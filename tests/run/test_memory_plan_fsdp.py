@@ -31,7 +31,7 @@ CASES = [
 ]
 GROUP_SIZE, GROUPS_PER_RANK = 4, 4
 
-STEP_SCRIPT = r'''
+STEP_SCRIPT = r"""
 import json, random, sys
 sys.path.insert(0, sys.argv[1])  # tests/: the tracker in helpers/
 import torch
@@ -68,14 +68,23 @@ with open(f"{out_dir}/rank{dist.rank}.json", "w") as f:
     json.dump(peaks, f)
 teardown()
 exit_process(0)
-'''
+"""
 
 
 def workload(case, ranks: int) -> Workload:
     _, _, checkpointing, size, tokens, prompt, completion = case
-    return Workload(ranks=ranks, compute_bytes=4, micro_batch_tokens=tokens, micro_batch_size=size,
-                    row_tokens=prompt + completion, completion_tokens=completion, checkpointing=checkpointing,
-                    group_size=GROUP_SIZE, attention="sdpa", cuda=False)
+    return Workload(
+        ranks=ranks,
+        compute_bytes=4,
+        micro_batch_tokens=tokens,
+        micro_batch_size=size,
+        row_tokens=prompt + completion,
+        completion_tokens=completion,
+        checkpointing=checkpointing,
+        group_size=GROUP_SIZE,
+        attention="sdpa",
+        cuda=False,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,18 +94,51 @@ def measured(tmp_path_factory):
     cases, shapes = [], {}
     for case in CASES:
         name, (vocab, hidden, layers, tied), checkpointing, size, tokens, prompt, completion = case
-        config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, tie_word_embeddings=tied)
+        config = Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=3 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=hidden // 4,
+            tie_word_embeddings=tied,
+        )
         model_dir = root / name.replace(" ", "_").replace("'", "")
         Qwen3ForCausalLM(config).save_pretrained(model_dir)
         shapes[name] = ModelShape.from_config(config.to_dict())
-        cases.append({"name": name, "dir": str(model_dir), "checkpointing": checkpointing, "size": size,
-                      "tokens": tokens, "prompt": prompt, "completion": completion})
+        cases.append(
+            {
+                "name": name,
+                "dir": str(model_dir),
+                "checkpointing": checkpointing,
+                "size": size,
+                "tokens": tokens,
+                "prompt": prompt,
+                "completion": completion,
+            }
+        )
     (root / "step.py").write_text(STEP_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(root / "step.py"),
-         str(TESTS), json.dumps(cases), str(root), str(GROUP_SIZE), str(GROUPS_PER_RANK)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(root / "step.py"),
+            str(TESTS),
+            json.dumps(cases),
+            str(root),
+            str(GROUP_SIZE),
+            str(GROUPS_PER_RANK),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return [json.loads((root / f"rank{rank}.json").read_text()) for rank in range(2)], shapes
 
@@ -116,7 +158,15 @@ def test_each_ranks_peak_is_the_plans_within_15_percent(measured, case):
     for rank, peaks in enumerate(ranks):
         got = peaks[name]
         assert len(set(got["micro_batches"])) == 1, got  # equal micro-batches: the peak is not the first one's
-        assert abs(estimated - got["peak"]) <= 0.15 * got["peak"], (rank, estimated, got, plan.peak_moment, plan.moments)
+        assert abs(estimated - got["peak"]) <= 0.15 * got["peak"], (
+            rank,
+            estimated,
+            got,
+            plan.peak_moment,
+            plan.moments,
+        )
     # the same step in one process holds the whole state's gradients and no FSDP2 buffers: the plan tells them apart
     single = estimate_rows(shapes[name], workload(case, ranks=1), work.rows)
-    assert single.terms["gradients"] == 2 * plan.terms["gradients"] and "gathered" not in single.moments["forward's end"]
+    assert (
+        single.terms["gradients"] == 2 * plan.terms["gradients"] and "gathered" not in single.moments["forward's end"]
+    )

@@ -59,9 +59,22 @@ def test_a_run_dir_in_use_is_refused(tmp_path):
         held.close()
     from scirl.task.data import DataSourceError
 
-    with pytest.raises((TrainError, DataSourceError), match="none"):  # free again: the run gets past the lock (to the missing model)
-        train(load_config(["--output-dir", str(run_dir), "--model", str(tmp_path / "none"),
-                           "--data.source", str(tmp_path / "none.jsonl")]), show_progress=False)
+    with pytest.raises(
+        (TrainError, DataSourceError), match="none"
+    ):  # free again: the run gets past the lock (to the missing model)
+        train(
+            load_config(
+                [
+                    "--output-dir",
+                    str(run_dir),
+                    "--model",
+                    str(tmp_path / "none"),
+                    "--data.source",
+                    str(tmp_path / "none.jsonl"),
+                ]
+            ),
+            show_progress=False,
+        )
     lock_run_dir(run_dir).close()  # and a failed run let go of it
 
 
@@ -92,4 +105,7 @@ def test_clean_deletes_only_what_a_scirl_run_wrote(tmp_path):
     (run / "weights" / "step_1" / "manifest.json").write_text("{}")
     (run / "weights" / "README").write_text("mine")
     prepare(run, resume=False, clean=True)
-    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == ["rollouts/notes.md", "weights/README"]
+    assert sorted(p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()) == [
+        "rollouts/notes.md",
+        "weights/README",
+    ]

@@ -12,15 +12,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from scirl.run.config_io import load_config
+from helpers.train_runs import (  # noqa: F401
+    COMPUTED_KEYS,
+    EXACT_KEYS,
+    data_file,
+    final_weights,
+    letter_model_dir,
+    rows,
+    run_in_process,
+    torchrun_train,
+    train_args,
+)
 from scirl.errors import ConfigError
 from scirl.eval import local
 from scirl.run import eval_hook
+from scirl.run.config_io import load_config
 from scirl.task.schema import DOMAINS, Question
-from helpers.train_runs import (  # noqa: F401
-    COMPUTED_KEYS, EXACT_KEYS, data_file, final_weights, letter_model_dir, rows, run_in_process, torchrun_train,
-    train_args,
-)
 
 __all__ = ["data_file", "letter_model_dir"]  # fixtures, used by name
 
@@ -30,8 +37,9 @@ EVALUATED_STEPS = [2, 3]  # every INTERVAL steps, and the last
 
 
 def question(domain: str, i: int) -> Question:
-    return Question(id=f"{domain}-{i}", question=f"q{i}", labels=("A", "B"), options=("x", "y"), answer_key="A",
-                    domain=domain)
+    return Question(
+        id=f"{domain}-{i}", question=f"q{i}", labels=("A", "B"), options=("x", "y"), answer_key="A", domain=domain
+    )
 
 
 # ---- config ----
@@ -42,8 +50,11 @@ def test_eval_is_off_by_default_and_its_keys_validate():
     assert cfg.eval.interval is None and cfg.eval.questions == 200
     assert load_config(["--eval.interval", "0"]).eval.interval is None  # 0 is off too
     assert load_config(EVAL).eval.interval == INTERVAL
-    for bad, field in ((["--eval.interval", "-1"], "eval.interval"), (["--eval.questions", "0"], "eval.questions"),
-                       (["--eval.intervall", "2"], "eval.intervall")):
+    for bad, field in (
+        (["--eval.interval", "-1"], "eval.interval"),
+        (["--eval.questions", "0"], "eval.questions"),
+        (["--eval.intervall", "2"], "eval.intervall"),
+    ):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(bad)
     # the held-out split must exist and must not be what trains
@@ -85,8 +96,15 @@ def test_the_subset_is_seeded_balanced_and_independent_of_the_split_order():
 def test_the_step_line_shows_the_eval_accuracy():
     from scirl.run.metrics import step_line
 
-    row = {"step": 4, "time/step": 1.0, "reward/mean": 0.5, "trainable/count": 8, "trainable/total": 16,
-           "trainable/fraction": 0.5, "tokens_per_s": 100.0}
+    row = {
+        "step": 4,
+        "time/step": 1.0,
+        "reward/mean": 0.5,
+        "trainable/count": 8,
+        "trainable/total": 16,
+        "trainable/fraction": 0.5,
+        "tokens_per_s": 100.0,
+    }
     assert "Eval" not in step_line(row)
     assert "| Eval 61.5% |" in step_line({**row, "eval/accuracy": 0.615})
 
@@ -119,8 +137,9 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     questions = [question(d, i) for d in DOMAINS for i in range(2)]
     questions = [q if i % 2 else Question(**{**q.__dict__, "answer_key": "B"}) for i, q in enumerate(questions)]
     generator = DrawingGenerator(AutoTokenizer.from_pretrained(tiny_model_dir))
-    evaluate = eval_hook.TrainingEval(questions, generator, Dist(), interval=3, last_step=7, max_tokens=5, seed=1,
-                                            colocated=True)
+    evaluate = eval_hook.TrainingEval(
+        questions, generator, Dist(), interval=3, last_step=7, max_tokens=5, seed=1, colocated=True
+    )
     before = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
     assert [step for step in range(1, 8) if evaluate(step)] == [3, 6, 7]
     assert (random.getstate(), torch.get_rng_state().tolist()) == (before[0], before[2].tolist())
@@ -130,8 +149,9 @@ def test_an_eval_scores_greedy_answers_and_leaves_every_global_rng_as_it_was(tin
     m = evaluate(3)
     assert m["eval/accuracy"] == 0.5 and m["eval/parse_rate"] == 1.0 and m["eval/questions"] == 8
     assert all(m[f"eval/accuracy/{d}"] == 0.5 for d in DOMAINS)
-    assert not eval_hook.TrainingEval(questions, generator, Dist(), interval=None, last_step=7, max_tokens=5,
-                                            seed=1, colocated=True)(7)  # eval off
+    assert not eval_hook.TrainingEval(
+        questions, generator, Dist(), interval=None, last_step=7, max_tokens=5, seed=1, colocated=True
+    )(7)  # eval off
 
 
 # ---- a run ----
@@ -194,10 +214,19 @@ def test_eval_rows_every_interval_and_at_the_last_step(runs):
     from scirl.task.data import load_splits
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
-    held_out = {q.id: q for q in load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain,
-                                             split_method=cfg.data.split_method, seed=cfg.data.split_seed).split("eval")}
+    held_out = {
+        q.id: q
+        for q in load_splits(
+            cfg.data.source,
+            eval_per_domain=cfg.data.eval_per_domain,
+            split_method=cfg.data.split_method,
+            seed=cfg.data.split_seed,
+        ).split("eval")
+    }
     generator = hf_generator(str(runs["on"] / "weights" / f"step_{MAX_STEPS}"), device="cpu", dtype="float32")
-    results = local.evaluate_generator(generator, [held_out[i] for i in runs["subset"]], max_tokens=cfg.max_completion_tokens)
+    results = local.evaluate_generator(
+        generator, [held_out[i] for i in runs["subset"]], max_tokens=cfg.max_completion_tokens
+    )
     assert metrics[-1]["eval/accuracy"] == results["overall_accuracy"]
     assert metrics[-1]["eval/parse_rate"] == 1 - results["unparsed_rate"]
     log = (runs["on"] / "logs" / "train.log").read_text()
@@ -213,8 +242,9 @@ def test_eval_does_not_change_training(runs):
         for key in (*EXACT_KEYS, *COMPUTED_KEYS, "parse_rate/strict", "trainable/fraction"):
             assert have.get(key) == want.get(key), (want["step"], key)
     for step in range(1, MAX_STEPS + 1):  # the same completions sampled
-        assert (runs["on"] / "rollouts" / f"step_{step}.jsonl").read_text() == \
-            (runs["off"] / "rollouts" / f"step_{step}.jsonl").read_text()
+        assert (runs["on"] / "rollouts" / f"step_{step}.jsonl").read_text() == (
+            runs["off"] / "rollouts" / f"step_{step}.jsonl"
+        ).read_text()
     w_off, w_on = final_weights(runs["off"], MAX_STEPS), final_weights(runs["on"], MAX_STEPS)
     assert w_off.keys() == w_on.keys() and all(torch.equal(w_on[k], w_off[k]) for k in w_off)
 
@@ -227,11 +257,18 @@ def test_eval_questions_are_held_out_and_never_in_a_training_batch(runs, letter_
     from scirl.task.data import load_splits
 
     cfg = load_config(["@", str(runs["on"] / "config.toml")])
-    splits = load_splits(cfg.data.source, eval_per_domain=cfg.data.eval_per_domain, split_method=cfg.data.split_method,
-                         seed=cfg.data.split_seed)
+    splits = load_splits(
+        cfg.data.source,
+        eval_per_domain=cfg.data.eval_per_domain,
+        split_method=cfg.data.split_method,
+        seed=cfg.data.split_seed,
+    )
     assert set(subset) <= {q.id for q in splits.split("eval")}
-    trained = {json.loads(line)["question_id"] for step in range(1, MAX_STEPS + 1)
-               for line in (runs["on"] / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()}
+    trained = {
+        json.loads(line)["question_id"]
+        for step in range(1, MAX_STEPS + 1)
+        for line in (runs["on"] / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()
+    }
     assert trained and not trained & set(subset)
 
 
@@ -246,12 +283,14 @@ def test_a_resumed_run_evaluates_the_same_subset_and_gets_the_same_numbers(runs,
         assert run_in_process(["@", str(run_dir / "config.toml"), "--output-dir", str(run_dir)], resume=True) == 0
     finally:
         torch.set_num_threads(threads)
-    assert spy["subsets"][before[0]:] == [runs["subset"]]
-    assert spy["asked"][before[1]:] == [runs["subset"]]  # step 3's eval, on the same questions
+    assert spy["subsets"][before[0] :] == [runs["subset"]]
+    assert spy["asked"][before[1] :] == [runs["subset"]]  # step 3's eval, on the same questions
     want, have = rows(runs["on"]), rows(run_dir)
     assert [m["step"] for m in have] == [m["step"] for m in want]
     for w, h in zip(want, have):
-        assert {k: v for k, v in h.items() if k.startswith("eval/")} == {k: v for k, v in w.items() if k.startswith("eval/")}
+        assert {k: v for k, v in h.items() if k.startswith("eval/")} == {
+            k: v for k, v in w.items() if k.startswith("eval/")
+        }
         for key in (*EXACT_KEYS, *COMPUTED_KEYS):
             assert h.get(key) == w.get(key), (w["step"], key)
 
@@ -260,8 +299,9 @@ def test_a_resumed_run_evaluates_the_same_subset_and_gets_the_same_numbers(runs,
 def test_two_ranks_split_the_eval_questions_and_rank_0_logs_them_all(letter_model_dir, data_file, tmp_path):
     """Colocated multi-rank: each rank answers its share, the records are gathered, no collective left unmatched."""
     run_dir = tmp_path / "ddp"
-    argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=["--eval.interval", "1",
-                                                                                  "--eval.questions", "5"])
+    argv = train_args(
+        letter_model_dir, data_file, run_dir, max_steps=2, extra=["--eval.interval", "1", "--eval.questions", "5"]
+    )
     torchrun_train(argv)
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]

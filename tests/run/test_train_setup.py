@@ -15,11 +15,33 @@ from scirl.run.config_io import load_config
 def test_cli_reports_bad_inputs_without_a_traceback(tiny_model_dir, tmp_path, capsys):
     from scirl.commands.train import main
 
-    assert main(["--model", str(tiny_model_dir), "--data.source", str(tmp_path / "none.jsonl"),
-                 "--output-dir", str(tmp_path / "run")]) == 2  # bad input: exit 2
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_model_dir),
+                "--data.source",
+                str(tmp_path / "none.jsonl"),
+                "--output-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 2
+    )  # bad input: exit 2
     assert "none.jsonl" in capsys.readouterr().err
-    assert main(["--model", str(tmp_path / "model"), "--data.source", str(tmp_path / "none.jsonl"),
-                 "--output-dir", str(tmp_path / "run")]) == 2  # a model that is not there: before anything loads
+    assert (
+        main(
+            [
+                "--model",
+                str(tmp_path / "model"),
+                "--data.source",
+                str(tmp_path / "none.jsonl"),
+                "--output-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        == 2
+    )  # a model that is not there: before anything loads
     assert "model" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "nowhere")]) == 2
     assert "config.toml" in capsys.readouterr().err
@@ -30,7 +52,7 @@ def test_resume_with_another_output_dir_is_an_error(tmp_path, capsys):
     from scirl.commands.train import main
 
     (tmp_path / "a").mkdir()
-    (tmp_path / "a" / "config.toml").write_text('max_steps = 2\n')
+    (tmp_path / "a" / "config.toml").write_text("max_steps = 2\n")
     assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "b"), "--dry-run"]) == 2
     assert "--output-dir" in capsys.readouterr().err
     assert main(["--resume", str(tmp_path / "a"), "--output-dir", str(tmp_path / "a"), "--dry-run"]) == 0
@@ -42,7 +64,12 @@ def test_rows_the_data_loader_skipped_are_reported(tiny_model_dir, tmp_path, cap
 
     bad = tmp_path / "bad.jsonl"
     # SciKnowEval's columns (so the format is known), but no domain
-    row = {"question": "q?", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "A", "type": "mcq-2-choices"}
+    row = {
+        "question": "q?",
+        "choices": {"text": ["a", "b"], "label": ["A", "B"]},
+        "answerKey": "A",
+        "type": "mcq-2-choices",
+    }
     bad.write_text((json.dumps(row) + "\n") * 3)
     assert main(["--data.source", str(bad), "--output-dir", str(tmp_path / "run"), "--model", str(tiny_model_dir)]) == 2
     assert "3 rows skipped (missing_field 3)" in capsys.readouterr().err  # no usable rows: bad input, as in eval
@@ -65,9 +92,9 @@ def test_a_hub_model_name_gives_the_generation_copy_its_cached_directory(tiny_mo
 
     import huggingface_hub.constants
 
-    from scirl.run.backends import local_model_dir
     from scirl.errors import TrainError
     from scirl.inference.hf import HFGenerator
+    from scirl.run.backends import local_model_dir
 
     repo = tmp_path / "models--org--tiny"
     snapshot = Path(shutil.copytree(tiny_model_dir, repo / "snapshots" / "abc123"))

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from scirl import hub
-from scirl.task import data
-from scirl.synth import questions as synthetic
 from scirl.cli import main as cli_main
+from scirl.synth import questions as synthetic
+from scirl.task import data
 
 EVAL_N = 10  # eval rows per domain in these tests (the synthetic set has 60 MCQ rows per domain)
 
@@ -65,7 +65,9 @@ def test_raw_data_directory_is_read_recursively(tmp_path, clean_rows):
     assert splits.rows_read == len(clean_rows)
     assert splits.mcq_read == n_mcq == len(splits.train) + len(splits.eval)
     assert splits.non_mcq == {"open-ended-qa": 4, "true_or_false": 4}
-    assert Counter(q.domain for q in splits.eval) == {d: EVAL_N for d in ("Biology", "Chemistry", "Material", "Physics")}
+    assert Counter(q.domain for q in splits.eval) == {
+        d: EVAL_N for d in ("Biology", "Chemistry", "Material", "Physics")
+    }
     assert splits.split("eval") is splits.eval and splits.split("train") is splits.train
     # the raw_data folder itself is accepted too, with the same result
     again = data.load_splits(str(tmp_path / "SciKnowEval" / "raw_data"), eval_per_domain=EVAL_N)
@@ -82,8 +84,10 @@ def test_single_files_of_each_format_give_the_same_split(tmp_path, clean_rows):
     (tmp_path / "rows.json").write_text(json.dumps(clean_rows), encoding="utf-8")
     (tmp_path / "lines.json").write_text("\n".join(json.dumps(r) for r in clean_rows), encoding="utf-8")
     pq.write_table(pa.Table.from_pylist(clean_rows), tmp_path / "rows.parquet")
-    results = [data.load_splits(str(tmp_path / name), eval_per_domain=EVAL_N)
-               for name in ("rows.jsonl", "rows.json", "lines.json", "rows.parquet")]
+    results = [
+        data.load_splits(str(tmp_path / name), eval_per_domain=EVAL_N)
+        for name in ("rows.jsonl", "rows.json", "lines.json", "rows.parquet")
+    ]
     for splits in results:
         assert splits.rows_read == len(clean_rows)
         assert ids(splits.eval) == ids(results[0].eval)
@@ -179,10 +183,16 @@ def test_only_real_hub_answers_count_as_hub_access():
 
 @pytest.mark.timeout(120)
 def test_cli_default_source_offline_exits_with_advice(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"))
-    proc = subprocess.run([sys.executable, "-m", "scirl", "data", "stats", "--json"], env=env,
-                          capture_output=True, text=True, timeout=110)
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf"),
+        HF_DATASETS_CACHE=str(tmp_path / "hf" / "datasets"),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "scirl", "data", "stats", "--json"], env=env, capture_output=True, text=True, timeout=110
+    )
     assert proc.returncode == 2  # a missing resource, refused before any work as every command refuses it
     assert proc.stdout == ""
     assert "--data" in proc.stderr and data.HUB_ID in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
@@ -266,8 +276,13 @@ def test_split_keys_are_pinned():
     that order it and the ids everything keys on."""
     assert data.stable_hash(42, "x") == "87656c86af53878b84d54851b910b33a3eb0de7e33c03f183baf013059bb1ae1"
     assert data.content_id("Q?", ["a", "b"], "Biology") == "bc1361837b45e095"
-    row = {"question": " Which  IS it? ", "choices": {"text": ["b", "A"], "label": ["A", "B"]}, "answerKey": "A",
-           "type": "mcq-2-choices", "domain": "Biology"}
+    row = {
+        "question": " Which  IS it? ",
+        "choices": {"text": ["b", "A"], "label": ["A", "B"]},
+        "answerKey": "A",
+        "type": "mcq-2-choices",
+        "domain": "Biology",
+    }
     assert data.twin_key(data.question_from_row(row)) == ("which is it?", "a", "b")
 
 
@@ -354,8 +369,25 @@ def test_cli_stats_json(dirty_jsonl, capsys):
 def test_cli_takes_the_split_seed_under_the_name_eval_and_train_give_it(dirty_jsonl, tmp_path, capsys):
     """`--split-seed` as in scirl eval (train: data.split_seed); the old `--seed` is refused naming it."""
     out = tmp_path / "eval.jsonl"
-    assert cli_main(["data", "export", "--data", str(dirty_jsonl), "--split", "eval", "--out", str(out),
-                     "--eval-per-domain", str(EVAL_N), "--split-seed", "7"]) == 0
+    assert (
+        cli_main(
+            [
+                "data",
+                "export",
+                "--data",
+                str(dirty_jsonl),
+                "--split",
+                "eval",
+                "--out",
+                str(out),
+                "--eval-per-domain",
+                str(EVAL_N),
+                "--split-seed",
+                "7",
+            ]
+        )
+        == 0
+    )
     expected = data.load_splits(str(dirty_jsonl), eval_per_domain=EVAL_N, seed=7).eval
     assert [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()] == [q.raw for q in expected]
     capsys.readouterr()
@@ -364,7 +396,9 @@ def test_cli_takes_the_split_seed_under_the_name_eval_and_train_give_it(dirty_js
 
 
 def test_cli_stats_tables(dirty_jsonl, capsys):
-    rc = cli_main(["data", "stats", "--data", str(dirty_jsonl), "--eval-per-domain", str(EVAL_N), "--split-method", "guide"])
+    rc = cli_main(
+        ["data", "stats", "--data", str(dirty_jsonl), "--eval-per-domain", str(EVAL_N), "--split-method", "guide"]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     for word in ("Chemistry", "mcq-2-choices", "L3", "conflicting_answers", "bad_json"):
@@ -373,8 +407,9 @@ def test_cli_stats_tables(dirty_jsonl, capsys):
 
 def test_the_stats_header_lists_what_the_file_holds(clean_rows, tmp_path, capsys, monkeypatch):
     """The header listed every MCQ type scirl accepts, whatever the file held (issue 49)."""
-    rows = ([r for r in clean_rows if r["type"] == "mcq-4-choices"][:6]
-            + [r for r in clean_rows if r["type"] == "mcq-2-choices"][:2])
+    rows = [r for r in clean_rows if r["type"] == "mcq-4-choices"][:6] + [
+        r for r in clean_rows if r["type"] == "mcq-2-choices"
+    ][:2]
     path = synthetic.write_jsonl(rows, tmp_path / "rows.jsonl")
     monkeypatch.setenv("COLUMNS", "250")  # one line
     assert cli_main(["data", "stats", "--data", str(path)]) == 0
@@ -399,8 +434,20 @@ def test_a_file_none_of_whose_lines_is_json_is_refused_naming_its_line(tmp_path)
 def test_cli_export_round_trip(dirty_jsonl, tmp_path):
     for split in ("eval", "train"):
         out = tmp_path / f"{split}.jsonl"
-        rc = cli_main(["data", "export", "--data", str(dirty_jsonl), "--split", split, "--out", str(out),
-                       "--eval-per-domain", str(EVAL_N)])
+        rc = cli_main(
+            [
+                "data",
+                "export",
+                "--data",
+                str(dirty_jsonl),
+                "--split",
+                split,
+                "--out",
+                str(out),
+                "--eval-per-domain",
+                str(EVAL_N),
+            ]
+        )
         assert rc == 0
         exported = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
         expected = data.load_splits(str(dirty_jsonl), eval_per_domain=EVAL_N).split(split)
@@ -427,7 +474,9 @@ def test_bad_arguments_are_rejected(dirty_jsonl):
 # --- rows that parse but that the rest of scirl cannot use -----------------------------------------
 
 
-@pytest.mark.parametrize("labels", [["1", "2", "3", "4"], ["A", "a", "B", "C"], [None, "B", "C", "D"], ["AB", "B", "C", "D"]])
+@pytest.mark.parametrize(
+    "labels", [["1", "2", "3", "4"], ["A", "a", "B", "C"], [None, "B", "C", "D"], ["AB", "B", "C", "D"]]
+)
 def test_labels_that_are_not_distinct_letters_are_skipped_not_fatal_later(tmp_path, clean_rows, labels):
     """The reward reads single distinct letters only: a row with other labels must be skipped here,
     with its reason, not crash the eval (or the training reward) after every question was asked."""
@@ -448,7 +497,11 @@ def test_labels_that_are_not_distinct_letters_are_skipped_not_fatal_later(tmp_pa
 
 def test_numbers_where_text_belongs_get_their_own_reason(clean_rows):
     row = dict(next(r for r in clean_rows if r["type"] == "mcq-4-choices"))
-    for changes in ({"choices": {"text": [1, 2, 3, 4], "label": ["A", "B", "C", "D"]}}, {"question": 42}, {"domain": ["Biology"]}):
+    for changes in (
+        {"choices": {"text": [1, 2, 3, 4], "label": ["A", "B", "C", "D"]}},
+        {"question": 42},
+        {"domain": ["Biology"]},
+    ):
         with pytest.raises(data.RowError) as excinfo:
             data.question_from_row({**row, **changes})
         assert excinfo.value.reason == "not_text", changes

@@ -1,9 +1,9 @@
 """The prompt is shared by evaluation, training and the prime-rl plug-in; its shape is part of the contract."""
 
 from scirl.cli import main as cli_main
+from scirl.synth.questions import generate_rows
 from scirl.task.data import question_from_row
 from scirl.task.prompt import build_messages, default_instruction, render_prompt
-from scirl.synth.questions import generate_rows
 
 
 def first_question(n_options=4):

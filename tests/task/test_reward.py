@@ -6,9 +6,9 @@ import random
 
 import pytest
 
+from scirl.synth.questions import generate_rows
 from scirl.task.data import question_from_row
 from scirl.task.reward import MODES, Scored, extract_answer, score, strip_think
-from scirl.synth.questions import generate_rows
 
 FOUR = ("A", "B", "C", "D")
 FOUR_OPTIONS = ("nucleus", "mitochondrion", "ribosome", "lysosome")
@@ -225,7 +225,7 @@ FOUR_CASES = [
     ("I think B/D.", None, None),
     ("Not B or B; it is A or C.", None, None),
     ("A, B, C and D are all plausible.", None, None),
-    ("Your answer should be \"A\", \"B\", \"C\" or \"D\".", None, None),
+    ('Your answer should be "A", "B", "C" or "D".', None, None),
     ("A or C. Final answer: C", "C", None),
     ("Answer: A or C\nActually, the answer is C", "C", None),
     # reasoning that names every letter, echoed options, truncated replies
@@ -353,7 +353,9 @@ def _questions(n_per_domain=12, seed=0):
 def test_score_separates_wrong_from_unparsed():
     q = next(q for q in _questions() if len(q.labels) == 4)
     wrong = next(label for label in q.labels if label != q.answer_key)
-    assert score(f"Answer: {q.answer_key}", q, "strict") == Scored(answer=q.answer_key, correct=True, parsed=True, reward=1.0)
+    assert score(f"Answer: {q.answer_key}", q, "strict") == Scored(
+        answer=q.answer_key, correct=True, parsed=True, reward=1.0
+    )
     assert score(f"Answer: {wrong}", q, "strict") == Scored(answer=wrong, correct=False, parsed=True, reward=0.0)
     assert score("I am not sure.", q, "strict") == Scored(answer=None, correct=False, parsed=False, reward=0.0)
     correct_text = q.options[q.labels.index(q.answer_key)]
@@ -399,17 +401,62 @@ def test_two_different_letters_are_a_hedge_in_every_form():
         for b in FOUR:
             if a == b:
                 continue
-            for reply in (f"{a} or {b}", f"{a}, {b}", f"{a}/{b}", f"{a} and {b}", f"The answer is {a} or {b}.",
-                          f"Answer: {a}, {b}", f"It is either {a} or {b}."):
+            for reply in (
+                f"{a} or {b}",
+                f"{a}, {b}",
+                f"{a}/{b}",
+                f"{a} and {b}",
+                f"The answer is {a} or {b}.",
+                f"Answer: {a}, {b}",
+                f"It is either {a} or {b}.",
+            ):
                 assert extract_answer(reply, FOUR, "lenient", FOUR_OPTIONS) is None, reply
                 assert extract_answer(reply, FOUR, "strict", FOUR_OPTIONS) is None, reply
 
 
 def test_random_text_only_ever_yields_a_label_or_none_and_strict_agrees_with_lenient():
     rng = random.Random(0)
-    pieces = ["A", "B", "C", "D", "E", "a", "b", " ", ".", ")", "(", ":", "\n", "answer", "is", "or", "the",
-              "<think>", "</think>", "\\boxed{", "}", "**", "option", "nucleus", "ribosome", ",", "5", "°", "答案",
-              "：", "Ｂ", "$", "/", "'", "-", "not", "choose", "correct", "vitamin"]
+    pieces = [
+        "A",
+        "B",
+        "C",
+        "D",
+        "E",
+        "a",
+        "b",
+        " ",
+        ".",
+        ")",
+        "(",
+        ":",
+        "\n",
+        "answer",
+        "is",
+        "or",
+        "the",
+        "<think>",
+        "</think>",
+        "\\boxed{",
+        "}",
+        "**",
+        "option",
+        "nucleus",
+        "ribosome",
+        ",",
+        "5",
+        "°",
+        "答案",
+        "：",
+        "Ｂ",
+        "$",
+        "/",
+        "'",
+        "-",
+        "not",
+        "choose",
+        "correct",
+        "vitamin",
+    ]
     for _ in range(2000):
         reply = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
         for labels, options in ((FOUR, FOUR_OPTIONS), (TWO, TWO_OPTIONS)):
@@ -497,30 +544,42 @@ def test_runs_of_spaces_read_as_one():
 TEN = tuple("ABCDEFGHIJ")
 
 
-@pytest.mark.parametrize("reply, lenient, strict", [
-    ("J", "J", "J"),
-    ("Answer: J", "J", "J"),
-    ("(H)", "H", "H"),
-    ("The correct option is I.", "I", None),
-    ("answer: I", "I", "I"),
-    ("I", "I", "I"),
-    # "I" followed by a verb is the pronoun, even where I is an option
-    ("the answer is I think B", "B", None),
-    ("I think the answer is J.", "J", None),
-    ("I would choose G", "G", None),
-    ("\\boxed{F}", "F", "F"),
-    ("Answer: K", None, None),  # not a label
-])
+@pytest.mark.parametrize(
+    "reply, lenient, strict",
+    [
+        ("J", "J", "J"),
+        ("Answer: J", "J", "J"),
+        ("(H)", "H", "H"),
+        ("The correct option is I.", "I", None),
+        ("answer: I", "I", "I"),
+        ("I", "I", "I"),
+        # "I" followed by a verb is the pronoun, even where I is an option
+        ("the answer is I think B", "B", None),
+        ("I think the answer is J.", "J", None),
+        ("I would choose G", "G", None),
+        ("\\boxed{F}", "F", "F"),
+        ("Answer: K", None, None),  # not a label
+    ],
+)
 def test_ten_option_questions_read_letters_up_to_j(reply, lenient, strict):
     assert extract_answer(reply, TEN, "lenient") == lenient
     assert extract_answer(reply, TEN, "strict") == strict
 
 
-@pytest.mark.parametrize("labels, reply, expected", [
-    (("A", "B"), "B", "B"), (("A", "B"), "C", None), (("A", "B"), "Answer: C", None),
-    (("A", "B", "C"), "C", "C"), (("A", "B", "C"), "D", None), (("A", "B", "C"), "Answer: C", "C"),
-    (tuple("ABCDE"), "E", "E"), (tuple("ABCDE"), "Answer: E", "E"), (tuple("ABCDE"), "F", None),
-])
+@pytest.mark.parametrize(
+    "labels, reply, expected",
+    [
+        (("A", "B"), "B", "B"),
+        (("A", "B"), "C", None),
+        (("A", "B"), "Answer: C", None),
+        (("A", "B", "C"), "C", "C"),
+        (("A", "B", "C"), "D", None),
+        (("A", "B", "C"), "Answer: C", "C"),
+        (tuple("ABCDE"), "E", "E"),
+        (tuple("ABCDE"), "Answer: E", "E"),
+        (tuple("ABCDE"), "F", None),
+    ],
+)
 def test_two_three_and_five_option_questions_take_only_their_letters(labels, reply, expected):
     assert extract_answer(reply, labels, "lenient") == expected
     assert extract_answer(reply, labels, "strict") == expected

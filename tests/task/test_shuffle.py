@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from scirl.task import shuffle as options
-from scirl.task import reward
-from scirl.run.config import TrainConfig
-from scirl.task.data import question_from_row
 from scirl.inference.base import Completion
-from scirl.run.metrics import step_metrics
 from scirl.rollouts.generate import generate_batch, prompt_for
 from scirl.rollouts.sampler import QuestionSampler
+from scirl.run.config import TrainConfig
+from scirl.run.metrics import step_metrics
+from scirl.task import reward
+from scirl.task import shuffle as options
+from scirl.task.data import question_from_row
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +55,14 @@ class AnswerA:
 
 def config(mode="none", reward_mode="strict", group_size=4, questions_per_step=3):
     """The orchestrator's slice of a run's config."""
-    return TrainConfig(group_size=group_size, batch_size=group_size * questions_per_step, seed=3,
-                       data={"shuffle_options": mode}, reward={"mode": reward_mode},
-                       filters={"zero_advantage": {"enforce": False}}).rollout_settings()  # every completion a sample
+    return TrainConfig(
+        group_size=group_size,
+        batch_size=group_size * questions_per_step,
+        seed=3,
+        data={"shuffle_options": mode},
+        reward={"mode": reward_mode},
+        filters={"zero_advantage": {"enforce": False}},
+    ).rollout_settings()  # every completion a sample
 
 
 def shown_text(q) -> list[str]:
@@ -185,8 +190,14 @@ def test_rollout_mode_each_completion_its_own_order_and_a_per_question_baseline(
 def test_format_reward_pays_any_strict_letter_and_nothing_else(questions):
     q = next(q for q in questions if len(q.options) == 4)
     wrong = next(label for label in q.labels if label != q.answer_key)
-    for reply, paid, correct in ((q.answer_key, 1.0, True), (wrong, 1.0, False), (f"Answer: {wrong}", 1.0, False),
-                                 (f"The answer is {q.answer_key}.", 0.0, False), ("E", 0.0, False), ("", 0.0, False)):
+    for reply, paid, correct in (
+        (q.answer_key, 1.0, True),
+        (wrong, 1.0, False),
+        (f"Answer: {wrong}", 1.0, False),
+        (f"The answer is {q.answer_key}.", 0.0, False),
+        ("E", 0.0, False),
+        ("", 0.0, False),
+    ):
         s = reward.score(reply, q, "format")
         assert (s.reward, s.correct) == (paid, correct), reply
 
@@ -194,12 +205,18 @@ def test_format_reward_pays_any_strict_letter_and_nothing_else(questions):
 def test_random_reward_is_a_fair_reproducible_coin_independent_of_the_reply(questions):
     q = questions[0]
     wrong = next(label for label in q.labels if label != q.answer_key)
-    draws = [reward.score(q.answer_key, q, "random", draw=(3, step, q.id, k)).reward
-             for step in range(1, 26) for k in range(16)]
+    draws = [
+        reward.score(q.answer_key, q, "random", draw=(3, step, q.id, k)).reward
+        for step in range(1, 26)
+        for k in range(16)
+    ]
     assert set(draws) == {0.0, 1.0} and 0.4 < sum(draws) / len(draws) < 0.6
     for step, k in ((1, 0), (2, 5), (9, 15)):
         key = (3, step, q.id, k)
-        right, wrong_reply = reward.score(q.answer_key, q, "random", draw=key), reward.score(wrong, q, "random", draw=key)
+        right, wrong_reply = (
+            reward.score(q.answer_key, q, "random", draw=key),
+            reward.score(wrong, q, "random", draw=key),
+        )
         assert right.reward == wrong_reply.reward == reward.random_reward(*key)
         assert right.correct and not wrong_reply.correct  # the truth is still there
     assert [reward.score("A", q, "random", draw=(4, 1, q.id, k)).reward for k in range(32)] != draws[:32]
@@ -213,7 +230,9 @@ def test_a_control_run_logs_its_true_accuracy(prompted, tokenizer):
     cfg = config("rollout", reward_mode="random", group_size=8)
     batch = generate_batch(2, prompted[:3], AnswerA(tokenizer), cfg, vocab_size=1000)
     for r in batch.rollouts:
-        shown = options.permute(next(p.question for p in prompted if p.question.id == r["question_id"]), r["option_order"])
+        shown = options.permute(
+            next(p.question for p in prompted if p.question.id == r["question_id"]), r["option_order"]
+        )
         assert r["correct_strict"] == (shown.answer_key == "A")
         assert r["reward"] == reward.random_reward(cfg.seed, 2, r["question_id"], r["sample"])
     timings = {"time/generate": 1.0, "time/train": 1.0, "time/weight_sync": 0.0}
@@ -228,12 +247,17 @@ def test_a_shuffled_run_keeps_a_token_per_option_line_to_spare(prompted, tokeniz
 
     item = next(p for p in prompted if len(p.question.options) == 4)
     exact = len(item.prompt_ids) + 8
-    for mode, seq_len, kept in (("none", exact, True), ("epoch", exact, False), ("rollout", exact + 3, False),
-                                ("rollout", exact + 4, True)):
+    for mode, seq_len, kept in (
+        ("none", exact, True),
+        ("epoch", exact, False),
+        ("rollout", exact + 3, False),
+        ("rollout", exact + 4, True),
+    ):
         cfg = TrainConfig(seq_len=seq_len, max_completion_tokens=8, data={"shuffle_options": mode})
         assert fits(item, cfg.rollout_settings()) is kept, (mode, seq_len)
     # byte-level BPE: every order of every question has the row order's length, so the spare is never used up
     q = item.question
-    lengths = {len(prompt_for(options.permute(q, options.rollout_order(q, 0, 1, k)), tokenizer).prompt_ids)
-               for k in range(24)}
+    lengths = {
+        len(prompt_for(options.permute(q, options.rollout_order(q, 0, 1, k)), tokenizer).prompt_ids) for k in range(24)
+    }
     assert lengths == {len(item.prompt_ids)}

@@ -21,17 +21,15 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import create_block_mask
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+from helpers.in_process import train_here
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
-from scirl.trainer import attention, head
+from scirl.trainer import Trainer, attention, head
 from scirl.trainer.kernels import Kernels
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import dummy_micro_batch, pack
-from scirl.trainer import Trainer
-
-from helpers.in_process import train_here
 
 CPU = torch.device("cpu")
 DEMO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
@@ -40,8 +38,10 @@ DEMO_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Each test counts its own graphs, and leaves dynamo's settings as it found them."""
-    settings = [(torch._dynamo.config, name) for name in ("recompile_limit", "accumulated_recompile_limit",
-                                                          "fail_on_recompile_limit_hit")]
+    settings = [
+        (torch._dynamo.config, name)
+        for name in ("recompile_limit", "accumulated_recompile_limit", "fail_on_recompile_limit_hit")
+    ]
     settings.append((torch.fx.experimental._config, "use_duck_shape"))
     saved = [getattr(config, name) for config, name in settings]
     torch._dynamo.reset()
@@ -57,8 +57,10 @@ def random_rows(rng: random.Random, groups: int = 3, prompt: int = 60, completio
     rows = []
     for g in range(rng.randint(1, groups)):
         ids = [rng.randint(10, 400) for _ in range(rng.randint(2, prompt))]
-        rows += [((g,), ids, [rng.randint(10, 400) for _ in range(rng.randint(1, completion))])
-                 for _ in range(rng.randint(1, 4))]
+        rows += [
+            ((g,), ids, [rng.randint(10, 400) for _ in range(rng.randint(1, completion))])
+            for _ in range(rng.randint(1, 4))
+        ]
     return rows
 
 
@@ -94,8 +96,10 @@ def test_the_block_mask_is_create_block_masks_without_compiling(monkeypatch):
     layouts = []
     for budget in (0, 512, 1024, 4096):
         for _ in range(6):
-            packed = pack(random_rows(rng, prompt=300, completion=200),
-                          pad_to=lambda n, budget=budget: attention.row_length(n, "flex", budget))
+            packed = pack(
+                random_rows(rng, prompt=300, completion=200),
+                pad_to=lambda n, budget=budget: attention.row_length(n, "flex", budget),
+            )
             layouts.append((packed.layout, packed.forward_tokens))
     monkeypatch.setattr(torch, "compile", lambda *a, **k: pytest.fail("the block mask compiled something"))
     for layout, n in layouts:
@@ -107,8 +111,16 @@ def test_the_block_mask_is_create_block_masks_without_compiling(monkeypatch):
 
         want = create_block_mask(allowed, None, None, n, n, device="cpu", BLOCK_SIZE=attention.FLEX_BLOCK)
         assert got.seq_lengths == want.seq_lengths == (n, n)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "q_num_blocks",
+            "q_indices",
+            "full_q_num_blocks",
+            "full_q_indices",
+        ):
             assert torch.equal(getattr(got, name), getattr(want, name)), (n, name)
 
 
@@ -117,8 +129,16 @@ def tiny_trainer(model_dir, kernels: str, *, dynamic: bool, **batching) -> Train
 
     cfg = TrainConfig()
     model = load_model(str(model_dir), CPU, Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=CPU, dist=Dist(),
-                      dtype=torch.float32, batching=Batching(**batching))
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=CPU,
+        dist=Dist(),
+        dtype=torch.float32,
+        batching=Batching(**batching),
+    )
     trainer.kernels = Kernels(trainer.compute_model, kernels, backend="aot_eager", dynamic=dynamic)
     return trainer
 
@@ -136,15 +156,17 @@ def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir
     stand_in = dummy_micro_batch(trainer.stand_in_length).packed
     assert stand_in.forward_tokens == 256
     for packed in [pack(random_rows(rng, prompt=30, completion=20), pad_to=trainer.row_length) for _ in range(10)] + [
-            stand_in]:
+        stand_in
+    ]:
         n, real = packed.forward_tokens, packed.forward_tokens - packed.padding_tokens
         seen.add(n)
         outputs = {}
         for kind in ("flex", "sdpa"):
             layout = attention.prepare(packed.layout, kind, n, torch.float32)
             with torch.no_grad(), attention.packed_rows(model), kernels.active() if kind == "flex" else torch.no_grad():
-                outputs[kind] = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                                      scirl_layout=layout, use_cache=False).logits[:, :real]
+                outputs[kind] = model(
+                    input_ids=packed.input_ids, position_ids=packed.position_ids, scirl_layout=layout, use_cache=False
+                ).logits[:, :real]
         torch.testing.assert_close(outputs["flex"], outputs["sdpa"], rtol=0, atol=1e-5)
     assert seen == {128, 256}
     assert counters["stats"]["unique_graphs"] == len(seen) and not counters["graph_break"]
@@ -189,12 +211,23 @@ def test_the_training_forwards_patches_hold_through_its_backward_and_are_undone_
     trainer.kernels.compiled = [(layer, layer.forward) for layer in decoder_layers(model)]
 
     def patches() -> tuple[bool, bool, bool]:
-        return (all("forward" in vars(layer) for layer, _ in trainer.kernels.compiled),
-                model.config._attn_implementation == attention.PACKED_ATTENTION, "forward" in vars(head))
+        return (
+            all("forward" in vars(layer) for layer, _ in trainer.kernels.compiled),
+            model.config._attn_implementation == attention.PACKED_ATTENTION,
+            "forward" in vars(head),
+        )
 
     head.weight.register_hook(lambda grad: during.append(patches()))  # runs in the backward
-    samples = [Sample([rng.randint(10, 400) for _ in range(8)], [rng.randint(10, 400) for _ in range(6)], [-1.0] * 6,
-                      rng.uniform(-1, 1), g) for g in (0, 0, 1, 1)]
+    samples = [
+        Sample(
+            [rng.randint(10, 400) for _ in range(8)],
+            [rng.randint(10, 400) for _ in range(6)],
+            [-1.0] * 6,
+            rng.uniform(-1, 1),
+            g,
+        )
+        for g in (0, 0, 1, 1)
+    ]
     assert patches() == (False, False, False)
     assert trainer.train_step(trainer.batches(samples))["stepped"]
     assert during and all(state == (True, True, True) for state in during)
@@ -211,15 +244,36 @@ def test_the_demo_compiled_with_inductor_compiles_at_most_2_graphs_and_says_so(t
     data = tmp_path / "questions.jsonl"
     assert write_questions([str(data)]) == 0
     out = tmp_path / "run"
-    assert train_here(["@", DEMO_CONFIG, "--data.source", str(data), "--kernels", "compile",
-                       "--max-steps", "8", "--eval.interval", "0", "--output-dir", str(out)]) == 0
+    assert (
+        train_here(
+            [
+                "@",
+                DEMO_CONFIG,
+                "--data.source",
+                str(data),
+                "--kernels",
+                "compile",
+                "--max-steps",
+                "8",
+                "--eval.interval",
+                "0",
+                "--output-dir",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and len({row["train/forward_tokens"] for row in rows}) > 1
     # the compiled regions: the decoder layers (one code object for all), the head's forward and its backward
-    regions = {"decoder layer": Qwen3DecoderLayer.forward, "head forward": head.block_stats,
-               "head backward": head.block_grad_}
+    regions = {
+        "decoder layer": Qwen3DecoderLayer.forward,
+        "head forward": head.block_stats,
+        "head backward": head.block_grad_,
+    }
     graphs = {name: len(_debug_get_cache_entry_list(fn.__code__)) for name, fn in regions.items()}
     assert all(1 <= n <= 2 for n in graphs.values()), graphs
-    assert all(1 <= row["train/compiles"] <= sum(graphs.values()) and row["train/graph_breaks"] == 0
-               for row in rows), rows
+    assert all(1 <= row["train/compiles"] <= sum(graphs.values()) and row["train/graph_breaks"] == 0 for row in rows), (
+        rows
+    )
     assert rows[-1]["train/compiles"] == sum(graphs.values())

@@ -12,17 +12,16 @@ import sys
 import pytest
 import torch
 
+from helpers.in_process import one_thread
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.run.config import TrainConfig
-from scirl.trainer.model import load_model
 from scirl.trainer import Trainer
-
-from helpers.in_process import one_thread
+from scirl.trainer.model import load_model
 
 SEQUENCE = 1500  # positions: the rotary angles' error grows with them
 
-FSDP_SCRIPT = r'''
+FSDP_SCRIPT = r"""
 import sys, torch
 from scirl import algorithms
 from scirl.distributed import setup, exit_process, teardown
@@ -40,7 +39,7 @@ if dist.rank == 0:
     torch.save(logprobs, out_file)
 teardown()
 exit_process(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -52,16 +51,37 @@ def test_a_bf16_process_computes_the_logprobs_of_fsdp2s_bf16_policy(tiny_model_d
     torch.save(ids, tmp_path / "ids.pt")
     (tmp_path / "fsdp.py").write_text(FSDP_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "fsdp.py"), str(tiny_model_dir), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "fsdp.py"),
+            str(tiny_model_dir),
+            str(tmp_path / "ids.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     sharded = torch.tensor(torch.load(tmp_path / "out.pt"))
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.bfloat16)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.bfloat16,
+    )
     with one_thread():
         one_process = torch.tensor(trainer.sequence_logprobs(ids))
     torch.testing.assert_close(one_process, sharded, rtol=0, atol=1e-6)

@@ -18,8 +18,11 @@ from scirl.trainer.packing import dummy_micro_batch
 def random_step(rng: random.Random, groups: int, group_size: int, prompt: int, completion: int) -> list[Sample]:
     """Whole groups of ``group_size`` completions of ``completion`` tokens after prompts of ``prompt`` tokens."""
     prompts = [[rng.randrange(1, 1000) for _ in range(prompt)] for _ in range(groups)]
-    return [Sample(prompts[g], [rng.randrange(1, 1000)] * completion, [-1.0] * completion, 1.0, g)
-            for g in range(groups) for _ in range(group_size)]
+    return [
+        Sample(prompts[g], [rng.randrange(1, 1000)] * completion, [-1.0] * completion, 1.0, g)
+        for g in range(groups)
+        for _ in range(group_size)
+    ]
 
 
 def sizes(mb) -> tuple[int, ...]:
@@ -28,13 +31,29 @@ def sizes(mb) -> tuple[int, ...]:
     layout = mb.packed.layout
     prompts, prompt = layout.prompt_index.shape
     keys = sum(len(grid.rows) * (grid.prompt_len + grid.query_index.shape[1]) for grid in layout.grids)
-    return (mb.packed.forward_tokens, mb.loss_tokens, mb.sequences, prompts, prompt, mb.loss_mask.shape[1],
-            prompts * prompt, keys)
+    return (
+        mb.packed.forward_tokens,
+        mb.loss_tokens,
+        mb.sequences,
+        prompts,
+        prompt,
+        mb.loss_mask.shape[1],
+        prompts * prompt,
+        keys,
+    )
 
 
 def bounds(shape: cutting.MicroBatchShape) -> tuple[int, ...]:
-    return (shape.tokens, shape.loss_tokens, shape.completions, shape.prompts, shape.prompt, shape.completion,
-            shape.prompts * shape.prompt, shape.completions * (shape.prompt + shape.completion))
+    return (
+        shape.tokens,
+        shape.loss_tokens,
+        shape.completions,
+        shape.prompts,
+        shape.prompt,
+        shape.completion,
+        shape.prompts * shape.prompt,
+        shape.completions * (shape.prompt + shape.completion),
+    )
 
 
 @pytest.mark.parametrize("kind", ["flex", "sdpa"])
@@ -53,7 +72,13 @@ def test_the_packer_never_cuts_past_the_largest_micro_batch(kind):
         got = [sizes(mb) for mb in cutting.cut(samples, batching, kind, compiled=rng.random() < 0.5)]
         for cut in got:
             assert all(g <= b for g, b in zip(cut, bounds(shape))), (
-                batching, group_size, prompt, completion, cut, shape)
+                batching,
+                group_size,
+                prompt,
+                completion,
+                cut,
+                shape,
+            )
         met += max(cut[0] for cut in got) == shape.tokens
     assert met > trials // 2  # a bound, not a guess far above: most steps reach it
 

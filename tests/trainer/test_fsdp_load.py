@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-LOAD_SCRIPT = r'''
+LOAD_SCRIPT = r"""
 import logging, sys, types, torch
 from transformers import PreTrainedModel
 from scirl.distributed import exit_process, setup as setup_distributed, teardown
@@ -72,16 +72,29 @@ differ(lambda: setattr(norm, "forward", types.MethodType(lambda self, x: x, norm
 differ(lambda: setattr(model.config, "_attn_implementation", "eager"), "attention")
 teardown()
 exit_process(0)
-'''
+"""
 
 
 def torchrun_load(model_dir, tmp_path) -> None:
     (tmp_path / "load.py").write_text(LOAD_SCRIPT)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "load.py"), str(model_dir), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "load.py"),
+            str(model_dir),
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -125,8 +138,10 @@ def test_two_ranks_load_what_one_process_loads_and_only_rank_0_reads_the_weights
 def test_a_rank_that_runs_other_code_ends_the_run_on_every_rank_naming_what_differs(loaded):
     """After the load passed the check, rank 1 swaps the final norm's forward (what a hub kernel does to an
     instance), then its attention implementation: the check, run again, refuses on both ranks in one line."""
-    for name, where in (("forward", "model.norm: "), ("attention", "attention: ['eager'] on rank 1, but attention: "
-                                                                    "['sdpa'] on rank 0")):
+    for name, where in (
+        ("forward", "model.norm: "),
+        ("attention", "attention: ['eager'] on rank 1, but attention: ['sdpa'] on rank 0"),
+    ):
         messages = {(loaded / f"{name}_{rank}.txt").read_text() for rank in (0, 1)}
         assert len(messages) == 1, messages  # the same line on every rank
         [message] = messages

@@ -12,16 +12,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from helpers.train_runs import fixed_samples
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.run.config import TrainConfig
+from scirl.trainer import Trainer
 from scirl.trainer import head as head_module
 from scirl.trainer.head import Head, block_stats, hidden_states_out
 from scirl.trainer.loss import rl_loss, token_logprobs
-from scirl.trainer.targets import student_logprobs, teacher_targets
 from scirl.trainer.packing import make_micro_batches
-from scirl.trainer import Trainer
-from helpers.train_runs import fixed_samples
+from scirl.trainer.targets import student_logprobs, teacher_targets
 
 # float32 throughout: two orders of the same float32 sums (block matmuls, softmax over a row) differ by a
 # few units in the last place of values of order 1-10, hence 1e-5 absolute / 1e-4 relative
@@ -89,8 +89,16 @@ def test_sdpo_targets_and_student_logprobs_equal_the_full_logits_ones(top_k, tai
 
 
 def tiny_qwen3(tied: bool, vocab: int = 512) -> Qwen3ForCausalLM:
-    config = Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    config = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     return Qwen3ForCausalLM(config).float()
 
@@ -105,8 +113,17 @@ def test_a_trainer_micro_batch_has_the_full_logits_gradients(tied, temperature, 
     reference = copy.deepcopy(model)
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
     cfg = TrainConfig()
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=temperature, top_p=top_p, device=torch.device("cpu"),
-                      dist=Dist(), dtype=torch.float32, head_block_tokens=3)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=temperature,
+        top_p=top_p,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+        head_block_tokens=3,
+    )
     samples = fixed_samples(4, seed=5)
     (mb,) = make_micro_batches(samples, max_rows=4)
     scale = float(mb.loss_tokens)
@@ -117,13 +134,22 @@ def test_a_trainer_micro_batch_has_the_full_logits_gradients(tied, temperature, 
     for r, s in enumerate(samples):  # each sample its own sequence, through the model's own head
         logits = reference(input_ids=torch.tensor([s.prompt_ids + s.completion_ids])).logits[0]
         prompt, completion = len(s.prompt_ids), len(s.completion_ids)
-        row_lp, row_entropy = token_logprobs(logits[prompt - 1 : prompt + completion - 1], torch.tensor(s.completion_ids),
-                                             temperature, top_p)
+        row_lp, row_entropy = token_logprobs(
+            logits[prompt - 1 : prompt + completion - 1], torch.tensor(s.completion_ids), temperature, top_p
+        )
         lp = lp.index_put((torch.tensor([r]), torch.arange(completion)), row_lp)
         entropy[r, :completion] = row_entropy.detach()
     mask = mb.loss_mask
-    want, want_sums = rl_loss(lp, mb.inference_logprobs, mb.advantages, mask, mask_low=cfg.loss.mask_low,
-                              mask_high=cfg.loss.mask_high, kl_tau=cfg.loss.kl_tau, loss_scale=scale)
+    want, want_sums = rl_loss(
+        lp,
+        mb.inference_logprobs,
+        mb.advantages,
+        mask,
+        mask_low=cfg.loss.mask_low,
+        mask_high=cfg.loss.mask_high,
+        kl_tau=cfg.loss.kl_tau,
+        loss_scale=scale,
+    )
     want.backward()
     assert float(loss) == pytest.approx(float(want.detach()), abs=1e-6)
     assert float(sums.masked) == float(want_sums.masked)
@@ -154,10 +180,16 @@ class VocabularyRows(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # views (the weight transposed for a matmul, [H, V]) allocate nothing: outputs sharing an input's storage
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
-            if (isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab
-                    and t.untyped_storage().data_ptr() not in inputs):
+            if (
+                isinstance(t, torch.Tensor)
+                and t.dim()
+                and t.shape[-1] == self.vocab
+                and t.untyped_storage().data_ptr() not in inputs
+            ):
                 self.most = max(self.most, t.numel() // self.vocab)
         return out
 
@@ -170,8 +202,17 @@ def test_a_big_vocabulary_step_never_holds_a_tokens_by_vocabulary_tensor(block):
     vocab = 151_936
     model = tiny_qwen3(True, vocab=vocab)
     cfg = TrainConfig()
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32, head_block_tokens=block)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.7,
+        top_p=0.9,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+        head_block_tokens=block,
+    )
     (mb,) = make_micro_batches(fixed_samples(4, seed=5), max_rows=4)
     tokens = mb.loss_tokens
     assert tokens > 2 * 4 and mb.packed.input_ids.numel() > 2 * tokens

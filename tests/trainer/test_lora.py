@@ -15,8 +15,20 @@ from scirl import algorithms
 pytest.importorskip("peft")
 
 from helpers.train_runs import (  # noqa: E402
-    COMPUTED_KEYS, EXACT_KEYS, copy_run, data_file, final_weights, fixed_samples, letter_model_dir, one_step_run, one_thread,
-    rows, run_in_process, train_args, trainer_state, vllm_args,
+    COMPUTED_KEYS,
+    EXACT_KEYS,
+    copy_run,
+    data_file,
+    final_weights,
+    fixed_samples,
+    letter_model_dir,
+    one_step_run,
+    one_thread,
+    rows,
+    run_in_process,
+    train_args,
+    trainer_state,
+    vllm_args,
 )
 
 __all__ = ["data_file", "letter_model_dir", "one_step_run", "one_thread"]  # fixtures, used by name
@@ -31,16 +43,24 @@ def adapter(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_model_dir):
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.lora import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
     cfg.optim.lr = 1e-2
     model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     names = {id(p): name for name, p in model.named_parameters()}
     optimized = [names[id(p)] for group in trainer.optimizer.param_groups for p in group["params"]]
     assert optimized and all(".lora_A." in n or ".lora_B." in n for n in optimized)
@@ -59,23 +79,35 @@ def test_the_optimizer_holds_only_the_adapter_and_the_base_never_changes(letter_
 def test_in_bfloat16_the_base_is_held_in_bf16_and_the_adapter_in_float32(letter_model_dir):
     """The 8B-on-one-GPU layout: the frozen base once, in the compute dtype; float32 adapter masters,
     no bf16 copy of the model; gradients reach the adapter through activation checkpointing."""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.lora import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     cfg = TrainConfig(lora={"enabled": True, "rank": 4, "alpha": 8})
-    model = load_model(str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True)
+    model = load_model(
+        str(letter_model_dir), cfg.lora, torch.device("cpu"), torch.bfloat16, activation_checkpointing=True
+    )
     for name, p in model.named_parameters():
         assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.bfloat16,
+    )
     assert trainer.compute_copy is None and trainer.compute_model is model
     stats = trainer.train_step(make_micro_batches(fixed_samples(4, seed=3), max_rows=2))
     assert stats["stepped"] and stats["grad_norm"] > 0
     merged = trainer.full_state_dict(device="cpu")
     assert {t.dtype for t in merged.values()} == {torch.float32}  # what a checkpoint holds
-    assert {t.dtype for t in trainer.full_state_dict(dtype=torch.bfloat16).values()} == {torch.bfloat16}  # for an engine
+    assert {t.dtype for t in trainer.full_state_dict(dtype=torch.bfloat16).values()} == {
+        torch.bfloat16
+    }  # for an engine
 
 
 @pytest.fixture(scope="module")
@@ -198,9 +230,9 @@ def test_a_full_fine_tuning_checkpoint_does_not_resume_as_lora(one_step_run, tmp
 
 def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, monkeypatch):
     import scirl.distributed
-    from scirl.run.config_io import load_config
     from scirl.distributed import Dist
     from scirl.errors import TrainError
+    from scirl.run.config_io import load_config
     from scirl.run.train import train
 
     argv = ["--output-dir", str(tmp_path / "run"), "--model", str(tmp_path / "none"), "--lora.enabled"]
@@ -214,16 +246,22 @@ def test_lora_under_several_ranks_or_without_peft_is_a_clear_error(tmp_path, mon
 
 
 def test_lora_settings_are_validated(tmp_path):
-    from scirl.run.config_io import load_config, read_toml, validate, write_config
     from scirl.errors import ConfigError
+    from scirl.run.config_io import load_config, read_toml, validate, write_config
 
     cfg = load_config(["--lora.enabled", "--lora.target-modules", "q_proj,v_proj"])
     assert cfg.lora.enabled and cfg.lora.rank == 16 and cfg.lora.alpha == 32 and cfg.lora.dropout == 0.0
     assert cfg.lora.target_modules == ["q_proj", "v_proj"]
-    assert validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).lora == cfg.lora  # config.toml keeps it for a resume
+    assert (
+        validate(read_toml(write_config(cfg, tmp_path / "c.toml"))).lora == cfg.lora
+    )  # config.toml keeps it for a resume
     assert not load_config([]).lora.enabled and len(load_config([]).lora.target_modules) == 7
-    for flags, field in ((["--lora.rank", "0"], "lora.rank"), (["--lora.alpha", "0"], "lora.alpha"),
-                         (["--lora.dropout", "1"], "lora.dropout"), (["--lora.target-modules", "[]"], "lora.target_modules")):
+    for flags, field in (
+        (["--lora.rank", "0"], "lora.rank"),
+        (["--lora.alpha", "0"], "lora.alpha"),
+        (["--lora.dropout", "1"], "lora.dropout"),
+        (["--lora.target-modules", "[]"], "lora.target_modules"),
+    ):
         with pytest.raises(ConfigError, match=field):
             load_config(flags)
 

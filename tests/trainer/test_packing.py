@@ -25,12 +25,11 @@ from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
 from scirl.run.config import TrainConfig
-from scirl.trainer import attention, packing
+from scirl.trainer import Trainer, attention, packing
 from scirl.trainer.batching import Batching
 from scirl.trainer.head import hidden_states_out
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import completion_grids, make_micro_batches, pack
-from scirl.trainer import Trainer
 
 CPU = torch.device("cpu")
 
@@ -60,9 +59,16 @@ def grouped_samples(seed: int = 0, teachers: bool = False) -> list[Sample]:
             teacher = None
             if teachers and (group, k) != (2, 0):
                 teacher = shown if k else torch.randint(10, 500, (n_prompt + 2,), generator=g).tolist()
-            samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
-                                  (-torch.rand(n, generator=g) * 3).tolist(), float(torch.randn(1, generator=g)), group,
-                                  teacher))
+            samples.append(
+                Sample(
+                    prompt,
+                    torch.randint(10, 500, (n,), generator=g).tolist(),
+                    (-torch.rand(n, generator=g) * 3).tolist(),
+                    float(torch.randn(1, generator=g)),
+                    group,
+                    teacher,
+                )
+            )
     return samples
 
 
@@ -86,10 +92,19 @@ def per_sequence_hidden(trainer, packed):
     return torch.cat(hidden), seen["weight"]
 
 
-def trainer_for(model_dir, algorithm: str, *, lora: bool = False, batching: Batching = Batching(),
-                reference: bool = False, dtype=torch.float32) -> Trainer:
+def trainer_for(
+    model_dir,
+    algorithm: str,
+    *,
+    lora: bool = False,
+    batching: Batching = Batching(),
+    reference: bool = False,
+    dtype=torch.float32,
+) -> Trainer:
     extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm == "sdpo" else {}
-    cfg = TrainConfig(algorithm=algorithm, **extra, **({"lora": {"enabled": True, "rank": 4, "alpha": 8}} if lora else {}))
+    cfg = TrainConfig(
+        algorithm=algorithm, **extra, **({"lora": {"enabled": True, "rank": 4, "alpha": 8}} if lora else {})
+    )
     if lora:
         from scirl.trainer.lora import load_model as load_lora
 
@@ -97,8 +112,18 @@ def trainer_for(model_dir, algorithm: str, *, lora: bool = False, batching: Batc
         model = load_lora(str(model_dir), cfg.lora, CPU, dtype)
     else:
         model = load_model(str(model_dir), CPU, Dist(), dtype)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=CPU, dist=Dist(),
-                      dtype=dtype, head_block_tokens=5, batching=batching)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.7,
+        top_p=0.9,
+        device=CPU,
+        dist=Dist(),
+        dtype=dtype,
+        head_block_tokens=5,
+        batching=batching,
+    )
     trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)  # new weights = old - gradient
     trainer.max_norm = 1e9  # no clipping: the gradient itself is compared
     if reference:
@@ -191,8 +216,12 @@ def test_the_flex_layout_gives_the_sdpa_paths_attention():
     assert len(layouts[0].layout.grids) == packing.MAX_GRIDS
     for seed in range(19):
         samples = grouped_samples(seed)[: 3 + seed % 8]
-        layouts.append(pack([((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids * (1 + seed % 5))
-                             for s in samples], pad_to=lambda n: attention.row_length(n, "flex", 256)))
+        layouts.append(
+            pack(
+                [((s.group, tuple(s.prompt_ids)), s.prompt_ids, s.completion_ids * (1 + seed % 5)) for s in samples],
+                pad_to=lambda n: attention.row_length(n, "flex", 256),
+            )
+        )
     assert len({p.forward_tokens - p.padding_tokens for p in layouts}) > 10
     torch._dynamo.reset()
     counters.clear()
@@ -254,13 +283,19 @@ def pack_token_by_token(rows, pad_to: int, max_grids: int) -> dict[str, torch.Te
                 unpack.append(out_start[r] + k)
     padding = -len(tokens) % pad_to
     long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    want.update(input_ids=long([tokens + [0] * padding]), position_ids=long([positions + [0] * padding]),
-                group=torch.tensor(group + [-1] * padding, dtype=torch.int32),
-                branch=torch.tensor(branch + [-1] * padding, dtype=torch.int32), unpack=long(unpack + [0] * padding),
-                prompt_lengths=long([len(p) for p in prompts]),
-                **{name: long([values[t] for t in sorted(values)])
-                   for name, values in (("predictor", predictor), ("targets", targets), ("slot", slot))},
-                loss_mask=torch.arange(longest_completion)[None] < long(lengths)[:, None])
+    want.update(
+        input_ids=long([tokens + [0] * padding]),
+        position_ids=long([positions + [0] * padding]),
+        group=torch.tensor(group + [-1] * padding, dtype=torch.int32),
+        branch=torch.tensor(branch + [-1] * padding, dtype=torch.int32),
+        unpack=long(unpack + [0] * padding),
+        prompt_lengths=long([len(p) for p in prompts]),
+        **{
+            name: long([values[t] for t in sorted(values)])
+            for name, values in (("predictor", predictor), ("targets", targets), ("slot", slot))
+        },
+        loss_mask=torch.arange(longest_completion)[None] < long(lengths)[:, None],
+    )
     return want
 
 
@@ -282,20 +317,31 @@ def test_pack_builds_every_tensor_by_the_token_by_token_rule(pad_to, max_grids):
         rows = [rows[i] for i in order]  # a group's rows need not be adjacent
         packed, want = pack(rows, pad_to, max_grids), pack_token_by_token(rows, pad_to, max_grids)
         layout = packed.layout
-        got = {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "group": layout.group,
-               "branch": layout.branch, "unpack": layout.unpack, "prompt_index": layout.prompt_index,
-               "prompt_lengths": layout.prompt_lengths, "predictor": packed.predictor, "targets": packed.targets,
-               "slot": packed.slot, "loss_mask": packed.loss_mask}
+        got = {
+            "input_ids": packed.input_ids,
+            "position_ids": packed.position_ids,
+            "group": layout.group,
+            "branch": layout.branch,
+            "unpack": layout.unpack,
+            "prompt_index": layout.prompt_index,
+            "prompt_lengths": layout.prompt_lengths,
+            "predictor": packed.predictor,
+            "targets": packed.targets,
+            "slot": packed.slot,
+            "loss_mask": packed.loss_mask,
+        }
         for k, grid in enumerate(layout.grids):
-            got.update({f"grid{k}.rows": grid.rows, f"grid{k}.prompts": grid.prompts,
-                        f"grid{k}.query_index": grid.query_index})
+            got.update(
+                {f"grid{k}.rows": grid.rows, f"grid{k}.prompts": grid.prompts, f"grid{k}.query_index": grid.query_index}
+            )
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert got[name].dtype == value.dtype and torch.equal(got[name], value), (trial, name)
         real = sum(len(p) for p in {key: p for key, p, _ in rows}.values()) + len(packed.targets)
         assert packed.padding_tokens == -real % pad_to == want["input_ids"].shape[1] - real
-        assert [grid.prompt_len for grid in layout.grids] == [max(len(rows[r][1]) for r in grid.rows.tolist())
-                                                              for grid in layout.grids]
+        assert [grid.prompt_len for grid in layout.grids] == [
+            max(len(rows[r][1]) for r in grid.rows.tolist()) for grid in layout.grids
+        ]
 
 
 def test_the_flex_path_copies_to_the_device_only_what_flex_attention_reads():
@@ -306,11 +352,27 @@ def test_the_flex_path_copies_to_the_device_only_what_flex_attention_reads():
     flex, sdpa = (packing.to_device(mb, meta, attention.host_only(kind)) for kind in ("flex", "sdpa"))
     for moved in (flex, sdpa):
         packed = moved.packed
-        assert all(t.is_meta for t in (packed.input_ids, packed.position_ids, packed.predictor, packed.targets,
-                                        packed.slot, packed.loss_mask, packed.layout.group, packed.layout.branch,
-                                        moved.inference_logprobs, moved.advantages))
-    sdpa_only = lambda layout: [layout.prompt_index, layout.prompt_lengths, layout.unpack,  # noqa: E731
-                                *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index))]
+        assert all(
+            t.is_meta
+            for t in (
+                packed.input_ids,
+                packed.position_ids,
+                packed.predictor,
+                packed.targets,
+                packed.slot,
+                packed.loss_mask,
+                packed.layout.group,
+                packed.layout.branch,
+                moved.inference_logprobs,
+                moved.advantages,
+            )
+        )
+    sdpa_only = lambda layout: [
+        layout.prompt_index,
+        layout.prompt_lengths,
+        layout.unpack,  # noqa: E731
+        *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index)),
+    ]
     assert not any(t.is_meta for t in sdpa_only(flex.packed.layout))
     assert all(t.is_meta for t in sdpa_only(sdpa.packed.layout))
 
@@ -339,13 +401,21 @@ def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch
         assert 1 <= len(grids) <= packing.MAX_GRIDS
         widths = sorted(set(lengths), reverse=True)
         runs = [[r for r in range(len(lengths)) if lengths[r] == w] for w in widths]
-        best = min(sum(cost([r for run in runs[i:j] for r in run], prompt_len) for i, j in zip((0, *cuts), (*cuts, len(runs))))
-                   for k in range(min(packing.MAX_GRIDS, len(runs)))
-                   for cuts in itertools.combinations(range(1, len(runs)), k))
+        best = min(
+            sum(cost([r for run in runs[i:j] for r in run], prompt_len) for i, j in zip((0, *cuts), (*cuts, len(runs))))
+            for k in range(min(packing.MAX_GRIDS, len(runs)))
+            for cuts in itertools.combinations(range(1, len(runs)), k)
+        )
         assert sum(cost(grid, prompt_len) for grid in grids) == best, (lengths, prompt_len, grids)
 
 
-SYNC_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::item", "aten::masked_select", "aten::repeat_interleave")
+SYNC_OPS = (
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::item",
+    "aten::masked_select",
+    "aten::repeat_interleave",
+)
 
 
 class CountSyncs(TorchDispatchMode):
@@ -378,7 +448,7 @@ def test_a_micro_batch_forward_and_backward_never_wait_for_the_device(tiny_model
     assert syncs.seen == ["aten::_local_scalar_dense"]
 
 
-FSDP_SCRIPT = r'''
+FSDP_SCRIPT = r"""
 import sys, torch
 from scirl import algorithms
 from scirl.distributed import setup, exit_process, teardown
@@ -404,7 +474,7 @@ if dist.rank == 0:
     torch.save({"stats": stats, "state": state}, out_file)
 teardown()
 exit_process(0)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -417,9 +487,24 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "samples.pt"), str(tmp_path / "out.pt"),
-         algorithm], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=180)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "fsdp_step.py"),
+            str(tiny_model_dir),
+            str(tmp_path / "samples.pt"),
+            str(tmp_path / "out.pt"),
+            algorithm,
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
     want_stats, _, want_weights = run_step(trainer_for(tiny_model_dir, algorithm, reference=True), samples)
@@ -449,8 +534,16 @@ def test_compiled_decoder_layers_take_the_eager_step(tiny_model_dir, checkpointi
         counters.clear()
         model = load_model(str(tiny_model_dir), CPU, Dist(), torch.float32, activation_checkpointing=checkpointing)
         cfg = TrainConfig()
-        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=CPU, dist=Dist(),
-                          dtype=torch.float32)
+        trainer = Trainer(
+            model,
+            cfg.optim,
+            algorithms.build(cfg),
+            temperature=0.7,
+            top_p=0.9,
+            device=CPU,
+            dist=Dist(),
+            dtype=torch.float32,
+        )
         trainer.kernels = Kernels(trainer.compute_model, kernels, backend="aot_eager")
         trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
         for seed in (0, 1):
@@ -459,7 +552,9 @@ def test_compiled_decoder_layers_take_the_eager_step(tiny_model_dir, checkpointi
         if kernels == "compile":
             assert counters["stats"]["unique_graphs"] >= 1 and counters["stats"]["calls_captured"] > 0
             # outside a step the layers run their class's forward again (a sampler sharing the module is unaffected)
-            assert trainer.kernels.compiled and all("forward" not in vars(layer) for layer, _ in trainer.kernels.compiled)
+            assert trainer.kernels.compiled and all(
+                "forward" not in vars(layer) for layer, _ in trainer.kernels.compiled
+            )
     for name, value in weights["eager"].items():
         torch.testing.assert_close(weights["compile"][name], value, rtol=0, atol=1e-6, msg=name)
 
@@ -491,15 +586,23 @@ def test_liger_kernels_are_applied_without_their_loss_and_refused_where_they_can
     transformers_part._apply_liger_kernel_to_instance = liger._apply_liger_kernel_to_instance
     monkey_patch = types.ModuleType("liger_kernel.transformers.monkey_patch")
     monkey_patch.MODEL_TYPE_TO_APPLY_LIGER_FN = liger.MODEL_TYPE_TO_APPLY_LIGER_FN
-    for name, module in (("liger_kernel", package), ("liger_kernel.transformers", transformers_part),
-                         ("liger_kernel.transformers.monkey_patch", monkey_patch)):
+    for name, module in (
+        ("liger_kernel", package),
+        ("liger_kernel.transformers", transformers_part),
+        ("liger_kernel.transformers.monkey_patch", monkey_patch),
+    ):
         monkeypatch.setitem(sys.modules, name, module)
     Kernels(model, "liger")
-    (called, kwargs), = liger.calls
+    ((called, kwargs),) = liger.calls
     assert called is model
     # the norms, the rotary embedding and SwiGLU; never its losses, which would replace the model's forward
-    assert kwargs == {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
-                      "fused_linear_cross_entropy": False}
+    assert kwargs == {
+        "rope": True,
+        "rms_norm": True,
+        "swiglu": True,
+        "cross_entropy": False,
+        "fused_linear_cross_entropy": False,
+    }
     del liger.MODEL_TYPE_TO_APPLY_LIGER_FN["qwen3"]
     with pytest.raises(TrainError, match="qwen3"):
         Kernels(model, "liger")

@@ -6,19 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.train_runs import fixed_samples
 from scirl import algorithms
 from scirl.rollouts.contract import Sample
-
-from helpers.train_runs import fixed_samples
 
 
 def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     """Gradient accumulation with the global token count == one big batch (up to float error)."""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.batching import Batching
     from scirl.trainer.model import load_model
-    from scirl.trainer import Trainer
 
     samples = fixed_samples(6, seed=0, shortest_prompt=5)  # 6, 10, 9, 13, 12 and 11 tokens
     cfg = TrainConfig(optim={"lr": 1e-2})
@@ -27,9 +26,16 @@ def test_micro_batches_do_not_change_the_update(tiny_model_dir):
     for micro_batch_size, micro_batch_tokens in ((6, 0), (4, 0), (1, 0), (None, 24)):
         torch.manual_seed(0)
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                          dtype=torch.float32, batching=Batching(micro_batch_tokens=micro_batch_tokens,
-                                                                 micro_batch_size=micro_batch_size))
+        trainer = Trainer(
+            model,
+            cfg.optim,
+            algorithms.build(cfg),
+            temperature=1.0,
+            device=torch.device("cpu"),
+            dist=Dist(),
+            dtype=torch.float32,
+            batching=Batching(micro_batch_tokens=micro_batch_tokens, micro_batch_size=micro_batch_size),
+        )
         # plain SGD: the weight change is the (clipped) gradient itself; Adam's first step, ~lr*sign(g),
         # would turn float noise on near-zero gradients into lr-sized differences
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
@@ -53,16 +59,23 @@ def test_fused_adamw_takes_the_default_adamws_steps(tiny_model_dir):
     default AdamW on a copy of the weights lands on the same weights to float32 round-off: the same update per
     element in another order of operations. (Two whole runs would not: a near-zero gradient, which Adam divides
     by its own root mean square, turns round-off in the weights into differences of order lr.)"""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     cfg = TrainConfig(optim={"lr": 1e-2, "weight_decay": 0.1})
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                      dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     assert trainer.optimizer.defaults["fused"]
     copies = [p.detach().clone() for p in trainer.trainable]
     default = torch.optim.AdamW(copies, lr=1e-2, betas=tuple(cfg.optim.betas), weight_decay=0.1, foreach=True)
@@ -85,15 +98,23 @@ def test_fused_adamw_takes_the_default_adamws_steps(tiny_model_dir):
 
 def test_trainer_logprobs_match_a_plain_forward(tiny_model_dir):
     """The packed forward and the loss-token LM head give a full forward's log_softmax / T at each completion token."""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     cfg = TrainConfig()
     model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, device=torch.device("cpu"), dist=Dist(), dtype=torch.float32)
+    trainer = Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=0.7,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.float32,
+    )
     samples = fixed_samples(4, seed=2)
     (mb,) = make_micro_batches(samples, max_rows=4)
     with torch.no_grad():
@@ -117,26 +138,41 @@ def grouped_samples(seed=0, per_completion_prompts=False):
         for n in lengths:
             if per_completion_prompts and group == 0:
                 prompt = torch.randint(10, 500, (n_prompt,), generator=g).tolist()
-            samples.append(Sample(prompt, torch.randint(10, 500, (n,), generator=g).tolist(),
-                                  (-torch.rand(n, generator=g) * 5).tolist(), float(torch.randn(1, generator=g)), group))
+            samples.append(
+                Sample(
+                    prompt,
+                    torch.randint(10, 500, (n,), generator=g).tolist(),
+                    (-torch.rand(n, generator=g) * 5).tolist(),
+                    float(torch.randn(1, generator=g)),
+                    group,
+                )
+            )
     return samples
 
 
 def test_bfloat16_gradients_accumulate_in_float32_masters(tiny_model_dir):
     """Micro-batch gradients of the bf16 copy add up in float32 on the masters: two micro-batches give
     the update one micro-batch of both gives, to bf16 rounding, and the copy is the masters after the step."""
-    from scirl.run.config import TrainConfig
     from scirl.distributed import Dist
+    from scirl.run.config import TrainConfig
+    from scirl.trainer import Trainer
     from scirl.trainer.model import load_model
     from scirl.trainer.packing import make_micro_batches
-    from scirl.trainer import Trainer
 
     cfg = TrainConfig()
     samples = grouped_samples()
     results = []
     for micro_batch_size in (5, 2):
         model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.bfloat16)
-        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=torch.device("cpu"), dist=Dist(), dtype=torch.bfloat16)
+        trainer = Trainer(
+            model,
+            cfg.optim,
+            algorithms.build(cfg),
+            temperature=0.8,
+            device=torch.device("cpu"),
+            dist=Dist(),
+            dtype=torch.bfloat16,
+        )
         trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
         stats = trainer.train_step(make_micro_batches(samples, max_rows=micro_batch_size))

@@ -17,14 +17,15 @@ import pytest
 import torch
 
 import scirl
-from scirl import algorithms
 from fakes.nccl import FakeCommunicator, received_by_vllm
 from fakes.openai_server import body, fake_vllm
+from scirl import algorithms
 
 DEMO_BASE = Path(scirl.__file__).parent / "assets" / "demo-base"
 
 
 # ---- one GPU: the device needs its index ----
+
 
 def test_a_single_process_on_cuda_gets_an_indexed_device(monkeypatch):
     """``torch.cuda.set_device(torch.device("cuda"))`` raises ("Expected a torch.device with a specified
@@ -32,6 +33,7 @@ def test_a_single_process_on_cuda_gets_an_indexed_device(monkeypatch):
     from torch.cuda._utils import _get_device_index
 
     from scirl import distributed
+
     chosen = []
 
     def set_device(device):  # torch's own argument check, then what setDevice would get
@@ -51,6 +53,7 @@ def test_a_single_process_on_cuda_gets_an_indexed_device(monkeypatch):
 
 # ---- the wire dtype is the trainer's ----
 
+
 def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     """The servers compute in the trainer's dtype (the launcher starts them so): a float32 run's weights
     used to travel as bf16, and sampler and trainer drifted apart by bf16 rounding. What vLLM's own packed
@@ -60,8 +63,8 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     import scirl.weights.nccl as nccl
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
-    from scirl.trainer.model import load_model
     from scirl.trainer import Trainer
+    from scirl.trainer.model import load_model
     from scirl.weights.check import WeightCheck
     from scirl.weights.servers import start_server_sink
 
@@ -69,14 +72,35 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
     monkeypatch.setattr(nccl, "_open_nccl_endpoint", lambda *args: opened.append(FakeCommunicator(*args)) or opened[-1])
     server = fake_vllm()
     with server as srv:
-        cfg = TrainConfig(model=str(DEMO_BASE), device="cpu", dtype="float32", output_dir=str(tmp_path),
-                          inference={"urls": [srv.url]}, deployment={"weight_sync": "nccl", "verify_interval": 0})
+        cfg = TrainConfig(
+            model=str(DEMO_BASE),
+            device="cpu",
+            dtype="float32",
+            output_dir=str(tmp_path),
+            inference={"urls": [srv.url]},
+            deployment={"weight_sync": "nccl", "verify_interval": 0},
+        )
         model = load_model(str(DEMO_BASE), torch.device("cpu"), Dist(), torch.float32)
-        trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                          dtype=torch.float32)
-        start_server_sink(trainer, AutoTokenizer.from_pretrained(DEMO_BASE), cfg.deployment, cfg.inference.urls,
-                          run_dir=tmp_path, start_step=0, check=WeightCheck(trainer, ([1, 2, 3], 1), interval=0),
-                          replicas=[], between_batches=lambda version, push: push())
+        trainer = Trainer(
+            model,
+            cfg.optim,
+            algorithms.build(cfg),
+            temperature=1.0,
+            device=torch.device("cpu"),
+            dist=Dist(),
+            dtype=torch.float32,
+        )
+        start_server_sink(
+            trainer,
+            AutoTokenizer.from_pretrained(DEMO_BASE),
+            cfg.deployment,
+            cfg.inference.urls,
+            run_dir=tmp_path,
+            start_step=0,
+            check=WeightCheck(trainer, ([1, 2, 3], 1), interval=0),
+            replicas=[],
+            between_batches=lambda version, push: push(),
+        )
         info = body(server, "/update_weights")[0]["update_info"]
         init = body(server, "/init_weight_transfer_engine")[0]["init_info"]
     assert set(info["dtype_names"]) == {"float32"}
@@ -88,6 +112,7 @@ def test_a_float32_run_pushes_float32_weights_over_nccl(monkeypatch, tmp_path):
 
 
 # ---- where the servers reach the trainer ----
+
 
 class MultiHomedHost:
     """A machine with a loopback, an office LAN and a cluster network, whose hostname resolves to
@@ -138,13 +163,16 @@ def test_the_nccl_address_is_the_interface_that_routes_to_the_servers(monkeypatc
 
 # ---- offline: no usage report ----
 
+
 @pytest.mark.slow
 def test_vllm_engines_started_by_scirl_send_no_usage_report(tmp_path):
     """vLLM posts usage statistics to its server at start-up unless told not to; a training machine is
     often offline. Asked of vLLM itself, in a fresh process, after scirl's import of it."""
     pytest.importorskip("vllm")
-    code = ("import json; from scirl.inference.vllm import import_vllm; import_vllm(); "
-            "from vllm.usage.usage_lib import is_usage_stats_enabled; print(json.dumps(is_usage_stats_enabled()))")
+    code = (
+        "import json; from scirl.inference.vllm import import_vllm; import_vllm(); "
+        "from vllm.usage.usage_lib import is_usage_stats_enabled; print(json.dumps(is_usage_stats_enabled()))"
+    )
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_NO_USAGE_STATS", "DO_NOT_TRACK", "VLLM_DO_NOT_TRACK")}
     env["HOME"] = str(tmp_path)  # no do-not-track file of the user's
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
@@ -155,6 +183,7 @@ def test_vllm_engines_started_by_scirl_send_no_usage_report(tmp_path):
 def test_a_local_model_server_never_asks_the_hub():
     from scirl.inference.vllm_command import server_command
 
-    _, env = server_command(str(DEMO_BASE), port=1, served_model_name="p", dtype="float32", max_model_len=64,
-                            device="cpu")
+    _, env = server_command(
+        str(DEMO_BASE), port=1, served_model_name="p", dtype="float32", max_model_len=64, device="cpu"
+    )
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_NO_USAGE_STATS"] == "1" and env["DO_NOT_TRACK"] == "1"

@@ -20,7 +20,6 @@ import torch
 from helpers.live_tensors import LiveTensors, bucket_bound
 from scirl import algorithms
 from scirl.distributed import Dist
-from scirl.trainer.full_weights import FullWeights
 from scirl.weights.buckets import LARGEST_FIRST, plan_buckets, spec_bytes
 
 TESTS = Path(__file__).parents[1]
@@ -42,13 +41,20 @@ def test_buckets_close_once_they_hold_more_than_the_bucket_size():
 def bf16_trainer(model_dir):
     """One process, bf16 compute on a CPU: a push casts every float32 master (a tensor it creates)."""
     from scirl.run.config import TrainConfig
-    from scirl.trainer.model import load_model
     from scirl.trainer import Trainer
+    from scirl.trainer.model import load_model
 
     model = load_model(str(model_dir), torch.device("cpu"), Dist(), torch.float32)
     cfg = TrainConfig()
-    return Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=torch.device("cpu"), dist=Dist(),
-                   dtype=torch.bfloat16)
+    return Trainer(
+        model,
+        cfg.optim,
+        algorithms.build(cfg),
+        temperature=1.0,
+        device=torch.device("cpu"),
+        dist=Dist(),
+        dtype=torch.bfloat16,
+    )
 
 
 def test_full_weights_are_the_state_dict_in_the_wire_dtype_largest_first_on_request(tiny_model_dir):
@@ -96,8 +102,9 @@ def test_the_in_process_engine_takes_todays_weights_reading_them_as_it_loads(tin
     except ImportError as exc:
         pytest.skip(f"vLLM is not installed: {exc}")
     torch.set_num_threads(1)  # before the engine: afterwards the CPU backend ignores it
-    engine = adapter.VLLMGenerator(tiny_model_dir, dtype="float32", max_model_len=128, enforce_eager=True, seed=0,
-                                   kv_cache_gib=0.125)
+    engine = adapter.VLLMGenerator(
+        tiny_model_dir, dtype="float32", max_model_len=128, enforce_eager=True, seed=0, kv_cache_gib=0.125
+    )
     try:
         trainer = bf16_trainer(tiny_model_dir)
         sink = InProcessSink(engine, trainer, WeightCheck(trainer, ([1, 2, 3], 1), interval=0))
@@ -122,7 +129,7 @@ def test_the_in_process_engine_takes_todays_weights_reading_them_as_it_loads(tin
     assert whole.peak >= model_bytes
 
 
-PUSH_SCRIPT = r'''
+PUSH_SCRIPT = r"""
 import contextlib, os, sys, time, torch
 tests, model_dir, out, bucket_bytes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 sys.path.insert(0, tests)
@@ -183,7 +190,7 @@ except TrainError as exc:
     os.replace(gave_up + ".tmp", gave_up)
 teardown()
 exit_process(0)
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +198,24 @@ def two_rank_push(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("two_rank_push")
     (out / "push.py").write_text(PUSH_SCRIPT)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(out / "push.py"),
-         str(TESTS), str(tiny_model_dir), str(out), str(40_000)],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(out / "push.py"),
+            str(TESTS),
+            str(tiny_model_dir),
+            str(out),
+            str(40_000),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
@@ -228,7 +250,9 @@ def test_a_rank_that_waits_past_the_push_timeout_ends_the_run_saying_for_whom_an
     message = (two_rank_push / "gave_up_1.txt").read_text()
     assert "\n" not in message
     # before the first bucket rank 0 may be waiting for a batch: the bound is a request's and a push's timeouts
-    assert message.startswith("rank 1 waited more than 1s (deployment.request_timeout_s + weight_sync_timeout_s) for "
-                              "rank 0 to start the "
-                              "push (rank 0 first waits for the batch being generated on the servers), in the push "
-                              "of the weights of step 2"), message
+    assert message.startswith(
+        "rank 1 waited more than 1s (deployment.request_timeout_s + weight_sync_timeout_s) for "
+        "rank 0 to start the "
+        "push (rank 0 first waits for the batch being generated on the servers), in the push "
+        "of the weights of step 2"
+    ), message

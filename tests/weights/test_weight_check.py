@@ -50,9 +50,15 @@ def test_a_sampler_with_other_weights_ends_the_run_naming_it_the_version_and_the
 
 
 def test_data_parallel_replicas_that_disagree_fail():
-    checksums = {"dp0:pp0:pcp0:tp0:model.norm.weight": "aa", "dp1:pp0:pcp0:tp0:model.norm.weight": "bb",
-                 "dp0:pp0:pcp0:tp0:lm_head.weight": "cc", "dp1:pp0:pcp0:tp0:lm_head.weight": "cc"}
-    with pytest.raises(TrainError, match=r"replicas hold different weights .*\(1 tensors differ, e.g. pp0:pcp0:tp0:model.norm"):
+    checksums = {
+        "dp0:pp0:pcp0:tp0:model.norm.weight": "aa",
+        "dp1:pp0:pcp0:tp0:model.norm.weight": "bb",
+        "dp0:pp0:pcp0:tp0:lm_head.weight": "cc",
+        "dp1:pp0:pcp0:tp0:lm_head.weight": "cc",
+    }
+    with pytest.raises(
+        TrainError, match=r"replicas hold different weights .*\(1 tensors differ, e.g. pp0:pcp0:tp0:model.norm"
+    ):
         WeightCheck(FakeTrainer(), (IDS, START), interval=10).run(0, [replica(checksums=checksums)])
 
 

@@ -26,8 +26,16 @@ def small_model():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     return Qwen3ForCausalLM(config)
 
 
@@ -42,8 +50,14 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
 
     with a as srv_a, b as srv_b:
         clients = [ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)]
-        sync = NCCLWeightSync(clients, master_address="10.0.0.1", master_port=29555, timeout_s=10,
-                              communicator_factory=factory, packed=False)
+        sync = NCCLWeightSync(
+            clients,
+            master_address="10.0.0.1",
+            master_port=29555,
+            timeout_s=10,
+            communicator_factory=factory,
+            packed=False,
+        )
         sync.init()
         # the trainer is rank 0 of one group of 1 + 3 workers; server a's workers are 1-2, server b's 3
         assert opened[0].opened_with == ("10.0.0.1", 29555, 0, 4)
@@ -57,8 +71,12 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
         params = list(model.named_parameters())  # fp32 masters, no lm_head (tied)
         sync.push(((n, p.detach()) for n, p in params), 7, model_config=model.config)
         for app in (a, b):
-            assert routes(app)[1:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",
-                                       "/reset_prefix_cache"]
+            assert routes(app)[1:] == [
+                "/start_weight_update",
+                "/update_weights",
+                "/finish_weight_update",
+                "/reset_prefix_cache",
+            ]
             assert body(app, "/finish_weight_update") == [{"weight_version": "7"}]
             assert app.state.version == "7"  # and the push checked that every server reports it
         info = body(a, "/update_weights")[0]["update_info"]
@@ -79,8 +97,14 @@ def test_nccl_sync_one_group_over_all_servers_ranks_names_and_version():
 
 def test_nccl_sync_failures_name_the_server_and_route():
     with fake_vllm(fail={"/update_weights": 500}) as srv:
-        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
-                              timeout_s=10, communicator_factory=FakeCommunicator, packed=False)
+        sync = NCCLWeightSync(
+            [ServerClient(srv.url, timeout_s=10)],
+            master_address="127.0.0.1",
+            master_port=1,
+            timeout_s=10,
+            communicator_factory=FakeCommunicator,
+            packed=False,
+        )
         with pytest.raises(RuntimeError, match="before init"):
             sync.push([("w", torch.ones(2))], 1)
         sync.init()
@@ -92,8 +116,13 @@ def test_nccl_sync_failures_name_the_server_and_route():
         raise ConnectionError("rendezvous refused")
 
     with fake_vllm() as srv:
-        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
-                              timeout_s=10, communicator_factory=refuse)
+        sync = NCCLWeightSync(
+            [ServerClient(srv.url, timeout_s=10)],
+            master_address="127.0.0.1",
+            master_port=1,
+            timeout_s=10,
+            communicator_factory=refuse,
+        )
         with pytest.raises(RuntimeError, match="did not form .ConnectionError: rendezvous refused.*filesystem"):
             sync.init()
 
@@ -117,15 +146,20 @@ def test_filesystem_sync_writes_reloads_every_server_and_prunes(tmp_path):
     model = small_model()
     a, b = fake_vllm(), fake_vllm()
     with a as srv_a, b as srv_b:
-        sync = FilesystemWeightSync([ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)],
-                                    tmp_path / "broadcasts", keep=2, timeout_s=10)
+        sync = FilesystemWeightSync(
+            [ServerClient(srv_a.url, timeout_s=10), ServerClient(srv_b.url, timeout_s=10)],
+            tmp_path / "broadcasts",
+            keep=2,
+            timeout_s=10,
+        )
         for version in (1, 2, 3):
             path = sync.push(model.named_parameters(), version, model_config=model.config)
             assert path == tmp_path / "broadcasts" / f"step_{version}"
         for app in (a, b):
             reloads = body(app, "/collective_rpc")
-            assert [r["kwargs"]["weights_path"] for r in reloads] == [str(tmp_path / "broadcasts" / f"step_{v}")
-                                                                      for v in (1, 2, 3)]
+            assert [r["kwargs"]["weights_path"] for r in reloads] == [
+                str(tmp_path / "broadcasts" / f"step_{v}") for v in (1, 2, 3)
+            ]
             assert all(r["method"] == "reload_weights" for r in reloads)
             assert routes(app).count("/reset_prefix_cache") == 3
     assert sorted(p.name for p in (tmp_path / "broadcasts").iterdir()) == ["step_2", "step_3"]
@@ -163,13 +197,6 @@ def test_write_weights_is_whole_or_absent_and_adds_the_tied_head(tmp_path, monke
         write_weights(broken(), out, model_config=model.config)
     assert sorted(p.name for p in out.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1", "step_2"]
-
-
-
-
-
-
-
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,9 +260,14 @@ def test_a_failed_update_weights_aborts_the_broadcast_and_names_the_server():
         return opened[-1]
 
     with fake_vllm() as good, fake_vllm(fail={"/update_weights": 500}) as bad:
-        sync = NCCLWeightSync([ServerClient(good.url, timeout_s=10), ServerClient(bad.url, timeout_s=10)],
-                              master_address="127.0.0.1", master_port=1, timeout_s=10, communicator_factory=factory,
-                              packed=False)
+        sync = NCCLWeightSync(
+            [ServerClient(good.url, timeout_s=10), ServerClient(bad.url, timeout_s=10)],
+            master_address="127.0.0.1",
+            master_port=1,
+            timeout_s=10,
+            communicator_factory=factory,
+            packed=False,
+        )
         sync.init()
         opened[0].receivers_arrived.clear()  # from now on the broadcast waits for workers that never come
         with pytest.raises(ServerError, match=r"/update_weights: status 500") as info:
@@ -256,8 +288,13 @@ def test_the_group_refused_on_a_shared_gpu_names_the_fix():
 
     server = fake_vllm(on_init=lambda info: group.join(info["rank_offset"], "cuda:0"))
     with server as srv:
-        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
-                              timeout_s=10, communicator_factory=factory)
+        sync = NCCLWeightSync(
+            [ServerClient(srv.url, timeout_s=10)],
+            master_address="127.0.0.1",
+            master_port=1,
+            timeout_s=10,
+            communicator_factory=factory,
+        )
         with pytest.raises(RuntimeError) as info:
             sync.init()
     message = str(info.value)
@@ -274,7 +311,6 @@ class RecordingCommunicator(FakeCommunicator):
             super().broadcast(tensor, src)
 
 
-
 def test_a_packed_push_is_cut_and_laid_out_as_vllms_receiver_reads_it(monkeypatch):
     """Each bucket is one of the workers' receive buffers: vLLM's real receiver, given the metadata and the
     bucket size the push sent, unpacks exactly the model (bf16 on the wire, the tied head added), bucket by
@@ -284,9 +320,15 @@ def test_a_packed_push_is_cut_and_laid_out_as_vllms_receiver_reads_it(monkeypatc
     bucket_bytes = 700  # smaller than the embedding (64 x 16 bf16 = 2 KiB)
     app = fake_vllm()
     with app as srv:
-        sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
-                              timeout_s=10, communicator_factory=lambda *a: opened.append(FakeCommunicator(*a))
-                              or opened[-1], packed=True, bucket_bytes=bucket_bytes)
+        sync = NCCLWeightSync(
+            [ServerClient(srv.url, timeout_s=10)],
+            master_address="127.0.0.1",
+            master_port=1,
+            timeout_s=10,
+            communicator_factory=lambda *a: opened.append(FakeCommunicator(*a)) or opened[-1],
+            packed=True,
+            bucket_bytes=bucket_bytes,
+        )
         sync.init()
         sync.push(model.named_parameters(), 1, model_config=model.config)
     [init], [update] = body(app, "/init_weight_transfer_engine"), body(app, "/update_weights")
@@ -313,9 +355,15 @@ def test_a_push_in_buckets_delivers_todays_weights_and_holds_one_bucket_beyond_t
     def push(named_tensors) -> tuple[dict, int]:
         opened, app = [], fake_vllm()
         with app as srv:
-            sync = NCCLWeightSync([ServerClient(srv.url, timeout_s=10)], master_address="127.0.0.1", master_port=1,
-                                  timeout_s=10, communicator_factory=lambda *a: opened.append(RecordingCommunicator(*a))
-                                  or opened[-1], packed=True, bucket_bytes=bucket_bytes)
+            sync = NCCLWeightSync(
+                [ServerClient(srv.url, timeout_s=10)],
+                master_address="127.0.0.1",
+                master_port=1,
+                timeout_s=10,
+                communicator_factory=lambda *a: opened.append(RecordingCommunicator(*a)) or opened[-1],
+                packed=True,
+                bucket_bytes=bucket_bytes,
+            )
             sync.init()
             with LiveTensors() as live:
                 sync.push(named_tensors(), 1, model_config=model.config)
@@ -338,10 +386,14 @@ def test_every_push_ends_with_every_server_reporting_its_version(tmp_path):
     model = small_model()
     with fake_vllm() as good, fake_vllm(keeps_version=False) as restarted:
         clients = [ServerClient(good.url, timeout_s=10), ServerClient(restarted.url, timeout_s=10)]
-        with pytest.raises(ServerError, match=r"/weight_info: reports weight version 'default' after the push of "
-                                              r"version 3") as info:
-            FilesystemWeightSync(clients, tmp_path, timeout_s=10).push(model.named_parameters(), 3,
-                                                                       model_config=model.config)
+        with pytest.raises(
+            ServerError,
+            match=r"/weight_info: reports weight version 'default' after the push of "
+            r"version 3",
+        ) as info:
+            FilesystemWeightSync(clients, tmp_path, timeout_s=10).push(
+                model.named_parameters(), 3, model_config=model.config
+            )
         assert info.value.url == restarted.url.removesuffix("/v1")
 
 
@@ -360,8 +412,15 @@ def test_nccl_payloads_follow_the_release_the_workers_run(release):
 
     with app as srv:
         client = ServerClient(srv.url, timeout_s=10)
-        sync = NCCLWeightSync([client], master_address="127.0.0.1", master_port=29555, timeout_s=10,
-                              communicator_factory=factory, packed=False, payload_fields=RELEASE_PAYLOAD_FIELDS[release])
+        sync = NCCLWeightSync(
+            [client],
+            master_address="127.0.0.1",
+            master_port=29555,
+            timeout_s=10,
+            communicator_factory=factory,
+            packed=False,
+            payload_fields=RELEASE_PAYLOAD_FIELDS[release],
+        )
         sync.init()
         sync.push(((n, p.detach()) for n, p in model.named_parameters()), 3, model_config=model.config)
         [init] = body(app, "/init_weight_transfer_engine")
@@ -401,7 +460,6 @@ def test_the_probe_runs_after_every_push_where_versions_cannot_be_confirmed():
     assert [check.due(v) for v in (1, 2, 10)] == [False, False, True]
     check.every_push = True
     assert [check.due(v) for v in (1, 2, 10)] == [True, True, True]
-
 
 
 def test_trainer_init_gets_a_rank_only_where_it_takes_one():
