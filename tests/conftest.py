@@ -19,6 +19,9 @@ import torch
 # start (they inherit OMP_NUM_THREADS): two workers of two OpenMP threads each on two cores spin-wait on each
 # other. (vLLM CPU servers run their model in their engine process, unpinned: ``server_command``.) A caller's
 # own setting wins.
+# the training runs' fixtures (a tiny letter model, its questions, one thread), for any test that names them
+pytest_plugins = ["helpers.train_runs"]
+
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"

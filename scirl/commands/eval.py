@@ -29,7 +29,8 @@ from scirl.commands.parser import (
     data_format_problem,
     device_problem,
     finite_float,
-    unwritable_parent,
+    out_problem,
+    url_problem,
 )
 
 
@@ -149,101 +150,15 @@ def _check(args, settings) -> str | None:
     if problem:
         return problem
     if args.base_url is not None:
-        problem = _url_problem(args.base_url)
+        problem = url_problem(args.base_url)
         if problem:
             return problem
     elif not (Path(settings.model) / "config.json").is_file():
         return f"without --base-url, --model must be a local HF model directory; {settings.model} has no config.json"
-    problem = _out_problem(args.out)
+    problem = out_problem(args.out)
     if problem:
         return problem
     return device_problem(args.device, "--device")
-
-
-def _url_problem(url: str) -> str | None:
-    """Why --base-url cannot be an HTTP(S) server address (None when it can)."""
-    import httpx
-
-    try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as e:
-        return f"--base-url {url!r} is not a URL: {e}"
-    if parsed.scheme not in ("http", "https") or not parsed.host:
-        return f"--base-url must look like http://HOST:PORT/v1, got {url!r}"
-    if parsed.port is not None and not 0 < parsed.port < 65536:
-        return f"--base-url {url!r}: port must be 1..65535"
-    return None
-
-
-def _out_problem(out: str) -> str | None:
-    """Why results cannot be written at --out, found now rather than after the whole evaluation."""
-    from scirl.eval.results import records_path
-
-    path = Path(out)
-    if not out.strip() or out.endswith(os.sep):
-        return f"--out must name a file, got {out!r}"
-    for target in (path, records_path(path)):
-        if target.is_dir():
-            return f"--out {out}: {target} is a directory; give a file name such as {path / 'eval.json'}"
-    return unwritable_parent(path, out)
-
-
-def _trained_problem(settings, allowed: bool, splits, questions) -> tuple[int, str | None, dict]:
-    """(exit status, line, the results file's ``trained_on``): the refusal (2) when an evaluated question is one
-    the run trained on, unless ``allowed`` (``--allow-trained-questions``), which turns it into a warning (0)."""
-    from scirl.eval import provenance
-    from scirl.run.eval_settings import trained_ids
-    from scirl.task.data import DataSourceError
-
-    run, run_data = settings.run, settings.run_data
-    try:
-        trained = trained_ids(settings, splits)
-    except (DataSourceError, OSError, ValueError) as e:
-        if allowed:
-            line = f"warning: not checked which questions run {run} trained on ({run_data.source}: {e})"
-            return 0, line, provenance.unchecked(run, allowed)
-        return (
-            2,
-            (
-                f"cannot read the data run {run} trained on ({run_data.source}) to check which questions it "
-                f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"
-            ),
-            {},
-        )
-    record = provenance.checked(run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
-    if not record["questions"]:
-        return 0, None, record
-    what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {run}'s training split"
-    if allowed:
-        return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one", record
-    return (
-        2,
-        (
-            f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
-            "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
-            "to score them anyway"
-        ),
-        record,
-    )
-
-
-def _scored_line(settings, trained_on: dict, n: int) -> str:
-    """The eval's first line: which questions it scores (data, split, seed) and, with a run, how they stand to what
-    the run trained on, in words the warning after it never contradicts."""
-    from scirl.run.eval_settings import DATA_FLAGS, flags
-
-    count, origin, s = trained_on["questions"], settings.origin, settings
-    if origin is None:
-        split = {key: getattr(s, key) for key in list(DATA_FLAGS)[1:] if getattr(s, key) not in (None, "auto")}
-        return (
-            f"{n} questions: the {s.split} split of {s.data} ({flags(split)}); no run given, so not checked "
-            "against a training split"
-        )
-    if count is None:
-        return f"{origin}; evaluating {n} questions, not checked against what the run trained on"
-    if count == 0:
-        return f"{origin}; evaluating {n} questions of its {s.split} split, which it did not train on"
-    return f"{origin}; evaluating {n} questions, {count} of which it trained on (--allow-trained-questions)"
 
 
 def run_eval(argv: list[str]) -> int:
@@ -287,13 +202,16 @@ def _run_eval_locked(args, settings) -> int:
             file=sys.stderr,
         )
 
+    from scirl.errors import ConfigError
     from scirl.eval.display import print_summary
     from scirl.eval.results import BadRecordsFile, SettingsMismatch, check_resumable
+    from scirl.run.eval_settings import load_questions
 
-    loaded = _questions(args, settings)
-    if isinstance(loaded, int):  # refused, said in one line
-        return loaded
-    questions, trained_on, lines = loaded
+    try:
+        questions, trained_on, lines = load_questions(settings, limit=args.limit, allowed=args.allow_trained_questions)
+    except ConfigError as e:  # data it cannot read, an empty split, questions the run trained on
+        print(f"scirl eval: {e}", file=sys.stderr)
+        return 2
     model, data_settings = settings.model, settings.recorded(args.limit)
     orders = {"permutations": args.permutations, "permutation_seed": args.permutation_seed}
     if args.base_url:
@@ -387,40 +305,6 @@ def _run_eval_locked(args, settings) -> int:
     print_summary(results)
     print(f"wrote {args.out}")
     return 1 if results["counts"]["failed"] else 0
-
-
-def _questions(args, settings):
-    """The questions to evaluate, the results file's ``trained_on`` and the lines that say which they are; or the
-    exit status of a refusal, said in one line (data that cannot be read, an empty split, trained questions)."""
-    from scirl.eval import provenance
-    from scirl.task.data import DataSourceError, load_splits
-
-    s = settings
-    try:
-        splits = load_splits(
-            s.data,
-            eval_per_domain=s.eval_per_domain,
-            split_method=s.split_method,
-            seed=s.split_seed,
-            data_format=s.data_format,
-            columns=s.data_columns,
-        )
-    except (DataSourceError, OSError, ValueError) as e:
-        print(f"scirl eval: cannot load {s.data}: {e}", file=sys.stderr)
-        return 2
-    questions = splits.split(s.split)[: args.limit]
-    if not questions:
-        print(f"scirl eval: the {s.split} split of {s.data} is empty", file=sys.stderr)
-        return 2
-    status, line, trained_on = (
-        _trained_problem(s, args.allow_trained_questions, splits, questions)
-        if s.run_data is not None
-        else (0, None, provenance.unchecked())
-    )
-    if status:
-        print(f"scirl eval: {line}", file=sys.stderr)
-        return status
-    return questions, trained_on, [_scored_line(s, trained_on, len(questions))] + ([line] if line else [])
 
 
 def run_compare(argv: list[str]) -> int:

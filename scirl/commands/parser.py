@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import sys
+from pathlib import Path
 
 _DEVICE = re.compile(r"^(cpu|mps|cuda(:\d+)?)$")
 
@@ -63,6 +65,34 @@ def unwritable_parent(path, out: str, flag: str = "--out") -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{flag} {out}: cannot write in {parent} (permission denied)"
     return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why --base-url cannot be an HTTP(S) server address (None when it can)."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as e:
+        return f"--base-url {url!r} is not a URL: {e}"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"--base-url must look like http://HOST:PORT/v1, got {url!r}"
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        return f"--base-url {url!r}: port must be 1..65535"
+    return None
+
+
+def out_problem(out: str) -> str | None:
+    """Why results cannot be written at --out, found now rather than after the whole evaluation."""
+    from scirl.eval.results import records_path
+
+    path = Path(out)
+    if not out.strip() or out.endswith(os.sep):
+        return f"--out must name a file, got {out!r}"
+    for target in (path, records_path(path)):
+        if target.is_dir():
+            return f"--out {out}: {target} is a directory; give a file name such as {path / 'eval.json'}"
+    return unwritable_parent(path, out)
 
 
 def unwritable_dir(path, given: str, flag: str = "--output-dir") -> str | None:
@@ -168,8 +198,6 @@ def train_config(config_args: list[str], resume: str | None):
     """The config ``scirl train`` resolves from ``config_args`` (``@ file.toml`` and dotted flags): over the
     saved ``config.toml`` of run ``resume`` when given, less the servers its launcher started there last
     time. Raises ``ConfigError`` (one line)."""
-    from pathlib import Path
-
     from scirl.deploy.launch import forget_launched_servers
     from scirl.errors import ConfigError
     from scirl.run.config import TrainConfig
@@ -197,8 +225,6 @@ def train_config(config_args: list[str], resume: str | None):
 
 def same_model(a: str, b: str) -> bool:
     """Whether two model settings name one model: the same text, or paths to one directory."""
-    from pathlib import Path
-
     first, second = Path(a).expanduser(), Path(b).expanduser()
     return a == b or (first.exists() and second.exists() and first.resolve() == second.resolve())
 

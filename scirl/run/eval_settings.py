@@ -15,10 +15,19 @@ from pathlib import Path
 from typing import Any
 
 from scirl.errors import ConfigError
+from scirl.eval import provenance
 from scirl.run.config import DataConfig
 from scirl.run.config_io import saved_config
 from scirl.run.rundir import LATEST, RUN_CONFIG, checkpoint_run, latest_checkpoint_dir
-from scirl.task.data import DEFAULT_EVAL_PER_DOMAIN, DEFAULT_SPLIT_METHOD, DEFAULT_SPLIT_SEED, HUB_ID, is_hub_source
+from scirl.task.data import (
+    DEFAULT_EVAL_PER_DOMAIN,
+    DEFAULT_SPLIT_METHOD,
+    DEFAULT_SPLIT_SEED,
+    HUB_ID,
+    DataSourceError,
+    is_hub_source,
+    load_splits,
+)
 from scirl.task.formats import AUTO, ColumnMapping, parse_columns
 
 # The settings that say which questions are evaluated, by their flags; a run's config.toml gives their defaults
@@ -178,3 +187,83 @@ def trained_ids(settings: EvalSettings, splits) -> set[str]:
         run_data.split_seed,
     )
     return {q.id for q in (splits if same else run_data.load_splits()).split(run_data.split)}
+
+
+def load_questions(settings: EvalSettings, *, limit: int | None, allowed: bool) -> tuple[list, dict, list[str]]:
+    """The questions to evaluate, the results file's ``trained_on`` and the lines that say which they are. Raises
+    ``ConfigError`` (one line) for data it cannot read, an empty split, or questions the run trained on unless
+    ``allowed`` (``--allow-trained-questions``)."""
+    s = settings
+    try:
+        splits = load_splits(
+            s.data,
+            eval_per_domain=s.eval_per_domain,
+            split_method=s.split_method,
+            seed=s.split_seed,
+            data_format=s.data_format,
+            columns=s.data_columns,
+        )
+    except (DataSourceError, OSError, ValueError) as e:
+        raise ConfigError(f"cannot load {s.data}: {e}") from e
+    questions = splits.split(s.split)[:limit]
+    if not questions:
+        raise ConfigError(f"the {s.split} split of {s.data} is empty")
+    status, line, trained_on = (
+        _trained_check(s, allowed, splits, questions) if s.run_data is not None else (0, None, provenance.unchecked())
+    )
+    if status:
+        raise ConfigError(line)
+    return questions, trained_on, [_scored_line(s, trained_on, len(questions))] + ([line] if line else [])
+
+
+def _trained_check(settings: EvalSettings, allowed: bool, splits, questions) -> tuple[int, str | None, dict]:
+    """(exit status, line, the results file's ``trained_on``): the refusal (2) when an evaluated question is one
+    the run trained on, unless ``allowed`` (``--allow-trained-questions``), which turns it into a warning (0)."""
+    run, run_data = settings.run, settings.run_data
+    assert run is not None and run_data is not None, "a check against a run's training split needs the run"
+    try:
+        trained = trained_ids(settings, splits)
+    except (DataSourceError, OSError, ValueError) as e:
+        if allowed:
+            line = f"warning: not checked which questions run {run} trained on ({run_data.source}: {e})"
+            return 0, line, provenance.unchecked(run, allowed)
+        return (
+            2,
+            (
+                f"cannot read the data run {run} trained on ({run_data.source}) to check which questions it "
+                f"trained on: {e}; pass --allow-trained-questions to evaluate without the check"
+            ),
+            {},
+        )
+    record = provenance.checked(run, run_data.split, (q.id for q in questions if q.id in trained), allowed)
+    if not record["questions"]:
+        return 0, None, record
+    what = f"{record['questions']} of the {len(questions)} questions to evaluate are in run {run}'s training split"
+    if allowed:
+        return 0, f"warning: {what} (--allow-trained-questions): their accuracy is not a held-out one", record
+    return (
+        2,
+        (
+            f"{what}: their accuracy would not be a held-out one. Leave out --split and the data flags to "
+            "evaluate the questions it held out (its settings are the defaults), or pass --allow-trained-questions "
+            "to score them anyway"
+        ),
+        record,
+    )
+
+
+def _scored_line(settings: EvalSettings, trained_on: dict, n: int) -> str:
+    """The eval's first line: which questions it scores (data, split, seed) and, with a run, how they stand to what
+    the run trained on, in words the warning after it never contradicts."""
+    count, origin, s = trained_on["questions"], settings.origin, settings
+    if origin is None:
+        split = {key: getattr(s, key) for key in list(DATA_FLAGS)[1:] if getattr(s, key) not in (None, "auto")}
+        return (
+            f"{n} questions: the {s.split} split of {s.data} ({flags(split)}); no run given, so not checked "
+            "against a training split"
+        )
+    if count is None:
+        return f"{origin}; evaluating {n} questions, not checked against what the run trained on"
+    if count == 0:
+        return f"{origin}; evaluating {n} questions of its {s.split} split, which it did not train on"
+    return f"{origin}; evaluating {n} questions, {count} of which it trained on (--allow-trained-questions)"

@@ -16,15 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    data_file,
-    final_weights,
-    letter_model_dir,
-    one_thread,
-    rows,
-    run_in_process,
-    train_args,
-)
+from helpers.train_runs import final_weights, rows, run_in_process, train_args
 from scirl import algorithms
 from scirl.run.config import TrainConfig
 
@@ -229,7 +221,8 @@ def test_dapo_drops_a_group_whose_rewards_are_all_equal_whatever_the_filter_says
 
 
 class ScriptedGenerator:
-    """Question ``i`` (prompt ids ``[i]``): odd ones answered B by every completion (a flat group), even ones A then B."""
+    """Question ``i`` (prompt ids ``[i]``): odd ones answered B by every completion (a flat group), even ones A then
+    B."""
 
     tokenizer = None
 

@@ -121,7 +121,8 @@ def test_one_step_is_enough_without_the_resume_check_and_refused_with_it(tmp_pat
 
 @pytest.mark.slow
 def test_the_deterministic_launch_runs_scirl_train():
-    """On a GPU, stage A launches ``scirl train`` through a prelude that sets the deterministic kernels: the same CLI."""
+    """On a GPU, stage A launches ``scirl train`` through a prelude that sets the deterministic kernels: the same
+    CLI."""
     launch, common = import_gpu_check("launch"), import_gpu_check("common")
     cmd = launch.scirl_command(
         ["train", "--dry-run", "--max-steps", "3", "--inference.backend", "hf"], deterministic=True

@@ -11,16 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401
-    data_file,
-    final_weights,
-    letter_model_dir,
-    one_thread,
-    rows,
-    run_in_process,
-    train_args,
-    trainer_state,
-)
+from helpers.train_runs import final_weights, rows, run_in_process, train_args, trainer_state
 
 GRPO_REFERENCE = Path(__file__).parents[1] / "helpers" / "fixtures" / "grpo_reference.json"
 GRPO_FLAGS = ["--optim.lr", "2e-3", "--temperature", "0.9", "--top-p", "0.95", "--batch-size", "32"]
@@ -290,7 +281,8 @@ dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
 cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0.5))
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=device, dist=dist, dtype=torch.float32)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.8, device=device, dist=dist,
+                  dtype=torch.float32)
 trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
 from torch.distributed.tensor import distribute_tensor
 full = torch.load(ema_file)  # a teacher unlike the policy, each rank keeping its shards
@@ -310,9 +302,9 @@ exit_process(0)
 @pytest.mark.slow
 def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_path):
     """torchrun, 2 gloo ranks, FSDP2, an EMA teacher unlike the policy (loaded on rank 0, scattered), after a
-    weight check's forward: the teacher forward sees the EMA's shards and the student's forward the policy's again, the loss is divided by
-    the global teacher-token count, the EMA moves on each rank's shards and gathers back: the step and the
-    EMA equal one process's."""
+    weight check's forward: the teacher forward sees the EMA's shards and the student's forward the policy's again,
+    the loss is divided by the global teacher-token count, the EMA moves on each rank's shards and gathers back: the
+    step and the EMA equal one process's."""
     import subprocess
     import sys
 

@@ -11,14 +11,11 @@ import sys
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+from helpers.train_runs import (
     assert_forwards_compute_the_unique_tokens,
     assert_same_rows,
-    data_file,
     final_weights,
     fixed_samples,
-    letter_model_dir,
-    one_thread,
     rows,
     run_in_process,
     torchrun_train,
@@ -41,8 +38,8 @@ dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
 cfg = TrainConfig(algorithm=algorithm)
 model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist, dtype=torch.float32,
-                  head_block_tokens=3)
+trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
+                  dtype=torch.float32, head_block_tokens=3)
 trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
 mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
 stats = trainer.train_step(make_micro_batches(mine, max_rows=2))

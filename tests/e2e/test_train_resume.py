@@ -10,12 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
+from helpers.train_runs import (
     assert_same_rows,
-    data_file,
     final_weights,
-    letter_model_dir,
-    one_thread,
     rows,
     run_in_process,
     start,

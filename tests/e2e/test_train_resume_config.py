@@ -6,14 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    copy_run,
-    data_file,
-    letter_model_dir,
-    one_step_run,
-    rows,
-    trainer_state,
-)
+from helpers.train_runs import copy_run, rows, trainer_state
 from scirl.run.config_io import load_config
 
 

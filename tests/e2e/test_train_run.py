@@ -8,16 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401  (fixtures, used by name)
-    data_file,
-    final_weights,
-    letter_model_dir,
-    one_thread,
-    rows,
-    run_in_process,
-    train_args,
-    trainer_state,
-)
+from helpers.train_runs import final_weights, rows, run_in_process, train_args, trainer_state
 from scirl.run.config_io import load_config, read_toml, validate
 
 METRIC_KEYS = {

@@ -172,9 +172,9 @@ def test_a_trained_checkpoint_served_by_vllm_answers_as_transformers_does(server
         assert results["counts"]["answered"] == n and results["failed"] == []
     assert [r["id"] for r in served["records"]] == [r["id"] for r in local["records"]]
     mismatched = [
-        (s["id"], s["replies"], l["replies"])
-        for s, l in zip(served["records"], local["records"])
-        if s["replies"] != l["replies"]
+        (s["id"], s["replies"], here["replies"])
+        for s, here in zip(served["records"], local["records"])
+        if s["replies"] != here["replies"]
     ]
     assert not mismatched, f"{len(mismatched)}/{n} replies differ, e.g. {mismatched[:3]}"
     assert served["overall_accuracy"] == local["overall_accuracy"]

@@ -162,7 +162,7 @@ def test_engines_and_servers_use_vllms_own_sampler_where_flashinfer_is_missing(m
         monkeypatch.setattr(
             vllm_module.importlib.util,
             "find_spec",
-            lambda name, *a: (
+            lambda name, *a, installed=installed: (
                 object()
                 if name == "flashinfer" and installed
                 else (None if name == "flashinfer" else real_find_spec(name, *a))

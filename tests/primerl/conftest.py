@@ -5,3 +5,5 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "packages" / "sciknoweval"))
+
+from helpers.taskset import data_file  # noqa: E402, F401  (this folder's questions file: a fixture, by name)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from helpers.taskset import data_file  # noqa: F401  (a fixture, used by name)
 from scirl.cli import main as cli_main
 
 

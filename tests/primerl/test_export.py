@@ -18,7 +18,7 @@ import tomllib
 import verifiers.v1 as vf
 from sciknoweval import SciKnowEvalConfig
 
-from helpers.taskset import EVAL_PER_DOMAIN, PACKAGE_DIR, REPO, data_file, load  # noqa: F401  (data_file: a fixture)
+from helpers.taskset import EVAL_PER_DOMAIN, PACKAGE_DIR, REPO, load
 from scirl.cli import main as cli_main
 from scirl.primerl.export import (
     BASE_PORT_SEARCH,

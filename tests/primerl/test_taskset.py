@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from sciknoweval import SciKnowEvalConfig, SciKnowEvalTaskset
 from sciknoweval.taskset import SciKnowEvalData, SciKnowEvalTask
 
-from helpers.taskset import EVAL_PER_DOMAIN, data_file, load  # noqa: F401  (data_file: a fixture, used by name)
+from helpers.taskset import EVAL_PER_DOMAIN, load
 from scirl.cli import main as cli_main
 from scirl.synth.questions import write_jsonl
 from scirl.task import reward

@@ -206,7 +206,8 @@ def test_on_a_gpu_the_estimate_is_within_15_percent_of_the_allocators_peak(dtype
     print(
         f"GPU {dtype} checkpointing={checkpointing}: estimated {step_extra(plan) / GIB:.2f} GiB, measured "
         f"{measured / GIB:.2f} GiB ({plan.peak_moment}); state {state / GIB:.2f} GiB, "
-        f"allocated before the step {before / GIB:.2f} GiB; reserved at the peak {torch.cuda.max_memory_reserved() / GIB:.2f} GiB"
+        f"allocated before the step {before / GIB:.2f} GiB; "
+        f"reserved at the peak {torch.cuda.max_memory_reserved() / GIB:.2f} GiB"
     )
     assert abs(before - state) <= 0.05 * state  # the state is what the plan says it is
     assert abs(step_extra(plan) - measured) <= 0.15 * measured, (step_extra(plan), measured, plan.moments)
@@ -672,7 +673,7 @@ def test_the_head_block_is_the_largest_the_gpu_fits_and_the_plan_counts_it(monke
 
     cfg, chosen = load_config(["@", CONFIG_8B]), {}
     for size in (H100, H200):  # as torch reports an 80 GB and a 141 GB card
-        monkeypatch.setattr(scirl.run.memory, "gpu_size", lambda deployment: (size, "a test GPU"))
+        monkeypatch.setattr(scirl.run.memory, "gpu_size", lambda deployment, size=size: (size, "a test GPU"))
         shape, _, work = planned_workload(cfg, ranks=2, gpu=(size, "a test GPU"))
         chosen[size] = block = work.head_block
         fitting = [b for b in HEAD_BLOCKS if estimate(shape, replace(work, head_block=b)).peak <= (1 - HEADROOM) * size]

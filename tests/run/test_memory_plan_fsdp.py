@@ -50,13 +50,15 @@ peaks = {}
 for case in cases:
     model = load_model(case["dir"], device, dist, torch.float32, activation_checkpointing=case["checkpointing"])
     trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=1.0, device=device, dist=dist,
-                      dtype=torch.float32, batching=Batching(micro_batch_tokens=case["tokens"], micro_batch_size=case["size"]))
+                      dtype=torch.float32,
+                      batching=Batching(micro_batch_tokens=case["tokens"], micro_batch_size=case["size"]))
     rng, vocab = random.Random(dist.rank), model.config.vocab_size
     samples = []
     for g in range(groups):  # this rank's groups: the same shapes on every rank
         prompt = [rng.randrange(vocab) for _ in range(case["prompt"])]
-        samples += [Sample(prompt, [rng.randrange(vocab) for _ in range(case["completion"])], [-1.0] * case["completion"],
-                           (-1.0) ** i, g) for i in range(group_size)]
+        n = case["completion"]
+        samples += [Sample(prompt, [rng.randrange(vocab) for _ in range(n)], [-1.0] * n, (-1.0) ** i, g)
+                    for i in range(group_size)]
     batches = trainer.batches(samples)
     trainer.train_step(batches)  # makes AdamW's state
     state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]

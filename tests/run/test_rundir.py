@@ -79,7 +79,8 @@ def test_a_run_dir_in_use_is_refused(tmp_path):
 
 
 def test_clean_deletes_only_what_a_scirl_run_wrote(tmp_path):
-    """--clean in a directory scirl never wrote keeps every file; in a run dir it keeps the user's files beside the run's."""
+    """--clean in a directory scirl never wrote keeps every file; in a run dir it keeps the user's files beside the
+    run's."""
     from scirl.errors import RunDirError
     from scirl.run.rundir import prepare
 

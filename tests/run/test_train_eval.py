@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.train_runs import (  # noqa: F401
+from helpers.train_runs import (
     COMPUTED_KEYS,
     EXACT_KEYS,
-    data_file,
     final_weights,
-    letter_model_dir,
     rows,
     run_in_process,
     torchrun_train,
@@ -28,8 +26,6 @@ from scirl.eval import local
 from scirl.run import eval_hook
 from scirl.run.config_io import load_config
 from scirl.task.schema import DOMAINS, Question
-
-__all__ = ["data_file", "letter_model_dir"]  # fixtures, used by name
 
 MAX_STEPS, INTERVAL, QUESTIONS = 3, 2, 6  # the data holds out 2 per domain: 8 questions, 6 evaluated
 EVAL = ["--eval.interval", str(INTERVAL), "--eval.questions", str(QUESTIONS)]

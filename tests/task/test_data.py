@@ -101,7 +101,8 @@ def write_hub_style_dataset(root: Path, rows) -> Path:
     (root / "data").mkdir(parents=True)
     synthetic.write_jsonl(rows, root / "data" / "sciknoweval_v2_test.jsonl")
     (root / "README.md").write_text(
-        "---\nconfigs:\n- config_name: v2\n  data_files:\n  - split: test\n    path: data/sciknoweval_v2_test.jsonl\n---\n"
+        "---\nconfigs:\n- config_name: v2\n  data_files:\n  - split: test\n"
+        "    path: data/sciknoweval_v2_test.jsonl\n---\n"
         "# generated test copy\n",
         encoding="utf-8",
     )

@@ -106,7 +106,7 @@ def test_the_block_mask_is_create_block_masks_without_compiling(monkeypatch):
         got = attention.flex_block_mask(layout, n)
         group, branch = layout.group, layout.branch
 
-        def allowed(b, h, q, kv):
+        def allowed(b, h, q, kv, group=group, branch=branch):
             return (group[q] == group[kv]) & (kv <= q) & ((branch[kv] == 0) | (branch[kv] == branch[q]))
 
         want = create_block_mask(allowed, None, None, n, n, device="cpu", BLOCK_SIZE=attention.FLEX_BLOCK)

@@ -295,7 +295,7 @@ def test_bf16_weight_gradients_accumulate_in_float32_without_a_vocabulary_sized_
     grad, hidden = (torch.randn(5, n, generator=g).bfloat16() for n in (97, 16))
     want = grad.float().T @ hidden.float()
     for fp32_output in (True, False):
-        monkeypatch.setattr(head_module, "fp32_output_gemm", lambda device: fp32_output)
+        monkeypatch.setattr(head_module, "fp32_output_gemm", lambda device, fp32_output=fp32_output: fp32_output)
         monkeypatch.setattr(head_module.torch, "addmm", addmm)
         total = torch.zeros(97, 16)
         head_module.accumulate_weight_grad(total, grad[:2], hidden[:2])

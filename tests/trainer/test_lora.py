@@ -18,20 +18,14 @@ from helpers.train_runs import (  # noqa: E402
     COMPUTED_KEYS,
     EXACT_KEYS,
     copy_run,
-    data_file,
     final_weights,
     fixed_samples,
-    letter_model_dir,
-    one_step_run,
-    one_thread,
     rows,
     run_in_process,
     train_args,
     trainer_state,
     vllm_args,
 )
-
-__all__ = ["data_file", "letter_model_dir", "one_step_run", "one_thread"]  # fixtures, used by name
 
 LORA = ["--lora.enabled", "--lora.rank", "4", "--lora.alpha", "8", "--ckpt.interval", "1"]
 SCALE = 8 / 4
@@ -192,7 +186,8 @@ def test_the_sampler_gets_w_plus_ba_and_the_checkpoint_loads_as_a_plain_model(lo
 
 
 def test_a_lora_resume_is_exact(lora_run, letter_model_dir, data_file, tmp_path, one_thread):
-    """Stopped after step 2 (--max-steps 2), resumed to 3: the rows and the adapter of the uninterrupted run, bit for bit."""
+    """Stopped after step 2 (--max-steps 2), resumed to 3: the rows and the adapter of the uninterrupted run, bit for
+    bit."""
     reference, _ = lora_run
     run_dir = tmp_path / "run"
     assert run_in_process(train_args(letter_model_dir, data_file, run_dir, max_steps=2, extra=LORA)) == 0

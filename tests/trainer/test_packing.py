@@ -310,7 +310,7 @@ def test_pack_builds_every_tensor_by_the_token_by_token_rule(pad_to, max_grids):
         for group in range(draw(1, 5)):
             shared = draw(0, 3) > 0
             prompt = torch.randint(0, 1000, (draw(1, 30),), generator=g).tolist()
-            for i in range(draw(1, 6)):
+            for _ in range(draw(1, 6)):
                 own = prompt if shared else torch.randint(0, 1000, (draw(1, 30),), generator=g).tolist()
                 rows.append(((group, tuple(own)), own, torch.randint(0, 1000, (draw(1, 40),), generator=g).tolist()))
         order = torch.randperm(len(rows), generator=g).tolist() if trial % 2 else range(len(rows))
@@ -367,12 +367,15 @@ def test_the_flex_path_copies_to_the_device_only_what_flex_attention_reads():
                 moved.advantages,
             )
         )
-    sdpa_only = lambda layout: [
-        layout.prompt_index,
-        layout.prompt_lengths,
-        layout.unpack,  # noqa: E731
-        *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index)),
-    ]
+
+    def sdpa_only(layout):
+        return [
+            layout.prompt_index,
+            layout.prompt_lengths,
+            layout.unpack,
+            *(t for grid in layout.grids for t in (grid.rows, grid.prompts, grid.query_index)),
+        ]
+
     assert not any(t.is_meta for t in sdpa_only(flex.packed.layout))
     assert all(t.is_meta for t in sdpa_only(sdpa.packed.layout))
 
@@ -392,7 +395,7 @@ def test_completions_of_mixed_lengths_go_in_grids_of_similar_lengths(monkeypatch
         return len(grid) * width * (prompt_len + width) + packing.GRID_OVERHEAD_PAIRS
 
     g = torch.Generator().manual_seed(0)
-    for trial in range(30):
+    for _ in range(30):
         lengths = torch.randint(1, 60, (int(torch.randint(1, 14, (1,), generator=g)),), generator=g).tolist()
         prompt_len = int(torch.randint(1, 100, (1,), generator=g))
         monkeypatch.setattr(packing, "GRID_OVERHEAD_PAIRS", int(torch.randint(0, 3000, (1,), generator=g)))
