@@ -195,11 +195,18 @@ def setup_logging(run_dir: Path, is_main: bool) -> None:
     """``logs/train.log`` gets every ``scirl.*`` logger's records (data notes, warnings, step lines)."""
     package_log = logging.getLogger("scirl")
     package_log.setLevel(logging.INFO)
-    for handler in list(package_log.handlers):
-        if isinstance(handler, TrainLogHandler):
-            package_log.removeHandler(handler)
-            handler.close()
+    close_logging()
     if is_main:
         handler = TrainLogHandler(run_dir / "logs" / "train.log", encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         package_log.addHandler(handler)
+
+
+def close_logging() -> None:
+    """Detaches ``logs/train.log``: a process that goes on after its run (a test, a notebook, the demo) must not
+    write its later records into that run's log, or fail to once the run's directory is gone."""
+    package_log = logging.getLogger("scirl")
+    for handler in list(package_log.handlers):
+        if isinstance(handler, TrainLogHandler):
+            package_log.removeHandler(handler)
+            handler.close()

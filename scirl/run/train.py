@@ -113,6 +113,7 @@ def train(cfg, *, resume: bool = False, clean: bool = False, show_progress: bool
         # a group left to the interpreter's exit can abort a finished run; no barrier after a failure (the other
         # ranks may never reach it)
         distributed.teardown(wait_for_others=finished)
+        rundir.close_logging()
         if lock is not None:
             lock.close()
 

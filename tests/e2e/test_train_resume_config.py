@@ -4,10 +4,12 @@ checkpoints it skips."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from helpers.train_runs import copy_run, rows, trainer_state
 from scirl.run.config_io import load_config
+from scirl.run.rundir import TrainLogHandler
 
 
 def test_a_refused_resume_leaves_the_runs_config_alone(one_step_run, tmp_path, capsys):
@@ -141,6 +143,8 @@ def test_resume_verifies_checksums_and_falls_back_past_a_damaged_checkpoint(one_
         f.write(bytes(b ^ 0x5A for b in block))
     assert weights.stat().st_size == size
     assert main(["--resume", str(run_dir), "--max-steps", "3"]) == 0
+    # the run detached its log: this process's later records (another run's, or none) do not go to a removed file
+    assert not [h for h in logging.getLogger("scirl").handlers if isinstance(h, TrainLogHandler)]
     out = capsys.readouterr().out
     assert "from step 1" in out and "Skipped checkpoint step_2" in out and "sha256" in out
     assert [m["step"] for m in rows(run_dir)] == [1, 2, 3]
