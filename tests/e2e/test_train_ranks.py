@@ -1,5 +1,5 @@
-"""Training on 2 FSDP2 gloo ranks under torchrun: a step equals one process's, a run trains and resumes (in one
-process, or on 2 ranks exactly as the uninterrupted run), and a finished run tears its process group down."""
+"""Training on 2 FSDP2 gloo ranks under torchrun: a step equals one process's, a run trains, tears its process group
+down and resumes (in one process, or on 2 ranks exactly as the uninterrupted run)."""
 
 from __future__ import annotations
 
@@ -33,31 +33,35 @@ from scirl.rollouts.contract import Sample
 from scirl.trainer.model import load_model
 from scirl.trainer.packing import make_micro_batches
 from scirl.trainer import Trainer
-model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
+model_dir, samples_file, out_file, *names = sys.argv[1:]
 dist, device = setup("cpu")
 samples = [Sample(**s) for s in torch.load(samples_file)]
-cfg = TrainConfig(algorithm=algorithm)
-model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
-                  dtype=torch.float32, head_block_tokens=3)
-trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
-stats = trainer.train_step(make_micro_batches(mine, max_rows=2))
-state = trainer.full_state_dict()
+results = {}
+for algorithm in names:  # one launch, a fresh model each
+    cfg = TrainConfig(algorithm=algorithm)
+    model = load_model(model_dir, device, dist, torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
+                      dtype=torch.float32, head_block_tokens=3)
+    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    mine = samples[dist.rank::dist.world_size]  # uneven on purpose: rank 0 has one more micro-batch
+    stats = trainer.train_step(make_micro_batches(mine, max_rows=2))
+    results[algorithm] = {"stats": stats, "state": trainer.full_state_dict()}
 if dist.rank == 0:
-    torch.save({"stats": stats, "state": state}, out_file)
+    torch.save(results, out_file)
 from scirl.distributed import exit_process, teardown
 teardown()
 exit_process(0)
 """
 
 
+ALGORITHMS = ("grpo", "gspo")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
-def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algorithm):
-    """torchrun, 2 gloo ranks, FSDP2: the loss-token count (GSPO: the completion count) is global and the update
-    equals one process's (the block-wise LM head, at a temperature and a nucleus, uses the tied weight the root's
-    forward gathered)."""
+def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
+    """torchrun, 2 gloo ranks, FSDP2, GRPO and GSPO in one launch: the loss-token count (GSPO: the completion
+    count) is global and the update equals one process's (the block-wise LM head, at a temperature and a nucleus,
+    uses the tied weight the root's forward gathered)."""
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
     from scirl.trainer import Trainer
@@ -80,7 +84,7 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
             str(tiny_model_dir),
             str(tmp_path / "samples.pt"),
             str(tmp_path / "out.pt"),
-            algorithm,
+            *ALGORITHMS,
         ],
         env=env,
         capture_output=True,
@@ -88,38 +92,78 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path, algo
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = torch.load(tmp_path / "out.pt")
+    results = torch.load(tmp_path / "out.pt")
 
-    cfg = TrainConfig(algorithm=algorithm)
-    model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
-    trainer = Trainer(
-        model,
-        cfg.optim,
-        algorithms.build(cfg),
-        temperature=0.7,
-        top_p=0.9,
-        device=torch.device("cpu"),
-        dist=Dist(),
-        dtype=torch.float32,
-    )
-    trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    want = trainer.train_step(make_micro_batches(samples, max_rows=2))
-    assert got["stats"]["loss_tokens"] == want["loss_tokens"]
-    assert got["stats"]["loss"] == pytest.approx(want["loss"], abs=1e-6)
-    assert got["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-    for name, value in trainer.full_state_dict().items():
-        assert torch.allclose(got["state"][name], value, atol=1e-6), name
+    for algorithm in ALGORITHMS:
+        got = results[algorithm]
+        cfg = TrainConfig(algorithm=algorithm)
+        model = load_model(str(tiny_model_dir), torch.device("cpu"), Dist(), torch.float32)
+        trainer = Trainer(
+            model,
+            cfg.optim,
+            algorithms.build(cfg),
+            temperature=0.7,
+            top_p=0.9,
+            device=torch.device("cpu"),
+            dist=Dist(),
+            dtype=torch.float32,
+        )
+        trainer.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        want = trainer.train_step(make_micro_batches(samples, max_rows=2))
+        assert got["stats"]["loss_tokens"] == want["loss_tokens"], algorithm
+        assert got["stats"]["loss"] == pytest.approx(want["loss"], abs=1e-6), algorithm
+        assert got["stats"]["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), algorithm
+        for name, value in trainer.full_state_dict().items():
+            assert torch.allclose(got["state"][name], value, atol=1e-6), (algorithm, name)
+
+
+TEARDOWN_SCRIPT = r"""
+import json, os, sys, threading, torch
+from scirl.run.config_io import load_config
+from scirl.run.train import train
+status = train(load_config(json.loads(sys.argv[1])), show_progress=False)
+left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+report = {"status": status, "group_alive": torch.distributed.is_initialized(), "threads": left}
+with open(f"{sys.argv[2]}/teardown_{os.environ['RANK']}.json", "w") as f:
+    json.dump(report, f)
+from scirl.distributed import exit_process
+exit_process(0)
+"""
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_trains_and_a_single_process_resumes(letter_model_dir, data_file, tmp_path, one_thread):
+def test_torchrun_two_ranks_trains_tears_down_and_a_single_process_resumes(
+    letter_model_dir, data_file, tmp_path, one_thread
+):
     """The multi-rank loop end to end (each rank its share of the groups, rollouts gathered on rank 0,
-    generation copies refreshed, uneven work per rank once the zero-advantage filter drops groups);
-    its checkpoint then resumes in one process."""
+    generation copies refreshed, uneven work per rank once the zero-advantage filter drops groups). After train()
+    returns on every rank the process group is gone and no non-daemon thread is left, so nothing is left for
+    interpreter exit to race with (a finished run must exit 0, every time). Its checkpoint then resumes in one
+    process."""
     run_dir = tmp_path / "ddp"
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2)
     argv = [a for a in argv if a != "--filters.zero-advantage.no-enforce"]  # enforce: ranks get uneven work
-    torchrun_train(argv)
+    (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(tmp_path / "teardown.py"),
+            json.dumps(argv),
+            str(tmp_path),
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    reports = [json.loads((tmp_path / f"teardown_{rank}.json").read_text()) for rank in (0, 1)]
+    assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, proc.stdout + proc.stderr
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["trainable/total"] == 16 for m in metrics)
@@ -168,46 +212,3 @@ def test_torchrun_two_ranks_resume_equals_the_uninterrupted_run(letter_model_dir
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
     ]
-
-
-TEARDOWN_SCRIPT = r"""
-import json, os, sys, threading, torch
-from scirl.run.config_io import load_config
-from scirl.run.train import train
-status = train(load_config(json.loads(sys.argv[1])), show_progress=False)
-left = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
-report = {"status": status, "group_alive": torch.distributed.is_initialized(), "threads": left}
-with open(f"{sys.argv[2]}/teardown_{os.environ['RANK']}.json", "w") as f:
-    json.dump(report, f)
-from scirl.distributed import exit_process
-exit_process(0)
-"""
-
-
-@pytest.mark.slow
-def test_a_finished_multi_rank_run_tears_down_its_process_group(letter_model_dir, data_file, tmp_path):
-    """After train() returns on every rank, the process group is gone and no non-daemon thread is left,
-    so nothing is left for interpreter exit to race with (a finished run must exit 0, every time)."""
-    (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
-    argv = train_args(letter_model_dir, data_file, tmp_path / "run", max_steps=1)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(tmp_path / "teardown.py"),
-            json.dumps(argv),
-            str(tmp_path),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    reports = [json.loads((tmp_path / f"teardown_{rank}.json").read_text()) for rank in (0, 1)]
-    assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, proc.stdout + proc.stderr

@@ -460,34 +460,39 @@ from scirl.run.config import TrainConfig
 from scirl.trainer.batching import Batching
 from scirl.trainer.model import load_model
 from scirl.trainer import Trainer
-model_dir, samples_file, out_file, algorithm = sys.argv[1:5]
+model_dir, out_file, *cases = sys.argv[1:]
 dist, device = setup("cpu")
-samples = [Sample(**s) for s in torch.load(samples_file)]
-extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm == "sdpo" else {}
-cfg = TrainConfig(algorithm=algorithm, **extra)
-model = load_model(model_dir, device, dist, torch.float32)
-trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
-                  dtype=torch.float32, head_block_tokens=5, batching=Batching(micro_batch_size=4))
-trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
-trainer.max_norm = 1e9
-mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
-stats = trainer.train_step(trainer.batches(mine))
-state = trainer.full_state_dict()
+results = {}
+for case in cases:  # one launch: ALGORITHM=SAMPLES_FILE each, a fresh model each
+    algorithm, samples_file = case.split("=", 1)
+    samples = [Sample(**s) for s in torch.load(samples_file)]
+    extra = {"sdpo": {"teacher": "ema", "top_k": 5, "ema_rate": 0.5}} if algorithm == "sdpo" else {}
+    cfg = TrainConfig(algorithm=algorithm, **extra)
+    model = load_model(model_dir, device, dist, torch.float32)
+    trainer = Trainer(model, cfg.optim, algorithms.build(cfg), temperature=0.7, top_p=0.9, device=device, dist=dist,
+                      dtype=torch.float32, head_block_tokens=5, batching=Batching(micro_batch_size=4))
+    trainer.optimizer = torch.optim.SGD(trainer.trainable, lr=1.0)
+    trainer.max_norm = 1e9
+    mine = [s for s in samples if s.group % dist.world_size == dist.rank]  # whole groups, uneven on purpose
+    stats = trainer.train_step(trainer.batches(mine))
+    results[algorithm] = {"stats": stats, "state": trainer.full_state_dict()}
 if dist.rank == 0:
-    torch.save({"stats": stats, "state": state}, out_file)
+    torch.save(results, out_file)
 teardown()
 exit_process(0)
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algorithm", ["grpo", "sdpo"])
-def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tmp_path, algorithm):
-    """torchrun, 2 gloo ranks, FSDP2, each rank its groups in micro-batches of up to 4 completions (rank 0 two, of
-    its two groups, rank 1 one: a stand-in micro-batch joins the collectives): the update equals one process's over
-    whole sequences, and the forward tokens counted are the real micro-batches'."""
-    samples = grouped_samples(teachers=algorithm == "sdpo")
-    torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
+def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tmp_path):
+    """torchrun, 2 gloo ranks, FSDP2, GRPO and SDPO in one launch, each rank its groups in micro-batches of up to 4
+    completions (rank 0 two, of its two groups, rank 1 one: a stand-in micro-batch joins the collectives): the update
+    equals one process's over whole sequences, and the forward tokens counted are the real micro-batches'."""
+    cases, samples = [], {}
+    for algorithm in ("grpo", "sdpo"):
+        samples[algorithm] = grouped_samples(teachers=algorithm == "sdpo")
+        torch.save([vars(s) for s in samples[algorithm]], tmp_path / f"{algorithm}.pt")
+        cases.append(f"{algorithm}={tmp_path / f'{algorithm}.pt'}")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
     proc = subprocess.run(
         [
@@ -499,9 +504,8 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
             "2",
             str(tmp_path / "fsdp_step.py"),
             str(tiny_model_dir),
-            str(tmp_path / "samples.pt"),
             str(tmp_path / "out.pt"),
-            algorithm,
+            *cases,
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
@@ -509,15 +513,18 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    got = torch.load(tmp_path / "out.pt")
-    want_stats, _, want_weights = run_step(trainer_for(tiny_model_dir, algorithm, reference=True), samples)
-    assert got["stats"]["loss_tokens"] == want_stats["loss_tokens"]
-    assert got["stats"]["unique_tokens"] == want_stats["unique_tokens"]  # each group's prompt once, on its rank
-    assert got["stats"]["forward_tokens"] == want_stats["forward_tokens"]  # without rank 1's stand-in's tokens
-    for key in ("loss", "entropy", "mismatch_kl", "grad_norm"):
-        assert got["stats"][key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), key
-    for name, value in want_weights.items():
-        torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-6, msg=name)
+    results = torch.load(tmp_path / "out.pt")
+    for algorithm, got in results.items():
+        reference = trainer_for(tiny_model_dir, algorithm, reference=True)
+        want_stats, _, want_weights = run_step(reference, samples[algorithm])
+        assert got["stats"]["loss_tokens"] == want_stats["loss_tokens"], algorithm
+        assert got["stats"]["unique_tokens"] == want_stats["unique_tokens"], algorithm  # each group's prompt once
+        assert got["stats"]["forward_tokens"] == want_stats["forward_tokens"], algorithm  # without the stand-in's
+        for key in ("loss", "entropy", "mismatch_kl", "grad_norm"):
+            assert got["stats"][key] == pytest.approx(want_stats[key], rel=1e-5, abs=1e-6), (algorithm, key)
+        for name, value in want_weights.items():
+            torch.testing.assert_close(got["state"][name], value, rtol=0, atol=1e-6, msg=f"{algorithm} {name}")
+    assert set(results) == {"grpo", "sdpo"}
 
 
 @pytest.mark.slow
