@@ -35,11 +35,10 @@ if WORKER and "OMP_NUM_THREADS" not in os.environ:
 # minutes). Starting with the longest ones keeps one worker from ending its share minutes before the other.
 SLOWEST_FIRST = [
     "e2e/test_docs.py",  # 229 s
+    "e2e/test_gpu_check_cpu.py",  # 220 s (every stage of the GPU check: one call)
     "e2e/test_train_servers.py",  # 211 s
     "e2e/test_slurm_job.py",  # 168 s
-    "e2e/test_gpu_check_vllm.py",  # 153 s
     "e2e/test_train_vllm.py",  # 136 s
-    "e2e/test_gpu_check_stage_a.py",  # 110 s
     "e2e/test_train_ranks.py",  # 85 s
     "run/test_checkpoint.py",  # 76 s (kill -9 at each phase of a background write: a process each)
     "trainer/test_packing.py",  # 74 s (flex attention compiled by inductor: more with its cache cold)

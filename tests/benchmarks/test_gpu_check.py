@@ -9,7 +9,7 @@
   contract: the training peak without generation's KV cache, a row's timed peak, cache and retries; the memory
   plan's verdicts behind the 20 GB row; the peer's figures from bench_trl's own report.
 
-Its stages run whole in ``tests/e2e/test_gpu_check_stage_a.py`` and ``tests/e2e/test_gpu_check_vllm.py`` (stage B).
+Its stages run whole in ``tests/e2e/test_gpu_check_cpu.py``; stage B where vLLM does not import, here.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import importlib
 import importlib.util
 import io
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,6 +64,45 @@ def test_a_stage_that_cannot_fit_the_budget_left_is_skipped_with_its_reason(tmp_
     assert not (tmp_path / "stages" / "a_resume.log").exists()  # never started
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["stages"]["a_resume"] == entry
+
+
+def test_stage_b_where_vllm_does_not_import_is_skipped_with_its_reason(tmp_path, monkeypatch):
+    """A vLLM that is installed but does not import (a broken wheel, a build for another torch): b_colocated, run in
+    its own process, skips with the import's error; the disaggregated stage and the eval skip with the same reason;
+    the JSON's ``stage_b`` says so, and a call that asked for stage B alone fails. The probe's and the model's results
+    are given here (they run whole in ``tests/e2e/test_gpu_check_cpu.py``)."""
+    gpu_check = import_gpu_check()
+    shim = tmp_path / "shim" / "vllm"
+    shim.mkdir(parents=True)
+    (shim / "__init__.py").write_text('raise ImportError("a stand-in vllm that does not import")\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(shim.parent), os.environ.get("PYTHONPATH")])))
+    given = {
+        "probe": {"cuda_available": False, "vllm_found": True, "scirl_imports": True},
+        "model": {"trains": True, "trains_reason": ""},
+    }
+    real_run = gpu_check.Check.run
+
+    def run(self, stage, ctx):
+        if stage in given:
+            return self.record(stage, {"status": "ok", "figures": given[stage]})
+        return real_run(self, stage, ctx)
+
+    monkeypatch.setattr(gpu_check.Check, "run", run)
+    out = tmp_path / "out"
+    parser, args = gpu_check.parse_args(["--cpu", "--stage", "b", "--disaggregated", "--out", str(out)])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        status = gpu_check.orchestrate(parser, args)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    result = json.loads((out / "gpu_check.json").read_text())
+    stages = result["stages"]
+    for stage in ("b_colocated", "b_disaggregated", "b_eval"):
+        assert stages[stage]["status"] == "skipped", stages[stage]
+        assert stages[stage]["reason"].startswith("vLLM does not import: ImportError: a stand-in vllm"), stages[stage]
+    assert result["stage_b"].startswith("skipped: vLLM does not import")
+    assert status == 1 and result["status"] != "ok"  # stage B alone was asked for, and nothing of it measured
 
 
 def settled(gpu_check, argv: list[str], gpu: bool = True, memory_gb: float = 150.0) -> dict:
