@@ -146,7 +146,7 @@ def tiny_trainer(model_dir, kernels: str, *, dynamic: bool, **batching) -> Train
 @pytest.mark.slow
 def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir):
     """flex attention inside the compiled decoder layers (CUDA's default; here without gradients, which torch's
-    CPU flex attention lacks): over rows of 10 lengths and a rank's stand-in micro-batch, one static graph for each
+    CPU flex attention lacks): over rows of 20 lengths and a rank's stand-in micro-batch, one static graph for each
     of the 2 lengths they are padded to (the stand-in: the budget's), no graph break, and the SDPA path's
     outputs."""
     trainer = tiny_trainer(tiny_model_dir, "eager", dynamic=False, micro_batch_tokens=256, attention="flex")
@@ -155,7 +155,7 @@ def test_compiled_layers_around_flex_compile_a_graph_a_row_length(tiny_model_dir
     rng, seen = random.Random(1), set()
     stand_in = dummy_micro_batch(trainer.stand_in_length).packed
     assert stand_in.forward_tokens == 256
-    for packed in [pack(random_rows(rng, prompt=30, completion=20), pad_to=trainer.row_length) for _ in range(10)] + [
+    for packed in [pack(random_rows(rng, prompt=30, completion=20), pad_to=trainer.row_length) for _ in range(20)] + [
         stand_in
     ]:
         n, real = packed.forward_tokens, packed.forward_tokens - packed.padding_tokens
