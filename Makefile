@@ -43,7 +43,7 @@ test: setup-vllm
 	$(PYTEST) tests
 
 # The suite less its `slow` tests: whole commands, runs, servers, vLLM engines, torchrun, compiles (every end-to-end
-# test is one). A few minutes on 2 cores; `make test` runs everything.
+# test is one). About a minute on 2 cores; `make test` runs everything.
 test-fast: setup-vllm
 	$(PYTEST) -m "not slow" tests
 
