@@ -222,3 +222,13 @@ def test_the_architecture_page_maps_every_module_in_a_line():
     assert set(named) == modules, (
         f"not in the map: {sorted(modules - set(named))}; in the map, not in scirl/: {sorted(set(named) - modules)}"
     )
+
+
+def test_a_test_file_holds_one_concern_in_at_most_700_lines():
+    """A test file past 700 lines has become two concerns (the last split: the allocator's tests out of the memory
+    plan's): split it by what it tests, in the folder of the package part it tests."""
+    tests = ROOT.parent / "tests"
+    long = {
+        p.relative_to(tests).as_posix(): n for p in tests.rglob("*.py") if (n := len(p.read_text().splitlines())) > 700
+    }
+    assert not long, f"over 700 lines: {long}"
