@@ -305,10 +305,8 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     weight check's forward: the teacher forward sees the EMA's shards and the student's forward the policy's again,
     the loss is divided by the global teacher-token count, the EMA moves on each rank's shards and gathers back: the
     step and the EMA equal one process's."""
-    import subprocess
-    import sys
 
-    from helpers.train_runs import samples_with_teachers
+    from helpers.train_runs import samples_with_teachers, torchrun
     from scirl import algorithms
     from scirl.distributed import Dist
     from scirl.run.config import TrainConfig
@@ -323,26 +321,14 @@ def test_fsdp2_two_ranks_take_the_sdpo_step_of_one_process(tiny_model_dir, tmp_p
     ema = {name: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for name, p in model.named_parameters()}
     torch.save(ema, tmp_path / "ema.pt")
     (tmp_path / "fsdp_sdpo.py").write_text(FSDP_SDPO_SCRIPT)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(tmp_path / "fsdp_sdpo.py"),
-            str(tiny_model_dir),
-            str(tmp_path / "samples.pt"),
-            str(tmp_path / "ema.pt"),
-            str(tmp_path / "out.pt"),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
+    torchrun(
+        str(tmp_path / "fsdp_sdpo.py"),
+        str(tiny_model_dir),
+        str(tmp_path / "samples.pt"),
+        str(tmp_path / "ema.pt"),
+        str(tmp_path / "out.pt"),
         timeout=180,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "out.pt")
 
     cfg = TrainConfig(algorithm="sdpo", sdpo=dict(top_k=5, ema_rate=0.5, grpo_coef=0.5))

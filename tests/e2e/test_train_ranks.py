@@ -4,9 +4,6 @@ down and resumes (in one process, or on 2 ranks exactly as the uninterrupted run
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from helpers.train_runs import (
     fixed_samples,
     rows,
     run_in_process,
+    torchrun,
     torchrun_train,
     train_args,
     trainer_state,
@@ -71,27 +69,14 @@ def test_fsdp2_two_ranks_on_cpu_match_one_process(tiny_model_dir, tmp_path):
     samples = fixed_samples()
     torch.save([vars(s) for s in samples], tmp_path / "samples.pt")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(tmp_path / "fsdp_step.py"),
-            str(tiny_model_dir),
-            str(tmp_path / "samples.pt"),
-            str(tmp_path / "out.pt"),
-            *ALGORITHMS,
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
+    torchrun(
+        str(tmp_path / "fsdp_step.py"),
+        str(tiny_model_dir),
+        str(tmp_path / "samples.pt"),
+        str(tmp_path / "out.pt"),
+        *ALGORITHMS,
         timeout=180,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     results = torch.load(tmp_path / "out.pt")
 
     for algorithm in ALGORITHMS:
@@ -144,26 +129,9 @@ def test_torchrun_two_ranks_trains_tears_down_and_a_single_process_resumes(
     argv = train_args(letter_model_dir, data_file, run_dir, max_steps=2)
     argv = [a for a in argv if a != "--filters.zero-advantage.no-enforce"]  # enforce: ranks get uneven work
     (tmp_path / "teardown.py").write_text(TEARDOWN_SCRIPT)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(tmp_path / "teardown.py"),
-            json.dumps(argv),
-            str(tmp_path),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torchrun(str(tmp_path / "teardown.py"), json.dumps(argv), str(tmp_path), timeout=240)
     reports = [json.loads((tmp_path / f"teardown_{rank}.json").read_text()) for rank in (0, 1)]
-    assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, proc.stdout + proc.stderr
+    assert reports == [{"status": 0, "group_alive": False, "threads": []}] * 2, reports
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["trainable/total"] == 16 for m in metrics)

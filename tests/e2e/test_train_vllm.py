@@ -26,6 +26,7 @@ from helpers.train_runs import (  # noqa: E402
     assert_same_rows,
     final_weights,
     rows,
+    torchrun_train,
     vllm_args,
     wait_for,
 )
@@ -123,26 +124,7 @@ def test_torchrun_two_ranks_each_with_an_engine(questions, tmp_path):
     """TRL's colocate design on 2 gloo ranks: each rank generates its share with its own engine, and the
     FSDP2 full tensors gathered after each step reach both engines (their logprobs match the trainer's)."""
     run_dir = tmp_path / "two_ranks"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "scirl",
-            "train",
-            *vllm_args(questions, run_dir, max_steps=2),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_train(vllm_args(questions, run_dir, max_steps=2), timeout=600)
     metrics = rows(run_dir)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(abs(m["mismatch_kl"]) < 1e-3 for m in metrics)

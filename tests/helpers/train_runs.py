@@ -206,27 +206,22 @@ def copy_run(run_dir: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(run_dir, tmp_path / "run"))
 
 
-def torchrun_train(argv: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def torchrun(*args: str, timeout: float = 240) -> None:
+    """``torchrun --standalone --nproc-per-node 2 ARGS`` on one thread a rank; fails the test with its output unless
+    it exits 0."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "-m",
-            "scirl",
-            "train",
-            *argv,
-        ],
-        env=env,
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def torchrun_train(argv: list[str], timeout: float = 240) -> None:
+    """``scirl train ARGV`` on 2 torchrun ranks."""
+    torchrun("-m", "scirl", "train", *argv, timeout=timeout)
 
 
 def assert_forwards_compute_the_unique_tokens(run_dir: Path, model_dir) -> None:

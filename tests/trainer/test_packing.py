@@ -12,8 +12,6 @@ come from the layout and the attention; both run here, in one process, so the to
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
 import sys
 import types
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers.train_runs import torchrun
 from scirl import algorithms
 from scirl.distributed import Dist
 from scirl.rollouts.contract import Sample
@@ -494,25 +493,7 @@ def test_fsdp2_two_ranks_on_packed_rows_equal_whole_sequences(tiny_model_dir, tm
         torch.save([vars(s) for s in samples[algorithm]], tmp_path / f"{algorithm}.pt")
         cases.append(f"{algorithm}={tmp_path / f'{algorithm}.pt'}")
     (tmp_path / "fsdp_step.py").write_text(FSDP_SCRIPT)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(tmp_path / "fsdp_step.py"),
-            str(tiny_model_dir),
-            str(tmp_path / "out.pt"),
-            *cases,
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    torchrun(str(tmp_path / "fsdp_step.py"), str(tiny_model_dir), str(tmp_path / "out.pt"), *cases, timeout=180)
     results = torch.load(tmp_path / "out.pt")
     for algorithm, got in results.items():
         reference = trainer_for(tiny_model_dir, algorithm, reference=True)
